@@ -1,0 +1,35 @@
+# npu-hub-kernels. `make demo` and `make test` set up everything they need on a fresh machine.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ORG ?=
+
+.PHONY: setup build demo test lint clean
+
+setup: $(STAMP)
+
+# torch goes first and exact (the local CPU wheel): an unpinned torch would pull GBs of CUDA packages.
+$(STAMP): pyproject.toml requirements-dev.txt
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$$(grep '^torch==' requirements-dev.txt)"
+	$(PY) -m pip install --quiet -c requirements-dev.txt -e ".[dev]"
+	touch $(STAMP)
+
+build: setup
+	$(PY) scripts/build_cards.py
+
+demo: build
+	$(PY) scripts/demo.py $(if $(ORG),--org $(ORG))
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: setup lint
+	$(PY) -m pytest -n 2
+
+clean:
+	rm -rf build .cache

@@ -1,0 +1,42 @@
+"""Layers that `kernels.kernelize` swaps into transformers' norm modules (forward only, no state).
+
+Each reads the parameters of the module it replaces: `weight` and `variance_epsilon` or `eps`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .rms_norm import epsilon_of, rms_norm
+
+
+class RMSNorm(nn.Module):
+    """`weight * normalize(x).to(dtype)`: Llama, Mistral, Qwen2/3 (and their q/k norms), DeepseekV3, Phi3, Glm4, ..."""
+
+    has_backward = True
+    # torch.compile of the fused path is not verified on Ascend hardware yet.
+    can_torch_compile = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, epsilon_of(self), "plain")
+
+
+class RMSNormZeroCentered(nn.Module):
+    """`(normalize(x) * (1 + weight)).to(dtype)` in float32: Gemma, Gemma2, Gemma3, Qwen3-Next, Qwen3.5, ..."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, epsilon_of(self), "zero_centered")
+
+
+class RMSNormFloat32Scale(nn.Module):
+    """`(weight.float() * normalize(x)).to(dtype)`: Olmo2, Olmo3, GptOss, DeepseekV4, NemotronH, ..."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, epsilon_of(self), "float32_scale")

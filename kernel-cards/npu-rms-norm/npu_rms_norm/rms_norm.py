@@ -1,0 +1,68 @@
+"""RMSNorm on torch_npu.npu_rms_norm, with the eager math of transformers wherever the op does not apply.
+
+transformers' RMSNorm classes scale the normalised input in one of three ways; `npu_rms_norm`
+(float32 inside, one cast at the end) serves all three:
+
+- "plain" (LlamaRMSNorm): `weight * normalize(x).to(dtype)`; the fused result is exact in float32
+  and within one rounding step in float16/bfloat16 (transformers rounds before the multiply).
+- "zero_centered" (Gemma3RMSNorm): `(normalize(x) * (1 + weight.float())).to(dtype)`; exact.
+- "float32_scale" (Olmo2RMSNorm): `(weight.float() * normalize(x)).to(dtype)`; exact.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ._npu import npu_unavailable_reason, torch_npu
+
+Scaling = Literal["plain", "zero_centered", "float32_scale"]
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def epsilon_of(module: nn.Module) -> float:
+    """transformers names the epsilon `variance_epsilon` (Llama family) or `eps` (Gemma family)."""
+    eps = getattr(module, "variance_epsilon", None)
+    return module.eps if eps is None else eps
+
+
+def fused_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling = "plain") -> str | None:
+    """Why `npu_rms_norm` will not run for these inputs (the eager math runs instead), or None."""
+    reason = npu_unavailable_reason(x, weight)
+    if reason is not None:
+        return reason
+    if x.dtype not in FUSED_DTYPES:
+        return f"dtype {x.dtype} is not supported by npu_rms_norm (float16, bfloat16, float32)"
+    if scaling == "plain" and weight.dtype != x.dtype:
+        return f"weight dtype {weight.dtype} differs from input dtype {x.dtype}: eager promotes the output dtype"
+    if scaling == "float32_scale" and weight.dtype not in (x.dtype, torch.float32):
+        return f"npu_rms_norm takes a weight in the input dtype or float32, not {weight.dtype} with {x.dtype}"
+    if not 2 <= x.dim() <= 8:
+        return f"npu_rms_norm takes 2 to 8 dims, got {x.dim()}"
+    if x.numel() == 0:
+        return "empty input"
+    if tuple(weight.shape) != tuple(x.shape[-1:]):
+        return f"weight shape {tuple(weight.shape)} does not match the last dim of the input {tuple(x.shape)}"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
+    """RMSNorm of the last dim of x, scaled by weight the way `scaling` says; fused on npu tensors."""
+    if fused_unavailable_reason(x, weight, scaling) is None:
+        gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
+        return torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]
+    return rms_norm_eager(x, weight, eps, scaling)
+
+
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
+    """The forward of transformers' LlamaRMSNorm, Gemma3RMSNorm or Olmo2RMSNorm, operation for operation."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if scaling == "plain":
+        return weight * h.to(input_dtype)
+    if scaling == "zero_centered":
+        return (h * (1.0 + weight.float())).type_as(x)
+    return (weight * h).to(input_dtype)

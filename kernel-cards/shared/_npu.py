@@ -1,0 +1,37 @@
+"""torch_npu access for an npu-hub-kernels card (the build copies this file into every card).
+
+The NPU builds (`torch-npu`, `torch<XY>-cxx11-cann<XY>-...`) are only chosen by the `kernels` loader
+on an Ascend host, so there torch_npu must import and a failure is an error worth seeing. The
+`torch-universal` build runs anywhere: without torch_npu it keeps to the eager math.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from ._build import REQUIRES_TORCH_NPU
+
+
+def _import_torch_npu() -> ModuleType | None:
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError:
+        if REQUIRES_TORCH_NPU:
+            raise
+        return None
+
+
+torch_npu = _import_torch_npu()
+
+
+def npu_unavailable_reason(*tensors: torch.Tensor) -> str | None:
+    """Why the fused torch_npu op cannot run on these tensors, or None when it can."""
+    if torch_npu is None:
+        return "torch_npu is not installed (torch-universal build on a host without an NPU)"
+    for t in tensors:
+        if t.device.type != "npu":
+            return f"tensor on {t.device.type}, not on an npu device"
+    return None

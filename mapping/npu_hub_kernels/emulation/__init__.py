@@ -1,0 +1,121 @@
+"""Run NPU code paths on a CPU-only machine: an emulated `torch_npu` and "npu" device.
+
+`install()` makes this process look like an Ascend host to torch, transformers and the `kernels`
+loader: torch's PrivateUse1 backend is named "npu" (tensors can live on it), `import torch_npu`
+returns an emulation whose fused ops compute what the real ones compute (fp32 inside, real return
+tuples and dtypes), and `torch_npu.utils.collect_env.get_cann_version()` reports a CANN version,
+so `kernels` resolves the `torch<XY>-cxx11-cann<XY>-<arch>-linux` build variants.
+
+    from npu_hub_kernels import emulation
+    emulation.install(cann_version="9.1.0")
+    with emulation.count_op_calls() as calls:
+        model(inputs)
+    assert calls["npu_rms_norm"] == expected
+
+Never use it on a real Ascend host: `install()` refuses when a real torch_npu is installed.
+The install is for the life of the process (torch allows one PrivateUse1 rename).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+import torch
+
+from .checks import OP_CALLS
+from .device import NpuTensor, install_device
+from .rms_norm import npu_rms_norm
+
+DEFAULT_CANN_VERSION = "9.1.0"
+"""CANN that Ascend's CI pairs with torch 2.13 (Ascend/pytorch .ci/docker/common/install_cann.sh)."""
+
+_EMULATED_OPS = {"npu_rms_norm": npu_rms_norm}
+_NOT_EMULATED_OPS = ("npu_fusion_attention",)
+"""Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated."""
+_state = {"cann_version": DEFAULT_CANN_VERSION}
+
+__all__ = ["DEFAULT_CANN_VERSION", "NpuTensor", "count_op_calls", "install", "is_installed", "set_cann_version"]
+
+
+def is_installed() -> bool:
+    module = sys.modules.get("torch_npu")
+    return module is not None and getattr(module, "__emulated__", False)
+
+
+def install(cann_version: str = DEFAULT_CANN_VERSION) -> ModuleType:
+    """Make this process an emulated Ascend host with the given CANN version; returns `torch_npu`."""
+    if is_installed():
+        set_cann_version(cann_version)
+        return sys.modules["torch_npu"]
+    if "torch_npu" in sys.modules or importlib.util.find_spec("torch_npu") is not None:
+        raise RuntimeError(
+            "A real torch_npu is installed: run on the real device, not the emulation. "
+            "(The emulation is for machines without an NPU, where torch_npu must not be installed.)"
+        )
+    set_cann_version(cann_version)
+    install_device()
+    torch.version.cann = cann_version  # type: ignore[attr-defined]
+    module = _build_torch_npu_module()
+    sys.modules.update({m.__name__: m for m in (module, module.utils, module.utils.collect_env)})
+    return module
+
+
+def set_cann_version(cann_version: str) -> None:
+    """Change the CANN version the emulated host reports (e.g. "8.5.0", "8.3.RC1")."""
+    parts = cann_version.split(".")
+    if len(parts) < 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+        raise ValueError(f"CANN versions look like '9.1.0' or '8.3.RC1'; got {cann_version!r}")
+    _state["cann_version"] = cann_version
+    if hasattr(torch.version, "cann"):
+        torch.version.cann = cann_version  # type: ignore[attr-defined]
+
+
+@contextmanager
+def count_op_calls() -> Iterator[Counter[str]]:
+    """Yield a Counter that holds the emulated op calls made inside the block."""
+    before = Counter(OP_CALLS)
+    calls: Counter[str] = Counter()
+    try:
+        yield calls
+    finally:
+        calls.update(OP_CALLS - before)
+
+
+def _new_module(name: str) -> ModuleType:
+    module = ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
+    module.__path__ = []  # type: ignore[attr-defined]
+    return module
+
+
+def _not_emulated(name: str):
+    def op(*args, **kwargs):
+        raise NotImplementedError(
+            f"torch_npu.{name} is not emulated: the emulation covers the ops of the npu-hub-kernels cards "
+            f"({', '.join(_EMULATED_OPS)}). Run this on an Ascend host."
+        )
+
+    op.__name__ = name
+    return op
+
+
+def _build_torch_npu_module() -> ModuleType:
+    torch_npu = _new_module("torch_npu")
+    torch_npu.__emulated__ = True  # type: ignore[attr-defined]
+    torch_npu.__version__ = torch.__version__.split("+")[0]  # type: ignore[attr-defined]
+    torch_npu.npu = torch.npu  # type: ignore[attr-defined]
+    for name, op in _EMULATED_OPS.items():
+        setattr(torch_npu, name, op)
+    for name in _NOT_EMULATED_OPS:
+        setattr(torch_npu, name, _not_emulated(name))
+    torch_npu.utils = _new_module("torch_npu.utils")  # type: ignore[attr-defined]
+    collect_env = _new_module("torch_npu.utils.collect_env")
+    collect_env.get_cann_version = lambda: _state["cann_version"]  # type: ignore[attr-defined]
+    torch_npu.utils.collect_env = collect_env  # type: ignore[attr-defined]
+    return torch_npu

@@ -1,0 +1,18 @@
+"""Input checks shared by the emulated ops, and the call counter that proves an op ran."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+OP_CALLS: Counter[str] = Counter()
+"""How many times each emulated torch_npu op was called in this process."""
+
+
+def require_npu(op: str, **tensors: torch.Tensor) -> None:
+    """Count the call, then fail like the real op when an input is not on the npu device."""
+    OP_CALLS[op] += 1
+    for name, t in tensors.items():
+        if t.device.type != "npu":
+            raise RuntimeError(f"{op}: expected {name} on an npu device, got {t.device}")

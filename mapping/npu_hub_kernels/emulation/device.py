@@ -1,0 +1,170 @@
+"""An emulated "npu" device: torch's PrivateUse1 backend, renamed to "npu", backed by CPU memory.
+
+Tensors on it are `NpuTensor` wrappers that report `device.type == "npu"` and run every aten op on
+an inner CPU tensor. That is enough for `.to("npu")`, factories with `device="npu"`, autograd, and
+for transformers and kernels to believe the model lives on an Ascend device. Mixing npu tensors
+with non-scalar CPU tensors raises, as on real hardware, so device bugs are not hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+# Ops that legitimately take tensors from two devices (copies between host and device).
+_CROSS_DEVICE_OPS = {
+    torch.ops.aten.copy_.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._copy_from.default,
+    torch.ops.aten._copy_from_and_resize.default,
+}
+
+
+class NpuTensor(torch.Tensor):
+    """A tensor on the emulated npu device; `_cpu` holds its data."""
+
+    _cpu: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, cpu: torch.Tensor) -> NpuTensor:
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls,
+            cpu.shape,
+            strides=cpu.stride(),
+            storage_offset=cpu.storage_offset(),
+            dtype=cpu.dtype,
+            device="npu:0",
+            requires_grad=False,
+        )
+        wrapper._cpu = cpu
+        return wrapper
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"NpuTensor({self._cpu!r}, device='npu:0')"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _CROSS_DEVICE_OPS:
+            _check_same_device(func, args, kwargs)
+        target = kwargs.get("device")
+        cpu_args = tree_map(_to_inner, args)
+        cpu_kwargs = tree_map(_to_inner, kwargs)
+        out = func(*cpu_args, **cpu_kwargs)
+        if target is not None and torch.device(target).type != "npu":
+            return out
+        return tree_map(_wrap, out)
+
+
+def _to_inner(value):
+    if isinstance(value, NpuTensor):
+        return value._cpu
+    if isinstance(value, torch.device) and value.type == "npu":
+        return torch.device("cpu")
+    return value
+
+
+def _wrap(value):
+    if isinstance(value, torch.Tensor) and not isinstance(value, NpuTensor):
+        return NpuTensor(value)
+    return value
+
+
+def _check_same_device(func, args, kwargs) -> None:
+    tensors, _ = tree_flatten((args, kwargs))
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not isinstance(t, NpuTensor) and t.dim() > 0:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"npu:0 and {t.device}! (emulated npu, op {func})"
+            )
+
+
+class EmulatedNpuModule:
+    """What `torch.npu` offers that transformers, accelerate and kernels ask of it."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def set_device(device) -> None:
+        if torch.device(device).index not in (None, 0):
+            raise RuntimeError(f"emulated npu has one device; got {device}")
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        """The emulated device runs synchronously on the host."""
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        """Random numbers for npu tensors come from the CPU generator, which torch.manual_seed seeds."""
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        """As manual_seed (torch.manual_seed calls this for the custom device)."""
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def empty_cache() -> None:
+        """Host memory: nothing to release."""
+
+
+def _register_factories(lib: torch.library.Library) -> None:
+    """Tensor creation with device="npu" and host-to-device copies reach these PrivateUse1 kernels
+    (no npu tensor input carries the Python key); the rest dispatches through `NpuTensor.__torch_dispatch__`."""
+
+    def empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+        cpu = torch.empty(size, dtype=dtype, memory_format=memory_format or torch.contiguous_format)
+        return NpuTensor(cpu)
+
+    def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+        return NpuTensor(torch.empty_strided(size, stride, dtype=dtype))
+
+    def copy_from(src, dst, non_blocking=False):
+        dst._cpu.copy_(_to_inner(src))
+        return dst
+
+    def copy_from_and_resize(src, dst):
+        dst._cpu.resize_(src.shape).copy_(_to_inner(src))
+        return dst
+
+    lib.impl("_copy_from", copy_from, "PrivateUse1")
+    lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
+    lib.impl("empty.memory_format", empty_memory_format, "PrivateUse1")
+    lib.impl("empty_strided", empty_strided, "PrivateUse1")
+
+
+_LIBRARY: torch.library.Library | None = None
+
+
+def install_device() -> None:
+    """Name PrivateUse1 "npu" and back it with host memory. Once per process (torch allows one rename)."""
+    global _LIBRARY
+    if _LIBRARY is not None:
+        return
+    current = torch._C._get_privateuse1_backend_name()
+    if current != "privateuseone":
+        raise RuntimeError(
+            f"torch's PrivateUse1 backend is already named {current!r}: a real or another emulated device owns it. "
+            "The npu emulation must be installed before anything else registers a device."
+        )
+    _setup_privateuseone_for_python_backend(rename="npu", backend_module=EmulatedNpuModule())
+    _LIBRARY = torch.library.Library("aten", "IMPL")
+    _register_factories(_LIBRARY)

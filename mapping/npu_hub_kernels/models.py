@@ -1,0 +1,264 @@
+"""Which transformers classes each card's layers replace: the one place that knows models by class.
+
+Class paths are relative to `transformers.models` (`<model>.<modeling file>.<class>`), checked
+against transformers 5.22.2. A class is listed only when the card's layer computes exactly what its
+forward computes: established numerically for every norm class of transformers 5.22.2 (a survey of
+all 200 RMSNorm-like classes against each formula in float32 and bfloat16), and re-proved for every
+listed class by tests/test_models_table.py. Classes that look alike but compute something else are
+in LEFT_OUT with the reason, and are never swapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# npu-rms-norm, layer RMSNorm: weight * normalize(x).to(dtype)   (LlamaRMSNorm)
+PLAIN_NORMS = (
+    "aimv2.modeling_aimv2.Aimv2RMSNorm",
+    "apertus.modeling_apertus.ApertusRMSNorm",
+    "arcee.modeling_arcee.ArceeRMSNorm",
+    "aria.modeling_aria.AriaTextRMSNorm",
+    "axk1.modeling_axk1.AXK1RMSNorm",
+    "axk2.modeling_axk2.AXK2RMSNorm",
+    "bailing_hybrid.modeling_bailing_hybrid.BailingHybridRMSNorm",
+    "bamba.modeling_bamba.BambaRMSNorm",
+    "bitnet.modeling_bitnet.BitNetRMSNorm",
+    "blt.modeling_blt.BltRMSNorm",
+    "chameleon.modeling_chameleon.ChameleonRMSNorm",
+    "clvp.modeling_clvp.ClvpRMSNorm",
+    "cohere2_moe.modeling_cohere2_moe.Cohere2MoeRMSNorm",
+    "cosmos3_edge.modeling_cosmos3_edge.Cosmos3EdgeTextRMSNorm",
+    "csm.modeling_csm.CsmRMSNorm",
+    "cwm.modeling_cwm.CwmRMSNorm",
+    "deepseek_ocr2.modeling_deepseek_ocr2.DeepseekOcr2TextRMSNorm",
+    "deepseek_ocr2.modeling_deepseek_ocr2.DeepseekOcr2VisionRMSNorm",
+    "deepseek_v2.modeling_deepseek_v2.DeepseekV2RMSNorm",
+    "deepseek_v3.modeling_deepseek_v3.DeepseekV3RMSNorm",
+    "deepseek_v32.modeling_deepseek_v32.DeepseekV32RMSNorm",
+    "deimv2.modeling_deimv2.Deimv2RMSNorm",
+    "dia.modeling_dia.DiaRMSNorm",
+    "diffllama.modeling_diffllama.DiffLlamaRMSNorm",
+    "doge.modeling_doge.DogeRMSNorm",
+    "dots1.modeling_dots1.Dots1RMSNorm",
+    "emu3.modeling_emu3.Emu3RMSNorm",
+    "ernie4_5.modeling_ernie4_5.Ernie4_5RMSNorm",
+    "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeRMSNorm",
+    "ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeRMSNorm",
+    "eurobert.modeling_eurobert.EuroBertRMSNorm",
+    "evolla.modeling_evolla.EvollaRMSNorm",
+    "exaone4.modeling_exaone4.Exaone4RMSNorm",
+    "exaone4_5.modeling_exaone4_5.Exaone4_5_RMSNorm",
+    "exaone_moe.modeling_exaone_moe.ExaoneMoeRMSNorm",
+    "falcon_h1.modeling_falcon_h1.FalconH1RMSNorm",
+    "falcon_mamba.modeling_falcon_mamba.FalconMambaRMSNorm",
+    "glm.modeling_glm.GlmRMSNorm",
+    "glm4.modeling_glm4.Glm4RMSNorm",
+    "glm4_moe.modeling_glm4_moe.Glm4MoeRMSNorm",
+    "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteRMSNorm",
+    "glm4v.modeling_glm4v.Glm4vRMSNorm",
+    "glm4v_moe.modeling_glm4v_moe.Glm4vMoeRMSNorm",
+    "glm4v_moe.modeling_glm4v_moe.Glm4vMoeTextRMSNorm",
+    "glm5_next.modeling_glm5_next.Glm5NextRMSNorm",
+    "glm5_next.modeling_glm5_next.Glm5NextTextRMSNorm",
+    "glm_image.modeling_glm_image.GlmImageRMSNorm",
+    "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaRMSNorm",
+    "glm_ocr.modeling_glm_ocr.GlmOcrRMSNorm",
+    "granite.modeling_granite.GraniteRMSNorm",
+    "granite4_vision.modeling_granite4_vision.Granite4VisionTextRMSNorm",
+    "granite_swa.modeling_granite_swa.GraniteSWARMSNorm",
+    "granitemoe.modeling_granitemoe.GraniteMoeRMSNorm",
+    "granitemoe_swa.modeling_granitemoe_swa.GraniteMoeSWARMSNorm",
+    "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridRMSNorm",
+    "granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedRMSNorm",
+    "higgs_audio_v2.modeling_higgs_audio_v2.HiggsAudioV2RMSNorm",
+    "hunyuan_v1_dense.modeling_hunyuan_v1_dense.HunYuanDenseV1RMSNorm",
+    "hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1RMSNorm",
+    "hunyuan_vl.modeling_hunyuan_vl.HunYuanVLRMSNorm",
+    "hy_v3.modeling_hy_v3.HYV3RMSNorm",
+    "hy_v4.modeling_hy_v4.HYV4RMSNorm",
+    "hyperclovax.modeling_hyperclovax.HyperCLOVAXRMSNorm",
+    "idefics.modeling_idefics.IdeficsRMSNorm",
+    "idefics2.modeling_idefics2.Idefics2RMSNorm",
+    "idefics3.modeling_idefics3.Idefics3RMSNorm",
+    "inkling.modeling_inkling.InklingRMSNorm",
+    "internvl.modeling_internvl.InternVLVisionRMSNorm",
+    "jamba.modeling_jamba.JambaRMSNorm",
+    "jetmoe.modeling_jetmoe.JetMoeRMSNorm",
+    "kimi_linear.modeling_kimi_linear.KimiLinearRMSNorm",
+    "kolibri1.modeling_kolibri1.Kolibri1RMSNorm",
+    "laguna.modeling_laguna.LagunaRMSNorm",
+    "lfm2.modeling_lfm2.Lfm2RMSNorm",
+    "lfm2_moe.modeling_lfm2_moe.Lfm2MoeRMSNorm",
+    "lighton_ocr.modeling_lighton_ocr.LightOnOcrRMSNorm",
+    "llama.modeling_llama.LlamaRMSNorm",
+    "llama4.modeling_llama4.Llama4TextRMSNorm",
+    "longcat_flash.modeling_longcat_flash.LongcatFlashRMSNorm",
+    "mamba.modeling_mamba.MambaRMSNorm",
+    "mamba2.modeling_mamba2.Mamba2RMSNorm",
+    "mellum.modeling_mellum.MellumRMSNorm",
+    "mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashRMSNorm",
+    "minicpm3.modeling_minicpm3.MiniCPM3RMSNorm",
+    "minimax.modeling_minimax.MiniMaxRMSNorm",
+    "minimax_m2.modeling_minimax_m2.MiniMaxM2RMSNorm",
+    "ministral.modeling_ministral.MinistralRMSNorm",
+    "ministral3.modeling_ministral3.Ministral3RMSNorm",
+    "mistral.modeling_mistral.MistralRMSNorm",
+    "mistral3.modeling_mistral3.Mistral3RMSNorm",
+    "mistral4.modeling_mistral4.Mistral4RMSNorm",
+    "mistral_large4.modeling_mistral_large4.MistralLarge4RMSNorm",
+    "mixtral.modeling_mixtral.MixtralRMSNorm",
+    "mllama.modeling_mllama.MllamaTextRMSNorm",
+    "molmo2.modeling_molmo2.Molmo2RMSNorm",
+    "muse_glimmer_assistant.modeling_muse_glimmer_assistant.MuseGlimmerAssistantRMSNorm",
+    "neucodec.modeling_neucodec.NeuCodecRMSNorm",
+    "olmoe.modeling_olmoe.OlmoeRMSNorm",
+    "ovis2.modeling_ovis2.Ovis2RMSNorm",
+    "paddleocr_vl.modeling_paddleocr_vl.PaddleOCRRMSNorm",
+    "pe_audio.modeling_pe_audio.PeAudioEncoderRMSNorm",
+    "pe_audio_video.modeling_pe_audio_video.PeAudioVideoEncoderRMSNorm",
+    "pe_video.modeling_pe_video.PeVideoEncoderRMSNorm",
+    "phi3.modeling_phi3.Phi3RMSNorm",
+    "phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalRMSNorm",
+    "pixtral.modeling_pixtral.PixtralRMSNorm",
+    "qianfan_ocr.modeling_qianfan_ocr.QianfanOCRVisionRMSNorm",
+    "qwen2.modeling_qwen2.Qwen2RMSNorm",
+    "qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniRMSNorm",
+    "qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLRMSNorm",
+    "qwen2_moe.modeling_qwen2_moe.Qwen2MoeRMSNorm",
+    "qwen2_vl.modeling_qwen2_vl.Qwen2VLRMSNorm",
+    "qwen3.modeling_qwen3.Qwen3RMSNorm",
+    "qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm",
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeCode2WavRMSNorm",
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeRMSNorm",
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeTextRMSNorm",
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextRMSNorm",
+    "qwen3_vl.modeling_qwen3_vl.Qwen3VLTextRMSNorm",
+    "qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextRMSNorm",
+    "sapiens2.modeling_sapiens2.Sapiens2RMSNorm",
+    "seed_oss.modeling_seed_oss.SeedOssRMSNorm",
+    "smollm3.modeling_smollm3.SmolLM3RMSNorm",
+    "solar_open.modeling_solar_open.SolarOpenRMSNorm",
+    "timesfm.modeling_timesfm.TimesFmRMSNorm",
+    "timesfm2_5.modeling_timesfm2_5.TimesFm2_5RMSNorm",
+    "ultrabert.modeling_ultrabert.UltrabertRMSNorm",
+    "ultravbert.modeling_ultravbert.UltraVBertRMSNorm",
+    "unlimited_ocr.modeling_unlimited_ocr.UnlimitedOcrTextRMSNorm",
+    "vibevoice.modeling_vibevoice.VibeVoiceRMSNorm",
+    "vibevoice_acoustic_tokenizer.modeling_vibevoice_acoustic_tokenizer.VibeVoiceAcousticTokenizerRMSNorm",
+    "vibevoice_asr.modeling_vibevoice_asr.VibeVoiceAsrRMSNorm",
+    "voxtral_realtime.modeling_voxtral_realtime.VoxtralRealtimeRMSNorm",
+    "xcodec2.modeling_xcodec2.Xcodec2RMSNorm",
+    "youtu.modeling_youtu.YoutuRMSNorm",
+    "zamba.modeling_zamba.ZambaRMSNorm",
+    "zamba2.modeling_zamba2.Zamba2RMSNorm",
+    "zaya.modeling_zaya.ZayaRMSNorm",
+)
+
+# npu-rms-norm, layer RMSNormZeroCentered: (normalize(x) * (1 + weight.float())).to(dtype)   (Gemma3RMSNorm)
+ZERO_CENTERED_NORMS = (
+    "gemma.modeling_gemma.GemmaRMSNorm",
+    "gemma2.modeling_gemma2.Gemma2RMSNorm",
+    "gemma3.modeling_gemma3.Gemma3RMSNorm",
+    "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLRMSNorm",
+    "muse_glimmer.modeling_muse_glimmer.MuseGlimmerTextCenteredRMSNorm",
+    "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm",
+    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeRMSNorm",
+    "qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm",
+    "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRMSNorm",
+    "step3p7.modeling_step3p7.Step3p7RMSNorm",
+    "t5gemma.modeling_t5gemma.T5GemmaRMSNorm",
+    "t5gemma2.modeling_t5gemma2.T5Gemma2RMSNorm",
+    "vaultgemma.modeling_vaultgemma.VaultGemmaRMSNorm",
+)
+
+# npu-rms-norm, layer RMSNormFloat32Scale: (weight.float() * normalize(x)).to(dtype)   (Olmo2RMSNorm)
+FLOAT32_SCALE_NORMS = (
+    "afmoe.modeling_afmoe.AfmoeRMSNorm",
+    "beam.modeling_beam.BeamRMSNorm",
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4RMSNorm",
+    "flex_olmo.modeling_flex_olmo.FlexOlmoRMSNorm",
+    "flint.modeling_flint.FlintRMSNorm",
+    "gpt_oss.modeling_gpt_oss.GptOssRMSNorm",
+    "helium.modeling_helium.HeliumRMSNorm",
+    "kyutai_speech_to_text.modeling_kyutai_speech_to_text.KyutaiSpeechToTextRMSNorm",
+    "moshi.modeling_moshi.MoshiRMSNorm",
+    "nemotron_h.modeling_nemotron_h.NemotronHRMSNorm",
+    "nemotron_h_omni.modeling_nemotron_h_omni.NemotronH_Omni_RMSNorm",
+    "olmo2.modeling_olmo2.Olmo2RMSNorm",
+    "olmo3.modeling_olmo3.Olmo3RMSNorm",
+    "olmo_hybrid.modeling_olmo_hybrid.OlmoHybridRMSNorm",
+    "openai_privacy_filter.modeling_openai_privacy_filter.OpenAIPrivacyFilterRMSNorm",
+)
+
+# Reasons shared by several left-out classes.
+_WITH_SCALE = "with_scale=False drops the weight; a class-level swap cannot tell such instances apart"
+_GATED = "gated norm (forward takes a gate)"
+_OPTIONAL_GATE = "forward takes an optional gate; the layer takes one argument"
+_NO_WEIGHT = "no weight parameter"
+_NO_WEIGHT_LOW_PRECISION = "no weight; multiplies by rstd in the input dtype"
+
+# Norm classes of transformers 5.22.2 that no layer reproduces, and why.
+LEFT_OUT = {
+    "axk2.modeling_axk2.AXK2GatedRMSNorm": "gated by a small MLP of its own",
+    "bailing_hybrid.modeling_bailing_hybrid.BailingHybridRMSNormGated": _GATED,
+    "bamba.modeling_bamba.BambaRMSNormGated": _OPTIONAL_GATE,
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4UnweightedRMSNorm": _NO_WEIGHT_LOW_PRECISION,
+    "diffusion_gemma.modeling_diffusion_gemma.DiffusionGemmaRMSNorm": _WITH_SCALE,
+    "embedding_gemma2.modeling_embedding_gemma2.EmbeddingGemma2RMSNorm": _WITH_SCALE,
+    "esmfold2.modeling_esmfold2.EsmFold2RMSNorm": _NO_WEIGHT,
+    "falcon_h1.modeling_falcon_h1.FalconH1RMSNormGated": "gated, grouped norm (gate, n_groups, norm_before_gate)",
+    "falcon_mamba.modeling_falcon_mamba.FalconMambaWeightlessRMSNorm": "its weight is a dummy buffer, unused",
+    "gemma3n.modeling_gemma3n.Gemma3nRMSNorm": _WITH_SCALE,
+    "gemma4.modeling_gemma4.Gemma4RMSNorm": _WITH_SCALE,
+    "gemma4_unified.modeling_gemma4_unified.Gemma4UnifiedRMSNorm": _WITH_SCALE,
+    "glm5_next.modeling_glm5_next.Glm5NextTextRMSNormGated": _GATED,
+    "glm5_next.modeling_glm5_next.Glm5NextTextUnweightedRMSNorm": _NO_WEIGHT_LOW_PRECISION,
+    "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridRMSNormGated": _OPTIONAL_GATE,
+    "hrm_text.modeling_hrm_text.HrmTextRMSNorm": _NO_WEIGHT,
+    "hy_v4.modeling_hy_v4.HYV4UnweightedRMSNorm": "returns the rstd factor, not a normalised tensor",
+    "kimi_linear.modeling_kimi_linear.KimiLinearRMSNormGated": _GATED,
+    "mamba2.modeling_mamba2.MambaRMSNormGated": _OPTIONAL_GATE,
+    "muse_glimmer.modeling_muse_glimmer.MuseGlimmerRMSNorm": _WITH_SCALE,
+    "muse_spark.modeling_muse_spark.MuseSparkRMSNorm": _WITH_SCALE,
+    "muse_spark.modeling_muse_spark.MuseSparkTextCenteredRMSNorm": "forms 1 + weight in the weight dtype",
+    "muse_spark.modeling_muse_spark.MuseSparkTextInputScaledRMSNorm": "scales the input before normalising",
+    "nanochat.modeling_nanochat.NanoChatRMSNorm": _NO_WEIGHT,
+    "nemotron_h.modeling_nemotron_h.NemotronHRMSNormGated": _OPTIONAL_GATE,
+    "neomme.modeling_neomme.NeoMMERMSNorm": _WITH_SCALE,
+    "olmo_hybrid.modeling_olmo_hybrid.OlmoHybridRMSNormGated": _GATED,
+    "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNormGated": _GATED,
+    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeRMSNormGated": _GATED,
+    "qwen3_next.modeling_qwen3_next.Qwen3NextRMSNormGated": _GATED,
+    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextRMSNorm": "optional group_size makes it a per-group norm",
+    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextRMSNormGated": _GATED,
+    "xlstm.modeling_xlstm.xLSTMRMSNorm": "optional bias and weight (use_bias, use_weight) change the math",
+    "zamba2.modeling_zamba2.Zamba2RMSNormGated": _OPTIONAL_GATE,
+}
+
+
+@dataclass(frozen=True)
+class ClassRule:
+    """A transformers class whose forward a card layer replaces."""
+
+    path: str
+    layer: str
+
+    @property
+    def module(self) -> str:
+        return "transformers.models." + self.path.rpartition(".")[0]
+
+    @property
+    def class_name(self) -> str:
+        return self.path.rpartition(".")[2]
+
+
+def _rules(layer: str, paths: tuple[str, ...]) -> list[ClassRule]:
+    return [ClassRule(path, layer) for path in paths]
+
+
+MODEL_CLASSES: dict[str, list[ClassRule]] = {
+    "npu_fused_rmsnorm": _rules("RMSNorm", PLAIN_NORMS)
+    + _rules("RMSNormZeroCentered", ZERO_CENTERED_NORMS)
+    + _rules("RMSNormFloat32Scale", FLOAT32_SCALE_NORMS),
+}
+"""Kernel id -> the classes its layers replace."""

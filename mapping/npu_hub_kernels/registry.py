@@ -1,0 +1,246 @@
+"""Register the cards with the `kernels` mapping for the "npu" device, and swap them into models.
+
+How a transformers class gets a card's layer: `kernels.kernelize` replaces the forward of every
+module whose class has `kernel_layer_name` set and mapped for the device. transformers tags its
+norm classes "RMSNorm", and re-registers its own "RMSNorm" -> npu -> liger entry at every
+`use_kernels=True` load and every train()/eval() switch, so a mapping under that name does not
+last. Instead, `register_npu_kernels` retags each class listed in `models.py` (and only those: the
+classes whose math the card reproduces) with the card's own mapping name, e.g.
+"npu-rms-norm:RMSNorm", through `kernels.replace_kernel_forward_from_hub`. kernels' kernelize stays
+in charge; transformers' re-registration cannot touch these names. Classes of modules that are not
+imported yet are retagged by an import hook when they are.
+
+Trade-off, documented in the README: a retagged class looks up only the npu-hub-kernels entry, so
+on other devices (cuda, rocm, ...) it keeps its original forward. Call `unregister_npu_kernels()`
+to restore the classes.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import MethodType, ModuleType
+
+from kernels import (
+    LayerRepository,
+    LocalLayerRepository,
+    Mode,
+    kernelize,
+    register_kernel_mapping,
+    replace_kernel_forward_from_hub,
+)
+from torch import nn
+
+from .cards import CARDS, Card, resolve_org
+from .models import MODEL_CLASSES, ClassRule
+
+logger = logging.getLogger(__name__)
+
+KernelSelection = str | bool | Iterable[str] | None
+
+_MISSING = object()
+_original_tags: dict[type, tuple[object, object]] = {}
+_pending: dict[str, list[tuple[str, str]]] = {}
+"""Module name -> (class name, mapping name) for classes whose module is not imported yet."""
+
+
+def available_kernels() -> list[str]:
+    """The kernel ids npu-hub-kernels provides, e.g. ["npu_fused_rmsnorm"]."""
+    return list(CARDS)
+
+
+def select_kernels(kernels: KernelSelection) -> list[Card]:
+    """Parse a kernel selection: "auto"/True (all), None/False (none), ids as a list or "a,b"."""
+    if kernels is None or kernels is False:
+        return []
+    if kernels is True or kernels == "auto":
+        return list(CARDS.values())
+    ids = [k.strip() for k in kernels.split(",")] if isinstance(kernels, str) else list(kernels)
+    ids = [k for k in ids if k]
+    unknown = [k for k in ids if k not in CARDS]
+    if unknown:
+        raise ValueError(
+            f"Unknown kernel id(s) {', '.join(map(repr, unknown))}. Available: {', '.join(CARDS)}; "
+            'or pass "auto" for all of them, None to turn kernels off.'
+        )
+    return [CARDS[k] for k in dict.fromkeys(ids)]
+
+
+def register_npu_kernels(
+    org: str | None = None,
+    *,
+    version: int = 1,
+    local_dir: str | Path | None = None,
+    kernels: KernelSelection = "auto",
+    trust_remote_code: bool | list[str] | None = None,
+) -> list[str]:
+    """Map the selected cards' layers for the "npu" device (inference and training), retag the classes.
+
+    Args:
+        org: Hub organisation of the cards; default $NPU_HUB_KERNELS_ORG, else "npu-hub-kernels".
+        version: card API version, the Hub branch `v<version>`.
+        local_dir: load from this folder of built cards (`make build`'s build/) instead of the Hub.
+        kernels: "auto" for all cards, a list or comma-separated string of kernel ids, None for none.
+        trust_remote_code: passed to the `kernels` loader. None trusts exactly the selected card
+            repositories (you asked for them by calling this function), nothing else.
+
+    Returns:
+        The kernel ids registered.
+    """
+    cards = select_kernels(kernels)
+    org = resolve_org(org)
+    if trust_remote_code is None:
+        trust_remote_code = [card.repo_id(org) for card in cards]
+    mapping = {}
+    for card in cards:
+        for layer in card.layers:
+            repo = _repository(card, layer, org=org, version=version, local_dir=local_dir, trust=trust_remote_code)
+            mapping[card.mapping_name(layer)] = {"npu": {Mode.INFERENCE: repo, Mode.TRAINING: repo}}
+    register_kernel_mapping(mapping)
+    for card in cards:
+        for rule in MODEL_CLASSES[card.kernel_id]:
+            _tag_when_imported(rule, card.mapping_name(rule.layer))
+    return [card.kernel_id for card in cards]
+
+
+def unregister_npu_kernels() -> None:
+    """Give every retagged class its original `kernel_layer_name` back (the mapping entries stay, unused)."""
+    for cls, (name, condition) in _original_tags.items():
+        for attr, value in (("kernel_layer_name", name), ("kernel_condition", condition)):
+            if value is _MISSING:
+                delattr(cls, attr)
+            else:
+                setattr(cls, attr, value)
+    _original_tags.clear()
+    _pending.clear()
+
+
+def apply_npu_kernels(
+    model: nn.Module,
+    kernels: KernelSelection = "auto",
+    mode: Mode | None = None,
+    **register_kwargs,
+) -> nn.Module:
+    """Register the selected cards and kernelize `model` for "npu" (LLaMA-Factory's `apply_default_kernels`).
+
+    `mode` defaults to TRAINING or INFERENCE after `model.training`. Other keyword arguments go to
+    `register_npu_kernels`. With kernels=None or False the model is returned untouched.
+    """
+    if not register_npu_kernels(kernels=kernels, **register_kwargs):
+        return model
+    first = next(model.parameters(), None)
+    if first is not None and first.device.type != "npu":
+        logger.warning(
+            "apply_npu_kernels: the model is on %s; the fused NPU ops run only on npu tensors "
+            "(the layers take the eager path elsewhere). Move the model with .to('npu') first.",
+            first.device.type,
+        )
+    if mode is None:
+        mode = Mode.TRAINING if model.training else Mode.INFERENCE
+    return kernelize(model, mode=mode, device="npu")
+
+
+@dataclass(frozen=True)
+class Swap:
+    """A module of a model whose forward is a card's layer."""
+
+    module: str
+    module_class: str
+    card: str
+    layer: str
+    variant: str
+
+
+def swapped_modules(model: nn.Module) -> list[Swap]:
+    """Which modules of `model` run an npu-hub-kernels layer, from which card and build variant."""
+    swaps = []
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, MethodType):
+            continue
+        kernel = _kernel_package_of(forward.__func__)
+        if kernel is None:
+            continue
+        swaps.append(
+            Swap(
+                module=name or "<root>",
+                module_class=type(module).__name__,
+                card=kernel._build.CARD,
+                layer=forward.__func__.__qualname__.split(".")[0],
+                variant=kernel.VARIANT,
+            )
+        )
+    return swaps
+
+
+def _kernel_package_of(function) -> ModuleType | None:
+    """The loaded card package a layer's forward comes from, or None for any other function."""
+    package = sys.modules.get(function.__module__.rpartition(".")[0])
+    build = getattr(package, "_build", None)
+    return package if build is not None and getattr(build, "CARD", None) else None
+
+
+def _repository(card: Card, layer: str, *, org: str, version: int, local_dir, trust):
+    if local_dir is None:
+        return LayerRepository(card.repo_id(org), layer_name=layer, version=version, trust_remote_code=trust)
+    card_dir = Path(local_dir) / card.repo_name
+    if not (card_dir / "build").is_dir():
+        raise FileNotFoundError(
+            f"{card_dir} holds no built card (no build/ folder). Build the cards first (`make build`), "
+            f"and pass the folder that contains {card.repo_name}/."
+        )
+    return LocalLayerRepository(repo_path=card_dir.resolve(), layer_name=layer)
+
+
+def _tag_when_imported(rule: ClassRule, mapping_name: str) -> None:
+    module = sys.modules.get(rule.module)
+    if module is not None:
+        _retag(getattr(module, rule.class_name), mapping_name)
+        return
+    entries = _pending.setdefault(rule.module, [])
+    if (rule.class_name, mapping_name) not in entries:
+        entries.append((rule.class_name, mapping_name))
+    if not any(isinstance(finder, _RetagOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RetagOnImport())
+
+
+def _retag(cls: type, mapping_name: str) -> None:
+    if cls not in _original_tags:
+        _original_tags[cls] = (
+            cls.__dict__.get("kernel_layer_name", _MISSING),
+            cls.__dict__.get("kernel_condition", _MISSING),
+        )
+    # Only instances of exactly this class: a subclass may compute something else.
+    replace_kernel_forward_from_hub(cls, mapping_name, condition=lambda module: type(module) is cls)
+
+
+class _RetagOnImport(importlib.abc.MetaPathFinder):
+    """Retags the listed classes of a transformers modeling module right after it is imported."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _pending:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _RetaggingLoader(spec.loader, fullname)
+        return spec
+
+
+class _RetaggingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, fullname: str) -> None:
+        self._loader = loader
+        self._fullname = fullname
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        for class_name, mapping_name in _pending.pop(self._fullname, []):
+            _retag(getattr(module, class_name), mapping_name)
