@@ -1,0 +1,72 @@
+"""The test process is an emulated Ascend host (CANN 9.1.0) with no Hub to reach.
+
+Order matters: the Hub environment is fixed before huggingface_hub is imported, and the npu
+emulation is installed before anything touches devices. Tests that need a plain CPU host run a
+subprocess (see `run_python`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_HUB_CACHE = tempfile.mkdtemp(prefix="npu-hub-kernels-test-hub-")
+os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=_HUB_CACHE, HF_HUB_DISABLE_TELEMETRY="1")
+os.environ.pop("KERNELS_CACHE", None)
+os.environ.pop("LOCAL_KERNELS", None)
+
+import pytest  # noqa: E402
+from npu_hub_kernels import emulation  # noqa: E402
+
+emulation.install()
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import build_cards  # noqa: E402
+from npu_hub_kernels import register_npu_kernels, unregister_npu_kernels  # noqa: E402
+from npu_hub_kernels.offline import seed_offline_cache  # noqa: E402
+
+TEST_ORG = "npu-hub-kernels-test"
+
+
+@pytest.fixture(scope="session")
+def built_cards(tmp_path_factory) -> Path:
+    """All cards built into a fresh folder (what `make build` writes to build/)."""
+    out = tmp_path_factory.mktemp("build")
+    build_cards.main(["--out", str(out)])
+    return out
+
+
+@pytest.fixture(scope="session")
+def offline_hub(built_cards) -> str:
+    """The built cards in the offline Hub cache as TEST_ORG/<card>; returns the org."""
+    seed_offline_cache(built_cards, TEST_ORG, _HUB_CACHE)
+    return TEST_ORG
+
+
+@pytest.fixture
+def npu_kernels(built_cards):
+    """The cards registered for "npu" from the local build; the classes are restored afterwards."""
+    register_npu_kernels(local_dir=built_cards)
+    yield built_cards
+    unregister_npu_kernels()
+
+
+def run_python(code: str, *, emulate: bool = False, env: dict[str, str] | None = None, timeout: int = 300) -> str:
+    """Run code in a fresh interpreter (a plain CPU host unless `emulate`); return its stdout."""
+    prelude = "from npu_hub_kernels import emulation; emulation.install()\n" if emulate else ""
+    result = subprocess.run(
+        [sys.executable, "-c", prelude + code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"subprocess failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result.stdout

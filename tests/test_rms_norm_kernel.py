@@ -1,0 +1,133 @@
+"""npu-rms-norm, op level: the card's functions against a float64 reference, and which path runs.
+
+Parity follows flash-attention's idiom: the kernel's error against float64 is at most twice the
+error of transformers' eager math in the same dtype. The fused path is proven by the emulated op's
+call counter; every fallback case is proven to skip it and to equal the eager math exactly.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+
+import pytest
+import torch
+from kernels import get_local_kernel
+from npu_hub_kernels import emulation
+
+SCALINGS = ["plain", "zero_centered", "float32_scale"]
+
+
+@pytest.fixture(scope="module")
+def card(built_cards):
+    module = get_local_kernel(built_cards / "npu-rms-norm")
+    assert f"torch213-cxx11-cann91-{platform.machine()}-linux" == module.VARIANT
+    return module
+
+
+def reference_fp64(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: str) -> torch.Tensor:
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    scale = 1.0 + weight.double() if scaling == "zero_centered" else weight.double()
+    return normed * scale
+
+
+def random_cases(count: int, seed: int = 0):
+    rng = random.Random(seed)
+    for _ in range(count):
+        hidden = rng.choice([1, 7, 16, 80, 128, 257, 1024])
+        lead = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
+        yield (*lead, hidden), rng.choice([1e-6, 1e-5])
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_error_at_most_twice_eager_error(card, scaling, dtype):
+    for shape, eps in random_cases(12, seed=hash((scaling, str(dtype))) % 1000):
+        x = torch.randn(shape, dtype=dtype) * 3
+        weight = (torch.randn(shape[-1]) * 0.5 + (0.0 if scaling == "zero_centered" else 1.0)).to(dtype)
+        with emulation.count_op_calls() as calls:
+            fused = card.rms_norm(x.to("npu"), weight.to("npu"), eps, scaling).cpu()
+        assert calls["npu_rms_norm"] == 1
+        eager = card.rms_norm_eager(x, weight, eps, scaling)
+        assert fused.dtype == eager.dtype and fused.shape == eager.shape
+        reference = reference_fp64(x, weight, eps, scaling)
+        fused_error = (fused.double() - reference).abs().max().item()
+        eager_error = (eager.double() - reference).abs().max().item()
+        assert fused_error <= 2 * eager_error + 1e-6, (shape, fused_error, eager_error)
+
+
+@pytest.mark.parametrize("scaling", ["zero_centered", "float32_scale"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_is_exact_where_the_math_is_fp32_then_cast(card, scaling, dtype):
+    x = torch.randn(3, 5, 64, dtype=dtype)
+    weight = torch.randn(64, dtype=dtype)
+    fused = card.rms_norm(x.to("npu"), weight.to("npu"), 1e-6, scaling).cpu()
+    assert torch.equal(fused, card.rms_norm_eager(x, weight, 1e-6, scaling))
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_backward_matches_eager(card, scaling):
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    weight = torch.randn(32, requires_grad=True)
+    card.rms_norm_eager(x, weight, 1e-6, scaling).pow(2).sum().backward()
+    x_npu = x.detach().to("npu").requires_grad_()
+    w_npu = weight.detach().to("npu").requires_grad_()
+    with emulation.count_op_calls() as calls:
+        card.rms_norm(x_npu, w_npu, 1e-6, scaling).pow(2).sum().backward()
+    assert calls["npu_rms_norm"] == 1
+    torch.testing.assert_close(x_npu.grad.cpu(), x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w_npu.grad.cpu(), weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def _fallback_cases():
+    w = torch.randn(16)
+    return {
+        "float64": (torch.randn(4, 16, dtype=torch.float64), w.double(), "plain", "float64"),
+        "empty batch": (torch.randn(0, 5, 16), w, "plain", "empty input"),
+        "one dim": (torch.randn(16), w, "plain", "2 to 8 dims"),
+        "weight dtype differs": (torch.randn(4, 16, dtype=torch.bfloat16), w, "plain", "differs from input dtype"),
+        "fp16 input, bf16 weight": (
+            torch.randn(4, 16, dtype=torch.float16),
+            w.bfloat16(),
+            "float32_scale",
+            "input dtype or float32",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_fallback_cases()))
+def test_unsupported_inputs_take_the_exact_eager_path(card, case):
+    x, weight, scaling, reason = _fallback_cases()[case]
+    assert reason in card.fused_unavailable_reason(x.to("npu"), weight.to("npu"), scaling)
+    with emulation.count_op_calls() as calls:
+        out = card.rms_norm(x.to("npu"), weight.to("npu"), 1e-6, scaling)
+    assert calls["npu_rms_norm"] == 0
+    assert out.device.type == "npu"
+    assert torch.equal(out.cpu(), card.rms_norm_eager(x, weight, 1e-6, scaling))
+
+
+def test_host_tensors_take_the_eager_path(card):
+    x, weight = torch.randn(4, 16), torch.randn(16)
+    assert "not on an npu device" in card.fused_unavailable_reason(x, weight, "plain")
+    with emulation.count_op_calls() as calls:
+        out = card.rms_norm(x, weight, 1e-6)
+    assert calls["npu_rms_norm"] == 0 and out.device.type == "cpu"
+    assert torch.equal(out, card.rms_norm_eager(x, weight, 1e-6))
+
+
+def test_non_contiguous_input_is_fused_and_correct(card):
+    x = torch.randn(4, 16, 6).transpose(1, 2)  # [4, 6, 16], last-dim stride 6
+    weight = torch.randn(16)
+    assert not x.is_contiguous()
+    with emulation.count_op_calls() as calls:
+        out = card.rms_norm(x.to("npu"), weight.to("npu"), 1e-6).cpu()
+    assert calls["npu_rms_norm"] == 1
+    torch.testing.assert_close(out, card.rms_norm_eager(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+def test_layers_follow_the_kernels_layer_rules(card):
+    for name in ("RMSNorm", "RMSNormZeroCentered", "RMSNormFloat32Scale"):
+        layer = getattr(card.layers, name)
+        assert layer.__init__ is torch.nn.Module.__init__
+        assert layer.has_backward is True and layer.can_torch_compile is False
