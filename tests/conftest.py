@@ -1,5 +1,7 @@
 """The test process is an emulated Ascend host (CANN 9.1.0) with no Hub to reach.
 
+(On a real Ascend host, NPU_HUB_KERNELS_REAL_NPU=1 leaves the emulation out and runs tests/test_hardware.py.)
+
 Order matters: the Hub environment is fixed before huggingface_hub is imported, and the npu
 emulation is installed before anything touches devices. Tests that need a plain CPU host run a
 subprocess (see `run_python`).
@@ -21,7 +23,8 @@ os.environ.pop("LOCAL_KERNELS", None)
 import pytest  # noqa: E402
 from npu_hub_kernels import emulation  # noqa: E402
 
-emulation.install()
+if os.environ.get("NPU_HUB_KERNELS_REAL_NPU") != "1":  # on an Ascend host, test the real device
+    emulation.install()
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))

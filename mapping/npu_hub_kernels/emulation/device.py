@@ -166,5 +166,8 @@ def install_device() -> None:
             "The npu emulation must be installed before anything else registers a device."
         )
     _setup_privateuseone_for_python_backend(rename="npu", backend_module=EmulatedNpuModule())
+    # nn.Module.to() can only re-point a parameter at an NpuTensor by swapping the tensors; with the
+    # default (a new Parameter per module) `.to("npu")` would untie tied weights, unlike a real device.
+    torch.__future__.set_swap_module_params_on_conversion(True)
     _LIBRARY = torch.library.Library("aten", "IMPL")
     _register_factories(_LIBRARY)

@@ -1,0 +1,57 @@
+"""On a real Ascend host: the cards load their arch variant and the fused op runs on the device.
+
+Run there with `NPU_HUB_KERNELS_REAL_NPU=1 pytest -m npu_hardware tests/test_hardware.py` (the
+variable keeps conftest from installing the emulation). Skipped everywhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import pytest
+import torch
+from kernels import Mode, get_local_kernel, kernelize
+from npu_hub_kernels import emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
+from tiny_models import norm_module_count, tiny_model, token_ids
+
+pytestmark = [
+    pytest.mark.npu_hardware,
+    pytest.mark.skipif(
+        emulation.is_installed() or not (hasattr(torch, "npu") and torch.npu.is_available()),
+        reason="needs a real Ascend NPU with torch_npu and CANN (this host has none, or runs the emulation)",
+    ),
+]
+
+
+def test_arch_variant_loads_and_fused_norm_matches_host_eager(built_cards):
+    card = get_local_kernel(built_cards / "npu-rms-norm")
+    torch_version = "".join(torch.__version__.split(".")[:2])
+    assert card.VARIANT.startswith(f"torch{torch_version}-cxx11-cann") or card.VARIANT == "torch-npu"
+    assert card.VARIANT.endswith(f"{platform.machine()}-linux") or card.VARIANT == "torch-npu"
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(4, 128, 4096, dtype=dtype)
+        weight = torch.randn(4096, dtype=dtype)
+        assert card.fused_unavailable_reason(x.npu(), weight.npu(), "plain") is None
+        got = card.rms_norm(x.npu(), weight.npu(), 1e-6).cpu()
+        torch.testing.assert_close(got.float(), card.rms_norm_eager(x, weight, 1e-6).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_tiny_model_kernelized_on_the_device_matches_eager(built_cards):
+    model = tiny_model("qwen3")
+    ids = token_ids()
+    with torch.no_grad():
+        eager = model(ids).logits
+    register_npu_kernels(local_dir=built_cards)
+    try:
+        model = kernelize(model.npu(), mode=Mode.INFERENCE, device="npu")
+        with torch.no_grad():
+            fused = model(ids.npu()).logits.cpu()
+    finally:
+        unregister_npu_kernels()
+    assert len(swapped_modules(model)) == norm_module_count(model)
+    torch.testing.assert_close(fused, eager, rtol=1e-3, atol=1e-3)
+
+
+def test_real_host_is_not_emulated():
+    assert os.environ.get("NPU_HUB_KERNELS_REAL_NPU") == "1"

@@ -1,0 +1,104 @@
+"""Loading the cards through the real `kernels` loader: variant choice, offline Hub cache, errors."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+from conftest import run_python
+from kernels import Mode, get_kernel, get_local_kernel, kernelize
+from kernels.variants import VariantAccepted, get_variants_local, resolve_variants
+from npu_hub_kernels import ORG_ENV, emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels.cards import DEFAULT_ORG, resolve_org
+from tiny_models import norm_module_count, tiny_model, token_ids
+
+ARCH_VARIANT = f"torch213-cxx11-cann91-{platform.machine()}-linux"
+
+
+def test_cann_host_gets_the_matching_arch_variant(offline_hub):
+    card = get_kernel(f"{offline_hub}/npu-rms-norm", version=1)
+    assert card.VARIANT == ARCH_VARIANT
+
+
+def test_other_cann_version_falls_back_to_torch_npu(offline_hub):
+    emulation.set_cann_version("8.5.0")  # torch 2.13 is only built for CANN 9.1
+    try:
+        card = get_kernel(f"{offline_hub}/npu-rms-norm", version=1)
+    finally:
+        emulation.set_cann_version(emulation.DEFAULT_CANN_VERSION)
+    assert card.VARIANT == "torch-npu"
+
+
+def test_decision_trace_explains_every_rejected_variant(built_cards):
+    accepted, trace = resolve_variants(get_variants_local(built_cards / "npu-rms-norm" / "build"))
+    assert [v.variant_str for v in accepted] == [ARCH_VARIANT, "torch-npu", "torch-universal"]
+    rejected = {d.variant.variant_str: d.reason for d in trace if not isinstance(d, VariantAccepted)}
+    assert "Torch version (2.9)" in rejected[f"torch29-cxx11-cann91-{platform.machine()}-linux"]
+    other_cpu = "aarch64" if platform.machine() == "x86_64" else "x86_64"
+    assert "does not match system CPU" in rejected[f"torch213-cxx11-cann91-{other_cpu}-linux"]
+
+
+def test_cpu_host_gets_torch_universal_from_the_offline_cache(offline_hub):
+    out = run_python(
+        f"from kernels import get_kernel\nprint(get_kernel('{offline_hub}/npu-rms-norm', version=1).VARIANT)\n"
+    )
+    assert out.strip() == "torch-universal"
+
+
+def test_missing_variant_error_names_each_variant_and_why(built_cards, tmp_path):
+    partial = tmp_path / "npu-rms-norm"
+    shutil.copytree(built_cards / "npu-rms-norm", partial)
+    for variant in (partial / "build").iterdir():
+        if "cann85" not in variant.name:
+            shutil.rmtree(variant)
+    with pytest.raises(FileNotFoundError) as error:
+        get_local_kernel(partial)
+    message = str(error.value)
+    assert "Cannot find a build variant" in message
+    assert "torch29-cxx11-cann85-aarch64-linux" in message and "does not match" in message
+
+    register_npu_kernels(local_dir=tmp_path)
+    try:
+        model = tiny_model("llama").to("npu")
+        with pytest.raises(FileNotFoundError, match="torch29-cxx11-cann85"):
+            kernelize(model, mode=Mode.INFERENCE, device="npu")
+    finally:
+        unregister_npu_kernels()
+
+
+def test_register_from_the_offline_hub_and_kernelize(offline_hub):
+    register_npu_kernels(org=offline_hub)
+    try:
+        model = tiny_model("qwen3").to("npu")
+        kernelize(model, mode=Mode.INFERENCE, device="npu")
+        with emulation.count_op_calls() as calls:
+            model(token_ids().to("npu"))
+    finally:
+        unregister_npu_kernels()
+    assert calls["npu_rms_norm"] == norm_module_count(model) > 0
+    assert {s.variant for s in swapped_modules(model)} == {ARCH_VARIANT}
+
+
+def test_org_comes_from_argument_then_environment_then_default(monkeypatch):
+    monkeypatch.delenv(ORG_ENV, raising=False)
+    assert resolve_org(None) == DEFAULT_ORG
+    monkeypatch.setenv(ORG_ENV, "my-org")
+    assert resolve_org(None) == "my-org"
+    assert resolve_org("arg-org") == "arg-org"
+
+
+def test_org_from_environment_is_used_for_loading(offline_hub, monkeypatch):
+    monkeypatch.setenv(ORG_ENV, offline_hub)
+    register_npu_kernels()
+    try:
+        model = tiny_model("llama").to("npu")
+        kernelize(model, mode=Mode.INFERENCE, device="npu")
+    finally:
+        unregister_npu_kernels()
+    assert len(swapped_modules(model)) == norm_module_count(model)
+
+
+def test_local_dir_without_a_build_says_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match="make build"):
+        register_npu_kernels(local_dir=tmp_path)

@@ -1,0 +1,210 @@
+"""The npu mapping on tiny random-weight models: what is swapped, that the fused op ran, and parity.
+
+Parity in bfloat16 follows flash-attention's idiom at model level: the kernelized model's error
+against the float32 eager model is at most twice the eager bfloat16 model's error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import run_python
+from kernels import Mode, kernelize
+from npu_hub_kernels import (
+    apply_npu_kernels,
+    available_kernels,
+    emulation,
+    register_npu_kernels,
+    select_kernels,
+    swapped_modules,
+    unregister_npu_kernels,
+)
+from tiny_models import norm_module_count, tiny_model, token_ids
+from transformers import AutoModelForCausalLM
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+MODEL_TYPES = ["llama", "qwen3", "gemma3_text", "olmo2"]
+EXPECTED_LAYER = {
+    "llama": "RMSNorm",
+    "qwen3": "RMSNorm",
+    "gemma3_text": "RMSNormZeroCentered",
+    "olmo2": "RMSNormFloat32Scale",
+}
+
+
+def forward(model, ids, embeds=None):
+    """Logits as float32 on the host; gradients only flow from inputs_embeds that require them."""
+    device = next(model.parameters()).device
+    if embeds is not None:
+        return model(inputs_embeds=embeds.to(device)).logits.float().cpu()
+    with torch.no_grad():
+        return model(ids.to(device)).logits.float().cpu()
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_kernelized_fp32_forward_matches_eager_and_fused_op_ran_in_every_norm(npu_kernels, model_type):
+    model = tiny_model(model_type)
+    ids = token_ids()
+    eager = forward(model, ids)
+    model.to("npu")
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    with emulation.count_op_calls() as calls:
+        fused = forward(model, ids)
+    assert calls["npu_rms_norm"] == norm_module_count(model) > 0
+    swaps = swapped_modules(model)
+    assert len(swaps) == norm_module_count(model)
+    assert {s.layer for s in swaps} == {EXPECTED_LAYER[model_type]} and {s.card for s in swaps} == {"npu-rms-norm"}
+    torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_without_registration_nothing_is_fused(model_type):
+    model = tiny_model(model_type).to("npu")
+    kernelize(model, mode=Mode.INFERENCE, device="npu", use_fallback=True)
+    with emulation.count_op_calls() as calls:
+        forward(model, token_ids())
+    assert calls["npu_rms_norm"] == 0 and swapped_modules(model) == []
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_bf16_forward_error_at_most_twice_eager(npu_kernels, model_type):
+    ids = token_ids()
+    reference = forward(tiny_model(model_type), ids)
+    eager_model = tiny_model(model_type, dtype=torch.bfloat16)
+    eager_error = max_error(forward(eager_model, ids), reference)
+    model = tiny_model(model_type, dtype=torch.bfloat16).to("npu")
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    with emulation.count_op_calls() as calls:
+        fused = forward(model, ids)
+    assert calls["npu_rms_norm"] == norm_module_count(model)
+    assert max_error(fused, reference) <= 2 * eager_error + 1e-3, (max_error(fused, reference), eager_error)
+
+
+def _gradients(model, embeds):
+    model.train()
+    embeds = embeds.clone().to(next(model.parameters()).device).requires_grad_()
+    forward(model, None, embeds).pow(2).mean().backward()
+    grads = {name: p.grad.float().cpu() for name, p in model.named_parameters() if p.grad is not None}
+    grads["inputs_embeds"] = embeds.grad.float().cpu()
+    return grads
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_training_gradients_match_eager(npu_kernels, model_type):
+    embeds = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(3))
+    reference = _gradients(tiny_model(model_type), embeds)
+    eager_bf16 = _gradients(tiny_model(model_type, dtype=torch.bfloat16), embeds.bfloat16())
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(model_type, dtype=dtype).to("npu")
+        kernelize(model, mode=Mode.TRAINING, device="npu")
+        with emulation.count_op_calls() as calls:
+            grads = _gradients(model, embeds.to(dtype))
+        assert calls["npu_rms_norm"] == norm_module_count(model)
+        assert set(grads) == set(reference)
+        assert any("norm" in name for name in grads)
+        for name, grad in grads.items():
+            if dtype == torch.float32:
+                torch.testing.assert_close(grad, reference[name], rtol=1e-4, atol=1e-5, msg=name)
+            else:
+                bound = 2 * max_error(eager_bf16[name], reference[name]) + 1e-3 * reference[name].abs().max().item()
+                assert max_error(grad, reference[name]) <= bound, name
+
+
+def test_host_tensors_under_the_npu_mapping_give_the_eager_result(npu_kernels):
+    model = tiny_model("llama")
+    eager = forward(model, token_ids())
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    assert len(swapped_modules(model)) == norm_module_count(model)
+    with emulation.count_op_calls() as calls:
+        out = forward(model, token_ids())
+    assert calls["npu_rms_norm"] == 0
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_use_kernels_survives_train_and_eval_switches(npu_kernels, model_type, tmp_path):
+    tiny_model(model_type).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="npu", use_kernels=True)
+    assert model.device.type == "npu"
+    expected = norm_module_count(model)
+    for switch in (None, "train", "eval", "train"):
+        if switch:
+            getattr(model, switch)()
+        with emulation.count_op_calls() as calls:
+            forward(model, token_ids())
+        assert calls["npu_rms_norm"] == expected, switch
+        assert len(swapped_modules(model)) == expected
+
+
+def test_use_kernels_without_registration_takes_transformers_own_npu_entry(tmp_path):
+    """Negative control: transformers maps "RMSNorm" on npu to liger-kernels on the Hub, which an
+    offline host cannot load: the load fails. With npu-hub-kernels registered (above) it does not."""
+    tiny_model("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="liger-kernels"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, device_map="npu", use_kernels=True)
+
+
+def test_unregister_restores_the_classes(built_cards):
+    assert LlamaRMSNorm.kernel_layer_name == "RMSNorm" and not hasattr(Gemma3RMSNorm, "kernel_layer_name")
+    register_npu_kernels(local_dir=built_cards)
+    assert LlamaRMSNorm.kernel_layer_name == "npu-rms-norm:RMSNorm"
+    assert Gemma3RMSNorm.kernel_layer_name == "npu-rms-norm:RMSNormZeroCentered"
+    unregister_npu_kernels()
+    assert LlamaRMSNorm.kernel_layer_name == "RMSNorm" and not hasattr(Gemma3RMSNorm, "kernel_layer_name")
+    assert "kernel_condition" in LlamaRMSNorm.__dict__ and "kernel_condition" not in Gemma3RMSNorm.__dict__
+
+
+def test_classes_imported_after_registration_are_retagged():
+    out = run_python(
+        "import sys\n"
+        "from npu_hub_kernels import register_npu_kernels\n"
+        "assert 'transformers.models.olmo3.modeling_olmo3' not in sys.modules\n"
+        "register_npu_kernels()\n"
+        "from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm\n"
+        "print(Olmo3RMSNorm.kernel_layer_name)\n"
+    )
+    assert out.strip() == "npu-rms-norm:RMSNormFloat32Scale"
+
+
+def test_a_subclass_with_other_math_is_not_swapped(npu_kernels):
+    class ScaledNorm(LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return 2 * super().forward(hidden_states)
+
+    norm = ScaledNorm(16).to("npu")
+    kernelize(torch.nn.Sequential(norm), mode=Mode.INFERENCE, device="npu")
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(norm(x.to("npu")).cpu(), 2 * LlamaRMSNorm(16)(x))
+    assert swapped_modules(norm) == []
+
+
+def test_kernel_selection_follows_the_apply_default_kernels_contract():
+    assert available_kernels() == ["npu_fused_rmsnorm"]
+    assert [c.kernel_id for c in select_kernels("auto")] == available_kernels()
+    assert [c.kernel_id for c in select_kernels(True)] == available_kernels()
+    assert select_kernels(None) == [] and select_kernels(False) == []
+    assert [c.kernel_id for c in select_kernels("npu_fused_rmsnorm, ")] == ["npu_fused_rmsnorm"]
+    assert [c.kernel_id for c in select_kernels(["npu_fused_rmsnorm"])] == ["npu_fused_rmsnorm"]
+    with pytest.raises(ValueError, match=r"Unknown kernel id.*'npu_fused_nope'.*Available: npu_fused_rmsnorm"):
+        select_kernels("npu_fused_rmsnorm,npu_fused_nope")
+
+
+def test_apply_npu_kernels(built_cards, caplog):
+    model = tiny_model("qwen3").to("npu")
+    assert apply_npu_kernels(model, kernels=None, local_dir=built_cards) is model
+    assert swapped_modules(model) == [] and LlamaRMSNorm.kernel_layer_name == "RMSNorm"
+    try:
+        apply_npu_kernels(model, kernels="npu_fused_rmsnorm", local_dir=built_cards)
+        assert len(swapped_modules(model)) == norm_module_count(model)
+        with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
+            apply_npu_kernels(tiny_model("llama"), local_dir=built_cards)
+        assert "the model is on cpu" in caplog.text
+    finally:
+        unregister_npu_kernels()

@@ -1,0 +1,96 @@
+"""models.py, the class table: every listed class is swapped and computes what its own forward computes;
+every RMSNorm-like class of transformers is either listed or left out with a reason."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+import torch
+import transformers.models
+from kernels import Mode, kernelize
+from npu_hub_kernels import emulation, swapped_modules
+from npu_hub_kernels.models import LEFT_OUT, MODEL_CLASSES, ClassRule
+
+RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
+SCALING = {"RMSNorm": "plain", "RMSNormZeroCentered": "zero_centered", "RMSNormFloat32Scale": "float32_scale"}
+
+
+def _class(rule: ClassRule) -> type:
+    return getattr(importlib.import_module(rule.module), rule.class_name)
+
+
+def _all_modeling_classes() -> dict[str, type]:
+    """Every class defined in a transformers modeling module, by path relative to transformers.models."""
+    found = {}
+    for model in pkgutil.iter_modules(transformers.models.__path__):
+        if not model.ispkg:
+            continue
+        package = importlib.import_module(f"transformers.models.{model.name}")
+        for file in pkgutil.iter_modules(package.__path__):
+            if not file.name.startswith("modeling_"):
+                continue
+            try:
+                module = importlib.import_module(f"{package.__name__}.{file.name}")
+            except ImportError:  # optional dependency missing (e.g. torchaudio)
+                continue
+            for name, obj in vars(module).items():
+                if isinstance(obj, type) and obj.__module__ == module.__name__:
+                    found[f"{model.name}.{file.name}.{name}"] = obj
+    return found
+
+
+def test_table_has_no_duplicates_and_left_out_classes_are_not_listed():
+    paths = [rule.path for rule in RULES]
+    assert len(paths) == len(set(paths))
+    assert not set(paths) & set(LEFT_OUT)
+    assert all(reason for reason in LEFT_OUT.values())
+
+
+@pytest.mark.slow
+def test_every_rmsnorm_class_of_transformers_is_decided():
+    """No silent gaps: each class named like an RMSNorm is swapped or left out with a reason, and
+    every class transformers itself tags "RMSNorm" is swapped (so once npu-hub-kernels is
+    registered, transformers' own npu entry for "RMSNorm" is never reached)."""
+    classes = _all_modeling_classes()
+    listed = {rule.path for rule in RULES}
+    rmsnorm_like = {path for path in classes if "RMSNorm" in path.rpartition(".")[2]}
+    assert rmsnorm_like - listed - set(LEFT_OUT) == set()
+    assert (listed | set(LEFT_OUT)) - set(classes) == set(), "listed classes missing from transformers"
+    tagged = {p for p, c in classes.items() if c.__dict__.get("kernel_layer_name") == "RMSNorm"}
+    assert tagged - listed == set()
+    assert len(listed) == 166 and len(LEFT_OUT) == 34
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_listed_class_is_swapped_and_matches_its_own_forward(npu_kernels, dtype):
+    failures = []
+    for rule in RULES:
+        cls = _class(rule)
+        torch.manual_seed(0)
+        norm = cls(64, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.normal_(0.5, 0.5)
+        norm = norm.to(dtype)
+        x = torch.randn(2, 5, 64, dtype=dtype) * 2
+        with torch.no_grad():
+            expected = norm(x)
+            kernelized = kernelize(torch.nn.Sequential(norm).to("npu"), mode=Mode.INFERENCE, device="npu")
+            with emulation.count_op_calls() as calls:
+                got = kernelized(x.to("npu")).cpu()
+        swaps = swapped_modules(kernelized)
+        if [s.layer for s in swaps] != [rule.layer] or calls["npu_rms_norm"] != 1:
+            failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
+            continue
+        exact = dtype == torch.float32 or rule.layer != "RMSNorm"
+        if exact and not torch.equal(got, expected):
+            failures.append(f"{rule.path}: max diff {(got - expected).abs().max().item()} (expected exact)")
+        if not exact:
+            x64 = x.double()
+            reference = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double().cpu()
+            kernel_error = (got.double() - reference).abs().max().item()
+            eager_error = (expected.double() - reference).abs().max().item()
+            if kernel_error > 2 * eager_error:
+                failures.append(f"{rule.path}: error {kernel_error} > 2 x eager error {eager_error}")
+    assert failures == []
