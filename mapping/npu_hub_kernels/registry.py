@@ -163,26 +163,29 @@ def swapped_modules(model: nn.Module) -> list[Swap]:
         forward = module.__dict__.get("forward")
         if not isinstance(forward, MethodType):
             continue
-        kernel = _kernel_package_of(forward.__func__)
-        if kernel is None:
+        build = _card_build_of(forward.__func__)
+        if build is None:
             continue
         swaps.append(
             Swap(
                 module=name or "<root>",
                 module_class=type(module).__name__,
-                card=kernel._build.CARD,
+                card=build.CARD,
                 layer=forward.__func__.__qualname__.split(".")[0],
-                variant=kernel.VARIANT,
+                variant=build.VARIANT,
             )
         )
     return swaps
 
 
-def _kernel_package_of(function) -> ModuleType | None:
-    """The loaded card package a layer's forward comes from, or None for any other function."""
-    package = sys.modules.get(function.__module__.rpartition(".")[0])
-    build = getattr(package, "_build", None)
-    return package if build is not None and getattr(build, "CARD", None) else None
+def _card_build_of(function) -> ModuleType | None:
+    """The generated `_build` module of the card a layer's forward comes from; None for other functions.
+
+    Read from sys.modules: the package attribute is not set again when kernels re-imports a build
+    under an id it has seen before.
+    """
+    build = sys.modules.get(function.__module__.rpartition(".")[0] + "._build")
+    return build if getattr(build, "CARD", None) else None
 
 
 def _repository(card: Card, layer: str, *, org: str, version: int, local_dir, trust):
