@@ -11,7 +11,8 @@ from kernels import Mode, get_kernel, get_local_kernel, kernelize
 from kernels.variants import VariantAccepted, get_variants_local, resolve_variants
 from npu_hub_kernels import ORG_ENV, emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.cards import DEFAULT_ORG, resolve_org
-from tiny_models import norm_module_count, tiny_model, token_ids
+from npu_hub_kernels.tiny_models import norm_module_count, token_ids
+from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 
 ARCH_VARIANT = f"torch213-cxx11-cann91-{platform.machine()}-linux"
 

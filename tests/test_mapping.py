@@ -21,7 +21,8 @@ from npu_hub_kernels import (
     swapped_modules,
     unregister_npu_kernels,
 )
-from tiny_models import norm_module_count, tiny_model, token_ids
+from npu_hub_kernels.tiny_models import norm_module_count, token_ids
+from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 from transformers import AutoModelForCausalLM
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm

@@ -1,4 +1,5 @@
-"""Tiny random-weight transformers models built from configs (nothing is downloaded)."""
+"""Tiny random-weight transformers models, built from configs (nothing downloaded), for checking a
+kernelized model against eager on any host: used by the demo and the tests, and handy for yours."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 VOCAB = 96
 
-_COMMON = dict(
+_TINY = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=96,
@@ -16,25 +17,30 @@ _COMMON = dict(
     num_key_value_heads=2,
     head_dim=16,
     max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
-CONFIGS = {
+TINY_CONFIGS = {
     "llama": {},
     "qwen3": {},
     "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     "olmo2": {},
 }
-"""Model type -> config overrides; the norms cover the card's three layers (Olmo2: float32 scale)."""
+"""Model type -> config overrides. Their norms cover all three npu-rms-norm layers."""
 
 
-def tiny_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
-    config = AutoConfig.for_model(model_type, **{**_COMMON, **CONFIGS[model_type]})
+def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
+    """A 2-layer causal LM in eval mode; norm weights randomised so that they matter."""
+    config = AutoConfig.for_model(model_type, **{**_TINY, **TINY_CONFIGS[model_type]})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with torch.no_grad():  # norms start at ones/zeros: make their weights matter
+    zero_centered = model_type.startswith("gemma")
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.normal_(0.0, 0.5).add_(1.0 if "gemma" not in model_type else 0.0)
+                param.normal_(0.0, 0.5).add_(0.0 if zero_centered else 1.0)
     return model.eval()
 
 
