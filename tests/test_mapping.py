@@ -129,9 +129,12 @@ def test_host_tensors_under_the_npu_mapping_give_the_eager_result(npu_kernels):
     assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text"])
 def test_use_kernels_survives_train_and_eval_switches(npu_kernels, model_type, tmp_path):
-    tiny_model(model_type).save_pretrained(tmp_path)
+    """transformers re-registers its own "RMSNorm" mapping at load and at every train()/eval() switch."""
+    source = tiny_model(model_type)
+    eager = forward(source, token_ids())
+    source.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="npu", use_kernels=True)
     assert model.device.type == "npu"
     expected = norm_module_count(model)
@@ -139,9 +142,14 @@ def test_use_kernels_survives_train_and_eval_switches(npu_kernels, model_type, t
         if switch:
             getattr(model, switch)()
         with emulation.count_op_calls() as calls:
-            forward(model, token_ids())
+            out = forward(model, token_ids())
         assert calls["npu_rms_norm"] == expected, switch
         assert len(swapped_modules(model)) == expected
+        torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    with emulation.count_op_calls() as calls:
+        model(token_ids().to("npu"), labels=token_ids().to("npu")).loss.backward()
+    assert calls["npu_rms_norm"] == expected
+    assert all(p.grad is not None for name, p in model.named_parameters() if "norm" in name)
 
 
 def test_use_kernels_without_registration_takes_transformers_own_npu_entry(tmp_path):
