@@ -122,3 +122,57 @@ def test_host_reports_cann_and_kernels_sees_it():
 def test_ops_transformers_imports_but_no_card_uses_say_so():
     with pytest.raises(NotImplementedError, match="not emulated"):
         torch_npu.npu_fusion_attention()
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_interleave(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+def test_npu_rotary_mul_matches_the_formula(dtype, mode):
+    x = torch.randn(2, 4, 5, 64, dtype=dtype)
+    r1 = torch.randn(1, 1, 5, 64, dtype=dtype)
+    r2 = torch.randn(1, 1, 5, 64, dtype=dtype)
+    with emulation.count_op_calls() as calls:
+        out = torch_npu.npu_rotary_mul(x.to("npu"), r1.to("npu"), r2.to("npu"), rotary_mode=mode)
+    assert calls == {"npu_rotary_mul": 1} and out.dtype == dtype and out.shape == x.shape
+    rotate = _rotate_half if mode == "half" else _rotate_interleave
+    x64, r1_64, r2_64 = x.double(), r1.double(), r2.double()
+    expected = x64 * r1_64 + rotate(x64) * r2_64
+    torch.testing.assert_close(out.cpu().double(), expected, **_tol(dtype))
+    x32 = x.float()
+    assert torch.equal(out.cpu(), (x32 * r1.float() + rotate(x32) * r2.float()).to(dtype))
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "r_shape", "mode", "message"),
+    [
+        ((2, 4, 5, 63), (1, 1, 5, 63), "half", "even and < 896"),
+        ((1, 2, 3, 896), (1, 1, 3, 896), "half", "even and < 896"),
+        ((1000, 2, 3, 8), (1, 1, 3, 8), "half", "B and N < 1000"),
+        ((2, 1000, 3, 8), (1, 1, 3, 8), "half", "B and N < 1000"),
+        ((10, 100, 3, 8), (1, 1, 3, 8), "interleave", "B\\*N < 1000"),
+        ((2, 4, 3, 8), (2, 1, 3, 8), "interleave", "without a batch dim"),
+        ((5, 8), (5, 8), "half", "3-D or 4-D"),
+    ],
+)
+def test_npu_rotary_mul_enforces_the_layout_limits(x_shape, r_shape, mode, message):
+    x, r = torch.randn(x_shape, device="npu"), torch.randn(r_shape, device="npu")
+    with pytest.raises(RuntimeError, match=message):
+        torch_npu.npu_rotary_mul(x, r, r, rotary_mode=mode)
+
+
+def test_npu_rotary_mul_backward_reaches_x_r1_and_r2():
+    x, r1, r2 = (torch.randn(s, dtype=torch.float64) for s in ((2, 3, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8)))
+    leaves = [t.float().to("npu").requires_grad_() for t in (x, r1, r2)]
+    torch_npu.npu_rotary_mul(*leaves).pow(2).sum().backward()
+    refs = [t.clone().requires_grad_() for t in (x, r1, r2)]
+    (refs[0] * refs[1] + _rotate_half(refs[0]) * refs[2]).pow(2).sum().backward()
+    for got, ref in zip(leaves, refs, strict=True):
+        torch.testing.assert_close(got.grad.cpu().double(), ref.grad, rtol=1e-4, atol=1e-4)
