@@ -25,6 +25,7 @@ import tempfile  # noqa: E402
 import warnings  # noqa: E402
 
 import torch  # noqa: E402
+
 from npu_hub_kernels import CARDS, emulation, register_npu_kernels, swapped_modules  # noqa: E402
 from npu_hub_kernels.cards import resolve_org  # noqa: E402
 from npu_hub_kernels.offline import seed_offline_cache  # noqa: E402
@@ -100,13 +101,13 @@ def main() -> int:
             rows.append((f"llama {step}", swapped_modules(model), calls, (fused - eager).abs().max().item()))
 
     print()
-    header = f"{'model / path':<28} {'swapped':>7}  {'layer(s)':<30} {'fused calls':>11}  {'max |diff| vs eager':>19}"
+    header = f"{'model / path':<28} {'swapped':>7}  {'layer(s)':<44} {'fused op calls':<30} {'max |diff| vs eager':>19}"
     print(header)
     print("-" * len(header))
     for name, swaps, calls, diff in rows:
         layers = ", ".join(sorted({s.layer for s in swaps})) or "-"
-        counted = str(calls.get("npu_rms_norm", 0)) if not on_hardware else "n/a (real op)"
-        print(f"{name:<28} {len(swaps):>7}  {layers:<30} {counted:>11}  {diff:>19.2e}")
+        counted = ", ".join(f"{op} {n}" for op, n in sorted(calls.items())) if not on_hardware else "n/a (real ops)"
+        print(f"{name:<28} {len(swaps):>7}  {layers:<44} {counted:<30} {diff:>19.2e}")
     variants = sorted({s.variant for _, swaps, _, _ in rows for s in swaps})
     print(f"\nbuild variant in use: {', '.join(variants)}")
     worst = max(diff for *_, diff in rows)

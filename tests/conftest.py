@@ -21,6 +21,7 @@ os.environ.pop("KERNELS_CACHE", None)
 os.environ.pop("LOCAL_KERNELS", None)
 
 import pytest  # noqa: E402
+
 from npu_hub_kernels import emulation  # noqa: E402
 
 if os.environ.get("NPU_HUB_KERNELS_REAL_NPU") != "1":  # on an Ascend host, test the real device
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import build_cards  # noqa: E402
+
 from npu_hub_kernels import register_npu_kernels, unregister_npu_kernels  # noqa: E402
 from npu_hub_kernels.offline import seed_offline_cache  # noqa: E402
 

@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, run_python
 from kernels import Metadata
 from kernels._rust import Digest, DigestAlgorithm
+
 from npu_hub_kernels import CARDS
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch_npu
+
 from npu_hub_kernels import emulation
 
 

@@ -9,6 +9,7 @@ import pytest
 from conftest import run_python
 from kernels import Mode, get_kernel, get_local_kernel, kernelize
 from kernels.variants import VariantAccepted, get_variants_local, resolve_variants
+
 from npu_hub_kernels import ORG_ENV, emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.cards import DEFAULT_ORG, resolve_org
 from npu_hub_kernels.tiny_models import norm_module_count, token_ids
@@ -59,7 +60,7 @@ def test_missing_variant_error_names_each_variant_and_why(built_cards, tmp_path)
     assert "Cannot find a build variant" in message
     assert "torch29-cxx11-cann85-aarch64-linux" in message and "does not match" in message
 
-    register_npu_kernels(local_dir=tmp_path)
+    register_npu_kernels(local_dir=tmp_path, kernels="npu_fused_rmsnorm")
     try:
         model = tiny_model("llama").to("npu")
         with pytest.raises(FileNotFoundError, match="torch29-cxx11-cann85"):
@@ -97,7 +98,7 @@ def test_org_from_environment_is_used_for_loading(offline_hub, monkeypatch):
         kernelize(model, mode=Mode.INFERENCE, device="npu")
     finally:
         unregister_npu_kernels()
-    assert len(swapped_modules(model)) == norm_module_count(model)
+    assert len(swapped_modules(model, card="npu-rms-norm")) == norm_module_count(model)
 
 
 def test_local_dir_without_a_build_says_what_to_do(tmp_path):

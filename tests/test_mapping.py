@@ -12,6 +12,10 @@ import pytest
 import torch
 from conftest import run_python
 from kernels import Mode, kernelize
+from transformers import AutoModelForCausalLM
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
 from npu_hub_kernels import (
     apply_npu_kernels,
     available_kernels,
@@ -23,11 +27,10 @@ from npu_hub_kernels import (
 )
 from npu_hub_kernels.tiny_models import norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
-from transformers import AutoModelForCausalLM
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 MODEL_TYPES = ["llama", "qwen3", "gemma3_text", "olmo2"]
+ROPE_FUSED = {"llama": True, "qwen3": True, "gemma3_text": True, "olmo2": False}
+"""Families whose apply_rotary_pos_emb npu-rope replaces (olmo2 casts differently: not listed yet)."""
 EXPECTED_LAYER = {
     "llama": "RMSNorm",
     "qwen3": "RMSNorm",
@@ -59,7 +62,10 @@ def test_kernelized_fp32_forward_matches_eager_and_fused_op_ran_in_every_norm(np
     with emulation.count_op_calls() as calls:
         fused = forward(model, ids)
     assert calls["npu_rms_norm"] == norm_module_count(model) > 0
-    swaps = swapped_modules(model)
+    layers = model.config.num_hidden_layers
+    assert calls["npu_rotary_mul"] == (2 * layers if ROPE_FUSED[model_type] else 0)
+    assert len(swapped_modules(model, card="npu-rope")) == (layers if ROPE_FUSED[model_type] else 0)
+    swaps = swapped_modules(model, card="npu-rms-norm")
     assert len(swaps) == norm_module_count(model)
     assert {s.layer for s in swaps} == {EXPECTED_LAYER[model_type]} and {s.card for s in swaps} == {"npu-rms-norm"}
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
@@ -71,7 +77,7 @@ def test_without_registration_nothing_is_fused(model_type):
     kernelize(model, mode=Mode.INFERENCE, device="npu", use_fallback=True)
     with emulation.count_op_calls() as calls:
         forward(model, token_ids())
-    assert calls["npu_rms_norm"] == 0 and swapped_modules(model) == []
+    assert calls == {} and swapped_modules(model) == []
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -122,7 +128,7 @@ def test_host_tensors_under_the_npu_mapping_give_the_eager_result(npu_kernels):
     model = tiny_model("llama")
     eager = forward(model, token_ids())
     kernelize(model, mode=Mode.INFERENCE, device="npu")
-    assert len(swapped_modules(model)) == norm_module_count(model)
+    assert len(swapped_modules(model, card="npu-rms-norm")) == norm_module_count(model)
     with emulation.count_op_calls() as calls:
         out = forward(model, token_ids())
     assert calls["npu_rms_norm"] == 0
@@ -144,7 +150,7 @@ def test_use_kernels_survives_train_and_eval_switches(npu_kernels, model_type, t
         with emulation.count_op_calls() as calls:
             out = forward(model, token_ids())
         assert calls["npu_rms_norm"] == expected, switch
-        assert len(swapped_modules(model)) == expected
+        assert len(swapped_modules(model, card="npu-rms-norm")) == expected
         torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     with emulation.count_op_calls() as calls:
         model(token_ids().to("npu"), labels=token_ids().to("npu")).loss.backward()
@@ -195,25 +201,40 @@ def test_a_subclass_with_other_math_is_not_swapped(npu_kernels):
 
 
 def test_kernel_selection_follows_the_apply_default_kernels_contract():
-    assert available_kernels() == ["npu_fused_rmsnorm"]
+    assert available_kernels() == ["npu_fused_rmsnorm", "npu_fused_rope"]
     assert [c.kernel_id for c in select_kernels("auto")] == available_kernels()
     assert [c.kernel_id for c in select_kernels(True)] == available_kernels()
     assert select_kernels(None) == [] and select_kernels(False) == []
     assert [c.kernel_id for c in select_kernels("npu_fused_rmsnorm, ")] == ["npu_fused_rmsnorm"]
     assert [c.kernel_id for c in select_kernels(["npu_fused_rmsnorm"])] == ["npu_fused_rmsnorm"]
-    with pytest.raises(ValueError, match=r"Unknown kernel id.*'npu_fused_nope'.*Available: npu_fused_rmsnorm"):
+    with pytest.raises(
+        ValueError, match=r"Unknown kernel id.*'npu_fused_nope'.*Available: npu_fused_rmsnorm, npu_fused_rope"
+    ):
         select_kernels("npu_fused_rmsnorm,npu_fused_nope")
 
 
 def test_apply_npu_kernels(built_cards, caplog):
     model = tiny_model("qwen3").to("npu")
     assert apply_npu_kernels(model, kernels=None, local_dir=built_cards) is model
-    assert swapped_modules(model) == [] and LlamaRMSNorm.kernel_layer_name == "RMSNorm"
+    assert swapped_modules(model, card="npu-rms-norm") == [] and LlamaRMSNorm.kernel_layer_name == "RMSNorm"
     try:
         apply_npu_kernels(model, kernels="npu_fused_rmsnorm", local_dir=built_cards)
-        assert len(swapped_modules(model)) == norm_module_count(model)
+        assert len(swapped_modules(model, card="npu-rms-norm")) == norm_module_count(model)
         with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
             apply_npu_kernels(tiny_model("llama"), local_dir=built_cards)
         assert "the model is on cpu" in caplog.text
     finally:
         unregister_npu_kernels()
+
+
+def test_rotary_function_is_shared_by_all_models_of_a_family(npu_kernels):
+    """transformers keeps one apply_rotary_pos_emb function-module per modeling file: kernelizing one
+    Llama switches it for every Llama in the process. The switched function is fused only on npu
+    tensors and gives the exact eager result elsewhere, so a CPU model is unaffected."""
+    on_npu, on_cpu = tiny_model("llama").to("npu"), tiny_model("llama")
+    eager = forward(on_cpu, token_ids())
+    kernelize(on_npu, mode=Mode.INFERENCE, device="npu")
+    assert len(swapped_modules(on_cpu, card="npu-rope")) == on_cpu.config.num_hidden_layers
+    with emulation.count_op_calls() as calls:
+        assert torch.equal(forward(on_cpu, token_ids()), eager)
+    assert calls["npu_rotary_mul"] == 0

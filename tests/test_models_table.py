@@ -10,10 +10,12 @@ import pytest
 import torch
 import transformers.models
 from kernels import Mode, kernelize
+
 from npu_hub_kernels import emulation, swapped_modules
 from npu_hub_kernels.models import LEFT_OUT, MODEL_CLASSES, ClassRule
 
 RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
+ROPE_RULES = MODEL_CLASSES["npu_fused_rope"]
 SCALING = {"RMSNorm": "plain", "RMSNormZeroCentered": "zero_centered", "RMSNormFloat32Scale": "float32_scale"}
 
 
@@ -94,3 +96,30 @@ def test_every_listed_class_is_swapped_and_matches_its_own_forward(npu_kernels, 
             if kernel_error > 2 * eager_error:
                 failures.append(f"{rule.path}: error {kernel_error} > 2 x eager error {eager_error}")
     assert failures == []
+
+
+def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_kernels):
+    """Each listed apply_rotary_pos_emb function-module, kernelized through its own attention
+    module's `_kernel_funcs`, rotates exactly as the function transformers ships."""
+    failures = []
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)
+    angles = torch.rand(2, 5, 16, generator=g) * 6.28
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    for rule in ROPE_RULES:
+        function_module = getattr(importlib.import_module(rule.module), rule.class_name)
+        original = type(function_module).forward
+        with torch.no_grad():
+            expected = original(function_module, q, k, cos, sin)
+            holder = torch.nn.Module()
+            holder.__dict__["_kernel_funcs"] = {"apply_rotary_pos_emb": function_module}
+            kernelize(holder, mode=Mode.INFERENCE, device="npu")
+            with emulation.count_op_calls() as calls:
+                got = function_module(*(t.to("npu") for t in (q, k, cos, sin)))
+        swaps = swapped_modules(holder, card="npu-rope")
+        if [s.layer for s in swaps] != [rule.layer] or calls["npu_rotary_mul"] != 2:
+            failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
+        elif not all(torch.equal(a.cpu(), b) for a, b in zip(got, expected, strict=True)):
+            failures.append(f"{rule.path}: differs from the original")
+    assert failures == []
+    assert len(ROPE_RULES) == 84

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from kernels import get_local_kernel
+
 from npu_hub_kernels import emulation
 
 SCALINGS = ["plain", "zero_centered", "float32_scale"]

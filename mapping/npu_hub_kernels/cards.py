@@ -34,7 +34,10 @@ class Card:
 
 CARDS: dict[str, Card] = {
     card.kernel_id: card
-    for card in (Card("npu_fused_rmsnorm", "npu-rms-norm", ("RMSNorm", "RMSNormZeroCentered", "RMSNormFloat32Scale")),)
+    for card in (
+        Card("npu_fused_rmsnorm", "npu-rms-norm", ("RMSNorm", "RMSNormZeroCentered", "RMSNormFloat32Scale")),
+        Card("npu_fused_rope", "npu-rope", ("RotaryPosEmb",)),
+    )
 }
 
 

@@ -1,5 +1,8 @@
 """Which transformers classes each card's layers replace: the one place that knows models by class.
 
+For npu-rope the listed objects are `apply_rotary_pos_emb` function-modules (transformers turns the
+decorated function into a module instance); their class is what gets retagged.
+
 Class paths are relative to `transformers.models` (`<model>.<modeling file>.<class>`), checked
 against transformers 5.22.2. A class is listed only when the card's layer computes exactly what its
 forward computes: established numerically for every norm class of transformers 5.22.2 (a survey of
@@ -235,10 +238,100 @@ LEFT_OUT = {
     "zamba2.modeling_zamba2.Zamba2RMSNormGated": _OPTIONAL_GATE,
 }
 
+# npu-rope, layer RotaryPosEmb: apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) exactly as LlamaModel's
+# (same code and rotate_half), attached to the attention modules with @use_kernelized_func. These are
+# function-modules: the rule retags the class of the module-level instance.
+STANDARD_ROPE = (
+    "afmoe.modeling_afmoe.apply_rotary_pos_emb",
+    "apertus.modeling_apertus.apply_rotary_pos_emb",
+    "arcee.modeling_arcee.apply_rotary_pos_emb",
+    "aria.modeling_aria.apply_rotary_pos_emb",
+    "bitnet.modeling_bitnet.apply_rotary_pos_emb",
+    "cosmos3_edge.modeling_cosmos3_edge.apply_rotary_pos_emb",
+    "csm.modeling_csm.apply_rotary_pos_emb",
+    "cwm.modeling_cwm.apply_rotary_pos_emb",
+    "deepseek_ocr2.modeling_deepseek_ocr2.apply_rotary_pos_emb",
+    "dia.modeling_dia.apply_rotary_pos_emb",
+    "diffllama.modeling_diffllama.apply_rotary_pos_emb",
+    "dots1.modeling_dots1.apply_rotary_pos_emb",
+    "embedding_gemma2.modeling_embedding_gemma2.apply_rotary_pos_emb",
+    "emu3.modeling_emu3.apply_rotary_pos_emb",
+    "esmc.modeling_esmc.apply_rotary_pos_emb",
+    "eurobert.modeling_eurobert.apply_rotary_pos_emb",
+    "falcon_h1.modeling_falcon_h1.apply_rotary_pos_emb",
+    "flint.modeling_flint.apply_rotary_pos_emb",
+    "gemma.modeling_gemma.apply_rotary_pos_emb",
+    "gemma2.modeling_gemma2.apply_rotary_pos_emb",
+    "gemma3.modeling_gemma3.apply_rotary_pos_emb",
+    "gradium_phonon_tts.modeling_gradium_phonon_tts.apply_rotary_pos_emb",
+    "granite.modeling_granite.apply_rotary_pos_emb",
+    "granite4_vision.modeling_granite4_vision.apply_rotary_pos_emb",
+    "granite_swa.modeling_granite_swa.apply_rotary_pos_emb",
+    "granitemoe.modeling_granitemoe.apply_rotary_pos_emb",
+    "granitemoe_swa.modeling_granitemoe_swa.apply_rotary_pos_emb",
+    "granitemoehybrid.modeling_granitemoehybrid.apply_rotary_pos_emb",
+    "granitemoeshared.modeling_granitemoeshared.apply_rotary_pos_emb",
+    "gte.modeling_gte.apply_rotary_pos_emb",
+    "higgs_audio_v2.modeling_higgs_audio_v2.apply_rotary_pos_emb",
+    "hrm_text.modeling_hrm_text.apply_rotary_pos_emb",
+    "hunyuan_v1_dense.modeling_hunyuan_v1_dense.apply_rotary_pos_emb",
+    "hunyuan_v1_moe.modeling_hunyuan_v1_moe.apply_rotary_pos_emb",
+    "hy_v3.modeling_hy_v3.apply_rotary_pos_emb",
+    "hyperclovax.modeling_hyperclovax.apply_rotary_pos_emb",
+    "jais2.modeling_jais2.apply_rotary_pos_emb",
+    "jamba.modeling_jamba.apply_rotary_pos_emb",
+    "jina_embeddings_v3.modeling_jina_embeddings_v3.apply_rotary_pos_emb",
+    "lasr.modeling_lasr.apply_rotary_pos_emb",
+    "lfm2.modeling_lfm2.apply_rotary_pos_emb",
+    "lfm2_moe.modeling_lfm2_moe.apply_rotary_pos_emb",
+    "llama.modeling_llama.apply_rotary_pos_emb",
+    "mellum.modeling_mellum.apply_rotary_pos_emb",
+    "minimax.modeling_minimax.apply_rotary_pos_emb",
+    "ministral.modeling_ministral.apply_rotary_pos_emb",
+    "ministral3.modeling_ministral3.apply_rotary_pos_emb",
+    "mistral.modeling_mistral.apply_rotary_pos_emb",
+    "mixtral.modeling_mixtral.apply_rotary_pos_emb",
+    "molmo2.modeling_molmo2.apply_rotary_pos_emb",
+    "muse_glimmer.modeling_muse_glimmer.apply_rotary_pos_emb",
+    "muse_spark.modeling_muse_spark.apply_rotary_pos_emb",
+    "nemotron_asr_streaming.modeling_nemotron_asr_streaming.apply_rotary_pos_emb",
+    "nemotron_h.modeling_nemotron_h.apply_rotary_pos_emb",
+    "neucodec.modeling_neucodec.apply_rotary_pos_emb",
+    "nomic_bert.modeling_nomic_bert.apply_rotary_pos_emb",
+    "olmoe.modeling_olmoe.apply_rotary_pos_emb",
+    "paddleocr_vl.modeling_paddleocr_vl.apply_rotary_pos_emb",
+    "parakeet.modeling_parakeet.apply_rotary_pos_emb",
+    "phi.modeling_phi.apply_rotary_pos_emb",
+    "phimoe.modeling_phimoe.apply_rotary_pos_emb",
+    "pixtral.modeling_pixtral.apply_rotary_pos_emb",
+    "pocket_tts.modeling_pocket_tts.apply_rotary_pos_emb",
+    "qwen2.modeling_qwen2.apply_rotary_pos_emb",
+    "qwen2_5_omni.modeling_qwen2_5_omni.apply_rotary_pos_emb",
+    "qwen2_5_vl.modeling_qwen2_5_vl.apply_rotary_pos_emb",
+    "qwen2_moe.modeling_qwen2_moe.apply_rotary_pos_emb",
+    "qwen2_vl.modeling_qwen2_vl.apply_rotary_pos_emb",
+    "qwen3.modeling_qwen3.apply_rotary_pos_emb",
+    "qwen3_moe.modeling_qwen3_moe.apply_rotary_pos_emb",
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.apply_rotary_pos_emb",
+    "qwen3_vl.modeling_qwen3_vl.apply_rotary_pos_emb",
+    "qwen3_vl_moe.modeling_qwen3_vl_moe.apply_rotary_pos_emb",
+    "smollm3.modeling_smollm3.apply_rotary_pos_emb",
+    "solar_open.modeling_solar_open.apply_rotary_pos_emb",
+    "starcoder2.modeling_starcoder2.apply_rotary_pos_emb",
+    "t5gemma.modeling_t5gemma.apply_rotary_pos_emb",
+    "t5gemma2.modeling_t5gemma2.apply_rotary_pos_emb",
+    "timesfm2_5.modeling_timesfm2_5.apply_rotary_pos_emb",
+    "ultrabert.modeling_ultrabert.apply_rotary_pos_emb",
+    "unlimited_ocr.modeling_unlimited_ocr.apply_rotary_pos_emb",
+    "vaultgemma.modeling_vaultgemma.apply_rotary_pos_emb",
+    "voxtral_realtime.modeling_voxtral_realtime.apply_rotary_pos_emb",
+    "xcodec2.modeling_xcodec2.apply_rotary_pos_emb",
+)
+
 
 @dataclass(frozen=True)
 class ClassRule:
-    """A transformers class whose forward a card layer replaces."""
+    """A transformers class (or function-module: its class) whose forward a card layer replaces."""
 
     path: str
     layer: str
@@ -260,5 +353,6 @@ MODEL_CLASSES: dict[str, list[ClassRule]] = {
     "npu_fused_rmsnorm": _rules("RMSNorm", PLAIN_NORMS)
     + _rules("RMSNormZeroCentered", ZERO_CENTERED_NORMS)
     + _rules("RMSNormFloat32Scale", FLOAT32_SCALE_NORMS),
+    "npu_fused_rope": _rules("RotaryPosEmb", STANDARD_ROPE),
 }
 """Kernel id -> the classes its layers replace."""

@@ -156,25 +156,30 @@ class Swap:
     variant: str
 
 
-def swapped_modules(model: nn.Module) -> list[Swap]:
-    """Which modules of `model` run an npu-hub-kernels layer, from which card and build variant."""
+def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
+    """Which modules of `model` run an npu-hub-kernels layer, from which card and build variant
+    (only those of `card`, e.g. "npu-rope", when given).
+
+    Function-modules that a module calls (transformers attaches `apply_rotary_pos_emb` to each
+    attention module under `_kernel_funcs`) are listed under the calling module's name.
+    """
     swaps = []
     for name, module in model.named_modules():
-        forward = module.__dict__.get("forward")
-        if not isinstance(forward, MethodType):
-            continue
-        build = _card_build_of(forward.__func__)
-        if build is None:
-            continue
-        swaps.append(
-            Swap(
-                module=name or "<root>",
-                module_class=type(module).__name__,
-                card=build.CARD,
-                layer=forward.__func__.__qualname__.split(".")[0],
-                variant=build.VARIANT,
-            )
-        )
+        candidates = [(name, module)]
+        candidates += [(f"{name}.{fname}", fn) for fname, fn in module.__dict__.get("_kernel_funcs", {}).items()]
+        for qualified, candidate in candidates:
+            forward = candidate.__dict__.get("forward")
+            build = _card_build_of(forward.__func__) if isinstance(forward, MethodType) else None
+            if build is not None and card in (None, build.CARD):
+                swaps.append(
+                    Swap(
+                        module=qualified or "<root>",
+                        module_class=type(candidate).__name__,
+                        card=build.CARD,
+                        layer=forward.__func__.__qualname__.split(".")[0],
+                        variant=build.VARIANT,
+                    )
+                )
     return swaps
 
 
@@ -203,13 +208,18 @@ def _repository(card: Card, layer: str, *, org: str, version: int, local_dir, tr
 def _tag_when_imported(rule: ClassRule, mapping_name: str) -> None:
     module = sys.modules.get(rule.module)
     if module is not None:
-        _retag(getattr(module, rule.class_name), mapping_name)
+        _retag(_class_of(getattr(module, rule.class_name)), mapping_name)
         return
     entries = _pending.setdefault(rule.module, [])
     if (rule.class_name, mapping_name) not in entries:
         entries.append((rule.class_name, mapping_name))
     if not any(isinstance(finder, _RetagOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _RetagOnImport())
+
+
+def _class_of(obj: object) -> type:
+    """A listed class, or the class of a function-module instance (a decorated apply_rotary_pos_emb)."""
+    return obj if isinstance(obj, type) else type(obj)
 
 
 def _retag(cls: type, mapping_name: str) -> None:
@@ -246,4 +256,4 @@ class _RetaggingLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         for class_name, mapping_name in _pending.pop(self._fullname, []):
-            _retag(getattr(module, class_name), mapping_name)
+            _retag(_class_of(getattr(module, class_name)), mapping_name)

@@ -1,0 +1,7 @@
+"""npu-rope: rotary position embedding on Huawei Ascend NPUs through torch_npu.npu_rotary_mul."""
+
+from . import layers
+from ._build import VARIANT
+from .rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_eager, rotary_unavailable_reason
+
+__all__ = ["VARIANT", "apply_rotary_pos_emb", "apply_rotary_pos_emb_eager", "layers", "rotary_unavailable_reason"]

@@ -1,0 +1,151 @@
+"""npu-rope, op level: the card's apply_rotary_pos_emb against a float64 reference, and which path runs.
+
+Parity follows flash-attention's idiom: the kernel's error against float64 is at most twice the
+error of transformers' eager math in the same dtype. The fused path is proven by the emulated op's
+call counter (one call for q, one for k); every fallback is proven to skip it and to equal eager.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kernels import get_local_kernel
+
+from npu_hub_kernels import emulation
+
+
+@pytest.fixture(scope="module")
+def card(built_cards):
+    return get_local_kernel(built_cards / "npu-rope")
+
+
+def rotary_inputs(batch, q_heads, kv_heads, seq, head_dim, dtype, cos_batch=None, unsqueeze_dim=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (lambda h: (batch, h, seq, head_dim)) if unsqueeze_dim == 1 else (lambda h: (batch, seq, h, head_dim))
+    q = torch.randn(shape(q_heads), generator=g).to(dtype)
+    k = torch.randn(shape(kv_heads), generator=g).to(dtype)
+    angles = torch.rand(cos_batch or batch, seq, head_dim // 2, generator=g) * 6.28
+    emb = torch.cat((angles, angles), dim=-1)
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def npu(*tensors):
+    return [t.to("npu") for t in tensors]
+
+
+def reference_fp64(q, k, cos, sin, unsqueeze_dim):
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    cos, sin = cos.double().unsqueeze(unsqueeze_dim), sin.double().unsqueeze(unsqueeze_dim)
+    return tuple(x.double() * cos + rotate_half(x.double()) * sin for x in (q, k))
+
+
+def random_cases(count: int, seed: int):
+    rng = random.Random(seed)
+    for i in range(count):
+        kv_heads = rng.choice([1, 2, 4])
+        yield dict(
+            batch=rng.choice([1, 2, 3]),
+            q_heads=kv_heads * rng.choice([1, 2, 4]),
+            kv_heads=kv_heads,
+            seq=rng.choice([1, 7, 13, 32]),
+            head_dim=rng.choice([64, 80, 96, 128, 256]),
+            cos_batch=rng.choice([None, 1]),
+            unsqueeze_dim=rng.choice([1, 2]),
+            seed=i,
+        )
+
+
+@pytest.mark.parametrize(("dtype", "seed"), [(torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2)])
+def test_fused_error_at_most_twice_eager_error(card, dtype, seed):
+    for case in random_cases(16, seed):
+        q, k, cos, sin = rotary_inputs(dtype=dtype, **case)
+        with emulation.count_op_calls() as calls:
+            fused = [t.cpu() for t in card.apply_rotary_pos_emb(*npu(q, k, cos, sin), case["unsqueeze_dim"])]
+        assert calls["npu_rotary_mul"] == 2, case
+        eager = card.apply_rotary_pos_emb_eager(q, k, cos, sin, case["unsqueeze_dim"])
+        for got, want, ref in zip(fused, eager, reference_fp64(q, k, cos, sin, case["unsqueeze_dim"]), strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            fused_error = (got.double() - ref).abs().max().item()
+            eager_error = (want.double() - ref).abs().max().item()
+            assert fused_error <= 2 * eager_error + 1e-6, (case, fused_error, eager_error)
+
+
+def test_fp32_fused_equals_eager_exactly(card):
+    q, k, cos, sin = rotary_inputs(2, 8, 2, 9, 128, torch.float32)
+    fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin))
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_backward_reaches_q_k_cos_and_sin(card):
+    q, k, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, cos, sin)]
+    npu_leaves = [t.clone().to("npu").requires_grad_() for t in (q, k, cos, sin)]
+    sum(x.pow(2).sum() for x in card.apply_rotary_pos_emb_eager(*leaves)).backward()
+    with emulation.count_op_calls() as calls:
+        sum(x.pow(2).sum() for x in card.apply_rotary_pos_emb(*npu_leaves)).backward()
+    assert calls["npu_rotary_mul"] == 2
+    for got, want in zip(npu_leaves, leaves, strict=True):
+        torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5)
+
+
+def _fallback_cases():
+    return {
+        "head dim >= 896": (rotary_inputs(1, 2, 2, 3, 896, torch.float32), "below 896"),
+        "batch >= 1000": (rotary_inputs(1000, 1, 1, 1, 8, torch.float32), "below 1000"),
+        "heads >= 1000": (rotary_inputs(1, 1000, 1000, 1, 8, torch.float32), "below 1000"),
+        "empty sequence": (rotary_inputs(2, 4, 2, 0, 64, torch.float32), "empty input"),
+        "float64": (rotary_inputs(2, 4, 2, 5, 64, torch.float64), "float64"),
+        "cos dtype differs": (
+            (*rotary_inputs(2, 4, 2, 5, 64, torch.bfloat16)[:2], *rotary_inputs(2, 4, 2, 5, 64, torch.float32)[2:]),
+            "differs",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_fallback_cases()))
+def test_unsupported_inputs_take_the_exact_eager_path(card, case):
+    (q, k, cos, sin), reason = _fallback_cases()[case]
+    assert reason in card.rotary_unavailable_reason(q.to("npu"), cos.unsqueeze(1).to("npu"), 1)
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin))
+    assert calls["npu_rotary_mul"] == 0
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_odd_head_dim_and_three_dim_inputs_take_the_eager_path(card):
+    q, k = torch.randn(2, 5, 63), torch.randn(2, 5, 63)  # 3-D [B, S, D] with an odd D
+    cos, sin = torch.randn(2, 5, 63), torch.randn(2, 5, 63)
+    assert "4-D" in card.rotary_unavailable_reason(q.to("npu"), cos.to("npu"), 1)
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 0)
+    assert calls["npu_rotary_mul"] == 0
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin, 0), strict=True):
+        assert torch.equal(got.cpu(), want)
+    cos_odd = torch.randn(1, 1, 3, 63)
+    assert "must be even" in card.rotary_unavailable_reason(torch.randn(1, 2, 3, 63).to("npu"), cos_odd.to("npu"), 1)
+
+
+def test_non_contiguous_q_and_k_are_fused_and_correct(card):
+    q, k, cos, sin = rotary_inputs(2, 4, 2, 6, 64, torch.float32, unsqueeze_dim=2)
+    q_t, k_t = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, D] views of [B, S, H, D]
+    assert not q_t.is_contiguous()
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(*npu(q_t, k_t, cos, sin))
+    assert calls["npu_rotary_mul"] == 2
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q_t, k_t, cos, sin), strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_host_tensors_take_the_eager_path(card):
+    q, k, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32)
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(q, k, cos, sin)
+    assert calls["npu_rotary_mul"] == 0
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
+        assert torch.equal(got, want)
