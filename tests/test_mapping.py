@@ -29,8 +29,12 @@ from npu_hub_kernels.tiny_models import norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 
 MODEL_TYPES = ["llama", "qwen3", "gemma3_text", "olmo2"]
-ROPE_FUSED = {"llama": True, "qwen3": True, "gemma3_text": True, "olmo2": False}
-"""Families whose apply_rotary_pos_emb npu-rope replaces (olmo2 casts differently: not listed yet)."""
+ROPE_LAYER = {
+    "llama": "RotaryPosEmb",
+    "qwen3": "RotaryPosEmb",
+    "gemma3_text": "RotaryPosEmb",
+    "olmo2": "RotaryPosEmbCastBack",
+}
 EXPECTED_LAYER = {
     "llama": "RMSNorm",
     "qwen3": "RMSNorm",
@@ -63,8 +67,8 @@ def test_kernelized_fp32_forward_matches_eager_and_fused_op_ran_in_every_norm(np
         fused = forward(model, ids)
     assert calls["npu_rms_norm"] == norm_module_count(model) > 0
     layers = model.config.num_hidden_layers
-    assert calls["npu_rotary_mul"] == (2 * layers if ROPE_FUSED[model_type] else 0)
-    assert len(swapped_modules(model, card="npu-rope")) == (layers if ROPE_FUSED[model_type] else 0)
+    assert calls["npu_rotary_mul"] == 2 * layers
+    assert [s.layer for s in swapped_modules(model, card="npu-rope")] == [ROPE_LAYER[model_type]] * layers
     swaps = swapped_modules(model, card="npu-rms-norm")
     assert len(swaps) == norm_module_count(model)
     assert {s.layer for s in swaps} == {EXPECTED_LAYER[model_type]} and {s.card for s in swaps} == {"npu-rms-norm"}

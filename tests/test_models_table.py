@@ -12,7 +12,7 @@ import transformers.models
 from kernels import Mode, kernelize
 
 from npu_hub_kernels import emulation, swapped_modules
-from npu_hub_kernels.models import LEFT_OUT, MODEL_CLASSES, ClassRule
+from npu_hub_kernels.models import LEFT_OUT, MODEL_CLASSES, ROPE_LEFT_OUT, ClassRule
 
 RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
 ROPE_RULES = MODEL_CLASSES["npu_fused_rope"]
@@ -99,14 +99,15 @@ def test_every_listed_class_is_swapped_and_matches_its_own_forward(npu_kernels, 
 
 
 def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_kernels):
-    """Each listed apply_rotary_pos_emb function-module, kernelized through its own attention
-    module's `_kernel_funcs`, rotates exactly as the function transformers ships."""
+    """Each listed apply_rotary_pos_emb function-module, kernelized through an attention module's
+    `_kernel_funcs`, rotates exactly as the function transformers ships (float32)."""
     failures = []
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)
     angles = torch.rand(2, 5, 16, generator=g) * 6.28
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     for rule in ROPE_RULES:
+        emb = angles if rule.layer == "RotaryPosEmbHalfAngles" else torch.cat((angles, angles), -1)
+        cos, sin = emb.cos(), emb.sin()
         function_module = getattr(importlib.import_module(rule.module), rule.class_name)
         original = type(function_module).forward
         with torch.no_grad():
@@ -122,4 +123,26 @@ def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_ke
         elif not all(torch.equal(a.cpu(), b) for a, b in zip(got, expected, strict=True)):
             failures.append(f"{rule.path}: differs from the original")
     assert failures == []
-    assert len(ROPE_RULES) == 84
+
+
+@pytest.mark.slow
+def test_every_decorated_rotary_function_is_decided():
+    """Each apply_rotary_pos_emb that transformers decorates "rotary_pos_emb" is replaced or left out with a reason."""
+    decorated = set()
+    for model in pkgutil.iter_modules(transformers.models.__path__):
+        package = importlib.import_module(f"transformers.models.{model.name}") if model.ispkg else None
+        for file in pkgutil.iter_modules(package.__path__) if package else []:
+            if file.name.startswith("modeling_"):
+                try:
+                    module = importlib.import_module(f"{package.__name__}.{file.name}")
+                except ImportError:
+                    continue
+                function_module = getattr(module, "apply_rotary_pos_emb", None)
+                if getattr(type(function_module), "kernel_layer_name", None) in ("rotary_pos_emb", None) and (
+                    isinstance(function_module, torch.nn.Module)
+                ):
+                    decorated.add(f"{model.name}.{file.name}.apply_rotary_pos_emb")
+    listed = {rule.path for rule in ROPE_RULES}
+    assert decorated - listed - set(ROPE_LEFT_OUT) == set()
+    assert not listed & set(ROPE_LEFT_OUT)
+    assert (len(listed), len(ROPE_LEFT_OUT)) == (95, 23)

@@ -21,13 +21,19 @@ def card(built_cards):
     return get_local_kernel(built_cards / "npu-rope")
 
 
-def rotary_inputs(batch, q_heads, kv_heads, seq, head_dim, dtype, cos_batch=None, unsqueeze_dim=1, seed=0):
+STYLES = ["llama", "cast_back", "float32", "half_angles"]
+
+
+def rotary_inputs(
+    batch, q_heads, kv_heads, seq, head_dim, dtype, cos_batch=None, unsqueeze_dim=1, seed=0, style="llama"
+):
+    """q, k and cos/sin as transformers passes them: cos/sin cover half the head dim for "half_angles"."""
     g = torch.Generator().manual_seed(seed)
     shape = (lambda h: (batch, h, seq, head_dim)) if unsqueeze_dim == 1 else (lambda h: (batch, seq, h, head_dim))
     q = torch.randn(shape(q_heads), generator=g).to(dtype)
     k = torch.randn(shape(kv_heads), generator=g).to(dtype)
     angles = torch.rand(cos_batch or batch, seq, head_dim // 2, generator=g) * 6.28
-    emb = torch.cat((angles, angles), dim=-1)
+    emb = angles if style == "half_angles" else torch.cat((angles, angles), dim=-1)
     return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -35,11 +41,13 @@ def npu(*tensors):
     return [t.to("npu") for t in tensors]
 
 
-def reference_fp64(q, k, cos, sin, unsqueeze_dim):
+def reference_fp64(q, k, cos, sin, unsqueeze_dim, style="llama"):
     def rotate_half(x):
         return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
 
     cos, sin = cos.double().unsqueeze(unsqueeze_dim), sin.double().unsqueeze(unsqueeze_dim)
+    if style == "half_angles":
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     return tuple(x.double() * cos + rotate_half(x.double()) * sin for x in (q, k))
 
 
@@ -59,26 +67,40 @@ def random_cases(count: int, seed: int):
         )
 
 
+@pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize(("dtype", "seed"), [(torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2)])
-def test_fused_error_at_most_twice_eager_error(card, dtype, seed):
-    for case in random_cases(16, seed):
-        q, k, cos, sin = rotary_inputs(dtype=dtype, **case)
+def test_fused_error_at_most_twice_eager_error(card, style, dtype, seed):
+    for case in random_cases(12, seed):
+        q, k, cos, sin = rotary_inputs(dtype=dtype, style=style, **case)
+        dim = case["unsqueeze_dim"]
         with emulation.count_op_calls() as calls:
-            fused = [t.cpu() for t in card.apply_rotary_pos_emb(*npu(q, k, cos, sin), case["unsqueeze_dim"])]
+            fused = [t.cpu() for t in card.apply_rotary_pos_emb(*npu(q, k, cos, sin), dim, style)]
         assert calls["npu_rotary_mul"] == 2, case
-        eager = card.apply_rotary_pos_emb_eager(q, k, cos, sin, case["unsqueeze_dim"])
-        for got, want, ref in zip(fused, eager, reference_fp64(q, k, cos, sin, case["unsqueeze_dim"]), strict=True):
+        eager = card.apply_rotary_pos_emb_eager(q, k, cos, sin, dim, style)
+        for got, want, ref in zip(fused, eager, reference_fp64(q, k, cos, sin, dim, style), strict=True):
             assert got.dtype == want.dtype and got.shape == want.shape
             fused_error = (got.double() - ref).abs().max().item()
             eager_error = (want.double() - ref).abs().max().item()
             assert fused_error <= 2 * eager_error + 1e-6, (case, fused_error, eager_error)
 
 
-def test_fp32_fused_equals_eager_exactly(card):
-    q, k, cos, sin = rotary_inputs(2, 8, 2, 9, 128, torch.float32)
-    fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin))
-    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
+@pytest.mark.parametrize("style", STYLES)
+def test_fp32_fused_equals_eager_exactly(card, style):
+    q, k, cos, sin = rotary_inputs(2, 8, 2, 9, 128, torch.float32, style=style)
+    fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 1, style)
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin, 1, style), strict=True):
         assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("style", ["cast_back", "float32"])
+def test_styles_that_compute_in_float32_are_exact_with_bf16_q_and_float32_cos(card, style):
+    q, k, _, _ = rotary_inputs(2, 4, 2, 5, 64, torch.bfloat16)
+    _, _, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32)
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 1, style)
+    assert calls["npu_rotary_mul"] == 2
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin, 1, style), strict=True):
+        assert got.dtype == torch.bfloat16 and torch.equal(got.cpu(), want)
 
 
 def test_backward_reaches_q_k_cos_and_sin(card):

@@ -36,7 +36,11 @@ CARDS: dict[str, Card] = {
     card.kernel_id: card
     for card in (
         Card("npu_fused_rmsnorm", "npu-rms-norm", ("RMSNorm", "RMSNormZeroCentered", "RMSNormFloat32Scale")),
-        Card("npu_fused_rope", "npu-rope", ("RotaryPosEmb",)),
+        Card(
+            "npu_fused_rope",
+            "npu-rope",
+            ("RotaryPosEmb", "RotaryPosEmbCastBack", "RotaryPosEmbFloat32", "RotaryPosEmbHalfAngles"),
+        ),
     )
 }
 

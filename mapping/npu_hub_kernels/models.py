@@ -328,6 +328,58 @@ STANDARD_ROPE = (
     "xcodec2.modeling_xcodec2.apply_rotary_pos_emb",
 )
 
+# npu-rope, layer RotaryPosEmbCastBack: the same, then .to(q.dtype) (differs from Llama when cos is float32).
+ROPE_CAST_BACK = (
+    "beam.modeling_beam.apply_rotary_pos_emb",
+    "flex_olmo.modeling_flex_olmo.apply_rotary_pos_emb",
+    "olmo.modeling_olmo.apply_rotary_pos_emb",
+    "olmo2.modeling_olmo2.apply_rotary_pos_emb",
+    "olmo3.modeling_olmo3.apply_rotary_pos_emb",
+    "olmo_hybrid.modeling_olmo_hybrid.apply_rotary_pos_emb",
+)
+
+# npu-rope, layer RotaryPosEmbFloat32: q.float() inside, cast back once.
+ROPE_FLOAT32 = (
+    "esm.modeling_esm.apply_rotary_pos_emb",
+    "evolla.modeling_evolla.apply_rotary_pos_emb",
+    "hunyuan_vl.modeling_hunyuan_vl.apply_rotary_pos_emb",
+    "modernbert.modeling_modernbert.apply_rotary_pos_emb",
+)
+
+# npu-rope, layer RotaryPosEmbHalfAngles: half-dim cos/sin, first/second-half rotation (GPT-OSS).
+ROPE_HALF_ANGLES = ("gpt_oss.modeling_gpt_oss.apply_rotary_pos_emb",)
+
+_NOT_ATTACHED = "decorated, but never attached to a module (@use_kernelized_func): kernelize cannot reach it"
+
+# Decorated apply_rotary_pos_emb functions of transformers 5.22.2 that npu-rope does not replace, and why.
+ROPE_LEFT_OUT = {
+    "openai_privacy_filter.modeling_openai_privacy_filter.apply_rotary_pos_emb": (
+        "rotates interleaved pairs with half-dim cos/sin (GPT-J style): for the interleave layer, not built yet"
+    ),
+    "axk1.modeling_axk1.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "axk2.modeling_axk2.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "cohere_compass.modeling_cohere_compass.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "dbrx.modeling_dbrx.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "deepseek_v3.modeling_deepseek_v3.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "deepseek_v32.modeling_deepseek_v32.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "doge.modeling_doge.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "exaone4.modeling_exaone4.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "exaone4_5.modeling_exaone4_5.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "exaone_moe.modeling_exaone_moe.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "glm4_moe_lite.modeling_glm4_moe_lite.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "hy_v4.modeling_hy_v4.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "idefics.modeling_idefics.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "jetmoe.modeling_jetmoe.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "kolibri1.modeling_kolibri1.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "minicpm3.modeling_minicpm3.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "mistral4.modeling_mistral4.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "modernbert_decoder.modeling_modernbert_decoder.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "nanochat.modeling_nanochat.apply_rotary_pos_emb": "its rotate_half has the opposite sign (x2, -x1)",
+    "seed_oss.modeling_seed_oss.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "youtu.modeling_youtu.apply_rotary_pos_emb": _NOT_ATTACHED,
+    "zamba2.modeling_zamba2.apply_rotary_pos_emb": _NOT_ATTACHED,
+}
+
 
 @dataclass(frozen=True)
 class ClassRule:
@@ -353,6 +405,9 @@ MODEL_CLASSES: dict[str, list[ClassRule]] = {
     "npu_fused_rmsnorm": _rules("RMSNorm", PLAIN_NORMS)
     + _rules("RMSNormZeroCentered", ZERO_CENTERED_NORMS)
     + _rules("RMSNormFloat32Scale", FLOAT32_SCALE_NORMS),
-    "npu_fused_rope": _rules("RotaryPosEmb", STANDARD_ROPE),
+    "npu_fused_rope": _rules("RotaryPosEmb", STANDARD_ROPE)
+    + _rules("RotaryPosEmbCastBack", ROPE_CAST_BACK)
+    + _rules("RotaryPosEmbFloat32", ROPE_FLOAT32)
+    + _rules("RotaryPosEmbHalfAngles", ROPE_HALF_ANGLES),
 }
 """Kernel id -> the classes its layers replace."""

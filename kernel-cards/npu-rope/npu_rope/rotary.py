@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from ._npu import npu_unavailable_reason, torch_npu
@@ -49,19 +51,63 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: in
     return (x * cos) + (rotate_half(x) * sin)
 
 
+Style = Literal["llama", "cast_back", "float32", "half_angles"]
+"""How a transformers family writes apply_rotary_pos_emb (all in the rotate_half convention):
+
+- "llama": `q * cos + rotate_half(q) * sin` in the input dtypes (LlamaModel and 83 more).
+- "cast_back": the same, then `.to(q.dtype)` (Olmo, Olmo2/3, FlexOlmo): differs when cos is float32.
+- "float32": `q.float()` inside, cast back once (ESM, ModernBERT, Evolla, HunYuan-VL).
+- "half_angles": cos/sin cover half the head dim, `first * cos - second * sin, second * cos + first * sin`
+  over the two halves (GPT-OSS): the same rotation with cos/sin repeated over both halves.
+"""
+
+
 def apply_rotary_pos_emb(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+    style: Style = "llama",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' apply_rotary_pos_emb: q/k [B, H, S, D] (unsqueeze_dim=1) or [B, S, H, D] (2)."""
+    """transformers' apply_rotary_pos_emb, written the way `style` says; q/k [B, H, S, D] or [B, S, H, D]."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    return rotate(q, cos, sin, unsqueeze_dim), rotate(k, cos, sin, unsqueeze_dim)
+    if style == "half_angles":
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    return _apply(q, cos, sin, unsqueeze_dim, style), _apply(k, cos, sin, unsqueeze_dim, style)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int, style: Style) -> torch.Tensor:
+    if style == "float32":
+        return rotate(x.float(), cos.float(), sin.float(), heads_axis).to(x.dtype)
+    if style == "cast_back":
+        compute = torch.promote_types(x.dtype, cos.dtype)
+        return rotate(x.to(compute), cos.to(compute), sin.to(compute), heads_axis).to(x.dtype)
+    return rotate(x, cos, sin, heads_axis)
 
 
 def apply_rotary_pos_emb_eager(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+    style: Style = "llama",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LlamaModel's apply_rotary_pos_emb, operation for operation (the reference for the fused path)."""
+    """The transformers function of each style, operation for operation (the reference for the fused path)."""
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+    if style == "half_angles":
+
+        def rotated(x):
+            first, second = torch.chunk(x, 2, dim=-1)
+            return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+        return rotated(q), rotated(k)
+    if style == "float32":
+        return tuple(((x.float() * cos) + (rotate_half(x.float()) * sin)).to(x.dtype) for x in (q, k))
+    embedded = tuple((x * cos) + (rotate_half(x) * sin) for x in (q, k))
+    if style == "cast_back":
+        return embedded[0].to(q.dtype), embedded[1].to(k.dtype)
+    return embedded
