@@ -176,11 +176,19 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
                         module=qualified or "<root>",
                         module_class=type(candidate).__name__,
                         card=build.CARD,
-                        layer=forward.__func__.__qualname__.split(".")[0],
+                        layer=_layer_name_of(forward.__func__),
                         variant=build.VARIANT,
                     )
                 )
     return swaps
+
+
+def _layer_name_of(function) -> str:
+    """The name of the card layer whose forward `function` is (looked up in the card's layers module)."""
+    layers = vars(sys.modules[function.__module__])
+    return next(
+        name for name, obj in layers.items() if isinstance(obj, type) and obj.__dict__.get("forward") is function
+    )
 
 
 def _card_build_of(function) -> ModuleType | None:

@@ -1,57 +1,37 @@
-"""The layer `kernels.kernelize` swaps into transformers' apply_rotary_pos_emb function-modules."""
+"""Layers that `kernels.kernelize` swaps into transformers' apply_rotary_pos_emb function-modules.
+
+One layer per way transformers writes the function (see `rotary.Style`); all share its signature
+`(q, k, cos, sin, unsqueeze_dim=1)`. kernels allows a layer no members beyond `forward` and its two
+flags, so each layer is made by `_layer`, with the style in the closure.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .rotary import apply_rotary_pos_emb
+from .rotary import Style, apply_rotary_pos_emb
 
 
-class RotaryPosEmb(nn.Module):
-    """`apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` as LlamaModel writes it."""
+def _layer(name: str, style: Style, doc: str) -> type[nn.Module]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, style)
 
-    has_backward = True
     # torch.compile of the fused path is not verified on Ascend hardware yet.
-    can_torch_compile = False
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, "llama")
+    namespace = {"__doc__": doc, "__module__": __name__, "forward": forward, "has_backward": True}
+    namespace["can_torch_compile"] = False
+    return type(name, (nn.Module,), namespace)
 
 
-class RotaryPosEmbCastBack(nn.Module):
-    """As RotaryPosEmb, then cast back to the q/k dtypes (Olmo, Olmo2, Olmo3, FlexOlmo)."""
-
-    has_backward = True
-    can_torch_compile = False
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, "cast_back")
-
-
-class RotaryPosEmbFloat32(nn.Module):
-    """Rotation in float32, cast back once (ESM, ModernBERT, Evolla, HunYuan-VL)."""
-
-    has_backward = True
-    can_torch_compile = False
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, "float32")
-
-
-class RotaryPosEmbHalfAngles(nn.Module):
-    """cos/sin over half the head dim, first/second-half rotation (GPT-OSS)."""
-
-    has_backward = True
-    can_torch_compile = False
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, "half_angles")
+RotaryPosEmb = _layer("RotaryPosEmb", "llama", "apply_rotary_pos_emb as LlamaModel writes it.")
+RotaryPosEmbCastBack = _layer(
+    "RotaryPosEmbCastBack", "cast_back", "As RotaryPosEmb, then cast back to the q/k dtypes (Olmo family)."
+)
+RotaryPosEmbFloat32 = _layer(
+    "RotaryPosEmbFloat32", "float32", "Rotation in float32, cast back once (ESM, ModernBERT, Evolla, HunYuan-VL)."
+)
+RotaryPosEmbHalfAngles = _layer(
+    "RotaryPosEmbHalfAngles", "half_angles", "cos/sin over half the head dim, first/second-half rotation (GPT-OSS)."
+)
