@@ -177,3 +177,11 @@ def test_npu_rotary_mul_backward_reaches_x_r1_and_r2():
     (refs[0] * refs[1] + _rotate_half(refs[0]) * refs[2]).pow(2).sum().backward()
     for got, ref in zip(leaves, refs, strict=True):
         torch.testing.assert_close(got.grad.cpu().double(), ref.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_integer_histc_counts_as_on_a_device():
+    """transformers' MoE routing counts expert ids with histc on int tensors: devices allow it, CPU does not."""
+    ids = torch.tensor([0, 3, 3, 1, 3], dtype=torch.int64)
+    counts = torch.histc(ids.to("npu"), bins=4, min=0, max=3)
+    assert counts.device.type == "npu" and counts.dtype == torch.int64
+    assert counts.cpu().tolist() == [1, 1, 0, 3]

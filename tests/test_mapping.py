@@ -28,16 +28,9 @@ from npu_hub_kernels import (
 from npu_hub_kernels.tiny_models import norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 
-MODEL_TYPES = ["llama", "qwen3", "gemma3_text", "olmo2"]
-ROPE_LAYER = {
-    "llama": "RotaryPosEmb",
-    "qwen3": "RotaryPosEmb",
-    "gemma3_text": "RotaryPosEmb",
-    "olmo2": "RotaryPosEmbCastBack",
-}
-EXPECTED_LAYER = {
-    "llama": "RMSNorm",
-    "qwen3": "RMSNorm",
+MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "olmo2"]
+ROPE_LAYER = dict.fromkeys(MODEL_TYPES, "RotaryPosEmb") | {"olmo2": "RotaryPosEmbCastBack"}
+EXPECTED_LAYER = dict.fromkeys(MODEL_TYPES, "RMSNorm") | {
     "gemma3_text": "RMSNormZeroCentered",
     "olmo2": "RMSNormFloat32Scale",
 }

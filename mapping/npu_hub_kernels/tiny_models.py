@@ -24,11 +24,15 @@ _TINY = dict(
 
 TINY_CONFIGS = {
     "llama": {},
+    "mistral": {},
+    "qwen2": {},
     "qwen3": {},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     "olmo2": {},
 }
-"""Model type -> config overrides. Their norms cover all three npu-rms-norm layers."""
+"""Model type -> config overrides. Their norms cover all three npu-rms-norm layers, their rotary
+functions the Llama and cast-back layers of npu-rope."""
 
 
 def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:

@@ -21,6 +21,16 @@ _CROSS_DEVICE_OPS = {
 }
 
 
+def _histc(x, bins=100, min=0, max=0):
+    """histc of any dtype: accelerators count integer tensors too (transformers' MoE routing does);
+    the CPU kernel takes floating point only. Counts of small integers are exact in float64."""
+    return torch.histc(x.double(), bins=bins, min=min, max=max).to(x.dtype)
+
+
+_DEVICE_KERNELS = {torch.ops.aten.histc.default: _histc}
+"""Ops whose npu kernel accepts inputs the CPU kernel does not: run these instead on the host data."""
+
+
 class NpuTensor(torch.Tensor):
     """A tensor on the emulated npu device; `_cpu` holds its data."""
 
@@ -51,7 +61,7 @@ class NpuTensor(torch.Tensor):
         target = kwargs.get("device")
         cpu_args = tree_map(_to_inner, args)
         cpu_kwargs = tree_map(_to_inner, kwargs)
-        out = func(*cpu_args, **cpu_kwargs)
+        out = _DEVICE_KERNELS.get(func, func)(*cpu_args, **cpu_kwargs)
         if target is not None and torch.device(target).type != "npu":
             return out
         return tree_map(_wrap, out)
