@@ -17,6 +17,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def npu_rotary_mul(
     x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half", rotate=None
 ) -> torch.Tensor:
+    """torch_npu's signature; `rotate` (a custom rotation matrix) is accepted and, as in the cards, unused."""
     require_npu("npu_rotary_mul", x=x, r1=r1, r2=r2)
     _check(x, r1, r2, rotary_mode)
     x32 = x.float()
@@ -47,14 +48,14 @@ def _check(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> No
     if torch.broadcast_shapes(x.shape, r1.shape) != x.shape:
         raise RuntimeError(f"npu_rotary_mul: r1 {tuple(r1.shape)} does not broadcast to x {tuple(x.shape)}")
     if x.dim() == 4:
-        batch, heads = x.shape[0], x.shape[_head_dim(x, r1)]
+        batch, heads = x.shape[0], x.shape[_heads_axis(x, r1)]
         if mode == "half" and (batch >= 1000 or heads >= 1000):
             raise RuntimeError(f"npu_rotary_mul: 'half' needs B and N < 1000, got B={batch}, N={heads}")
         if mode == "interleave" and (batch * heads >= 1000 or r1.shape[0] != 1):
             raise RuntimeError("npu_rotary_mul: 'interleave' needs B*N < 1000 and r1 without a batch dim")
 
 
-def _head_dim(x: torch.Tensor, r1: torch.Tensor) -> int:
+def _heads_axis(x: torch.Tensor, r1: torch.Tensor) -> int:
     """The heads axis of a 4-D x: where r1 broadcasts (size 1) and x does not; BNSD by default."""
     for axis in (1, 2):
         if r1.shape[axis] == 1 and x.shape[axis] != 1:
