@@ -98,25 +98,36 @@ def test_every_listed_class_is_swapped_and_matches_its_own_forward(npu_kernels, 
     assert failures == []
 
 
+def _cos_sin_for(layer: str, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin as the transformers functions of a layer's style expect them (see rotary.STYLES)."""
+    if layer.endswith("HalfAngles"):
+        emb = angles
+    elif layer.startswith("RotaryPosEmbPairs"):
+        emb = angles.repeat_interleave(2, dim=-1)
+    else:
+        emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_kernels):
-    """Each listed apply_rotary_pos_emb function-module, kernelized through an attention module's
-    `_kernel_funcs`, rotates exactly as the function transformers ships (float32)."""
+    """Each listed rotary function-module (transformers' own, or wrapped by the registry), kernelized
+    through an attention module's `_kernel_funcs`, rotates exactly as the function transformers ships
+    (float32, GQA, batch-1 cos/sin as models pass them)."""
     failures = []
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)
-    angles = torch.rand(2, 5, 16, generator=g) * 6.28
+    angles = torch.rand(1, 5, 16, generator=g) * 6.28
     for rule in ROPE_RULES:
-        emb = angles if rule.layer == "RotaryPosEmbHalfAngles" else torch.cat((angles, angles), -1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = _cos_sin_for(rule.layer, angles)
         function_module = getattr(importlib.import_module(rule.module), rule.class_name)
         original = type(function_module).forward
         with torch.no_grad():
-            expected = original(function_module, q, k, cos, sin)
+            expected = original(function_module, q, k, cos, sin, unsqueeze_dim=1)
             holder = torch.nn.Module()
-            holder.__dict__["_kernel_funcs"] = {"apply_rotary_pos_emb": function_module}
+            holder.__dict__["_kernel_funcs"] = {rule.class_name: function_module}
             kernelize(holder, mode=Mode.INFERENCE, device="npu")
             with emulation.count_op_calls() as calls:
-                got = function_module(*(t.to("npu") for t in (q, k, cos, sin)))
+                got = function_module(*(t.to("npu") for t in (q, k, cos, sin)), unsqueeze_dim=1)
         swaps = swapped_modules(holder, card="npu-rope")
         if [s.layer for s in swaps] != [rule.layer] or calls["npu_rotary_mul"] != 2:
             failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
@@ -125,10 +136,38 @@ def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_ke
     assert failures == []
 
 
+def test_every_listed_rotary_function_has_a_caller_that_kernelize_reaches(npu_kernels):
+    """Each listed function is in the `_kernel_funcs` of at least one class of its modeling file
+    (attached by transformers, or by the registry when transformers does not)."""
+    unreached = []
+    for rule in ROPE_RULES:
+        module = importlib.import_module(rule.module)
+        function_module = getattr(module, rule.class_name)
+        callers = [
+            cls
+            for cls in vars(module).values()
+            if isinstance(cls, type) and function_module in getattr(cls, "_kernel_funcs", {}).values()
+        ]
+        if not callers and not _attached_by_transformers(module, function_module):
+            unreached.append(rule.path)
+    assert unreached == []
+
+
+def _attached_by_transformers(module, function_module) -> bool:
+    """Whether some class of `module` attaches `function_module` in __init__ (kernels' @use_kernelized_func)."""
+    for cls in vars(module).values():
+        init = getattr(cls, "__init__", None) if isinstance(cls, type) else None
+        cells = getattr(init, "__closure__", None) or ()
+        if any(function_module in (c.cell_contents if isinstance(c.cell_contents, tuple) else ()) for c in cells):
+            return True
+    return False
+
+
 @pytest.mark.slow
-def test_every_decorated_rotary_function_is_decided():
-    """Each apply_rotary_pos_emb that transformers decorates "rotary_pos_emb" is replaced or left out with a reason."""
-    decorated = set()
+def test_every_rotary_function_of_transformers_is_decided():
+    """Each module-level apply_rotary_pos_emb(_interleave) of a modeling file, decorated or not, is
+    swapped or left out with a reason."""
+    found = set()
     for model in pkgutil.iter_modules(transformers.models.__path__):
         package = importlib.import_module(f"transformers.models.{model.name}") if model.ispkg else None
         for file in pkgutil.iter_modules(package.__path__) if package else []:
@@ -137,12 +176,11 @@ def test_every_decorated_rotary_function_is_decided():
                     module = importlib.import_module(f"{package.__name__}.{file.name}")
                 except ImportError:
                     continue
-                function_module = getattr(module, "apply_rotary_pos_emb", None)
-                if getattr(type(function_module), "kernel_layer_name", None) in ("rotary_pos_emb", None) and (
-                    isinstance(function_module, torch.nn.Module)
-                ):
-                    decorated.add(f"{model.name}.{file.name}.apply_rotary_pos_emb")
+                for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):
+                    if name in vars(module):
+                        found.add(f"{model.name}.{file.name}.{name}")
     listed = {rule.path for rule in ROPE_RULES}
-    assert decorated - listed - set(ROPE_LEFT_OUT) == set()
+    assert found - listed - set(ROPE_LEFT_OUT) == set()
+    assert (listed | set(ROPE_LEFT_OUT)) - found == set()
     assert not listed & set(ROPE_LEFT_OUT)
-    assert (len(listed), len(ROPE_LEFT_OUT)) == (95, 23)
+    assert (len(listed), len(ROPE_LEFT_OUT)) == (180, 14)

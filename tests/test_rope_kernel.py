@@ -7,6 +7,7 @@ call counter (one call for q, one for k); every fallback is proven to skip it an
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -21,19 +22,63 @@ def card(built_cards):
     return get_local_kernel(built_cards / "npu-rope")
 
 
-STYLES = ["llama", "cast_back", "float32", "half_angles"]
+INTERLEAVED = {"pairs", "pairs_float32", "pairs_half_angles", "glm", "glm_float32"}
+"""Styles on npu_rotary_mul's 'interleave' mode, which takes cos/sin without a batch dim."""
+PARTIAL = {"llama", "pairs", "glm"}
+"""Styles whose transformers functions (Phi3, Glm4v, Glm4) rotate only the leading cos.shape[-1] dims."""
+
+TRANSFORMERS_FUNCTION = {
+    "llama": "phi3.modeling_phi3.apply_rotary_pos_emb",  # Llama's math, plus partial rotary
+    "cast_back": "olmo2.modeling_olmo2.apply_rotary_pos_emb",
+    "float32": "esm.modeling_esm.apply_rotary_pos_emb",
+    "half_angles": "gpt_oss.modeling_gpt_oss.apply_rotary_pos_emb",
+    "pairs": "glm4v.modeling_glm4v.apply_rotary_pos_emb",
+    "pairs_float32": "cohere.modeling_cohere.apply_rotary_pos_emb",
+    "pairs_half_angles": "openai_privacy_filter.modeling_openai_privacy_filter.apply_rotary_pos_emb",
+    "glm": "glm4.modeling_glm4.apply_rotary_pos_emb",
+    "glm_float32": "ernie4_5.modeling_ernie4_5.apply_rotary_pos_emb",
+    "deinterleave": "deepseek_v3.modeling_deepseek_v3.apply_rotary_pos_emb_interleave",
+}
+"""One transformers function per style: eager PyTorch for the parity idiom (and, in float64, the reference)."""
+STYLES = list(TRANSFORMERS_FUNCTION)
+FP64_TWIN = {"float32": "llama", "pairs_float32": "pairs", "glm_float32": "glm"}
+"""Styles that upcast to float32 inside; in float64 their reference is the same math without the upcast."""
+
+
+def test_every_style_of_the_card_is_tested(card):
+    assert set(card.STYLES) == set(STYLES)
+
+
+def transformers_function(style):
+    module, _, name = TRANSFORMERS_FUNCTION[style].rpartition(".")
+    return getattr(importlib.import_module(f"transformers.models.{module}"), name)
 
 
 def rotary_inputs(
-    batch, q_heads, kv_heads, seq, head_dim, dtype, cos_batch=None, unsqueeze_dim=1, seed=0, style="llama"
+    batch,
+    q_heads,
+    kv_heads,
+    seq,
+    head_dim,
+    dtype,
+    cos_batch=None,
+    unsqueeze_dim=1,
+    seed=0,
+    style="llama",
+    rotary_dim=None,
 ):
-    """q, k and cos/sin as transformers passes them: cos/sin cover half the head dim for "half_angles"."""
+    """q, k and cos/sin laid out as transformers passes them to a function of `style`."""
     g = torch.Generator().manual_seed(seed)
     shape = (lambda h: (batch, h, seq, head_dim)) if unsqueeze_dim == 1 else (lambda h: (batch, seq, h, head_dim))
     q = torch.randn(shape(q_heads), generator=g).to(dtype)
     k = torch.randn(shape(kv_heads), generator=g).to(dtype)
-    angles = torch.rand(cos_batch or batch, seq, head_dim // 2, generator=g) * 6.28
-    emb = angles if style == "half_angles" else torch.cat((angles, angles), dim=-1)
+    angles = torch.rand(cos_batch or batch, seq, (rotary_dim or head_dim) // 2, generator=g) * 6.28
+    if style in ("half_angles", "pairs_half_angles"):
+        emb = angles
+    elif style in ("pairs", "pairs_float32"):
+        emb = angles.repeat_interleave(2, dim=-1)
+    else:
+        emb = torch.cat((angles, angles), dim=-1)
     return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -41,14 +86,13 @@ def npu(*tensors):
     return [t.to("npu") for t in tensors]
 
 
-def reference_fp64(q, k, cos, sin, unsqueeze_dim, style="llama"):
-    def rotate_half(x):
-        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+def transformers_eager(q, k, cos, sin, unsqueeze_dim, style):
+    return transformers_function(style)(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
-    cos, sin = cos.double().unsqueeze(unsqueeze_dim), sin.double().unsqueeze(unsqueeze_dim)
-    if style == "half_angles":
-        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-    return tuple(x.double() * cos + rotate_half(x.double()) * sin for x in (q, k))
+
+def reference_fp64(q, k, cos, sin, unsqueeze_dim, style):
+    style = FP64_TWIN.get(style, style)
+    return transformers_eager(*(t.double() for t in (q, k, cos, sin)), unsqueeze_dim, style)
 
 
 def random_cases(count: int, seed: int):
@@ -64,6 +108,7 @@ def random_cases(count: int, seed: int):
             cos_batch=rng.choice([None, 1]),
             unsqueeze_dim=rng.choice([1, 2]),
             seed=i,
+            rotary_dim=rng.choice([None, None, 32]),
         )
 
 
@@ -71,12 +116,16 @@ def random_cases(count: int, seed: int):
 @pytest.mark.parametrize(("dtype", "seed"), [(torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2)])
 def test_fused_error_at_most_twice_eager_error(card, style, dtype, seed):
     for case in random_cases(12, seed):
+        if style in INTERLEAVED:
+            case["cos_batch"] = 1
+        if style not in PARTIAL:
+            case["rotary_dim"] = None
         q, k, cos, sin = rotary_inputs(dtype=dtype, style=style, **case)
         dim = case["unsqueeze_dim"]
         with emulation.count_op_calls() as calls:
             fused = [t.cpu() for t in card.apply_rotary_pos_emb(*npu(q, k, cos, sin), dim, style)]
         assert calls["npu_rotary_mul"] == 2, case
-        eager = card.apply_rotary_pos_emb_eager(q, k, cos, sin, dim, style)
+        eager = transformers_eager(q, k, cos, sin, dim, style)
         for got, want, ref in zip(fused, eager, reference_fp64(q, k, cos, sin, dim, style), strict=True):
             assert got.dtype == want.dtype and got.shape == want.shape
             fused_error = (got.double() - ref).abs().max().item()
@@ -86,9 +135,35 @@ def test_fused_error_at_most_twice_eager_error(card, style, dtype, seed):
 
 @pytest.mark.parametrize("style", STYLES)
 def test_fp32_fused_equals_eager_exactly(card, style):
-    q, k, cos, sin = rotary_inputs(2, 8, 2, 9, 128, torch.float32, style=style)
-    fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 1, style)
-    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin, 1, style), strict=True):
+    """Fused, the card's eager path and transformers' own function agree bit for bit in float32."""
+    q, k, cos, sin = rotary_inputs(2, 8, 2, 9, 128, torch.float32, cos_batch=1, style=style)
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 1, style)
+    assert calls["npu_rotary_mul"] == 2
+    eager = card.apply_rotary_pos_emb_eager(q, k, cos, sin, 1, style)
+    for got, want, original in zip(fused, eager, transformers_eager(q, k, cos, sin, 1, style), strict=True):
+        assert torch.equal(got.cpu(), want) and torch.equal(want, original)
+
+
+@pytest.mark.parametrize("style", sorted(PARTIAL))
+def test_partial_rotary_rotates_the_leading_dims_and_passes_the_rest(card, style):
+    q, k, cos, sin = rotary_inputs(1, 4, 2, 7, 128, torch.float32, style=style, rotary_dim=64)
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 1, style)
+    assert calls["npu_rotary_mul"] == 2
+    for got, x, original in zip(fused, (q, k), transformers_eager(q, k, cos, sin, 1, style), strict=True):
+        assert torch.equal(got.cpu(), original)
+        assert torch.equal(got.cpu()[..., 64:], x[..., 64:])
+
+
+def test_interleave_mode_with_per_batch_cos_takes_the_eager_path(card):
+    """npu_rotary_mul's 'interleave' mode takes cos/sin without a batch dim: batch-B cos/sin fall back."""
+    q, k, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32, style="glm")
+    assert "batch dim" in card.rotary_unavailable_reason(q.to("npu"), cos.unsqueeze(1).to("npu"), 1, "interleave")
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 1, "glm")
+    assert calls["npu_rotary_mul"] == 0
+    for got, want in zip(fused, transformers_eager(q, k, cos, sin, 1, "glm"), strict=True):
         assert torch.equal(got.cpu(), want)
 
 

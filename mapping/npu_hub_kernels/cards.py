@@ -39,7 +39,19 @@ CARDS: dict[str, Card] = {
         Card(
             "npu_fused_rope",
             "npu-rope",
-            ("RotaryPosEmb", "RotaryPosEmbCastBack", "RotaryPosEmbFloat32", "RotaryPosEmbHalfAngles"),
+            (
+                "RotaryPosEmb",
+                "RotaryPosEmbPositionIds",
+                "RotaryPosEmbCastBack",
+                "RotaryPosEmbFloat32",
+                "RotaryPosEmbHalfAngles",
+                "RotaryPosEmbPairs",
+                "RotaryPosEmbPairsFloat32",
+                "RotaryPosEmbPairsHalfAngles",
+                "RotaryPosEmbGlm",
+                "RotaryPosEmbGlmFloat32",
+                "RotaryPosEmbDeinterleave",
+            ),
         ),
     )
 }

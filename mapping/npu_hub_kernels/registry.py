@@ -10,6 +10,14 @@ classes whose math the card reproduces) with the card's own mapping name, e.g.
 in charge; transformers' re-registration cannot touch these names. Classes of modules that are not
 imported yet are retagged by an import hook when they are.
 
+Rotary functions are module-level functions, not classes. transformers turns most of them into
+function-modules (`@use_kernel_forward_from_hub`) and attaches them to the attention modules
+(`@use_kernelized_func`), which is how kernelize reaches them. For those it leaves as plain
+functions or never attaches, the registry does the same with kernels' own decorators: it replaces
+the module global with a function-module and lists it in the `_kernel_funcs` of every class of that
+modeling file that calls it (a class attribute, so models built earlier are reached too).
+`unregister_npu_kernels` undoes both.
+
 Trade-off, documented in the README: a retagged class looks up only the npu-hub-kernels entry, so
 on other devices (cuda, rocm, ...) it keeps its original forward. Call `unregister_npu_kernels()`
 to restore the classes.
@@ -19,12 +27,13 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import inspect
 import logging
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import MethodType, ModuleType
+from types import CodeType, MethodType, ModuleType
 
 from kernels import (
     LayerRepository,
@@ -33,6 +42,7 @@ from kernels import (
     kernelize,
     register_kernel_mapping,
     replace_kernel_forward_from_hub,
+    use_kernel_forward_from_hub,
 )
 from torch import nn
 
@@ -45,8 +55,12 @@ KernelSelection = str | bool | Iterable[str] | None
 
 _MISSING = object()
 _original_tags: dict[type, tuple[object, object]] = {}
-_pending: dict[str, list[tuple[str, str]]] = {}
-"""Module name -> (class name, mapping name) for classes whose module is not imported yet."""
+_original_globals: dict[tuple[ModuleType, str], object] = {}
+"""(module, name) -> the plain function the registry replaced with a function-module."""
+_original_kernel_funcs: dict[type, object] = {}
+"""Class -> its own `_kernel_funcs` attribute before the registry attached functions to it."""
+_pending: dict[str, list[tuple[ClassRule, str]]] = {}
+"""Module name -> (rule, mapping name) for the rules whose module is not imported yet."""
 
 
 def available_kernels() -> list[str]:
@@ -109,15 +123,25 @@ def register_npu_kernels(
 
 
 def unregister_npu_kernels() -> None:
-    """Give every retagged class its original `kernel_layer_name` back (the mapping entries stay, unused)."""
+    """Undo the retagging, wrapping and attaching (the mapping entries stay, unused)."""
     for cls, (name, condition) in _original_tags.items():
-        for attr, value in (("kernel_layer_name", name), ("kernel_condition", condition)):
-            if value is _MISSING:
-                delattr(cls, attr)
-            else:
-                setattr(cls, attr, value)
+        _restore(cls, "kernel_layer_name", name)
+        _restore(cls, "kernel_condition", condition)
+    for cls, kernel_funcs in _original_kernel_funcs.items():
+        _restore(cls, "_kernel_funcs", kernel_funcs)
+    for (module, name), function in _original_globals.items():
+        setattr(module, name, function)
     _original_tags.clear()
+    _original_kernel_funcs.clear()
+    _original_globals.clear()
     _pending.clear()
+
+
+def _restore(owner: object, attr: str, value: object) -> None:
+    if value is _MISSING:
+        delattr(owner, attr)
+    else:
+        setattr(owner, attr, value)
 
 
 def apply_npu_kernels(
@@ -166,7 +190,7 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
     swaps = []
     for name, module in model.named_modules():
         candidates = [(name, module)]
-        candidates += [(f"{name}.{fname}", fn) for fname, fn in module.__dict__.get("_kernel_funcs", {}).items()]
+        candidates += [(f"{name}.{fname}", fn) for fname, fn in getattr(module, "_kernel_funcs", {}).items()]
         for qualified, candidate in candidates:
             forward = candidate.__dict__.get("forward")
             build = _card_build_of(forward.__func__) if isinstance(forward, MethodType) else None
@@ -216,18 +240,47 @@ def _repository(card: Card, layer: str, *, org: str, version: int, local_dir, tr
 def _tag_when_imported(rule: ClassRule, mapping_name: str) -> None:
     module = sys.modules.get(rule.module)
     if module is not None:
-        _retag(_class_of(getattr(module, rule.class_name)), mapping_name)
+        _swap_in(module, rule, mapping_name)
         return
     entries = _pending.setdefault(rule.module, [])
-    if (rule.class_name, mapping_name) not in entries:
-        entries.append((rule.class_name, mapping_name))
+    if (rule, mapping_name) not in entries:
+        entries.append((rule, mapping_name))
     if not any(isinstance(finder, _RetagOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _RetagOnImport())
 
 
-def _class_of(obj: object) -> type:
-    """A listed class, or the class of a function-module instance (a decorated apply_rotary_pos_emb)."""
-    return obj if isinstance(obj, type) else type(obj)
+def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
+    """Make the rule's class (or function) of an imported module kernelizable under `mapping_name`."""
+    obj = getattr(module, rule.class_name)
+    if isinstance(obj, type):
+        _retag(obj, mapping_name)
+        return
+    if inspect.isfunction(obj):  # a rotary function transformers left plain: make it a function-module
+        _original_globals.setdefault((module, rule.class_name), obj)
+        obj = use_kernel_forward_from_hub(mapping_name)(obj)
+        setattr(module, rule.class_name, obj)
+    _retag(type(obj), mapping_name)
+    for cls in _callers(module, rule.class_name):
+        if cls not in _original_kernel_funcs:
+            _original_kernel_funcs[cls] = cls.__dict__.get("_kernel_funcs", _MISSING)
+        cls._kernel_funcs = {**getattr(cls, "_kernel_funcs", {}), rule.class_name: obj}
+
+
+def _callers(module: ModuleType, name: str) -> list[type]:
+    """The nn.Module classes defined in `module` whose methods (undecorated) look up the global `name`."""
+
+    def names(code: CodeType) -> set[str]:
+        nested = (names(const) for const in code.co_consts if isinstance(const, CodeType))
+        return set(code.co_names).union(*nested)
+
+    return [
+        cls
+        for cls in vars(module).values()
+        if isinstance(cls, type)
+        and issubclass(cls, nn.Module)
+        and cls.__module__ == module.__name__
+        and any(inspect.isfunction(f) and name in names(inspect.unwrap(f).__code__) for f in vars(cls).values())
+    ]
 
 
 def _retag(cls: type, mapping_name: str) -> None:
@@ -263,5 +316,5 @@ class _RetaggingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        for class_name, mapping_name in _pending.pop(self._fullname, []):
-            _retag(_class_of(getattr(module, class_name)), mapping_name)
+        for rule, mapping_name in _pending.pop(self._fullname, []):
+            _swap_in(module, rule, mapping_name)

@@ -2,6 +2,13 @@
 
 from . import layers
 from ._build import VARIANT
-from .rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_eager, rotary_unavailable_reason
+from .rotary import STYLES, apply_rotary_pos_emb, apply_rotary_pos_emb_eager, rotary_unavailable_reason
 
-__all__ = ["VARIANT", "apply_rotary_pos_emb", "apply_rotary_pos_emb_eager", "layers", "rotary_unavailable_reason"]
+__all__ = [
+    "STYLES",
+    "VARIANT",
+    "apply_rotary_pos_emb",
+    "apply_rotary_pos_emb_eager",
+    "layers",
+    "rotary_unavailable_reason",
+]

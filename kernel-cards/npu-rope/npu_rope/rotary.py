@@ -1,7 +1,14 @@
-"""Rotary position embedding on torch_npu.npu_rotary_mul, with the eager math wherever the op does not apply."""
+"""Rotary position embedding on torch_npu.npu_rotary_mul, with the eager math wherever the op does not apply.
+
+transformers writes its rotary function in a dozen ways. Each is a `RotaryStyle` in `STYLES`; all
+reduce to `x * cos + rotation(x) * sin` over the leading `cos.shape[-1]` dims of x, which is exactly
+what `npu_rotary_mul` computes ('half' or 'interleave' rotation), once cos/sin are laid out as the
+op wants them.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -10,8 +17,50 @@ from ._npu import npu_unavailable_reason, torch_npu
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+Rotation = Literal["half", "interleave"]
+"""npu_rotary_mul's rotary_mode: 'half' pairs x[i] with x[i + D/2], 'interleave' pairs x[2i] with x[2i + 1]."""
 
-def rotary_unavailable_reason(x: torch.Tensor, cos: torch.Tensor, heads_axis: int) -> str | None:
+
+@dataclass(frozen=True)
+class RotaryStyle:
+    """One way transformers writes apply_rotary_pos_emb.
+
+    rotation: which elements are paired ('half': transformers' rotate_half; 'interleave': GPT-J pairs).
+    angles: how the cos/sin transformers passes become the per-element cos/sin the op takes:
+        "as_is"; "doubled" (they cover half the dims: cat(cos, cos)); "first_half_doubled" (use the
+        first half, doubled); "first_half_interleaved" (the first half, each value repeated twice);
+        "interleaved" (each value repeated twice).
+    compute: "input" (the q/k dtype), "float32" (upcast, cast back once) or "cast_back" (the
+        promoted q/cos dtype, cast back to q's dtype).
+    deinterleave: rotate (x[0::2], x[1::2]) as two halves and return them in that order (DeepSeek).
+    """
+
+    rotation: Rotation = "half"
+    angles: Literal["as_is", "doubled", "first_half_doubled", "first_half_interleaved", "interleaved"] = "as_is"
+    compute: Literal["input", "float32", "cast_back"] = "input"
+    deinterleave: bool = False
+
+
+STYLES: dict[str, RotaryStyle] = {
+    # q * cos + rotate_half(q) * sin (LlamaModel and most others); with narrower cos, on the leading dims (Phi3).
+    "llama": RotaryStyle(),
+    "cast_back": RotaryStyle(compute="cast_back"),  # then .to(q.dtype) (the Olmo family)
+    "float32": RotaryStyle(compute="float32"),  # q.float() inside (ESM, ModernBERT, ...)
+    "half_angles": RotaryStyle(angles="doubled"),  # first * cos - second * sin, ... (GPT-OSS)
+    "pairs": RotaryStyle(rotation="interleave"),  # rotate_half on (x[0::2], x[1::2]) pairs (BLT, Glm4v)
+    "pairs_float32": RotaryStyle(rotation="interleave", compute="float32"),  # (Cohere)
+    "pairs_half_angles": RotaryStyle(rotation="interleave", angles="interleaved"),  # (OpenAI privacy filter)
+    "glm": RotaryStyle(rotation="interleave", angles="first_half_interleaved"),  # (GLM, Glm4, Helium)
+    "glm_float32": RotaryStyle(rotation="interleave", angles="first_half_interleaved", compute="float32"),  # (Ernie)
+    "deinterleave": RotaryStyle(angles="first_half_doubled", deinterleave=True),  # (DeepSeek-V3 `_interleave`)
+}
+Style = str
+"""A key of STYLES."""
+
+
+def rotary_unavailable_reason(
+    x: torch.Tensor, cos: torch.Tensor, heads_axis: int, rotation: Rotation = "half"
+) -> str | None:
     """Why `npu_rotary_mul` will not rotate x (4-D, heads on `heads_axis`) by cos/sin, or None."""
     reason = npu_unavailable_reason(x, cos)
     if reason is not None:
@@ -26,11 +75,16 @@ def rotary_unavailable_reason(x: torch.Tensor, cos: torch.Tensor, heads_axis: in
         return "empty input"
     head_dim = x.shape[-1]
     if head_dim % 2 or head_dim >= 896:
-        return f"head dim {head_dim} must be even and below 896"
+        return f"rotated dim {head_dim} must be even and below 896"
     if torch.broadcast_shapes(x.shape, cos.shape) != x.shape:
         return f"cos {tuple(cos.shape)} does not broadcast to {tuple(x.shape)}"
     batch, heads = x.shape[0], x.shape[heads_axis]
-    if batch >= 1000 or heads >= 1000:
+    if rotation == "interleave":
+        if batch * heads >= 1000:
+            return f"batch x heads = {batch * heads} must be below 1000 in interleave mode"
+        if cos.shape[0] != 1:
+            return f"cos/sin carry a batch dim ({cos.shape[0]}); interleave mode takes them without one"
+    elif batch >= 1000 or heads >= 1000:
         return f"batch {batch} and heads {heads} must both be below 1000"
     if cos.requires_grad and batch * heads > 1024:
         return f"batch x heads = {batch * heads} above 1024 with cos/sin requiring gradients"
@@ -44,22 +98,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int) -> torch.Tensor:
-    """`x * cos + rotate_half(x) * sin`, fused on npu tensors; cos/sin already broadcastable to x."""
-    if rotary_unavailable_reason(x, cos, heads_axis) is None:
-        return torch_npu.npu_rotary_mul(x.contiguous(), cos.contiguous(), sin.contiguous())
-    return (x * cos) + (rotate_half(x) * sin)
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The GPT-J rotation: each pair (x[2i], x[2i+1]) -> (-x[2i+1], x[2i])."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-Style = Literal["llama", "cast_back", "float32", "half_angles"]
-"""How a transformers family writes apply_rotary_pos_emb (all in the rotate_half convention):
-
-- "llama": `q * cos + rotate_half(q) * sin` in the input dtypes (LlamaModel and 83 more).
-- "cast_back": the same, then `.to(q.dtype)` (Olmo, Olmo2/3, FlexOlmo): differs when cos is float32.
-- "float32": `q.float()` inside, cast back once (ESM, ModernBERT, Evolla, HunYuan-VL).
-- "half_angles": cos/sin cover half the head dim, `first * cos - second * sin, second * cos + first * sin`
-  over the two halves (GPT-OSS): the same rotation with cos/sin repeated over both halves.
-"""
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int, rotation: Rotation = "half", fused=True
+) -> torch.Tensor:
+    """`x * cos + rotation(x) * sin`, fused on npu tensors (unless `fused` is False); cos/sin broadcast to x."""
+    if fused and rotary_unavailable_reason(x, cos, heads_axis, rotation) is None:
+        return torch_npu.npu_rotary_mul(x.contiguous(), cos.contiguous(), sin.contiguous(), rotary_mode=rotation)
+    return (x * cos) + ((rotate_half(x) if rotation == "half" else rotate_pairs(x)) * sin)
 
 
 def apply_rotary_pos_emb(
@@ -69,22 +119,16 @@ def apply_rotary_pos_emb(
     sin: torch.Tensor,
     unsqueeze_dim: int = 1,
     style: Style = "llama",
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' apply_rotary_pos_emb, written the way `style` says; q/k [B, H, S, D] or [B, S, H, D]."""
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    if style == "half_angles":
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-    return _apply(q, cos, sin, unsqueeze_dim, style), _apply(k, cos, sin, unsqueeze_dim, style)
+    """transformers' rotary function in `style`; q/k [B, H, S, D] or [B, S, H, D], cos/sin [B or 1, S, rotary dim].
 
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int, style: Style) -> torch.Tensor:
-    if style == "float32":
-        return rotate(x.float(), cos.float(), sin.float(), heads_axis).to(x.dtype)
-    if style == "cast_back":
-        compute = torch.promote_types(x.dtype, cos.dtype)
-        return rotate(x.to(compute), cos.to(compute), sin.to(compute), heads_axis).to(x.dtype)
-    return rotate(x, cos, sin, heads_axis)
+    The leading rotary dims of q and k are rotated (all of them unless cos/sin are narrower), the
+    rest passes through. `fused=False` is the same math without the NPU op (the eager path).
+    """
+    rotary_style = STYLES[style]
+    cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
+    return tuple(_apply(x, cos, sin, unsqueeze_dim, rotary_style, fused) for x in (q, k))
 
 
 def apply_rotary_pos_emb_eager(
@@ -95,19 +139,39 @@ def apply_rotary_pos_emb_eager(
     unsqueeze_dim: int = 1,
     style: Style = "llama",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The transformers function of each style, operation for operation (the reference for the fused path)."""
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    if style == "half_angles":
+    """The eager math of `style` (what the fused path falls back to)."""
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, style, fused=False)
 
-        def rotated(x):
-            first, second = torch.chunk(x, 2, dim=-1)
-            return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
-        return rotated(q), rotated(k)
-    if style == "float32":
-        return tuple(((x.float() * cos) + (rotate_half(x.float()) * sin)).to(x.dtype) for x in (q, k))
-    embedded = tuple((x * cos) + (rotate_half(x) * sin) for x in (q, k))
-    if style == "cast_back":
-        return embedded[0].to(q.dtype), embedded[1].to(k.dtype)
-    return embedded
+def _angles(t: torch.Tensor, style: RotaryStyle) -> torch.Tensor:
+    first_half = t[..., : t.shape[-1] // 2]
+    if style.angles == "doubled":
+        return torch.cat((t, t), dim=-1)
+    if style.angles == "first_half_doubled":
+        return torch.cat((first_half, first_half), dim=-1)
+    if style.angles == "first_half_interleaved":
+        return first_half.repeat_interleave(2, dim=-1)
+    if style.angles == "interleaved":
+        return t.repeat_interleave(2, dim=-1)
+    return t
+
+
+def _apply(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int, style: RotaryStyle, fused: bool
+) -> torch.Tensor:
+    if style.compute == "float32":
+        compute = torch.float32
+    elif style.compute == "cast_back":
+        compute = torch.promote_types(x.dtype, cos.dtype)
+    else:
+        compute = None
+    rotary_dim = cos.shape[-1]
+    x_rot = x[..., :rotary_dim]
+    if style.deinterleave:
+        x_rot = torch.cat((x_rot[..., 0::2], x_rot[..., 1::2]), dim=-1)
+    if compute is not None:
+        x_rot, cos, sin = x_rot.to(compute), cos.to(compute), sin.to(compute)
+    rotated = rotate(x_rot, cos, sin, heads_axis, style.rotation, fused)
+    if compute is not None:
+        rotated = rotated.to(x.dtype)
+    return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
