@@ -4,7 +4,7 @@ kernelized model against eager on any host: used by the demo and the tests, and 
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
 
 VOCAB = 96
 
@@ -30,16 +30,49 @@ TINY_CONFIGS = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     "olmo2": {},
+    "phi3": {"partial_rotary_factor": 0.5},
+    "glm4": {"partial_rotary_factor": 0.5},
+    "gpt_neox": {"rotary_pct": 0.5},
+    "deepseek_v3": {
+        "head_dim": 8,  # the rotary part of each head: qk_rope_head_dim
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "rope_interleave": True,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "qwen2_5_vl": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "vision_config": {
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+        },
+    },
 }
-"""Model type -> config overrides. Their norms cover all three npu-rms-norm layers, their rotary
-functions the Llama and cast-back layers of npu-rope."""
+"""Model type -> config overrides. Their norms cover all three npu-rms-norm layers; their rotary
+functions cover Llama, cast-back, partial (Phi3, GPT-NeoX), GLM interleaved + partial (Glm4),
+DeepSeek de-interleaved (DeepseekV3) and multimodal sections (Qwen2.5-VL, text tokens)."""
+IMAGE_TEXT_TO_TEXT = {"qwen2_5_vl"}
+"""Model types built with AutoModelForImageTextToText (their language model alone is not a causal LM class)."""
 
 
 def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
-    """A 2-layer causal LM in eval mode; norm weights randomised so that they matter."""
+    """A 2-layer causal LM (logits from token ids) in eval mode; norm weights randomised so that they matter."""
     config = AutoConfig.for_model(model_type, **{**_TINY, **TINY_CONFIGS[model_type]})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    auto_class = AutoModelForImageTextToText if model_type in IMAGE_TEXT_TO_TEXT else AutoModelForCausalLM
+    model = auto_class.from_config(config, dtype=dtype)
     zero_centered = model_type.startswith("gemma")
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -52,5 +85,6 @@ def token_ids(batch: int = 2, seq: int = 7, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def norm_module_count(model: torch.nn.Module) -> int:
-    return sum(1 for _, m in model.named_modules() if type(m).__name__.endswith("RMSNorm"))
+def norm_module_count(model: PreTrainedModel) -> int:
+    """RMSNorm modules of the language model: those a forward from token ids runs (not a vision tower's)."""
+    return sum(1 for _, m in model.get_decoder().named_modules() if type(m).__name__.endswith("RMSNorm"))
