@@ -1,0 +1,780 @@
+"""A loopback Hugging Face Hub for tests, driven by the real clients (huggingface_hub 2.4, kernels 0.17.2).
+
+Why: publishing kernel cards and loading them back must be tested end to end, with the very HTTP
+calls HfApi, hf_hub_download/snapshot_download and kernels.get_kernel make, on a machine with no
+network. The server keeps every repo in memory: a branch points at a chain of immutable commits,
+each holding the complete file tree. Ids are git's (blob, tree and commit sha1), so a client can
+compare the hashes the way it does against the Hub.
+
+    with LoopbackHub() as hub:
+        hub.add_org("my-org", kernels_approved=True)
+        token = hub.add_user("alice", orgs=["my-org"])
+        api = HfApi(endpoint=hub.url, token=token)
+
+Endpoints (`{type}s` is models, datasets, spaces or kernels; kernel repos are a type of their own
+in huggingface_hub 2.4: `/api/kernels/...` for the API, `/kernels/<repo>` for URLs and downloads):
+
+| name            | method and path                                   | client call                                  |
+|-----------------|---------------------------------------------------|----------------------------------------------|
+| whoami          | GET  /api/whoami-v2                               | HfApi.whoami                                 |
+| create_repo     | POST /api/repos/create                            | HfApi.create_repo                            |
+| validate_yaml   | POST /api/validate-yaml                           | create_commit, when README.md is added       |
+| org_overview    | GET  /api/organizations/{org}/overview            | get_organization_overview (kernels' trust)   |
+| repo_info       | GET  /api/{type}s/{repo}[/revision/{rev}]         | repo_info, kernel_info, snapshot_download    |
+| list_refs       | GET  /api/{type}s/{repo}/refs                     | list_repo_refs (kernels: version -> branch)  |
+| list_tree       | GET  /api/{type}s/{repo}/tree/{rev}[/{path}]      | list_repo_tree, snapshot_download, kernels   |
+| paths_info      | POST /api/{type}s/{repo}/paths-info/{rev}         | get_paths_info                               |
+| preupload       | POST /api/{type}s/{repo}/preupload/{rev}          | create_commit (upload mode, remote oids)     |
+| commit          | POST /api/{type}s/{repo}/commit/{rev}             | create_commit (NDJSON), upload_folder        |
+| create_branch   | POST /api/{type}s/{repo}/branch/{branch}          | create_branch                                |
+| create_tag      | POST /api/{type}s/{repo}/tag/{rev}                | create_tag                                   |
+| resolve         | GET/HEAD /[{type}s/]{repo}/resolve/{rev}/{path}   | hf_hub_download, snapshot_download           |
+| agent_harnesses | GET  /api/agent-harnesses                         | user-agent of any call, unless telemetry off |
+
+What is left out, because no client call here needs it: LFS and Xet storage (preupload answers
+"regular" for every file, so file contents travel base64 in the commit), pull requests, private
+repos, pagination (trees are small) and Range requests (a client that asks for a range and gets
+the whole file copes, as huggingface_hub does).
+
+Auth: writes need `Authorization: Bearer <token>` of a user with rights on the namespace (its own
+name or one of its orgs); an unknown token gets 401 on every endpoint, reads included. Kernel
+repos may only be created in an org approved for them (`add_org(..., kernels_approved=True)`),
+otherwise 403 with the reason in the JSON body.
+
+For tests: `fail_next(endpoint)` makes the next request to an endpoint fail without touching any
+state, `request_count`, `commit_count`, `head` and `commit` tell what happened, `unrouted` lists
+requests no endpoint matched (a client calling something this server does not implement) and
+`errors` the tracebacks of requests this server failed on (answered 500).
+
+Standard library only. It stops by itself after `idle_timeout` seconds without a request or after
+`lifetime` seconds in all, so a crashed test cannot leave it running.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import secrets
+import threading
+import time
+import traceback
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.message import Message
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import MappingProxyType, TracebackType
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+ENDPOINTS = frozenset(
+    {
+        "whoami",
+        "create_repo",
+        "validate_yaml",
+        "org_overview",
+        "repo_info",
+        "list_refs",
+        "list_tree",
+        "paths_info",
+        "preupload",
+        "commit",
+        "create_branch",
+        "create_tag",
+        "resolve",
+        "agent_harnesses",
+    }
+)
+
+REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space", "kernels": "kernel"}
+URL_PREFIXES = {"model": "", "dataset": "datasets/", "space": "spaces/", "kernel": "kernels/"}
+DEFAULT_BRANCH = "main"
+INVALID_TOKEN = "Invalid credentials in Authorization header"  # huggingface_hub tells a bad token by this message
+AUTH_REQUIRED = "Authentication required: send 'Authorization: Bearer <token>'"
+
+# What the Hub's initial commit holds, so listings and deletions meet the file they meet on the Hub.
+INITIAL_GITATTRIBUTES = (
+    b"*.bin filter=lfs diff=lfs merge=lfs -text\n*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
+)
+
+
+def git_blob_id(content: bytes) -> str:
+    """The git blob sha1 of `content`: the oid the Hub reports for a regular (non-LFS) file."""
+    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+
+
+def _git_tree_ids(blob_ids: Mapping[str, str]) -> dict[str, str]:
+    """The git tree sha1 of every folder of a file tree ("" is the root), as git would compute them."""
+    tree_ids: dict[str, str] = {}
+
+    def tree(folder: str, relative_paths: list[str]) -> bytes:
+        entries: list[tuple[bytes, bytes]] = []  # (git sort key, encoded entry)
+        subfolders: dict[str, list[str]] = {}
+        for relative in relative_paths:
+            name, slash, rest = relative.partition("/")
+            if slash:
+                subfolders.setdefault(name, []).append(rest)
+            else:
+                oid = bytes.fromhex(blob_ids[f"{folder}/{name}" if folder else name])
+                entries.append((name.encode(), b"100644 " + name.encode() + b"\0" + oid))
+        for name, rests in subfolders.items():
+            oid = tree(f"{folder}/{name}" if folder else name, rests)
+            entries.append(((name + "/").encode(), b"40000 " + name.encode() + b"\0" + oid))
+        body = b"".join(entry for _, entry in sorted(entries))
+        digest = hashlib.sha1(b"tree %d\0" % len(body) + body)
+        tree_ids[folder] = digest.hexdigest()
+        return digest.digest()
+
+    tree("", list(blob_ids))
+    return tree_ids
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One immutable state of a repo: the complete file tree, its git ids and the commit before it."""
+
+    oid: str
+    parent: str | None
+    title: str
+    date: datetime
+    files: Mapping[str, bytes]
+    blob_ids: Mapping[str, str]
+    tree_ids: Mapping[str, str]
+
+    @classmethod
+    def create(
+        cls, files: Mapping[str, bytes], *, parent: str | None, author: str, title: str, description: str
+    ) -> Commit:
+        """Build the commit with git's object ids (its oid is the git commit sha1, so it is 40 hex digits)."""
+        blob_ids = {path: git_blob_id(content) for path, content in files.items()}
+        tree_ids = _git_tree_ids(blob_ids)
+        date = datetime.now(UTC)
+        signature = f"{author} <{author}@loopback.hub> {int(date.timestamp())} +0000"
+        message = f"{title}\n\n{description}" if description else title
+        lines = [f"tree {tree_ids['']}", *([f"parent {parent}"] if parent else []), f"author {signature}"]
+        body = "\n".join([*lines, f"committer {signature}", "", message, ""]).encode()
+        oid = hashlib.sha1(b"commit %d\0" % len(body) + body).hexdigest()
+        return cls(
+            oid=oid,
+            parent=parent,
+            title=title,
+            date=date,
+            files=MappingProxyType(dict(files)),
+            blob_ids=MappingProxyType(blob_ids),
+            tree_ids=MappingProxyType(tree_ids),
+        )
+
+    def entry(self, path: str) -> dict[str, Any] | None:
+        """The tree/paths-info JSON entry of a file or folder, None if the path is neither."""
+        if path in self.files:
+            return {"type": "file", "oid": self.blob_ids[path], "size": len(self.files[path]), "path": path}
+        if path and path in self.tree_ids:
+            return {"type": "directory", "oid": self.tree_ids[path], "size": 0, "path": path}
+        return None
+
+
+@dataclass
+class _Repo:
+    repo_type: str
+    repo_id: str
+    created_at: datetime
+    commits: dict[str, Commit] = field(default_factory=dict)
+    branches: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    commit_counts: Counter[str] = field(default_factory=Counter)  # per branch, commits made through the API
+
+    def resolve(self, revision: str) -> Commit:
+        """The commit a branch, tag or full commit id names; 404 RevisionNotFound otherwise."""
+        oid = self.branches.get(revision) or self.tags.get(revision) or revision
+        if oid not in self.commits:
+            raise HubError(404, f"Invalid rev id: {revision}", code="RevisionNotFound")
+        return self.commits[oid]
+
+
+@dataclass
+class _Org:
+    kernels_approved: bool
+    trusted_kernel_publisher: bool
+
+
+@dataclass
+class _Request:
+    method: str
+    segments: list[str]
+    query: dict[str, list[str]]
+    headers: Message
+    body: bytes
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.body or b"{}")
+        except ValueError as error:
+            raise HubError(400, f"Malformed JSON body: {error}") from None
+
+
+@dataclass
+class _Response:
+    status: int
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> _Response:
+    return _Response(status, json.dumps(data).encode(), {"Content-Type": "application/json", **(headers or {})})
+
+
+class HubError(Exception):
+    """An error answered the way the Hub answers it: JSON {"error": ...} plus X-Error-Code/X-Error-Message."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.headers = dict(headers or {})
+        self.extra = dict(extra or {})
+
+    def response(self) -> _Response:
+        headers = {"X-Error-Message": self.message.encode("ascii", "backslashreplace").decode(), **self.headers}
+        if self.code:
+            headers["X-Error-Code"] = self.code
+        return _json({"error": self.message, **self.extra}, self.status, headers)
+
+
+def _iso(date: datetime) -> str:
+    return date.strftime("%Y-%m-%dT%H:%M:%S.000Z")
+
+
+def _check_path(path: str) -> str:
+    if not path or path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
+        raise HubError(400, f"Invalid path in repo: {path!r}")
+    return path
+
+
+Action = Callable[[_Request, str | None], _Response]
+
+
+class LoopbackHub:
+    """The in-memory Hub on 127.0.0.1 (a free port), serving from daemon threads until stopped.
+
+    Start and stop it with `with LoopbackHub() as hub:` (or `start()`/`stop()`); `url` is the
+    endpoint to give HfApi(endpoint=...) or HF_ENDPOINT. It stops by itself after `idle_timeout`
+    seconds without a request or `lifetime` seconds after start; `stop_reason` then says which.
+    """
+
+    def __init__(self, *, idle_timeout: float = 120.0, lifetime: float = 900.0) -> None:
+        self.idle_timeout = idle_timeout
+        self.lifetime = lifetime
+        self.stop_reason: str | None = None
+        self.unrouted: list[str] = []
+        self.errors: list[str] = []
+        self._lock = threading.RLock()  # every request runs under it: commits are atomic, reads consistent
+        self._lifecycle = threading.Lock()
+        self._stopped = threading.Event()
+        self._server: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+        self._url: str | None = None
+        self._last_activity = self._started_at = time.monotonic()
+        self._repos: dict[tuple[str, str], _Repo] = {}
+        self._tokens: dict[str, str] = {}
+        self._memberships: dict[str, set[str]] = {}
+        self._orgs: dict[str, _Org] = {}
+        self._requests: Counter[tuple[str, str | None]] = Counter()
+        self._failures: dict[str, deque[int]] = {}
+
+    # Lifecycle
+
+    @property
+    def url(self) -> str:
+        """The endpoint, e.g. "http://127.0.0.1:40123"."""
+        if self._url is None:
+            raise RuntimeError("LoopbackHub is not started")
+        return self._url
+
+    @property
+    def running(self) -> bool:
+        """Whether the server still accepts requests."""
+        return self._server is not None
+
+    def start(self) -> LoopbackHub:
+        """Listen on a free port of 127.0.0.1 and serve from a daemon thread; returns self."""
+        with self._lifecycle:
+            if self._server is not None or self._stopped.is_set():
+                raise RuntimeError("a LoopbackHub starts once")
+            server = _Server(("127.0.0.1", 0), _Handler)
+            server.hub = self
+            self._server = server
+            self._url = f"http://127.0.0.1:{server.server_address[1]}"
+            self._last_activity = self._started_at = time.monotonic()
+            self._threads = [
+                threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True),
+                threading.Thread(target=self._watchdog, daemon=True),
+            ]
+            for thread in self._threads:
+                thread.start()
+        return self
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop serving and close the port (idempotent); `reason` goes to `stop_reason`."""
+        with self._lifecycle:  # held until the port is closed, so `running` is False only then
+            if self._server is None:
+                return
+            self.stop_reason = reason
+            self._stopped.set()
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
+
+    def __enter__(self) -> LoopbackHub:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _watchdog(self) -> None:
+        while not self._stopped.wait(0.05):
+            now = time.monotonic()
+            if now - self._started_at > self.lifetime:
+                self.stop("lifetime")
+            elif now - self._last_activity > self.idle_timeout:
+                self.stop("idle")
+
+    # Setup and inspection for tests
+
+    def add_org(self, name: str, *, kernels_approved: bool = False, trusted_kernel_publisher: bool = False) -> None:
+        """Create an org; only orgs approved for kernels may create kernel repos (as on the Hub)."""
+        with self._lock:
+            self._orgs[name] = _Org(kernels_approved, trusted_kernel_publisher)
+
+    def add_user(self, name: str, *, orgs: Iterable[str] = (), token: str | None = None) -> str:
+        """Create a user with write rights on its own namespace and on `orgs`; returns its token."""
+        token = token or f"hf_loopback_{secrets.token_hex(12)}"
+        with self._lock:
+            unknown = set(orgs) - set(self._orgs)
+            if unknown:
+                raise ValueError(f"unknown orgs {sorted(unknown)}: add_org them first")
+            self._tokens[token] = name
+            self._memberships[name] = set(orgs)
+        return token
+
+    def fail_next(self, endpoint: str, status: int = 500, *, times: int = 1) -> None:
+        """Answer the next `times` requests to `endpoint` with `status`, changing nothing on the Hub.
+
+        huggingface_hub retries 5xx with backoff on preupload, tree listings and downloads, so one
+        failure there only delays the call; commit, create_repo and create_branch are not retried.
+        """
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"unknown endpoint {endpoint!r}; one of {sorted(ENDPOINTS)}")
+        if status < 400:
+            raise ValueError("an injected failure needs an error status")
+        with self._lock:
+            self._failures.setdefault(endpoint, deque()).extend([status] * times)
+
+    def request_count(self, endpoint: str, repo_id: str | None = None) -> int:
+        """How many requests reached `endpoint` (for `repo_id` only, if given), failed ones included."""
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"unknown endpoint {endpoint!r}; one of {sorted(ENDPOINTS)}")
+        with self._lock:
+            return sum(n for (name, repo), n in self._requests.items() if name == endpoint and repo_id in (None, repo))
+
+    def commit_count(self, repo_id: str, branch: str = DEFAULT_BRANCH, *, repo_type: str = "kernel") -> int:
+        """How many commits the commit endpoint made on `branch` (the repo's initial commit is not one)."""
+        with self._lock:
+            return self._repo(repo_type, repo_id).commit_counts[branch]
+
+    def head(self, repo_id: str, branch: str = DEFAULT_BRANCH, *, repo_type: str = "kernel") -> str:
+        """The commit id `branch` points at."""
+        with self._lock:
+            return self._repo(repo_type, repo_id).resolve(branch).oid
+
+    def commit(self, repo_id: str, revision: str = DEFAULT_BRANCH, *, repo_type: str = "kernel") -> Commit:
+        """The commit `revision` (branch, tag or commit id) names: files, parent, title, git ids."""
+        with self._lock:
+            return self._repo(repo_type, repo_id).resolve(revision)
+
+    # Request handling
+
+    def handle(self, request: _Request) -> _Response:
+        """Answer one request: route it, count it, apply an injected failure or run the endpoint."""
+        self._last_activity = time.monotonic()
+        try:
+            routed = self._route(request)
+            if routed is None:
+                with self._lock:
+                    self.unrouted.append(f"{request.method} /{'/'.join(request.segments)}")
+                return HubError(404, "Sorry, we can't find the page you are looking for.").response()
+            endpoint, repo_id, action = routed
+            with self._lock:
+                self._requests[endpoint, repo_id] += 1
+                failures = self._failures.get(endpoint)
+                if failures:
+                    return HubError(failures.popleft(), f"Injected failure of {endpoint}").response()
+                return action(request, self._authenticate(request.headers))
+        except HubError as error:
+            return error.response()
+        except Exception as error:  # a bug of this server: answer 500 and keep the traceback for the test
+            with self._lock:
+                self.errors.append(traceback.format_exc())
+            return HubError(500, f"Loopback Hub bug: {error!r}").response()
+        finally:
+            self._last_activity = time.monotonic()
+
+    def _route(self, request: _Request) -> tuple[str, str | None, Action] | None:
+        method, segments = request.method, request.segments
+        match method, segments:
+            case "GET", ["api", "whoami-v2"]:
+                return "whoami", None, self._whoami
+            case "POST", ["api", "repos", "create"]:
+                return "create_repo", None, self._create_repo
+            case "POST", ["api", "validate-yaml"]:
+                return "validate_yaml", None, self._validate_yaml
+            case "GET", ["api", "agent-harnesses"]:
+                return "agent_harnesses", None, self._agent_harnesses
+            case "GET", ["api", "organizations", org, "overview"]:
+                return "org_overview", None, lambda _request, _user: self._org_overview(org)
+            case _, ["api", plural, namespace, name, *tail] if plural in REPO_TYPES:
+                return self._route_repo_api(method, REPO_TYPES[plural], f"{namespace}/{name}", tail)
+            case "GET" | "HEAD", [plural, namespace, name, "resolve", revision, *path] if plural in REPO_TYPES and path:
+                return self._route_resolve(REPO_TYPES[plural], f"{namespace}/{name}", revision, "/".join(path))
+            case "GET" | "HEAD", [namespace, name, "resolve", revision, *path] if path:
+                return self._route_resolve("model", f"{namespace}/{name}", revision, "/".join(path))
+        return None
+
+    def _route_repo_api(
+        self, method: str, repo_type: str, repo_id: str, tail: list[str]
+    ) -> tuple[str, str | None, Action] | None:
+        def on_repo(endpoint: str, action: Callable[..., _Response], *args: str) -> tuple[str, str, Action]:
+            return endpoint, repo_id, lambda request, user: action(request, user, self._repo(repo_type, repo_id), *args)
+
+        match method, tail:
+            case "GET", []:
+                return on_repo("repo_info", self._repo_info, DEFAULT_BRANCH)
+            case "GET", ["revision", revision]:
+                return on_repo("repo_info", self._repo_info, revision)
+            case "GET", ["refs"]:
+                return on_repo("list_refs", self._list_refs)
+            case "GET", ["tree", revision, *path]:
+                return on_repo("list_tree", self._list_tree, revision, "/".join(path).strip("/"))
+            case "POST", ["paths-info", revision]:
+                return on_repo("paths_info", self._paths_info, revision)
+            case "POST", ["preupload", revision]:
+                return on_repo("preupload", self._preupload, revision)
+            case "POST", ["commit", revision]:
+                return on_repo("commit", self._commit, revision)
+            case "POST", ["branch", branch]:
+                return on_repo("create_branch", self._create_branch, branch)
+            case "POST", ["tag", revision]:
+                return on_repo("create_tag", self._create_tag, revision)
+        return None
+
+    def _route_resolve(self, repo_type: str, repo_id: str, revision: str, path: str) -> tuple[str, str, Action]:
+        return "resolve", repo_id, lambda _request, _user: self._resolve(self._repo(repo_type, repo_id), revision, path)
+
+    # Auth
+
+    def _authenticate(self, headers: Message) -> str | None:
+        """The user a request's token names, None without a token; 401 for any unknown token."""
+        authorization = headers.get("Authorization")
+        if authorization is None:
+            return None
+        scheme, _, token = authorization.partition(" ")
+        user = self._tokens.get(token) if scheme.lower() == "bearer" else None
+        if user is None:
+            raise HubError(401, INVALID_TOKEN)
+        return user
+
+    def _require_write(self, user: str | None, namespace: str) -> str:
+        if user is None:
+            raise HubError(401, AUTH_REQUIRED)
+        if namespace != user and namespace not in self._memberships[user]:
+            raise HubError(403, f"You don't have the rights to write to the namespace '{namespace}'")
+        return user
+
+    def _repo(self, repo_type: str, repo_id: str) -> _Repo:
+        repo = self._repos.get((repo_type, repo_id))
+        if repo is None:
+            raise HubError(404, f"Repository not found: {repo_type} {repo_id}", code="RepoNotFound")
+        return repo
+
+    def _repo_url(self, repo: _Repo) -> str:
+        return f"{self.url}/{URL_PREFIXES[repo.repo_type]}{repo.repo_id}"
+
+    # Endpoints
+
+    def _whoami(self, _request: _Request, user: str | None) -> _Response:
+        if user is None:
+            raise HubError(401, AUTH_REQUIRED)
+        orgs = [{"type": "org", "name": org, "roleInOrg": "write"} for org in sorted(self._memberships[user])]
+        token_info = {"displayName": "loopback", "role": "write"}
+        return _json(
+            {
+                "type": "user",
+                "name": user,
+                "fullname": user,
+                "orgs": orgs,
+                "auth": {"type": "access_token", "accessToken": token_info},
+            }
+        )
+
+    def _create_repo(self, request: _Request, user: str | None) -> _Response:
+        payload = request.json()
+        repo_type = payload.get("type") or "model"
+        if repo_type not in URL_PREFIXES:
+            raise HubError(400, f"Invalid repo type: {repo_type!r}")
+        namespace = payload.get("organization") or user or ""
+        user = self._require_write(user, namespace)
+        if repo_type == "kernel" and not (namespace in self._orgs and self._orgs[namespace].kernels_approved):
+            raise HubError(
+                403,
+                f"The namespace '{namespace}' is not approved to publish kernels: "
+                "kernel repositories can only be created in organizations approved for kernels",
+            )
+        repo = _Repo(repo_type, f"{namespace}/{payload['name']}", created_at=datetime.now(UTC))
+        if (repo_type, repo.repo_id) in self._repos:
+            raise HubError(409, f"You already created this {repo_type} repo", extra={"url": self._repo_url(repo)})
+        initial = Commit.create(
+            {".gitattributes": INITIAL_GITATTRIBUTES}, parent=None, author=user, title="initial commit", description=""
+        )
+        repo.commits[initial.oid] = initial
+        repo.branches[DEFAULT_BRANCH] = initial.oid
+        self._repos[repo_type, repo.repo_id] = repo
+        return _json({"url": self._repo_url(repo), "name": repo.repo_id})
+
+    def _validate_yaml(self, _request: _Request, _user: str | None) -> _Response:
+        """Accept any card metadata: validating YAML is the real Hub's business, not what these tests check."""
+        return _json({"errors": [], "warnings": []})
+
+    def _agent_harnesses(self, _request: _Request, _user: str | None) -> _Response:
+        """No AI-agent harnesses: huggingface_hub asks for them to build its user agent when telemetry is on."""
+        return _json({"standardEnvVars": [], "harnesses": {}})
+
+    def _org_overview(self, name: str) -> _Response:
+        org = self._orgs.get(name)
+        if org is None:
+            raise HubError(404, f"Organization not found: {name}")
+        members = sum(name in orgs for orgs in self._memberships.values())
+        return _json(
+            {
+                "name": name,
+                "fullname": name,
+                "avatarUrl": "",
+                "isVerified": False,
+                "numUsers": members,
+                "trustedKernelPublisher": org.trusted_kernel_publisher,
+            }
+        )
+
+    def _repo_info(self, _request: _Request, _user: str | None, repo: _Repo, revision: str) -> _Response:
+        commit = repo.resolve(revision)
+        siblings = [
+            {"rfilename": path, "size": len(content), "blobId": commit.blob_ids[path]}
+            for path, content in sorted(commit.files.items())
+        ]
+        return _json(
+            {
+                "id": repo.repo_id,
+                "author": repo.repo_id.split("/")[0],
+                "sha": commit.oid,
+                "createdAt": _iso(repo.created_at),
+                "lastModified": _iso(commit.date),
+                "private": False,
+                "gated": False,
+                "disabled": False,
+                "downloads": 0,
+                "likes": 0,
+                "tags": [],
+                "siblings": siblings,
+            }
+        )
+
+    def _list_refs(self, request: _Request, _user: str | None, repo: _Repo) -> _Response:
+        def refs(names: Mapping[str, str], kind: str) -> list[dict[str, str]]:
+            return [
+                {"name": name, "ref": f"refs/{kind}/{name}", "targetCommit": oid} for name, oid in sorted(names.items())
+            ]
+
+        data = {"branches": refs(repo.branches, "heads"), "tags": refs(repo.tags, "tags"), "converts": []}
+        if request.query.get("include_prs"):
+            data["pullRequests"] = []
+        return _json(data)
+
+    def _list_tree(self, request: _Request, _user: str | None, repo: _Repo, revision: str, folder: str) -> _Response:
+        commit = repo.resolve(revision)
+        if folder not in commit.tree_ids:
+            raise HubError(404, f"Entry not found: no folder {folder!r} at {revision}", code="EntryNotFound")
+        recursive = request.query.get("recursive", ["false"])[0].lower() in ("true", "1")
+        prefix = f"{folder}/" if folder else ""
+        listed = []
+        for path in sorted({*commit.files, *commit.tree_ids} - {""}):
+            relative = path.removeprefix(prefix)
+            if path.startswith(prefix) and (recursive or "/" not in relative):
+                listed.append(commit.entry(path))
+        return _json(listed)
+
+    def _paths_info(self, request: _Request, _user: str | None, repo: _Repo, revision: str) -> _Response:
+        commit = repo.resolve(revision)
+        paths = parse_qs(request.body.decode()).get("paths", [])
+        return _json([entry for path in paths if (entry := commit.entry(path.strip("/"))) is not None])
+
+    def _preupload(self, request: _Request, user: str | None, repo: _Repo, revision: str) -> _Response:
+        """Every file is "regular" (sent base64 in the commit); `oid` lets the client skip unchanged files."""
+        self._require_write(user, repo.repo_id.split("/")[0])
+        commit = repo.resolve(revision)
+        files = [
+            {
+                "path": file["path"],
+                "uploadMode": "regular",
+                "shouldIgnore": False,
+                "oid": commit.blob_ids.get(file["path"]),
+            }
+            for file in request.json().get("files", [])
+        ]
+        return _json({"files": files, "commitOid": commit.oid})
+
+    def _commit(self, request: _Request, user: str | None, repo: _Repo, branch: str) -> _Response:
+        """Apply an NDJSON commit atomically: every operation is checked on a copy before the branch moves."""
+        user = self._require_write(user, repo.repo_id.split("/")[0])
+        if request.query.get("create_pr"):
+            raise HubError(400, "Pull requests are not supported by the loopback Hub")
+        if branch not in repo.branches:
+            raise HubError(404, f"Invalid rev id: {branch} is not a branch", code="RevisionNotFound")
+        head = repo.commits[repo.branches[branch]]
+        try:
+            lines = [json.loads(line) for line in request.body.splitlines() if line.strip()]
+        except ValueError as error:
+            raise HubError(400, f"Malformed NDJSON commit payload: {error}") from None
+        if not lines or lines[0].get("key") != "header":
+            raise HubError(400, "The commit payload must start with a header line")
+        header = lines[0]["value"]
+        parent = header.get("parentCommit")
+        if parent and not head.oid.startswith(parent.lower()):
+            raise HubError(412, "A commit has happened since. Please refresh and try again.")
+        files = dict(head.files)
+        for line in lines[1:]:
+            self._apply_operation(files, line.get("key"), line.get("value") or {})
+        folders = {path[:i] for path in files for i, char in enumerate(path) if char == "/"}
+        if clashes := sorted(folders & files.keys()):
+            raise HubError(400, f"Paths would be both a file and a folder: {clashes}")
+        commit = Commit.create(
+            files,
+            parent=head.oid,
+            author=user,
+            title=header.get("summary", ""),
+            description=header.get("description", ""),
+        )
+        repo.commits[commit.oid] = commit
+        repo.branches[branch] = commit.oid
+        repo.commit_counts[branch] += 1
+        return _json(
+            {
+                "success": True,
+                "commitOid": commit.oid,
+                "commitUrl": f"{self._repo_url(repo)}/commit/{commit.oid}",
+                "hookOutput": "",
+            }
+        )
+
+    @staticmethod
+    def _apply_operation(files: dict[str, bytes], key: str | None, value: Mapping[str, Any]) -> None:
+        path = str(value.get("path", ""))
+        path = _check_path(path.rstrip("/") if key == "deletedFolder" else path)
+        if key == "file":
+            if value.get("encoding") != "base64":
+                raise HubError(400, f"Unsupported encoding for {path}: {value.get('encoding')!r}")
+            try:
+                files[path] = base64.b64decode(value.get("content", ""), validate=True)
+            except ValueError:
+                raise HubError(400, f"Invalid base64 content for {path}") from None
+        elif key == "deletedFile":
+            if files.pop(path, None) is None:
+                raise HubError(404, f"A file with this name doesn't exist: {path}", code="EntryNotFound")
+        elif key == "deletedFolder":
+            inside = [name for name in files if name.startswith(f"{path}/")]
+            if not inside:
+                raise HubError(404, f"A folder with this name doesn't exist: {path}", code="EntryNotFound")
+            for name in inside:
+                del files[name]
+        elif key == "lfsFile":
+            raise HubError(400, f"No LFS storage here: preupload answers 'regular' for every file ({path})")
+        else:
+            raise HubError(400, f"Unknown commit operation {key!r}")
+
+    def _create_branch(self, request: _Request, user: str | None, repo: _Repo, branch: str) -> _Response:
+        self._require_write(user, repo.repo_id.split("/")[0])
+        start = repo.resolve(request.json().get("startingPoint") or DEFAULT_BRANCH)
+        if branch in repo.branches:
+            raise HubError(409, f"Reference already exists: refs/heads/{branch}")
+        repo.branches[branch] = start.oid
+        return _json({})
+
+    def _create_tag(self, request: _Request, user: str | None, repo: _Repo, revision: str) -> _Response:
+        self._require_write(user, repo.repo_id.split("/")[0])
+        target = repo.resolve(revision)
+        tag = request.json()["tag"]
+        if tag in repo.tags:
+            raise HubError(409, f"Reference already exists: refs/tags/{tag}")
+        repo.tags[tag] = target.oid
+        return _json({})
+
+    def _resolve(self, repo: _Repo, revision: str, path: str) -> _Response:
+        """A file with the headers hf_hub_download checks: X-Repo-Commit, ETag (git blob id), Content-Length."""
+        commit = repo.resolve(revision)
+        if path not in commit.files:
+            raise HubError(404, f"Entry not found: {path}", code="EntryNotFound", headers={"X-Repo-Commit": commit.oid})
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "ETag": f'"{commit.blob_ids[path]}"',
+            "X-Repo-Commit": commit.oid,
+        }
+        return _Response(200, commit.files[path], headers)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 64  # snapshot_download opens several connections at once
+    hub: LoopbackHub
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    timeout = 30  # a stalled client cannot hold its thread forever
+
+    def _serve(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        split = urlsplit(self.path)
+        request = _Request(
+            method=self.command,
+            segments=[unquote(segment) for segment in split.path.split("/")[1:]],
+            query=parse_qs(split.query),
+            headers=self.headers,
+            body=self.rfile.read(length) if length else b"",
+        )
+        response = self.server.hub.handle(request)
+        self.send_response(response.status)
+        for name, value in response.headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(response.body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(response.body)
+
+    # Every method goes through routing, so a call this server lacks lands in `unrouted` instead of a bare 501.
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Stay quiet: `LoopbackHub.request_count` is the record."""
