@@ -178,13 +178,14 @@ def test_styles_that_compute_in_float32_are_exact_with_bf16_q_and_float32_cos(ca
         assert got.dtype == torch.bfloat16 and torch.equal(got.cpu(), want)
 
 
-def test_backward_reaches_q_k_cos_and_sin(card):
-    q, k, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32)
+@pytest.mark.parametrize("style", STYLES)
+def test_backward_reaches_q_k_cos_and_sin(card, style):
+    q, k, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32, cos_batch=1, style=style)
     leaves = [t.clone().requires_grad_() for t in (q, k, cos, sin)]
     npu_leaves = [t.clone().to("npu").requires_grad_() for t in (q, k, cos, sin)]
-    sum(x.pow(2).sum() for x in card.apply_rotary_pos_emb_eager(*leaves)).backward()
+    sum(x.pow(2).sum() for x in transformers_eager(*leaves, 1, style)).backward()
     with emulation.count_op_calls() as calls:
-        sum(x.pow(2).sum() for x in card.apply_rotary_pos_emb(*npu_leaves)).backward()
+        sum(x.pow(2).sum() for x in card.apply_rotary_pos_emb(*npu_leaves, 1, style)).backward()
     assert calls["npu_rotary_mul"] == 2
     for got, want in zip(npu_leaves, leaves, strict=True):
         torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5)
@@ -246,3 +247,15 @@ def test_host_tensors_take_the_eager_path(card):
     assert calls["npu_rotary_mul"] == 0
     for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
         assert torch.equal(got, want)
+
+
+def test_layers_take_both_transformers_signatures(card):
+    """Layers with the older signature take (q, k, cos, sin, position_ids, unsqueeze_dim); position_ids is unused."""
+    q, k, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32, unsqueeze_dim=2)
+    position_ids = torch.arange(5).expand(2, 5)
+    current = card.layers.RotaryPosEmb()(*npu(q, k, cos, sin), 2)
+    with emulation.count_op_calls() as calls:
+        older = card.layers.RotaryPosEmbPositionIds()(*npu(q, k, cos, sin, position_ids), 2)
+    assert calls["npu_rotary_mul"] == 2
+    for got, want in zip(older, current, strict=True):
+        assert torch.equal(got.cpu(), want.cpu())
