@@ -101,13 +101,13 @@ def main() -> int:
             rows.append((f"llama {step}", swapped_modules(model), calls, (fused - eager).abs().max().item()))
 
     print()
-    header = f"{'model / path':<28} {'swapped':>7}  {'layer(s)':<44} {'fused op calls':<34} {'max |diff| vs eager':>19}"
+    header = f"{'model / path':<28} {'swapped':>7}  {'layer(s)':<52} {'fused op calls':<34} {'max |diff| vs eager':>19}"
     print(header)
     print("-" * len(header))
     for name, swaps, calls, diff in rows:
         layers = ", ".join(sorted({s.layer for s in swaps})) or "-"
         counted = ", ".join(f"{op} {n}" for op, n in sorted(calls.items())) if not on_hardware else "n/a (real ops)"
-        print(f"{name:<28} {len(swaps):>7}  {layers:<44} {counted:<34} {diff:>19.2e}")
+        print(f"{name:<28} {len(swaps):>7}  {layers:<52} {counted:<34} {diff:>19.2e}")
     variants = sorted({s.variant for _, swaps, _, _ in rows for s in swaps})
     print(f"\nbuild variant in use: {', '.join(variants)}")
     worst = max(diff for *_, diff in rows)
