@@ -185,3 +185,40 @@ def test_integer_histc_counts_as_on_a_device():
     counts = torch.histc(ids.to("npu"), bins=4, min=0, max=3)
     assert counts.device.type == "npu" and counts.dtype == torch.int64
     assert counts.cpu().tolist() == [1, 1, 0, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_npu_swiglu_gates_the_first_half(dtype):
+    x = torch.randn(3, 5, 2 * 24, dtype=dtype)
+    with emulation.count_op_calls() as calls:
+        out = torch_npu.npu_swiglu(x.to("npu"))
+    assert calls == {"npu_swiglu": 1} and out.dtype == dtype and out.shape == (3, 5, 24)
+    gate, up = x.double().chunk(2, dim=-1)
+    torch.testing.assert_close(out.cpu().double(), torch.nn.functional.silu(gate) * up, **_tol(dtype))
+    gate32, up32 = x.float().chunk(2, dim=-1)
+    assert torch.equal(out.cpu(), (torch.nn.functional.silu(gate32) * up32).to(dtype))
+    up_first = torch.nn.functional.silu(up32) * gate32
+    assert not torch.allclose(out.cpu().float(), up_first)  # the half order matters
+
+
+@pytest.mark.parametrize(
+    ("x", "message"),
+    [
+        (torch.randn(4, 7), "must be even"),
+        (torch.randn(8, 6).t(), "contiguous"),
+        (torch.randn(4, 6, dtype=torch.float64), "not supported"),
+    ],
+)
+def test_npu_swiglu_enforces_its_input_rules(x, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch_npu.npu_swiglu(x.to("npu"))
+
+
+def test_npu_swiglu_backward_matches_autograd_of_the_formula():
+    x = torch.randn(4, 16, dtype=torch.float64)
+    leaf = x.float().to("npu").requires_grad_()
+    torch_npu.npu_swiglu(leaf).pow(2).sum().backward()
+    ref = x.clone().requires_grad_()
+    gate, up = ref.chunk(2, dim=-1)
+    (torch.nn.functional.silu(gate) * up).pow(2).sum().backward()
+    torch.testing.assert_close(leaf.grad.cpu().double(), ref.grad, rtol=1e-5, atol=1e-5)

@@ -32,11 +32,12 @@ from .checks import OP_CALLS
 from .device import NpuTensor, install_device
 from .rms_norm import npu_rms_norm
 from .rotary_mul import npu_rotary_mul
+from .swiglu import npu_swiglu
 
 DEFAULT_CANN_VERSION = "9.1.0"
 """CANN that Ascend's CI pairs with torch 2.13 (Ascend/pytorch .ci/docker/common/install_cann.sh)."""
 
-_EMULATED_OPS = {"npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul}
+_EMULATED_OPS = {"npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, "npu_swiglu": npu_swiglu}
 _NOT_EMULATED_OPS = ("npu_fusion_attention",)
 """Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated."""
 _state = {"cann_version": DEFAULT_CANN_VERSION}

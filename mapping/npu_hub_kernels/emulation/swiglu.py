@@ -1,0 +1,26 @@
+"""Emulated `torch_npu.npu_swiglu`, from shared/docs/torch-npu-ops.md (torch_npu 2.13.0 semantics).
+
+`a, b = chunk(x, 2, dim)`; `out = silu(a) * b` with the FIRST half gated, in float32 with one cast
+back. The input must be contiguous and even along `dim`. Autograd through the float32 ops gives the
+op's backward (`npu_swiglu_backward`: float32 inside, the gradient cast to x's dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import require_npu
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    require_npu("npu_swiglu", x=x)
+    if x.dtype not in _DTYPES:
+        raise RuntimeError(f"npu_swiglu: dtype {x.dtype} is not supported (fp16, bf16, fp32)")
+    if not x.is_contiguous():
+        raise RuntimeError("npu_swiglu: the input must be contiguous")
+    if x.dim() == 0 or x.shape[dim] % 2:
+        raise RuntimeError(f"npu_swiglu: size {x.shape[dim] if x.dim() else 0} along dim {dim} must be even")
+    gate, up = x.float().chunk(2, dim=dim)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
