@@ -7,6 +7,7 @@ against the float32 eager model is at most twice the eager bfloat16 model's erro
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from npu_hub_kernels import (
     apply_npu_kernels,
     available_kernels,
     emulation,
+    pack_gate_up,
     register_npu_kernels,
     select_kernels,
     swapped_modules,
@@ -28,20 +30,69 @@ from npu_hub_kernels import (
 from npu_hub_kernels.tiny_models import TINY_CONFIGS, norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 
-MODEL_TYPES = list(TINY_CONFIGS)
-ROPE_LAYERS = dict.fromkeys(MODEL_TYPES, ("RotaryPosEmb",)) | {
-    "olmo2": ("RotaryPosEmbCastBack",),
-    "glm4": ("RotaryPosEmbGlm",),
+
+@dataclass(frozen=True)
+class Expected:
+    """What each card swaps into a tiny model of one family."""
+
+    norm: str | None = "RMSNorm"  # the npu-rms-norm layer of its norms (None: LayerNorm)
+    rope: tuple[str, ...] = ("RotaryPosEmb",)  # the npu-rope layers of each attention module
+    mlp: str | None = "SwiGLUMLP"  # the npu-swiglu layer of its dense MLPs (None: not SiLU-gated)
+
+
+EXPECTED = {
+    "llama": Expected(),
+    "mistral": Expected(),
+    "qwen2": Expected(),
+    "qwen3": Expected(),
+    "qwen3_moe": Expected(),  # routed experts only: no dense MLP
+    "gemma3_text": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
+    "olmo2": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbCastBack",)),
+    "phi3": Expected(mlp="SwiGLUFusedMLP"),  # partial rotary
+    "glm4": Expected(rope=("RotaryPosEmbGlm",), mlp="SwiGLUFusedMLP"),
+    "gpt_neox": Expected(norm=None, mlp=None),  # LayerNorm, GELU MLP, partial rotary
     # DeepseekV3Attention calls apply_rotary_pos_emb_interleave (rope_interleave=True), else apply_rotary_pos_emb:
     # the registry attaches both, so both are swapped; the fused op counts show which one runs.
-    "deepseek_v3": ("RotaryPosEmb", "RotaryPosEmbDeinterleave"),
+    "deepseek_v3": Expected(rope=("RotaryPosEmb", "RotaryPosEmbDeinterleave")),  # dense MLP + shared experts
+    "qwen2_moe": Expected(),  # shared expert
+    "granite": Expected(),
+    "cohere": Expected(norm=None, rope=("RotaryPosEmbPairsFloat32",)),
+    "olmo": Expected(norm=None, rope=("RotaryPosEmbCastBack",)),
+    "helium": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbGlm",)),
+    "smollm3": Expected(),
+    "gemma2": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
+    "gpt2": Expected(norm=None, rope=(), mlp=None),  # LayerNorm, learned positions, GELU MLP
+    "qwen2_5_vl": Expected(),  # mrope
 }
-"""The npu-rope layers swapped into each attention module."""
-EXPECTED_LAYER = dict.fromkeys(MODEL_TYPES, "RMSNorm") | {
-    "gemma3_text": "RMSNormZeroCentered",
-    "olmo2": "RMSNormFloat32Scale",
-    "gpt_neox": None,  # LayerNorm: nothing for npu-rms-norm
-}
+MODEL_TYPES = list(EXPECTED)
+
+
+def test_every_tiny_model_has_expectations():
+    assert set(EXPECTED) == set(TINY_CONFIGS)
+
+
+def layer_count(model) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
+def gated_mlp_count(model) -> int:
+    """Dense MLP-like modules of the language model: a gate_proj or gate_up_proj Linear (SiLU or not)."""
+    return sum(
+        isinstance(getattr(m, "gate_proj", None), torch.nn.Linear)
+        or isinstance(getattr(m, "gate_up_proj", None), torch.nn.Linear)
+        for m in model.get_decoder().modules()
+    )
+
+
+def expected_calls(model_type: str, model) -> dict[str, int]:
+    """Fused op calls of one forward of a kernelized, packed model."""
+    expected = EXPECTED[model_type]
+    calls = {
+        "npu_rms_norm": norm_module_count(model),
+        "npu_rotary_mul": 2 * layer_count(model) if expected.rope else 0,
+        "npu_swiglu": gated_mlp_count(model) if expected.mlp else 0,
+    }
+    return {op: n for op, n in calls.items() if n}
 
 
 def forward(model, ids, embeds=None):
@@ -57,24 +108,45 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def kernelized(model_type: str, dtype=torch.float32, mode=Mode.INFERENCE):
+    """A tiny model on npu, kernelized for npu, its split gated MLPs packed."""
+    model = kernelize(tiny_model(model_type, dtype=dtype).to("npu"), mode=mode, device="npu")
+    pack_gate_up(model)
+    return model
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_kernelized_fp32_forward_matches_eager_and_fused_op_ran_in_every_norm(npu_kernels, model_type):
-    model = tiny_model(model_type)
+def test_kernelized_fp32_forward_matches_eager_and_every_fused_op_ran(npu_kernels, model_type):
+    """Every norm, both rotary calls of every layer and every SiLU-gated MLP ran fused; the rest did not."""
     ids = token_ids()
-    eager = forward(model, ids)
-    model.to("npu")
-    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    eager = forward(tiny_model(model_type), ids)
+    model = kernelized(model_type)
     with emulation.count_op_calls() as calls:
         fused = forward(model, ids)
-    assert calls["npu_rms_norm"] == norm_module_count(model)
-    assert norm_module_count(model) > 0 or EXPECTED_LAYER[model_type] is None
-    layers = model.config.get_text_config().num_hidden_layers
-    assert calls["npu_rotary_mul"] == 2 * layers
-    assert sorted(s.layer for s in swapped_modules(model, card="npu-rope")) == sorted(ROPE_LAYERS[model_type] * layers)
-    swaps = swapped_modules(model.get_decoder(), card="npu-rms-norm")
-    assert len(swaps) == norm_module_count(model)
-    assert {s.layer for s in swaps} <= {EXPECTED_LAYER[model_type]} and {s.card for s in swaps} <= {"npu-rms-norm"}
+    assert dict(calls) == expected_calls(model_type, model)
+    expected = EXPECTED[model_type]
+    rope_swaps = swapped_modules(model, card="npu-rope")
+    assert sorted(s.layer for s in rope_swaps) == sorted(expected.rope * layer_count(model))
+    norm_swaps = swapped_modules(model.get_decoder(), card="npu-rms-norm")
+    assert len(norm_swaps) == norm_module_count(model) and {s.layer for s in norm_swaps} <= {expected.norm}
+    mlp_swaps = swapped_modules(model.get_decoder(), card="npu-swiglu")
+    assert len(mlp_swaps) == (gated_mlp_count(model) if expected.mlp else 0)
+    assert {s.layer for s in mlp_swaps} <= {expected.mlp}
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe", "phi3"])
+def test_unpacked_split_mlps_run_eager_and_fused_shape_mlps_still_fuse(npu_kernels, model_type):
+    """Without pack_gate_up, a split MLP would need a concatenation that moves more bytes than eager:
+    it runs eager. Phi3's gate_up_proj already gives [gate | up] and fuses."""
+    ids = token_ids()
+    eager = forward(tiny_model(model_type), ids)
+    model = kernelize(tiny_model(model_type).to("npu"), mode=Mode.INFERENCE, device="npu")
+    with emulation.count_op_calls() as calls:
+        out = forward(model, ids)
+    assert calls["npu_swiglu"] == (gated_mlp_count(model) if EXPECTED[model_type].mlp == "SwiGLUFusedMLP" else 0)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    assert pack_gate_up(model) == (gated_mlp_count(model) if EXPECTED[model_type].mlp == "SwiGLUMLP" else 0)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -92,11 +164,10 @@ def test_bf16_forward_error_at_most_twice_eager(npu_kernels, model_type):
     reference = forward(tiny_model(model_type), ids)
     eager_model = tiny_model(model_type, dtype=torch.bfloat16)
     eager_error = max_error(forward(eager_model, ids), reference)
-    model = tiny_model(model_type, dtype=torch.bfloat16).to("npu")
-    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    model = kernelized(model_type, dtype=torch.bfloat16)
     with emulation.count_op_calls() as calls:
         fused = forward(model, ids)
-    assert calls["npu_rms_norm"] == norm_module_count(model)
+    assert dict(calls) == expected_calls(model_type, model)
     assert max_error(fused, reference) <= 2 * eager_error + 1e-3, (max_error(fused, reference), eager_error)
 
 
@@ -119,14 +190,11 @@ def test_training_gradients_match_eager(npu_kernels, model_type):
     reference = _gradients(tiny_model(model_type), embeds)
     eager_bf16 = _gradients(tiny_model(model_type, dtype=torch.bfloat16), embeds.bfloat16())
     for dtype in (torch.float32, torch.bfloat16):
-        model = tiny_model(model_type, dtype=dtype).to("npu")
-        kernelize(model, mode=Mode.TRAINING, device="npu")
+        model = kernelized(model_type, dtype=dtype, mode=Mode.TRAINING)
         with emulation.count_op_calls() as calls:
             grads = _gradients(model, embeds.to(dtype))
-        assert calls["npu_rms_norm"] == norm_module_count(model)
-        assert calls["npu_rotary_mul"] == 2 * model.config.get_text_config().num_hidden_layers
+        assert dict(calls) == expected_calls(model_type, model)
         assert set(grads) == set(reference)
-        assert any("norm" in name for name in grads)
         for name, grad in grads.items():
             if dtype == torch.float32:
                 torch.testing.assert_close(grad, reference[name], rtol=1e-4, atol=1e-5, msg=name)
@@ -148,7 +216,7 @@ def test_qwen2_5_vl_multimodal_positions_are_fused_and_match_eager(npu_kernels):
         kernelize(model.to("npu"), mode=Mode.INFERENCE, device="npu")
         with emulation.count_op_calls() as calls:
             fused = model(ids.to("npu"), position_ids=position_ids.to("npu")).logits.cpu()
-    assert calls["npu_rotary_mul"] == 2 * model.config.get_text_config().num_hidden_layers
+    assert calls["npu_rotary_mul"] == 2 * layer_count(model)
     assert not torch.allclose(eager, plain)  # the sections really differ from 1-D positions
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
@@ -230,14 +298,15 @@ def test_a_subclass_with_other_math_is_not_swapped(npu_kernels):
 
 
 def test_kernel_selection_follows_the_apply_default_kernels_contract():
-    assert available_kernels() == ["npu_fused_rmsnorm", "npu_fused_rope"]
+    assert available_kernels() == ["npu_fused_rmsnorm", "npu_fused_rope", "npu_fused_swiglu"]
     assert [c.kernel_id for c in select_kernels("auto")] == available_kernels()
     assert [c.kernel_id for c in select_kernels(True)] == available_kernels()
     assert select_kernels(None) == [] and select_kernels(False) == []
     assert [c.kernel_id for c in select_kernels("npu_fused_rmsnorm, ")] == ["npu_fused_rmsnorm"]
     assert [c.kernel_id for c in select_kernels(["npu_fused_rmsnorm"])] == ["npu_fused_rmsnorm"]
     with pytest.raises(
-        ValueError, match=r"Unknown kernel id.*'npu_fused_nope'.*Available: npu_fused_rmsnorm, npu_fused_rope"
+        ValueError,
+        match=r"Unknown kernel id.*'npu_fused_nope'.*Available: npu_fused_rmsnorm, npu_fused_rope, npu_fused_swiglu",
     ):
         select_kernels("npu_fused_rmsnorm,npu_fused_nope")
 

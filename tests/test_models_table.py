@@ -4,18 +4,22 @@ every RMSNorm-like class of transformers is either listed or left out with a rea
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
+import types
 
 import pytest
 import torch
 import transformers.models
 from kernels import Mode, kernelize
+from transformers.activations import ACT2FN
 
-from npu_hub_kernels import emulation, swapped_modules
-from npu_hub_kernels.models import LEFT_OUT, MODEL_CLASSES, ROPE_LEFT_OUT, ClassRule
+from npu_hub_kernels import emulation, pack_gate_up, swapped_modules
+from npu_hub_kernels.models import LEFT_OUT, MODEL_CLASSES, ROPE_LEFT_OUT, SWIGLU_LEFT_OUT, ClassRule
 
 RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
 ROPE_RULES = MODEL_CLASSES["npu_fused_rope"]
+SWIGLU_RULES = MODEL_CLASSES["npu_fused_swiglu"]
 SCALING = {"RMSNorm": "plain", "RMSNormZeroCentered": "zero_centered", "RMSNormFloat32Scale": "float32_scale"}
 
 
@@ -184,3 +188,76 @@ def test_every_rotary_function_of_transformers_is_decided():
     assert (listed | set(ROPE_LEFT_OUT)) - found == set()
     assert not listed & set(ROPE_LEFT_OUT)
     assert (len(listed), len(ROPE_LEFT_OUT)) == (180, 14)
+
+
+def _bare_mlp(rule: ClassRule, hidden: int, intermediate: int, dtype: torch.dtype) -> torch.nn.Module:
+    """An instance of the listed class holding only what the layer reads: its projections and SiLU
+    (ACT2FN["silu"], as configs give it). Its own forward then shows what the class computes."""
+    cls = _class(rule)
+    mlp = cls.__new__(cls)
+    torch.nn.Module.__init__(mlp)
+    if rule.layer == "SwiGLUFusedMLP":
+        mlp.gate_up_proj = torch.nn.Linear(hidden, 2 * intermediate, bias=False)
+    else:
+        mlp.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+        mlp.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
+    mlp.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
+    activation = "activation_fn" if "activation_fn" in _init_source(cls) else "act_fn"
+    setattr(mlp, activation, ACT2FN["silu"])
+    return mlp.to(dtype)
+
+
+def _init_source(cls: type) -> str:
+    return inspect.getsource(cls.__init__)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_listed_mlp_class_is_swapped_and_matches_its_own_forward(npu_kernels, dtype):
+    failures = []
+    for rule in SWIGLU_RULES:
+        torch.manual_seed(0)
+        mlp = _bare_mlp(rule, 32, 40, dtype)
+        x = torch.randn(2, 5, 32).to(dtype)
+        with torch.no_grad():
+            try:
+                expected = mlp(x)
+            except Exception as error:  # the class needs more than the layer reads
+                failures.append(f"{rule.path}: its forward needs more: {error!r}")
+                continue
+            holder = kernelize(torch.nn.Sequential(mlp).to("npu"), mode=Mode.INFERENCE, device="npu")
+            pack_gate_up(holder)
+            with emulation.count_op_calls() as calls:
+                got = holder(x.to("npu")).cpu()
+        swaps = swapped_modules(holder)
+        if [s.layer for s in swaps] != [rule.layer] or calls["npu_swiglu"] != 1:
+            failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
+        elif dtype == torch.float32 and not torch.allclose(got, expected, rtol=1e-6, atol=1e-6):
+            failures.append(f"{rule.path}: max diff {(got - expected).abs().max().item()}")
+        elif dtype == torch.bfloat16:
+            reference = _bare_mlp(rule, 32, 40, torch.float64)
+            reference.load_state_dict({k: v.double() for k, v in mlp.state_dict().items()})
+            with torch.no_grad():
+                ref = reference(x.double())
+            if (got.double() - ref).abs().max() > 2 * (expected.double() - ref).abs().max() + 1e-6:
+                failures.append(f"{rule.path}: bf16 error above twice eager's")
+    assert failures == []
+
+
+@pytest.mark.slow
+def test_every_gated_mlp_class_of_transformers_is_decided():
+    """Each class that builds gate_proj and up_proj, or a gate_up_proj Linear, is swapped or left out
+    with a reason; the Gemma family's GELU-tanh MLPs are never swapped."""
+    gated = set()
+    for path, cls in _all_modeling_classes().items():
+        init = cls.__dict__.get("__init__")
+        if not (issubclass(cls, torch.nn.Module) and isinstance(init, types.FunctionType)):
+            continue
+        source = _init_source(cls)
+        if "self.gate_up_proj = nn.Linear(" in source or ("self.gate_proj =" in source and "self.up_proj =" in source):
+            gated.add(path)
+    listed = {rule.path for rule in SWIGLU_RULES}
+    assert gated - listed - set(SWIGLU_LEFT_OUT) == set()
+    assert (listed | set(SWIGLU_LEFT_OUT)) - gated == set()
+    assert not listed & set(SWIGLU_LEFT_OUT)
+    assert not any(path.startswith(("gemma.", "gemma2.", "gemma3.", "gemma3n.")) for path in listed)
+    assert (len(listed), len(SWIGLU_LEFT_OUT)) == (137, 37)

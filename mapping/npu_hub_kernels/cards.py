@@ -53,6 +53,7 @@ CARDS: dict[str, Card] = {
                 "RotaryPosEmbDeinterleave",
             ),
         ),
+        Card("npu_fused_swiglu", "npu-swiglu", ("SwiGLUMLP", "SwiGLUFusedMLP")),
     )
 }
 

@@ -148,12 +148,15 @@ def apply_npu_kernels(
     model: nn.Module,
     kernels: KernelSelection = "auto",
     mode: Mode | None = None,
+    *,
+    pack: bool = False,
     **register_kwargs,
 ) -> nn.Module:
     """Register the selected cards and kernelize `model` for "npu" (LLaMA-Factory's `apply_default_kernels`).
 
-    `mode` defaults to TRAINING or INFERENCE after `model.training`. Other keyword arguments go to
-    `register_npu_kernels`. With kernels=None or False the model is returned untouched.
+    `mode` defaults to TRAINING or INFERENCE after `model.training`. `pack=True` then calls
+    `pack_gate_up(model)`. Other keyword arguments go to `register_npu_kernels`. With kernels=None
+    or False the model is returned untouched.
     """
     if not register_npu_kernels(kernels=kernels, **register_kwargs):
         return model
@@ -166,7 +169,30 @@ def apply_npu_kernels(
         )
     if mode is None:
         mode = Mode.TRAINING if model.training else Mode.INFERENCE
-    return kernelize(model, mode=mode, device="npu")
+    model = kernelize(model, mode=mode, device="npu")
+    if pack:
+        pack_gate_up(model)
+    return model
+
+
+def pack_gate_up(model: nn.Module) -> int:
+    """Lay out gate_proj/up_proj of every MLP running npu-swiglu's SwiGLUMLP in one buffer; returns how many.
+
+    Opt-in, after kernelize (and after `.to("npu")`): with the two weights side by side, the layer gets
+    `[gate | up]` from one matmul and feeds npu_swiglu directly; unpacked, it runs the eager math.
+    The Parameter objects and state-dict entries stay as they are, so optimizers, saving and loading
+    are unaffected. Moving or casting the model afterwards reallocates the weights: pack again.
+    """
+    packed = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        build = _card_build_of(forward.__func__) if isinstance(forward, MethodType) else None
+        if build is None or build.CARD != "npu-swiglu" or _layer_name_of(forward.__func__) != "SwiGLUMLP":
+            continue
+        card = sys.modules[build.__name__.rpartition(".")[0]]
+        card.pack_gate_up(module.gate_proj, module.up_proj)
+        packed += 1
+    return packed
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,19 @@ TINY_CONFIGS = {
         "n_group": 1,
         "topk_group": 1,
     },
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
+    "granite": {},
+    "cohere": {},
+    "olmo": {},
+    "helium": {},
+    "smollm3": {},
+    "gemma2": {},
+    "gpt2": {},
     "qwen2_5_vl": {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         "vision_config": {
@@ -62,7 +75,9 @@ TINY_CONFIGS = {
 }
 """Model type -> config overrides. Their norms cover all three npu-rms-norm layers; their rotary
 functions cover Llama, cast-back, partial (Phi3, GPT-NeoX), GLM interleaved + partial (Glm4),
-DeepSeek de-interleaved (DeepseekV3) and multimodal sections (Qwen2.5-VL, text tokens)."""
+DeepSeek de-interleaved (DeepseekV3), Cohere's float32 pairs and multimodal sections (Qwen2.5-VL,
+text tokens); their MLPs both SwiGLU shapes, shared experts (Qwen2-MoE, DeepseekV3), and
+GELU-tanh (Gemma2, Gemma3) and GELU (GPT-2, GPT-NeoX) MLPs that must stay untouched."""
 IMAGE_TEXT_TO_TEXT = {"qwen2_5_vl"}
 """Model types built with AutoModelForImageTextToText (their language model alone is not a causal LM class)."""
 

@@ -53,6 +53,13 @@ class NpuTensor(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"NpuTensor({self._cpu!r}, device='npu:0')"
 
+    # A device tensor has a storage and an address: views of one buffer share them, as on hardware.
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        return self._cpu.untyped_storage()
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        return self._cpu.data_ptr()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -1,0 +1,33 @@
+"""Layers that `kernels.kernelize` swaps into transformers' SiLU-gated MLP modules (forward only, no state).
+
+Each reads the submodules of the MLP it replaces and checks its activation on every call: an MLP
+whose activation is not SiLU at runtime (another `hidden_act`, or `act_fn` replaced) runs its eager math.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .swiglu import activation_of, fused_mlp, split_mlp
+
+
+class SwiGLUMLP(nn.Module):
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`: Llama, Mistral, Qwen2/3, DeepseekV3, OLMo, Granite, ..."""
+
+    has_backward = True
+    # torch.compile of the fused path is not verified on Ascend hardware yet.
+    can_torch_compile = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return split_mlp(x, self.gate_proj, self.up_proj, self.down_proj, activation_of(self))
+
+
+class SwiGLUFusedMLP(nn.Module):
+    """`down_proj(up * act(gate))` with `gate, up = gate_up_proj(x).chunk(2, -1)`: Phi3, Glm4, ..."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return fused_mlp(hidden_states, self.gate_up_proj, self.down_proj, activation_of(self))
