@@ -336,3 +336,40 @@ def test_rotary_function_is_shared_by_all_models_of_a_family(npu_kernels):
     with emulation.count_op_calls() as calls:
         assert torch.equal(forward(on_cpu, token_ids()), eager)
     assert calls["npu_rotary_mul"] == 0
+
+
+def test_packed_mlps_train_save_and_load_like_unpacked_ones(npu_kernels, tmp_path):
+    """pack_gate_up keeps the Parameter objects: an optimizer made before packing updates them in
+    place (and the packing survives the step); the saved checkpoint equals the packed weights."""
+    model = kernelized("llama", mode=Mode.TRAINING)
+    reference = tiny_model("llama")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for m, optimizer in zip((model, reference), optimizers, strict=True):
+        m.train()
+        device = next(m.parameters()).device
+        m(token_ids().to(device), labels=token_ids().to(device)).loss.backward()
+        optimizer.step()
+    with emulation.count_op_calls() as calls:
+        forward(model, token_ids())
+    assert calls["npu_swiglu"] == gated_mlp_count(model)  # still packed after the in-place update
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    saved = reloaded.state_dict()
+    assert all(torch.equal(saved[k], v.cpu()) for k, v in model.state_dict().items())
+
+
+def test_a_silu_shaped_mlp_built_with_another_activation_runs_its_own_forward(npu_kernels):
+    """LlamaMLP is listed, but a config may give it GELU: the layer checks the activation on every call."""
+    model = tiny_model("llama")
+    model.config.hidden_act = "gelu"
+    gelu_model = type(model)(model.config).eval()
+    gelu_model.load_state_dict(model.state_dict())
+    eager = forward(gelu_model, token_ids())
+    kernelize(gelu_model.to("npu"), mode=Mode.INFERENCE, device="npu")
+    assert pack_gate_up(gelu_model) == gated_mlp_count(gelu_model)
+    with emulation.count_op_calls() as calls:
+        out = forward(gelu_model, token_ids())
+    assert calls["npu_swiglu"] == 0 and calls["npu_rms_norm"] > 0
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
