@@ -4,7 +4,7 @@
 
 Per card: `README.md` (the card text plus a generated variants table) and, for each variant of
 kernel-cards/variants.toml, `build/<variant>/metadata.json` and `build/<variant>/<python_name>/`
-(the card package, the shared `_npu.py`, and a generated `_build.py`). The output depends only on
+(the card package, the shared modules of kernel-cards/shared/, and a generated `_build.py`). The output depends only on
 the sources: same inputs, byte-identical trees. A card is written to a temporary folder and moved
 into place whole, so an interrupted build never leaves a half-written card behind.
 """
@@ -139,7 +139,8 @@ def write_variant(card: Card, variant: Variant, variant_dir: Path) -> None:
         dest = package_out / src.relative_to(card.package_dir)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(src.read_bytes())
-    (package_out / "_npu.py").write_bytes((SHARED_DIR / "_npu.py").read_bytes())
+    for shared in sorted(SHARED_DIR.glob("*.py")):
+        (package_out / shared.name).write_bytes(shared.read_bytes())
     (package_out / "_build.py").write_text(_build_module(card, variant))
 
     content = hashlib.sha256()

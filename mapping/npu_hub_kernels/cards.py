@@ -54,6 +54,7 @@ CARDS: dict[str, Card] = {
             ),
         ),
         Card("npu_fused_swiglu", "npu-swiglu", ("SwiGLUMLP", "SwiGLUFusedMLP")),
+        Card("npu_fused_moe", "npu-moe", ("SwiGLUExperts",)),
     )
 }
 

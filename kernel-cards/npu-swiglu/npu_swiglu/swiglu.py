@@ -13,29 +13,16 @@ matmul against that buffer yields `[gate | up]` directly, with no per-call weigh
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._activations import is_silu
 from ._npu import npu_unavailable_reason, torch_npu
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def is_silu(act_fn: Callable | None) -> bool:
-    """Whether an MLP's activation is exactly SiLU: `F.silu`, `nn.SiLU` (ACT2FN["swish"]) or transformers'
-    `SiLUActivation` (ACT2FN["silu"]), not a subclass, its forward not swapped for another."""
-    if act_fn is F.silu:
-        return True
-    activations = sys.modules.get("transformers.activations")
-    silu_types = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
-    if type(act_fn) not in silu_types:
-        return False
-    forward = vars(act_fn).get("forward")  # kernelize may bind a forward per instance (its own, or another)
-    return forward is None or getattr(forward, "__func__", None) is type(act_fn).forward
 
 
 def activation_of(mlp: nn.Module) -> Callable | None:

@@ -30,6 +30,7 @@ import torch
 
 from .checks import OP_CALLS
 from .device import NpuTensor, install_device
+from .moe import npu_grouped_matmul, npu_moe_token_permute, npu_moe_token_unpermute
 from .rms_norm import npu_rms_norm
 from .rotary_mul import npu_rotary_mul
 from .swiglu import npu_swiglu
@@ -37,7 +38,14 @@ from .swiglu import npu_swiglu
 DEFAULT_CANN_VERSION = "9.1.0"
 """CANN that Ascend's CI pairs with torch 2.13 (Ascend/pytorch .ci/docker/common/install_cann.sh)."""
 
-_EMULATED_OPS = {"npu_rms_norm": npu_rms_norm, "npu_rotary_mul": npu_rotary_mul, "npu_swiglu": npu_swiglu}
+_EMULATED_OPS = {
+    "npu_rms_norm": npu_rms_norm,
+    "npu_rotary_mul": npu_rotary_mul,
+    "npu_swiglu": npu_swiglu,
+    "npu_moe_token_permute": npu_moe_token_permute,
+    "npu_moe_token_unpermute": npu_moe_token_unpermute,
+    "npu_grouped_matmul": npu_grouped_matmul,
+}
 _NOT_EMULATED_OPS = ("npu_fusion_attention",)
 """Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated."""
 _state = {"cann_version": DEFAULT_CANN_VERSION}

@@ -60,6 +60,10 @@ class NpuTensor(torch.Tensor):
     def data_ptr(self) -> int:  # type: ignore[override]
         return self._cpu.data_ptr()
 
+    def tolist(self):  # type: ignore[override]
+        """A device-to-host read, as `.tolist()` of a device tensor is (tensor subclasses lack it)."""
+        return self._cpu.tolist()
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -1,0 +1,134 @@
+"""Dropless top-k SiLU-gated experts on torch_npu's routing ops and grouped matmul.
+
+transformers v5 keeps the experts of an MoE layer in one module: `gate_up_proj [E, 2I, H]` (gate
+rows first), `down_proj [E, H, I]`, and computes, for token t and its k routed experts e = top_k_index[t, j],
+`out[t] = sum_j top_k_weights[t, j] * down_proj[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))`.
+
+On the NPU: permute the tokens into expert order (`npu_moe_token_permute`), count tokens per
+expert, one `npu_grouped_matmul` for gate_up over all experts, `npu_swiglu`, one grouped matmul for
+down, and `npu_moe_token_unpermute` to weight and sum each token's k rows. The device op count does
+not grow with the number of experts. `npu_grouped_matmul` has no autograd, so `_GroupedLinear`
+supplies it: dx through the same grouped matmul on the untransposed weights, dW through the
+K-split form (group_type 2).
+
+Elsewhere (torch-universal, CPU tensors, or inputs outside the ops' limits) `experts_sorted` runs the
+same math efficiently: sort the token copies by expert once, one matmul per non-empty expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ._activations import is_silu
+from ._npu import npu_unavailable_reason, torch_npu
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_GROUPS = 1024
+"""npu_grouped_matmul takes at most 1024 groups with a single 3-D weight."""
+MAX_INNER_DIM = 65536
+MAX_TOP_K = 512
+
+
+def experts_unavailable_reason(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn
+) -> str | None:
+    """Why the grouped-matmul path will not run for these inputs, or None when it will."""
+    if not is_silu(act_fn):
+        return f"activation {act_fn!r} is not SiLU"
+    reason = npu_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj)
+    if reason is not None:
+        return reason
+    if hidden_states.dtype not in FUSED_DTYPES:
+        return f"dtype {hidden_states.dtype} is not supported (float16, bfloat16, float32)"
+    if gate_up_proj.dtype != hidden_states.dtype or down_proj.dtype != hidden_states.dtype:
+        return f"expert weights in {gate_up_proj.dtype}, hidden states in {hidden_states.dtype}"
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2:
+        return "hidden_states must be [tokens, hidden] and top_k_index [tokens, k]"
+    if hidden_states.shape[0] == 0:
+        return "no tokens"
+    experts, double_inner, hidden = gate_up_proj.shape
+    if experts > MAX_GROUPS:
+        return f"{experts} experts: npu_grouped_matmul takes at most {MAX_GROUPS} groups"
+    if max(hidden, double_inner) >= MAX_INNER_DIM:
+        return f"inner dims {hidden}, {double_inner} must be below {MAX_INNER_DIM}"
+    if top_k_index.shape[1] > MAX_TOP_K:
+        return f"top-k {top_k_index.shape[1]} above {MAX_TOP_K}"
+    return None
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """`y[rows of e] = x[rows of e] @ weight[e].T` for groups of consecutive rows, with a backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, counts)
+        return _grouped_matmul(x, weight.transpose(1, 2), counts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, counts = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = _grouped_matmul(grad, weight, counts) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # dW[e] = grad[rows of e].T @ x[rows of e]: the K-split grouped matmul
+            grad_weight = torch_npu.npu_grouped_matmul(
+                [grad.t()], [x], group_list=counts, group_type=2, group_list_type=1, split_item=2
+            )[0]
+        return grad_x, grad_weight, None
+
+
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return torch_npu.npu_grouped_matmul(
+        [x], [weight], group_list=counts, group_type=0, group_list_type=1, split_item=2
+    )[0]
+
+
+def experts_forward(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn: Callable,
+) -> torch.Tensor:
+    """transformers' Experts forward: grouped matmuls on the NPU, `experts_sorted` where they do not apply."""
+    reason = experts_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj, act_fn)
+    experts = gate_up_proj.shape[0]
+    counts = torch.bincount(top_k_index.flatten(), minlength=experts) if reason is None else None
+    if counts is None or counts.numel() > experts:  # ids >= E: expert-parallel placeholders, dropped as eager does
+        return experts_sorted(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
+    permuted, sorted_indices = torch_npu.npu_moe_token_permute(hidden_states, top_k_index)
+    gate_up = _GroupedLinear.apply(permuted, gate_up_proj, counts)
+    expert_out = _GroupedLinear.apply(torch_npu.npu_swiglu(gate_up), down_proj, counts)
+    return torch_npu.npu_moe_token_unpermute(expert_out, sorted_indices, probs=top_k_weights)
+
+
+def experts_sorted(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn: Callable,
+) -> torch.Tensor:
+    """The same experts math without NPU ops: token copies sorted by expert once, one matmul per
+    non-empty expert, weighted and summed back in expert order (as transformers' eager loop adds)."""
+    experts = gate_up_proj.shape[0]
+    top_k = top_k_index.shape[1]
+    flat = top_k_index.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=experts)[:experts].tolist()
+    kept = order[: sum(counts)]  # ids >= experts sort last and are dropped
+    rows = kept // top_k
+    sorted_states = hidden_states[rows]
+    outputs = []
+    for expert, piece in enumerate(sorted_states.split(counts)):
+        if piece.shape[0]:
+            gate, up = F.linear(piece, gate_up_proj[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(act_fn(gate) * up, down_proj[expert]))
+    weighted = torch.cat(outputs) * top_k_weights.flatten()[kept, None] if outputs else sorted_states
+    out = torch.zeros_like(hidden_states)
+    return out.index_add_(0, rows, weighted.to(out.dtype))

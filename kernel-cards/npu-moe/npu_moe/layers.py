@@ -1,0 +1,23 @@
+"""The layer that `kernels.kernelize` swaps into transformers' v5 Experts modules (forward only, no state)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .experts import experts_forward
+
+
+class SwiGLUExperts(nn.Module):
+    """Dropless top-k SiLU-gated experts: Qwen2/3-MoE, Mixtral, DeepseekV3, OLMoE, ... (see npu_moe.experts)."""
+
+    has_backward = True
+    # torch.compile of the fused path is not verified on Ascend hardware yet.
+    can_torch_compile = False
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return experts_forward(
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn
+        )

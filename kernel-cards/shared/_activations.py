@@ -1,0 +1,22 @@
+"""Activation checks for npu-hub-kernels cards that fuse SiLU (the build copies this file into every card)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch.nn.functional as F
+from torch import nn
+
+
+def is_silu(act_fn: Callable | None) -> bool:
+    """Whether an activation is exactly SiLU: `F.silu`, `nn.SiLU` (ACT2FN["swish"]) or transformers'
+    `SiLUActivation` (ACT2FN["silu"]), not a subclass, its forward not swapped for another."""
+    if act_fn is F.silu:
+        return True
+    activations = sys.modules.get("transformers.activations")
+    silu_types = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
+    if type(act_fn) not in silu_types:
+        return False
+    forward = vars(act_fn).get("forward")  # kernelize may bind a forward per instance (its own, or another)
+    return forward is None or getattr(forward, "__func__", None) is type(act_fn).forward

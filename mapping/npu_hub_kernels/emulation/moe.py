@@ -1,0 +1,113 @@
+"""Emulated torch_npu MoE routing and grouped matmul, from shared/docs/torch-npu-ops.md (torch_npu 2.13.0).
+
+- `npu_moe_token_permute`: tokens gathered in stable expert order; `sorted_indices` is the INVERSE
+  permutation (int32): `permuted[sorted_indices[i]] == tokens[i // K]`. Autograd for tokens.
+- `npu_moe_token_unpermute`: `out[t] = sum_k probs[t, k] * permuted[sorted_indices[t*K + k]]`, float32
+  inside, one cast to the tokens' dtype. Autograd for tokens and probs.
+- `npu_grouped_matmul`: `y_g = x_g @ w_g` per group, group sizes from `group_list` (cumsum or counts),
+  rows split (group_type 0) or the K axis split (group_type 2, for weight gradients). Float32
+  accumulation, output in x's dtype. No autograd, as on the device: its outputs are detached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import require_npu
+
+_MAX_GROUPS = 1024
+_MAX_INNER = 65536
+
+
+def npu_moe_token_permute(
+    tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None, padded_mode: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    require_npu("npu_moe_token_permute", tokens=tokens, indices=indices)
+    if padded_mode or num_out_tokens not in (None, 0):
+        raise NotImplementedError("npu_moe_token_permute: padded_mode and num_out_tokens are not emulated")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError(f"npu_moe_token_permute: indices must be int32 or int64, got {indices.dtype}")
+    top_k = indices.shape[1] if indices.dim() == 2 else 1
+    if top_k > 512:
+        raise RuntimeError(f"npu_moe_token_permute: top-k {top_k} above 512")
+    order = indices.flatten().argsort(stable=True)
+    permuted = tokens[order // top_k]
+    sorted_indices = order.argsort().to(torch.int32)
+    return permuted, sorted_indices
+
+
+def npu_moe_token_unpermute(
+    permuted_tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    padded_mode: bool = False,
+    restore_shape: torch.Size | None = None,
+) -> torch.Tensor:
+    tensors = {"permuted_tokens": permuted_tokens, "sorted_indices": sorted_indices}
+    require_npu("npu_moe_token_unpermute", **tensors, **({"probs": probs} if probs is not None else {}))
+    if padded_mode:
+        raise NotImplementedError("npu_moe_token_unpermute: padded_mode is not emulated")
+    if sorted_indices.dtype != torch.int32:
+        raise RuntimeError(f"npu_moe_token_unpermute: sorted_indices must be int32, got {sorted_indices.dtype}")
+    top_k = probs.shape[1] if probs is not None else 1
+    gathered = permuted_tokens[sorted_indices.long()].float().unflatten(0, (-1, top_k))  # [T, K, H]
+    if probs is not None:
+        gathered = gathered * probs.float().unsqueeze(-1)
+    return gathered.sum(dim=1).to(permuted_tokens.dtype)
+
+
+def npu_grouped_matmul(
+    x: list[torch.Tensor],
+    weight: list[torch.Tensor],
+    *,
+    bias=None,
+    group_list: torch.Tensor | None = None,
+    split_item: int = 0,
+    group_type: int | None = None,
+    group_list_type: int = 0,
+    act_type: int = 0,
+    output_dtype: torch.dtype | None = None,
+    **unused,
+) -> list[torch.Tensor]:
+    """The single-tensor forms the cards use: group_type 0 (x [M, K] rows split, weight [E, K, N] -> y [M, N])
+    and group_type 2 (x [K, M] with M split, weight [M, N] -> y [E, K, N])."""
+    if len(x) != 1 or len(weight) != 1 or bias is not None or act_type != 0:
+        raise NotImplementedError("npu_grouped_matmul: only one x and one weight, no bias/activation, are emulated")
+    (a_npu,), (w_npu,) = x, weight
+    require_npu("npu_grouped_matmul", x=a_npu, weight=w_npu, group_list=group_list)
+    a, w = a_npu.detach().cpu(), w_npu.detach().cpu()  # the device computes on its own memory
+    if group_list is None or group_list.dtype != torch.int64:
+        raise RuntimeError("npu_grouped_matmul: group_list must be an int64 tensor")
+    groups = group_list.numel()
+    if groups > _MAX_GROUPS:
+        raise RuntimeError(f"npu_grouped_matmul: at most {_MAX_GROUPS} groups, got {groups}")
+    if max(a.shape[-1], w.shape[-1]) >= _MAX_INNER:
+        raise RuntimeError(f"npu_grouped_matmul: inner dims must be < {_MAX_INNER}")
+    group_list = group_list.cpu()
+    sizes = (group_list if group_list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))).tolist()
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    with torch.no_grad():  # no autograd on the device op
+        if group_type == 0:
+            if w.dim() != 3 or w.shape[0] != groups or bounds[-1] != a.shape[0]:
+                raise RuntimeError(
+                    f"npu_grouped_matmul: group_type 0 takes x [M, K] and weight [E, K, N] with E groups summing "
+                    f"to M; got x {tuple(a.shape)}, weight {tuple(w.shape)}, group sizes {sizes}"
+                )
+            out = torch.empty(a.shape[0], w.shape[2], dtype=torch.float32)
+            for g in range(groups):
+                out[bounds[g] : bounds[g + 1]] = a[bounds[g] : bounds[g + 1]].float() @ w[g].float()
+        elif group_type == 2:
+            if w.dim() != 2 or bounds[-1] != a.shape[1] or a.shape[1] != w.shape[0]:
+                raise RuntimeError(
+                    f"npu_grouped_matmul: group_type 2 takes x [K, M] and weight [M, N] with groups summing to M; "
+                    f"got x {tuple(a.shape)}, weight {tuple(w.shape)}, group sizes {sizes}"
+                )
+            out = torch.stack(
+                [a[:, bounds[g] : bounds[g + 1]].float() @ w[bounds[g] : bounds[g + 1]].float() for g in range(groups)]
+            )
+        else:
+            raise NotImplementedError(f"npu_grouped_matmul: group_type {group_type} is not emulated")
+    out = out.to(output_dtype or a.dtype).to(a_npu.device)
+    if split_item in (2, 3):
+        return [out]
+    return list(out.split(sizes)) if group_type == 0 else list(out.unbind(0))

@@ -1,0 +1,234 @@
+"""npu-moe, op level: the card's experts forward and backward against a float64 loop, and which path runs.
+
+The reference is the experts formula written as a plain loop in float64:
+`out[t] = sum_j w[t, j] * down[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))`, e = top_k_index[t, j].
+Parity follows flash-attention's idiom against transformers' own eager experts loop in the same
+dtype. The grouped path is proven by the emulated ops' call counters.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernels import get_local_kernel
+from transformers.activations import ACT2FN
+
+from npu_hub_kernels import emulation
+
+SILU = ACT2FN["silu"]
+
+
+@pytest.fixture(scope="module")
+def card(built_cards):
+    return get_local_kernel(built_cards / "npu-moe")
+
+
+def routing(tokens: int, experts: int, top_k: int, rng: random.Random, *, skew: str = "random"):
+    """top_k_index [T, k] (distinct experts per token) and top_k_weights [T, k] as a router gives them."""
+    rows = []
+    for _ in range(tokens):
+        if skew == "one_expert":
+            rows.append([0, *rng.sample(range(1, experts), top_k - 1)])
+        else:
+            rows.append(rng.sample(range(experts), top_k))
+    index = torch.tensor(rows, dtype=torch.int64)
+    weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    return index, weights
+
+
+def expert_weights(experts: int, hidden: int, inner: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(experts, 2 * inner, hidden, generator=g) / hidden**0.5
+    down = torch.randn(experts, hidden, inner, generator=g) / inner**0.5
+    return gate_up, down
+
+
+def loop_reference(x, index, weights, gate_up, down):
+    """The formula, token by token, in float64."""
+    x, weights, gate_up, down = x.double(), weights.double(), gate_up.double(), down.double()
+    inner = down.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[t, j])
+            gate, up = gate_up[e, :inner] @ x[t], gate_up[e, inner:] @ x[t]
+            out[t] += weights[t, j] * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+def transformers_eager(x, index, weights, gate_up, down):
+    """transformers' eager experts loop (Qwen3MoeExperts with the "eager" implementation) in the input dtype."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    experts = Qwen3MoeExperts.__new__(Qwen3MoeExperts)
+    torch.nn.Module.__init__(experts)
+    experts.num_experts, experts.act_fn = gate_up.shape[0], SILU
+    experts.gate_up_proj, experts.down_proj = torch.nn.Parameter(gate_up), torch.nn.Parameter(down)
+    experts.config = type("Config", (), {"_experts_implementation": "eager"})()
+    with torch.no_grad():
+        return Qwen3MoeExperts.forward.__wrapped__(experts, x, index, weights)
+
+
+def npu(*tensors):
+    return [t.to("npu") for t in tensors]
+
+
+CASES = {
+    "random": dict(tokens=13, experts=8, top_k=2),
+    "top_k 1": dict(tokens=11, experts=6, top_k=1),
+    "top_k = E": dict(tokens=7, experts=4, top_k=4),
+    "all tokens on one expert": dict(tokens=9, experts=8, top_k=1, skew="one_expert"),
+    "experts with no tokens": dict(tokens=2, experts=16, top_k=2),
+    "one token": dict(tokens=1, experts=8, top_k=2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_path_error_at_most_twice_eager_error(card, case, dtype):
+    params = dict(CASES[case])
+    skew = params.pop("skew", "random")
+    rng = random.Random(case)
+    index, weights = routing(params["tokens"], params["experts"], params["top_k"], rng, skew=skew)
+    gate_up, down = expert_weights(params["experts"], 32, 24, seed=len(case))
+    x = torch.randn(params["tokens"], 32, generator=torch.Generator().manual_seed(1))
+    x, gate_up, down = (t.to(dtype) for t in (x, gate_up, down))
+    weights = weights.to(dtype)
+    reference = loop_reference(x, index, weights, gate_up, down)
+    eager = transformers_eager(x, index, weights, gate_up, down)
+    with emulation.count_op_calls() as calls, torch.no_grad():
+        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
+    assert calls == {
+        "npu_moe_token_permute": 1,
+        "npu_grouped_matmul": 2,
+        "npu_swiglu": 1,
+        "npu_moe_token_unpermute": 1,
+    }
+    assert got.dtype == dtype and got.shape == x.shape
+    fused_error = (got.double() - reference).abs().max().item()
+    eager_error = (eager.double() - reference).abs().max().item()
+    assert fused_error <= 2 * eager_error + 1e-6, (fused_error, eager_error)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_routing_matches_the_loop(card, seed):
+    """Hypothesis-style: random sizes, E, k, routing and weights; float32 against the float64 loop."""
+    rng = random.Random(seed)
+    experts = rng.choice([1, 2, 3, 8, 17, 64])
+    top_k = rng.randint(1, min(experts, 6))
+    tokens = rng.choice([1, 3, 10, 33])
+    hidden, inner = rng.choice([8, 24, 40]), rng.choice([4, 20, 36])
+    index, weights = routing(tokens, experts, top_k, rng)
+    gate_up, down = expert_weights(experts, hidden, inner, seed)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
+        universal = card.experts_sorted(x, index, weights, gate_up, down, SILU)
+    reference = loop_reference(x, index, weights, gate_up, down)
+    torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(universal.double(), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_routing_weights_with_bfloat16_hidden_states(card):
+    """Mixtral's router hands float32 weights to bfloat16 experts; the output stays bfloat16."""
+    rng = random.Random(5)
+    index, weights = routing(12, 8, 2, rng)
+    gate_up, down = (t.bfloat16() for t in expert_weights(8, 32, 24, seed=5))
+    x = torch.randn(12, 32).bfloat16()
+    reference = loop_reference(x, index, weights, gate_up, down)
+    eager = transformers_eager(x, index, weights, gate_up, down)
+    with torch.no_grad():
+        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - reference).abs().max() <= 2 * (eager.double() - reference).abs().max() + 1e-6
+
+
+def test_backward_gives_input_weight_and_routing_gradients(card):
+    rng = random.Random(7)
+    index, weights = routing(10, 6, 2, rng)
+    index[:, 0] = 0  # expert 0 busy, some experts idle
+    gate_up, down = expert_weights(6, 16, 12, seed=7)
+    x = torch.randn(10, 16)
+    leaves = [t.clone().double().requires_grad_() for t in (x, weights, gate_up, down)]
+    loop_reference(leaves[0], index, *leaves[1:]).pow(2).sum().backward()
+    npu_leaves = [t.clone().to("npu").requires_grad_() for t in (x, weights, gate_up, down)]
+    with emulation.count_op_calls() as calls:
+        out = card.experts_forward(npu_leaves[0], index.to("npu"), *npu_leaves[1:], SILU)
+        out.pow(2).sum().backward()
+    assert calls["npu_grouped_matmul"] == 2 + 4  # forward: gate_up, down; backward: dx and dW of each
+    for name, got, want in zip(("x", "weights", "gate_up_proj", "down_proj"), npu_leaves, leaves, strict=True):
+        torch.testing.assert_close(got.grad.cpu().double(), want.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_grouped_matmul_has_no_autograd_of_its_own():
+    """The reason for the card's backward: the device op's outputs carry no graph."""
+    torch_npu = emulation.install()
+    x = torch.randn(4, 3).to("npu").requires_grad_()
+    w = torch.randn(2, 3, 5).to("npu")
+    y = torch_npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([1, 3]).to("npu"), group_type=0,
+                                     group_list_type=1, split_item=2)[0]  # fmt: skip
+    assert not y.requires_grad
+
+
+def test_too_many_experts_take_the_sorted_path(card):
+    rng = random.Random(9)
+    index, weights = routing(6, 1100, 2, rng)
+    gate_up, down = expert_weights(1100, 8, 4, seed=9)
+    x = torch.randn(6, 8)
+    assert "at most 1024 groups" in card.experts_unavailable_reason(*npu(x, index, gate_up, down), SILU)
+    with emulation.count_op_calls() as calls, torch.no_grad():
+        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
+    assert calls["npu_grouped_matmul"] == 0
+    torch.testing.assert_close(got.double(), loop_reference(x, index, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+
+
+def test_placeholder_expert_ids_are_dropped_as_eager_drops_them(card):
+    """Expert parallelism marks tokens routed elsewhere with id E; transformers' loop skips them."""
+    rng = random.Random(11)
+    index, weights = routing(8, 4, 2, rng)
+    index[::3, 1] = 4  # placeholder
+    gate_up, down = expert_weights(4, 16, 8, seed=11)
+    x = torch.randn(8, 16)
+    eager = transformers_eager(x, index, weights, gate_up, down)
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
+    assert calls["npu_grouped_matmul"] == 0
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_non_silu_activation_and_host_tensors_take_the_sorted_path(card):
+    rng = random.Random(13)
+    index, weights = routing(5, 4, 2, rng)
+    gate_up, down = expert_weights(4, 16, 8, seed=13)
+    x = torch.randn(5, 16)
+    gelu = ACT2FN["gelu"]
+    assert "not SiLU" in card.experts_unavailable_reason(*npu(x, index, gate_up, down), gelu)
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        on_host = card.experts_forward(x, index, weights, gate_up, down, SILU)
+        with_gelu = card.experts_forward(*npu(x, index, weights, gate_up, down), gelu).cpu()
+    assert calls == {}
+    torch.testing.assert_close(on_host.double(), loop_reference(x, index, weights, gate_up, down), rtol=1e-5, atol=1e-5)
+    inner = down.shape[2]
+    expected = torch.zeros_like(x)
+    for t in range(5):
+        for j in range(2):
+            e = int(index[t, j])
+            hidden = gelu(gate_up[e, :inner] @ x[t]) * (gate_up[e, inner:] @ x[t])
+            expected[t] += weights[t, j] * (down[e] @ hidden)
+    torch.testing.assert_close(with_gelu, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_universal_fallback_equals_transformers_eager_loop_in_float32(card):
+    rng = random.Random(17)
+    index, weights = routing(20, 8, 2, rng)
+    gate_up, down = expert_weights(8, 32, 16, seed=17)
+    x = torch.randn(20, 32)
+    torch.testing.assert_close(
+        card.experts_sorted(x, index, weights, gate_up, down, SILU),
+        transformers_eager(x, index, weights, gate_up, down),
+        rtol=1e-6,
+        atol=1e-6,
+    )
