@@ -38,6 +38,7 @@ class Expected:
     norm: str | None = "RMSNorm"  # the npu-rms-norm layer of its norms (None: LayerNorm)
     rope: tuple[str, ...] = ("RotaryPosEmb",)  # the npu-rope layers of each attention module
     mlp: str | None = "SwiGLUMLP"  # the npu-swiglu layer of its dense MLPs (None: not SiLU-gated)
+    moe: bool = False  # whether its MoE layers' Experts modules run npu-moe
 
 
 EXPECTED = {
@@ -45,7 +46,7 @@ EXPECTED = {
     "mistral": Expected(),
     "qwen2": Expected(),
     "qwen3": Expected(),
-    "qwen3_moe": Expected(),  # routed experts only: no dense MLP
+    "qwen3_moe": Expected(moe=True),  # routed experts only: no dense MLP
     "gemma3_text": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
     "olmo2": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbCastBack",)),
     "phi3": Expected(mlp="SwiGLUFusedMLP"),  # partial rotary
@@ -53,8 +54,10 @@ EXPECTED = {
     "gpt_neox": Expected(norm=None, mlp=None),  # LayerNorm, GELU MLP, partial rotary
     # DeepseekV3Attention calls apply_rotary_pos_emb_interleave (rope_interleave=True), else apply_rotary_pos_emb:
     # the registry attaches both, so both are swapped; the fused op counts show which one runs.
-    "deepseek_v3": Expected(rope=("RotaryPosEmb", "RotaryPosEmbDeinterleave")),  # dense MLP + shared experts
-    "qwen2_moe": Expected(),  # shared expert
+    "deepseek_v3": Expected(rope=("RotaryPosEmb", "RotaryPosEmbDeinterleave"), moe=True),  # + shared experts
+    "qwen2_moe": Expected(moe=True),  # + shared expert (npu-swiglu)
+    "mixtral": Expected(moe=True),
+    "olmoe": Expected(moe=True),
     "granite": Expected(),
     "cohere": Expected(norm=None, rope=("RotaryPosEmbPairsFloat32",)),
     "olmo": Expected(norm=None, rope=("RotaryPosEmbCastBack",)),
@@ -84,13 +87,25 @@ def gated_mlp_count(model) -> int:
     )
 
 
-def expected_calls(model_type: str, model) -> dict[str, int]:
-    """Fused op calls of one forward of a kernelized, packed model."""
+def experts_count(model) -> int:
+    """Experts modules (3-D gate_up_proj) of the language model."""
+    return sum(
+        getattr(getattr(m, "gate_up_proj", None), "dim", lambda: 0)() == 3 for m in model.get_decoder().modules()
+    )
+
+
+def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, int]:
+    """Fused op calls of one forward (and backward) of a kernelized, packed model: per Experts module one
+    permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute."""
     expected = EXPECTED[model_type]
+    experts = experts_count(model) if expected.moe else 0
     calls = {
         "npu_rms_norm": norm_module_count(model),
         "npu_rotary_mul": 2 * layer_count(model) if expected.rope else 0,
-        "npu_swiglu": gated_mlp_count(model) if expected.mlp else 0,
+        "npu_swiglu": (gated_mlp_count(model) if expected.mlp else 0) + experts,
+        "npu_moe_token_permute": experts,
+        "npu_grouped_matmul": (6 if backward else 2) * experts,
+        "npu_moe_token_unpermute": experts,
     }
     return {op: n for op, n in calls.items() if n}
 
@@ -132,10 +147,12 @@ def test_kernelized_fp32_forward_matches_eager_and_every_fused_op_ran(npu_kernel
     mlp_swaps = swapped_modules(model.get_decoder(), card="npu-swiglu")
     assert len(mlp_swaps) == (gated_mlp_count(model) if expected.mlp else 0)
     assert {s.layer for s in mlp_swaps} <= {expected.mlp}
+    moe_swaps = swapped_modules(model.get_decoder(), card="npu-moe")
+    assert [s.layer for s in moe_swaps] == ["SwiGLUExperts"] * (experts_count(model) if expected.moe else 0)
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "granite", "phi3"])
 def test_unpacked_split_mlps_run_eager_and_fused_shape_mlps_still_fuse(npu_kernels, model_type):
     """Without pack_gate_up, a split MLP would need a concatenation that moves more bytes than eager:
     it runs eager. Phi3's gate_up_proj already gives [gate | up] and fuses."""
@@ -193,7 +210,7 @@ def test_training_gradients_match_eager(npu_kernels, model_type):
         model = kernelized(model_type, dtype=dtype, mode=Mode.TRAINING)
         with emulation.count_op_calls() as calls:
             grads = _gradients(model, embeds.to(dtype))
-        assert dict(calls) == expected_calls(model_type, model)
+        assert dict(calls) == expected_calls(model_type, model, backward=True)
         assert set(grads) == set(reference)
         for name, grad in grads.items():
             if dtype == torch.float32:
@@ -298,15 +315,14 @@ def test_a_subclass_with_other_math_is_not_swapped(npu_kernels):
 
 
 def test_kernel_selection_follows_the_apply_default_kernels_contract():
-    assert available_kernels() == ["npu_fused_rmsnorm", "npu_fused_rope", "npu_fused_swiglu"]
+    assert available_kernels() == ["npu_fused_rmsnorm", "npu_fused_rope", "npu_fused_swiglu", "npu_fused_moe"]
     assert [c.kernel_id for c in select_kernels("auto")] == available_kernels()
     assert [c.kernel_id for c in select_kernels(True)] == available_kernels()
     assert select_kernels(None) == [] and select_kernels(False) == []
     assert [c.kernel_id for c in select_kernels("npu_fused_rmsnorm, ")] == ["npu_fused_rmsnorm"]
     assert [c.kernel_id for c in select_kernels(["npu_fused_rmsnorm"])] == ["npu_fused_rmsnorm"]
     with pytest.raises(
-        ValueError,
-        match=r"Unknown kernel id.*'npu_fused_nope'.*Available: npu_fused_rmsnorm, npu_fused_rope, npu_fused_swiglu",
+        ValueError, match=r"Unknown kernel id.*'npu_fused_nope'.*Available: " + ", ".join(available_kernels())
     ):
         select_kernels("npu_fused_rmsnorm,npu_fused_nope")
 

@@ -56,6 +56,8 @@ TINY_CONFIGS = {
         "shared_expert_intermediate_size": 48,
     },
     "granite": {},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
     "cohere": {},
     "olmo": {},
     "helium": {},
