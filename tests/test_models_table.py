@@ -15,11 +15,12 @@ from kernels import Mode, kernelize
 from transformers.activations import ACT2FN
 
 from npu_hub_kernels import emulation, pack_gate_up, swapped_modules
-from npu_hub_kernels.models import LEFT_OUT, MODEL_CLASSES, ROPE_LEFT_OUT, SWIGLU_LEFT_OUT, ClassRule
+from npu_hub_kernels.models import LEFT_OUT, MODEL_CLASSES, MOE_LEFT_OUT, ROPE_LEFT_OUT, SWIGLU_LEFT_OUT, ClassRule
 
 RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
 ROPE_RULES = MODEL_CLASSES["npu_fused_rope"]
 SWIGLU_RULES = MODEL_CLASSES["npu_fused_swiglu"]
+MOE_RULES = MODEL_CLASSES["npu_fused_moe"]
 SCALING = {"RMSNorm": "plain", "RMSNormZeroCentered": "zero_centered", "RMSNormFloat32Scale": "float32_scale"}
 
 
@@ -261,3 +262,60 @@ def test_every_gated_mlp_class_of_transformers_is_decided():
     assert not listed & set(SWIGLU_LEFT_OUT)
     assert not any(path.startswith(("gemma.", "gemma2.", "gemma3.", "gemma3n.")) for path in listed)
     assert (len(listed), len(SWIGLU_LEFT_OUT)) == (137, 37)
+
+
+def _bare_experts(rule: ClassRule, experts: int, hidden: int, inner: int) -> torch.nn.Module:
+    """An instance of the listed Experts class with only its weights, SiLU, and transformers' "eager" choice."""
+    cls = _class(rule)
+    module = cls.__new__(cls)
+    torch.nn.Module.__init__(module)
+    g = torch.Generator().manual_seed(0)
+    module.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inner, hidden, generator=g) / hidden**0.5)
+    module.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inner, generator=g) / inner**0.5)
+    module.num_experts, module.hidden_dim, module.intermediate_dim = experts, hidden, inner
+    module.act_fn = ACT2FN["silu"]
+    module.config = types.SimpleNamespace(_experts_implementation="eager")
+    return module
+
+
+def test_every_listed_experts_class_is_swapped_and_matches_its_own_forward(npu_kernels):
+    failures = []
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 16, generator=g)
+    index = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(11)])
+    weights = torch.rand(11, 2, generator=g)
+    for rule in MOE_RULES:
+        experts = _bare_experts(rule, 6, 16, 12)
+        with torch.no_grad():
+            try:
+                expected = experts(x, index, weights)
+            except Exception as error:  # the class needs more than the layer reads
+                failures.append(f"{rule.path}: its forward needs more: {error!r}")
+                continue
+            holder = kernelize(torch.nn.Sequential(experts).to("npu"), mode=Mode.INFERENCE, device="npu")
+            with emulation.count_op_calls() as calls:
+                got = holder[0](*(t.to("npu") for t in (x, index, weights))).cpu()
+        swaps = swapped_modules(holder)
+        if [s.layer for s in swaps] != [rule.layer] or calls["npu_grouped_matmul"] != 2:
+            failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
+        elif not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+            failures.append(f"{rule.path}: max diff {(got - expected).abs().max().item()}")
+    assert failures == []
+
+
+@pytest.mark.slow
+def test_every_experts_class_of_transformers_is_decided():
+    """Each class named like Experts or holding 3-D expert weights is swapped or left out with a reason."""
+    candidates = set()
+    for path, cls in _all_modeling_classes().items():
+        init = cls.__dict__.get("__init__")
+        if not (issubclass(cls, torch.nn.Module) and isinstance(init, types.FunctionType)):
+            continue
+        source = _init_source(cls)
+        name = path.rpartition(".")[2]
+        if name.endswith("Experts") or "self.gate_up_proj = nn.Parameter(" in source:
+            candidates.add(path)
+    listed = {rule.path for rule in MOE_RULES}
+    assert candidates - listed - set(MOE_LEFT_OUT) == set()
+    assert not listed & set(MOE_LEFT_OUT)
+    assert (len(listed), len(MOE_LEFT_OUT)) == (52, 20)
