@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernels import Mode, get_local_kernel, kernelize
 
-from npu_hub_kernels import emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels import emulation, pack_gate_up, register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.tiny_models import norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 
@@ -57,3 +57,23 @@ def test_tiny_model_kernelized_on_the_device_matches_eager(built_cards):
 
 def test_real_host_is_not_emulated():
     assert os.environ.get("NPU_HUB_KERNELS_REAL_NPU") == "1"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "phi3", "glm4", "deepseek_v3"])
+def test_every_card_runs_on_the_device_in_a_tiny_model(built_cards, model_type):
+    """RoPE (half, GLM interleave, DeepSeek de-interleave), SwiGLU (split packed and fused) and MoE on hardware."""
+    model = tiny_model(model_type)
+    ids = token_ids()
+    with torch.no_grad():
+        eager = model(ids).logits
+    register_npu_kernels(local_dir=built_cards)
+    try:
+        model = kernelize(model.npu(), mode=Mode.TRAINING, device="npu")
+        pack_gate_up(model)
+        fused = model(ids.npu()).logits
+        fused.float().pow(2).mean().backward()  # the grouped-matmul and packed-matmul backwards run
+    finally:
+        unregister_npu_kernels()
+    assert swapped_modules(model, card="npu-rope")
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    torch.testing.assert_close(fused.detach().cpu(), eager, rtol=1e-3, atol=1e-3)
