@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ORG ?=
 
-.PHONY: setup build demo test lint clean
+.PHONY: setup build demo publish test lint clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ build: setup
 
 demo: build
 	$(PY) scripts/demo.py $(if $(ORG),--org $(ORG))
+
+# make publish ORG=<Hub organisation> [CARDS=npu-rope,...] [DRY_RUN=1]
+publish: build
+	@test -n "$(ORG)" || { echo "error: make publish needs ORG=<Hub organisation>"; exit 1; }
+	$(PY) scripts/publish_cards.py --org $(ORG) $(if $(CARDS),--cards $(CARDS)) $(if $(DRY_RUN),--dry-run)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -1,0 +1,276 @@
+"""`scripts/publish_cards.py` end to end against the loopback Hub (tests/hub_server.py).
+
+The script runs as `make publish` runs it, in a fresh interpreter that knows the Hub only through its
+environment (HF_ENDPOINT, HF_TOKEN, an empty cache). Tests that change a card work on a copy of the
+scripts and of the cards the mapping package knows (`workspace`), so that the copied build_cards.py
+rebuilds from the changed sources: the publish script's "build must be current" check then holds
+without any test-only switch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import publish_cards
+import pytest
+from conftest import ROOT
+from hub_server import LoopbackHub
+
+from npu_hub_kernels.cards import CARDS
+
+ORG = "npu-hub-kernels-publish"
+UNAPPROVED_ORG = "not-approved-for-kernels"
+TOKEN = "hf_loopback_publisher"
+CARD_NAMES = sorted(card.repo_name for card in CARDS.values())
+ARCH_VARIANT = f"torch213-cxx11-cann91-{platform.machine()}-linux"
+
+
+@pytest.fixture
+def hub() -> Iterator[LoopbackHub]:
+    """A Hub with an org approved for kernels, one that is not, and a user writing to both."""
+    with LoopbackHub(idle_timeout=120) as hub:
+        hub.add_org(ORG, kernels_approved=True)
+        hub.add_org(UNAPPROVED_ORG)
+        hub.add_user("publisher", orgs=[ORG, UNAPPROVED_ORG], token=TOKEN)
+        yield hub
+        assert hub.unrouted == [], "the clients called endpoints the loopback Hub does not implement"
+        assert hub.errors == []
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    """A copy of scripts/ (build and publish) and of kernel-cards/ with the cards the mapping registers."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    for script in ("build_cards.py", "publish_cards.py"):
+        shutil.copy2(ROOT / "scripts" / script, root / "scripts" / script)
+    for folder in ("shared", *CARD_NAMES):
+        shutil.copytree(
+            ROOT / "kernel-cards" / folder,
+            root / "kernel-cards" / folder,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+    shutil.copy2(ROOT / "kernel-cards" / "variants.toml", root / "kernel-cards" / "variants.toml")
+    return root
+
+
+def hub_env(hub: LoopbackHub, home: Path, token: str | None = TOKEN) -> dict[str, str]:
+    """A user's environment pointed at the loopback Hub (online, telemetry on, nothing cached)."""
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(home),
+        "HF_HOME": str(home / "hf-home"),
+        "HF_HUB_CACHE": str(home / "hub-cache"),
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
+    return env if token is None else {**env, "HF_TOKEN": token}
+
+
+def publish(hub: LoopbackHub, home: Path, *args: str, root: Path = ROOT, token: str | None = TOKEN):
+    """Run `root`'s scripts/publish_cards.py with `args`; returns the completed process."""
+    return subprocess.run(
+        [sys.executable, str(root / "scripts" / "publish_cards.py"), *args],
+        env=hub_env(hub, home, token),
+        cwd=home,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def build(root: Path, *cards: str) -> Path:
+    """Build the workspace's cards (all, or the named ones) into root/build with its own build_cards.py."""
+    out = root / "build"
+    command = [sys.executable, str(root / "scripts" / "build_cards.py"), "--out", str(out)]
+    subprocess.run([*command, *(["--cards", ",".join(cards)] if cards else [])], check=True, capture_output=True)
+    return out
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{path} no longer contains {old!r}: update the test"
+    path.write_text(text.replace(old, new))
+
+
+def heads(hub: LoopbackHub, branches: tuple[str, ...] = ("main", "v1")) -> dict[tuple[str, str], str]:
+    return {(name, branch): hub.head(f"{ORG}/{name}", branch) for name in CARD_NAMES for branch in branches}
+
+
+def card_layers(name: str) -> tuple[str, ...]:
+    return next(card.layers for card in CARDS.values() if card.repo_name == name)
+
+
+@pytest.mark.slow
+def test_publish_then_load_from_the_hub_then_nothing_to_republish(hub, built_cards, tmp_path):
+    cards = ",".join(CARD_NAMES)
+    result = publish(hub, tmp_path, "--org", ORG, "--build", str(built_cards), "--cards", cards)
+    assert result.returncode == 0, result.stderr
+    for name in CARD_NAMES:
+        repo = f"{ORG}/{name}"
+        assert (hub.commit_count(repo, "v1"), hub.commit_count(repo, "main")) == (1, 1)
+        files = dict(hub.commit(repo, "v1").files)
+        api = json.loads(files.pop("api.json"))
+        assert files.pop(".gitattributes")  # the repository's initial file, left alone
+        assert files == publish_cards.tree_files(built_cards / name)
+        assert (api["card"], api["version"], sorted(api["layers"])) == (name, 1, sorted(card_layers(name)))
+        assert hub.commit(repo, "main").files["README.md"] == files["README.md"]
+        assert f"{name} -> {repo} (new kernel repository)" in result.stdout
+
+    code = f"""
+import json
+from npu_hub_kernels import emulation
+emulation.install()
+from kernels import Mode, get_kernel, kernelize
+from npu_hub_kernels import register_npu_kernels, swapped_modules
+from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
+rope = get_kernel("{ORG}/npu-rope", version=1, trust_remote_code=True)
+register_npu_kernels(org="{ORG}")
+model = tiny_causal_lm("qwen3").to("npu")
+kernelize(model, mode=Mode.INFERENCE, device="npu")
+with emulation.count_op_calls() as calls:
+    model(token_ids().to("npu"))
+swaps = sorted({{f"{{s.card}} {{s.variant}}" for s in swapped_modules(model)}})
+print(json.dumps({{"rope": rope.VARIANT, "calls": dict(calls), "swaps": swaps}}))
+"""
+    client = subprocess.run(
+        [sys.executable, "-c", code], env=hub_env(hub, tmp_path / "client"), capture_output=True, text=True, timeout=180
+    )
+    assert client.returncode == 0, client.stderr
+    loaded = json.loads(client.stdout.splitlines()[-1])
+    assert loaded["rope"] == ARCH_VARIANT
+    assert loaded["calls"]["npu_rms_norm"] > 0 and loaded["calls"]["npu_rotary_mul"] > 0
+    assert {swap.split()[1] for swap in loaded["swaps"]} == {ARCH_VARIANT}  # the Ascend host's own build
+    assert {"npu-rms-norm", "npu-rope", "npu-swiglu"} <= {swap.split()[0] for swap in loaded["swaps"]}
+    assert hub.request_count("resolve", f"{ORG}/npu-rope") > 0  # downloaded from the Hub, not found in a cache
+
+    before = heads(hub)
+    again = publish(hub, tmp_path, "--org", ORG, "--build", str(built_cards), "--cards", cards)
+    assert again.returncode == 0, again.stderr
+    assert heads(hub) == before
+    assert hub.request_count("commit") == 2 * len(CARD_NAMES)
+    assert again.stdout.count(": no change (") == 2 * len(CARD_NAMES)
+    assert f"done: 0 card(s) published, {len(CARD_NAMES)} already up to date" in again.stdout
+
+
+@pytest.mark.slow
+def test_dry_run_lists_every_file_and_writes_nothing(hub, built_cards, tmp_path):
+    result = publish(hub, tmp_path, "--org", ORG, "--build", str(built_cards), "--cards", "npu-rope", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    listed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("    add ")]
+    tree = publish_cards.tree_files(built_cards / "npu-rope")
+    assert sorted(listed) == sorted([*tree, "api.json", "README.md"])  # v1, then README.md again for main
+    assert f"npu-rope -> {ORG}/npu-rope (new kernel repository)" in result.stdout
+    assert f"v1 (new branch): {len(tree) + 1} to add, 0 to replace, 0 to delete" in result.stdout
+    assert "dry run: nothing was written to the Hub" in result.stdout
+    for endpoint in ("create_repo", "create_branch", "preupload", "commit"):
+        assert hub.request_count(endpoint) == 0, endpoint
+
+
+@pytest.mark.slow
+def test_only_the_changed_card_is_committed_and_a_failed_commit_changes_nothing(hub, workspace, tmp_path):
+    package = workspace / "kernel-cards" / "npu-swiglu" / "npu_swiglu"
+    (package / "notes.py").write_text('"""A module the next build no longer has."""\n')
+    build_dir = build(workspace)
+    first = publish(hub, tmp_path, "--org", ORG, "--build", str(build_dir), root=workspace)
+    assert first.returncode == 0, first.stderr
+
+    (package / "notes.py").unlink()
+    with (package / "swiglu.py").open("a") as source:
+        source.write("# edited: the API stays as it is\n")
+    build(workspace, "npu-swiglu")
+    before = heads(hub)
+    counts = {(name, branch): hub.commit_count(f"{ORG}/{name}", branch) for name, branch in before}
+
+    plan = publish(hub, tmp_path, "--org", ORG, "--build", str(build_dir), "--dry-run", root=workspace)
+    assert plan.returncode == 0, plan.stderr
+    variants = sorted(p.name for p in (build_dir / "npu-swiglu" / "build").iterdir())
+    listed = {tuple(line.split()) for line in plan.stdout.splitlines() if line.startswith("    ")}
+    assert listed == {
+        (action, f"build/{variant}/{path}")
+        for variant in variants
+        for action, path in (
+            ("delete", "npu_swiglu/notes.py"),
+            ("replace", "npu_swiglu/swiglu.py"),
+            ("replace", "metadata.json"),  # its digest covers swiglu.py
+        )
+    }
+    assert plan.stdout.count(": no change (") == 2 * len(CARD_NAMES) - 1  # all but npu-swiglu's v1
+
+    hub.fail_next("commit", 500)
+    failed = publish(hub, tmp_path, "--org", ORG, "--build", str(build_dir), root=workspace)
+    assert failed.returncode == 1
+    assert "The commit was not applied: branch v1 is as it was" in failed.stderr
+    assert "Run the same command again" in failed.stderr
+    assert "Traceback" not in failed.stderr
+    assert heads(hub) == before
+
+    rerun = publish(hub, tmp_path, "--org", ORG, "--build", str(build_dir), root=workspace)
+    assert rerun.returncode == 0, rerun.stderr
+    after = {(name, branch): hub.commit_count(f"{ORG}/{name}", branch) for name, branch in before}
+    assert after == {**counts, ("npu-swiglu", "v1"): counts["npu-swiglu", "v1"] + 1}
+    files = dict(hub.commit(f"{ORG}/npu-swiglu", "v1").files)
+    del files["api.json"], files[".gitattributes"]
+    assert files == publish_cards.tree_files(build_dir / "npu-swiglu")
+
+
+@pytest.mark.slow
+def test_an_api_change_needs_a_version_bump(hub, workspace, tmp_path):
+    card = workspace / "kernel-cards" / "npu-rms-norm"
+    build_dir = build(workspace, "npu-rms-norm")
+    args = ("--org", ORG, "--build", str(build_dir), "--cards", "npu-rms-norm")
+    assert publish(hub, tmp_path, *args, root=workspace).returncode == 0
+    repo = f"{ORG}/npu-rms-norm"
+    v1 = hub.head(repo, "v1")
+
+    edit(card / "npu_rms_norm" / "layers.py", "hidden_states", "x")
+    stale = publish(hub, tmp_path, *args, root=workspace)
+    assert stale.returncode == 1
+    assert "run `make build`" in stale.stderr
+
+    build(workspace, "npu-rms-norm")
+    refused = publish(hub, tmp_path, *args, root=workspace)
+    assert refused.returncode == 1
+    assert "layer RMSNorm: (self, hidden_states) -> (self, x)" in refused.stderr
+    assert "bump `version` in kernel-cards/npu-rms-norm/card.toml (to 2)" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert (hub.head(repo, "v1"), hub.commit_count(repo, "v1")) == (v1, 1)
+
+    edit(card / "card.toml", "version = 1", "version = 2")
+    build(workspace, "npu-rms-norm")
+    bumped = publish(hub, tmp_path, *args, root=workspace)
+    assert bumped.returncode == 0, bumped.stderr
+    assert "v2 (new branch)" in bumped.stdout
+    assert hub.head(repo, "v1") == v1
+    api = json.loads(hub.commit(repo, "v2").files["api.json"])
+    assert (api["version"], api["layers"]["RMSNorm"]) == (2, "(self, x)")
+
+
+@pytest.mark.slow
+def test_an_org_not_approved_for_kernels_gets_told_how_to_ask(hub, built_cards, tmp_path):
+    result = publish(hub, tmp_path, "--org", UNAPPROVED_ORG, "--build", str(built_cards), "--cards", "npu-rope")
+    assert result.returncode == 1
+    assert "403" in result.stderr and "not approved to publish kernels" in result.stderr  # the Hub's reason
+    assert "Request Kernels Creation" in result.stderr and "Hugging Face Hub team" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (hub.request_count("create_repo"), hub.request_count("commit")) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("token", "message"),
+    [(None, "no Hugging Face token: log in with `hf auth login`"), ("hf_not_a_token", "rejected the token")],
+)
+def test_token_problems_are_explained_before_any_work(hub, built_cards, tmp_path, token, message):
+    result = publish(hub, tmp_path, "--org", ORG, "--build", str(built_cards), "--cards", "npu-rope", token=token)
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "checking" not in result.stdout  # refused before checking the build
