@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import shutil
 import sys
@@ -24,10 +25,14 @@ from pathlib import Path
 from kernels import Metadata
 from kernels._rust import Digest, DigestAlgorithm
 
+from npu_hub_kernels.models import MODEL_CLASSES
+
 ROOT = Path(__file__).resolve().parent.parent
 CARDS_DIR = ROOT / "kernel-cards"
 SHARED_DIR = CARDS_DIR / "shared"
 _SKIP = {"__pycache__"}
+TRANSFORMERS_VERSION = importlib.metadata.version("transformers")
+"""The installed (pinned) transformers, which the class tables of npu_hub_kernels.models were established against."""
 
 
 @dataclass(frozen=True)
@@ -162,8 +167,28 @@ def write_variant(card: Card, variant: Variant, variant_dir: Path) -> None:
     Metadata.read_from_file(metadata_path)  # the loader's own parser must accept it
 
 
+def render_models(card: Card) -> str:
+    """The transformers classes the npu_hub_kernels mapping swaps this card into, by layer (from models.py)."""
+    rules = MODEL_CLASSES.get(card.kernel_id, [])
+    lines = [
+        "## Supported transformers classes",
+        "",
+        f"`npu_hub_kernels.register_npu_kernels()` swaps this card into {len(rules)} classes of transformers "
+        f"{TRANSFORMERS_VERSION}, each listed because the layer computes exactly what its forward computes "
+        "(the others are left out with a reason in `npu_hub_kernels.models`).",
+        "",
+        "| layer | classes | model families |",
+        "|---|---|---|",
+    ]
+    for layer in card.layers:
+        paths = sorted(rule.path for rule in rules if rule.layer == layer)
+        families = sorted({path.split(".")[0] for path in paths})
+        lines.append(f"| `{layer}` | {len(paths)} | {', '.join(families)} |")
+    return "\n".join(lines)
+
+
 def render_readme(card: Card, variants: list[Variant]) -> str:
-    """The card text, followed by the table of build variants."""
+    """The card text, the supported classes and the table of build variants."""
     rows = ["| variant | torch | CANN | CPU |", "|---|---|---|---|"]
     for v in variants:
         if v.cann is None:
@@ -173,7 +198,7 @@ def render_readme(card: Card, variants: list[Variant]) -> str:
             rows.append(f"| `{v.name}` | {v.torch} | {v.cann} | {v.cpu} |")
     text = (card.path / "README.md").read_text().rstrip("\n")
     return (
-        f"{text}\n\n## Build variants\n\n"
+        f"{text}\n\n{render_models(card)}\n\n## Build variants\n\n"
         "The `kernels` loader takes the variant matching this host's torch, CANN and CPU exactly, "
         "then `torch-npu`, then `torch-universal`.\n\n" + "\n".join(rows) + "\n"
     )
