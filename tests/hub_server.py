@@ -55,6 +55,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import secrets
 import threading
 import time
@@ -65,6 +66,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -98,6 +100,23 @@ AUTH_REQUIRED = "Authentication required: send 'Authorization: Bearer <token>'"
 INITIAL_GITATTRIBUTES = (
     b"*.bin filter=lfs diff=lfs merge=lfs -text\n*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
 )
+
+
+def client_env(hub_url: str, home: Path, token: str | None = None) -> dict[str, str]:
+    """The environment of a user process pointed at a Hub: online, nothing cached, no progress bars.
+
+    Telemetry stays on: with HF_HUB_DISABLE_TELEMETRY=1, kernels 0.17.2 builds a user agent ending in "; ",
+    which httpx refuses to send, so get_kernel could not reach any Hub.
+    """
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(home),
+        "HF_HOME": str(home / "hf-home"),
+        "HF_HUB_CACHE": str(home / "hub-cache"),
+        "HF_ENDPOINT": hub_url,
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
+    return env if token is None else {**env, "HF_TOKEN": token}
 
 
 def git_blob_id(content: bytes) -> str:

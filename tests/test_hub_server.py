@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -19,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hub_server import INITIAL_GITATTRIBUTES, LoopbackHub
+from hub_server import INITIAL_GITATTRIBUTES, LoopbackHub, client_env
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants
 from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 from huggingface_hub.hf_api import CommitInfo, RepoFile, RepoFolder
@@ -86,20 +85,8 @@ def publish_card(api: HfApi, card: Path) -> dict[str, bytes]:
 
 
 def run_client(code: str, hub: LoopbackHub, home: Path) -> dict:
-    """Run code in a fresh interpreter pointed at the Hub by its environment; returns the JSON of its last line.
-
-    Telemetry stays on: with HF_HUB_DISABLE_TELEMETRY=1, kernels 0.17.2 builds a user agent ending in "; ",
-    which httpx2 refuses to send, so get_kernel could not reach any Hub.
-    """
-    env = {
-        "PATH": os.environ.get("PATH", ""),
-        "HOME": str(home),
-        "HF_HOME": str(home / "hf-home"),
-        "HF_HUB_CACHE": str(home / "hub-cache"),
-        "HF_ENDPOINT": hub.url,
-        "HF_TOKEN": TOKEN,
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    }
+    """Run code in a fresh interpreter pointed at the Hub by its environment; returns the JSON of its last line."""
+    env = client_env(hub.url, home, TOKEN)
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=home, capture_output=True, text=True, timeout=120, check=False
     )

@@ -10,7 +10,6 @@ without any test-only switch.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 import publish_cards
 import pytest
 from conftest import ROOT
-from hub_server import LoopbackHub
+from hub_server import LoopbackHub, client_env
 
 from npu_hub_kernels.cards import CARDS
 
@@ -63,15 +62,7 @@ def workspace(tmp_path: Path) -> Path:
 
 def hub_env(hub: LoopbackHub, home: Path, token: str | None = TOKEN) -> dict[str, str]:
     """A user's environment pointed at the loopback Hub (online, telemetry on, nothing cached)."""
-    env = {
-        "PATH": os.environ.get("PATH", ""),
-        "HOME": str(home),
-        "HF_HOME": str(home / "hf-home"),
-        "HF_HUB_CACHE": str(home / "hub-cache"),
-        "HF_ENDPOINT": hub.url,
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    }
-    return env if token is None else {**env, "HF_TOKEN": token}
+    return client_env(hub.url, home, token)
 
 
 def publish(hub: LoopbackHub, home: Path, *args: str, root: Path = ROOT, token: str | None = TOKEN):
