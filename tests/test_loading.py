@@ -10,7 +10,7 @@ from conftest import run_python
 from kernels import Mode, get_kernel, get_local_kernel, kernelize
 from kernels.variants import VariantAccepted, get_variants_local, resolve_variants
 
-from npu_hub_kernels import ORG_ENV, emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels import CARDS, ORG_ENV, emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.cards import DEFAULT_ORG, resolve_org
 from npu_hub_kernels.tiny_models import norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
@@ -18,9 +18,18 @@ from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 ARCH_VARIANT = f"torch213-cxx11-cann91-{platform.machine()}-linux"
 
 
-def test_cann_host_gets_the_matching_arch_variant(offline_hub):
-    card = get_kernel(f"{offline_hub}/npu-rms-norm", version=1)
-    assert card.VARIANT == ARCH_VARIANT
+@pytest.mark.parametrize("card", [c.repo_name for c in CARDS.values()])
+def test_every_card_loads_its_arch_variant_with_its_layers(offline_hub, card):
+    module = get_kernel(f"{offline_hub}/{card}", version=1)
+    assert module.VARIANT == ARCH_VARIANT
+    for layer in next(c for c in CARDS.values() if c.repo_name == card).layers:
+        assert isinstance(getattr(module.layers, layer), type), layer
+
+
+@pytest.mark.parametrize("card", [c.repo_name for c in CARDS.values()])
+def test_every_card_loads_torch_universal_on_a_cpu_host(offline_hub, card):
+    code = f"from kernels import get_kernel\nprint(get_kernel('{offline_hub}/{card}', version=1).VARIANT)\n"
+    assert run_python(code).strip() == "torch-universal"
 
 
 def test_other_cann_version_falls_back_to_torch_npu(offline_hub):
