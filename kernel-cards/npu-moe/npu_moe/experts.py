@@ -30,6 +30,9 @@ MAX_GROUPS = 1024
 """npu_grouped_matmul takes at most 1024 groups with a single 3-D weight."""
 MAX_INNER_DIM = 65536
 MAX_TOP_K = 512
+GROUPED_MM_ROWS_PER_EXPERT = 128
+"""Below this many token copies per expert on average, the host fallback uses torch's grouped matmul
+rather than a loop over experts (measured on CPU: see `make bench`)."""
 
 
 def experts_unavailable_reason(
@@ -114,21 +117,38 @@ def experts_sorted(
     down_proj: torch.Tensor,
     act_fn: Callable,
 ) -> torch.Tensor:
-    """The same experts math without NPU ops: token copies sorted by expert once, one matmul per
-    non-empty expert, weighted and summed back in expert order (as transformers' eager loop adds)."""
+    """The same experts math without NPU ops: the token copies sorted by expert once, then one matmul
+    per non-empty expert, or, for many experts with few rows each (where a Python loop of small
+    matmuls costs more than the math), torch's grouped matmul per projection; weighted and summed
+    back per token."""
     experts = gate_up_proj.shape[0]
     top_k = top_k_index.shape[1]
     flat = top_k_index.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=experts)[:experts].tolist()
-    kept = order[: sum(counts)]  # ids >= experts sort last and are dropped
+    counts = torch.bincount(flat, minlength=experts)[:experts]
+    kept = order[: int(counts.sum())]  # ids >= experts (expert-parallel placeholders) sort last: dropped
     rows = kept // top_k
     sorted_states = hidden_states[rows]
-    outputs = []
-    for expert, piece in enumerate(sorted_states.split(counts)):
-        if piece.shape[0]:
-            gate, up = F.linear(piece, gate_up_proj[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(act_fn(gate) * up, down_proj[expert]))
-    weighted = torch.cat(outputs) * top_k_weights.flatten()[kept, None] if outputs else sorted_states
-    out = torch.zeros_like(hidden_states)
-    return out.index_add_(0, rows, weighted.to(out.dtype))
+    few_rows_per_expert = sorted_states.shape[0] < GROUPED_MM_ROWS_PER_EXPERT * experts
+    if few_rows_per_expert and _grouped_mm_takes(sorted_states, gate_up_proj, down_proj):
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = F.grouped_mm(sorted_states, gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        expert_out = F.grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), offs=offsets)
+    else:
+        pieces = []
+        for expert, piece in enumerate(sorted_states.split(counts.tolist())):
+            if piece.shape[0]:
+                gate, up = F.linear(piece, gate_up_proj[expert]).chunk(2, dim=-1)
+                pieces.append(F.linear(act_fn(gate) * up, down_proj[expert]))
+        expert_out = torch.cat(pieces) if pieces else sorted_states
+    weighted = expert_out * top_k_weights.flatten()[kept, None]
+    return torch.zeros_like(hidden_states).index_add_(0, rows, weighted.to(hidden_states.dtype))
+
+
+def _grouped_mm_takes(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
+    """Whether torch's F.grouped_mm (torch >= 2.9) accepts these: float32/16 or bfloat16, 16-byte aligned rows."""
+    if not hasattr(F, "grouped_mm") or x.dtype not in FUSED_DTYPES or x.shape[0] == 0:
+        return False
+    if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
+        return False
+    return all(size * x.element_size() % 16 == 0 for size in (gate_up_proj.shape[2], down_proj.shape[2]))
