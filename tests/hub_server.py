@@ -102,7 +102,7 @@ INITIAL_GITATTRIBUTES = (
 )
 
 
-def client_env(hub_url: str, home: Path, token: str | None = None) -> dict[str, str]:
+def client_env(hub_url: str, home: Path, token: str | None = None, cache: Path | None = None) -> dict[str, str]:
     """The environment of a user process pointed at a Hub: online, nothing cached, no progress bars.
 
     Telemetry stays on: with HF_HUB_DISABLE_TELEMETRY=1, kernels 0.17.2 builds a user agent ending in "; ",
@@ -112,7 +112,7 @@ def client_env(hub_url: str, home: Path, token: str | None = None) -> dict[str, 
         "PATH": os.environ.get("PATH", ""),
         "HOME": str(home),
         "HF_HOME": str(home / "hf-home"),
-        "HF_HUB_CACHE": str(home / "hub-cache"),
+        "HF_HUB_CACHE": str(cache or home / "hub-cache"),
         "HF_ENDPOINT": hub_url,
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }

@@ -1,0 +1,559 @@
+"""`python -m npu_hub_kernels doctor`: which build of each card this machine would load, and why.
+
+Run it on a new host before `register_npu_kernels()` and `kernelize`. It answers with the
+functions the `kernels` loader (0.17.2) itself runs, so its answer is the loader's:
+
+- the host: torch, torch_npu and CANN versions, and the backend kernels detects
+  (`kernels.backends._backend`: torch's PrivateUse1 device "npu" gives `cann<XY>` from torch_npu's
+  `get_cann_version()`, a CPU-only torch gives `cpu`);
+- per card `<org>/<card>`, the steps of `LayerRepository.load`, which `register_npu_kernels` uses.
+  First the version branch `v<N>` becomes a commit: the Hub's refs, or the cache's `refs/v<N>` when
+  HF_HUB_OFFLINE=1. Then the build variants are listed: from the folder `LOCAL_KERNELS` maps the
+  repo to, else from the Hub cache (offline) or the Hub. `kernels.variants.resolve_variants` picks
+  a variant and gives its reason for rejecting every other one. Offline, `resolve_hub_cache_kernel`
+  must accept the cached snapshot. Last come the metadata checks get_kernel makes before importing
+  (python-depends, minimum kernels version, device architecture);
+- whether the cache holds that variant intact: its files checked against the digest of its
+  metadata.json;
+- trust: `register_npu_kernels` trusts exactly the card repos it registers. kernels' own publisher
+  trust (the org's `trustedKernelPublisher` on the Hub) is needed by `get_kernel` without
+  `trust_remote_code` and by `kernels lock`. Offline it cannot be known, and kernels skips it.
+
+The doctor never imports card code and never writes to the cache. Exit status: 0 when every card
+resolves to a variant that loads, 1 otherwise, with a hint per problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from huggingface_hub import constants, try_to_load_from_cache
+from huggingface_hub.errors import IncompleteSnapshotError
+from huggingface_hub.file_download import repo_folder_name
+from kernels import Metadata, VariantAccepted
+from kernels import __version__ as KERNELS_VERSION
+
+# kernels' internals below are what its loader calls; the pin (kernels<0.18.1) keeps them in place.
+from kernels._rust import Digest, DigestValidationError
+from kernels._versions import resolve_version_spec_as_ref
+from kernels.backends import CANN, _backend
+from kernels.hf_hub import _get_hf_api
+from kernels.load import _parse_local_kernel_overrides
+from kernels.resolver import resolve_hub_cache_kernel, resolve_local_kernel
+from kernels.validate import AllValidator, ArchValidator, default_metadata_validators
+from kernels.variants import (
+    ArchVariant,
+    Torch,
+    Variant,
+    get_variants,
+    get_variants_local,
+    parse_variant,
+    resolve_variants,
+)
+from packaging.version import Version
+
+from .cards import CARDS, Card, resolve_org
+from .offline import default_cache_dir
+
+NOT_INSTALLED = "not installed"
+NOT_CACHED_HINT = (
+    "put the cards into the Hub cache: on a connected machine download each card's full v{version} snapshot "
+    "(README, 'Distribution: offline and pinned use') and copy the cache over, or from a source checkout run "
+    "`make build`, then seed the cache: "
+    "python -c \"from npu_hub_kernels.offline import seed_offline_cache; seed_offline_cache('build', '{org}')\""
+)
+LOCAL_KERNELS_NOTE = (
+    " (LOCAL_KERNELS maps {repo_id} to a folder, but register_npu_kernels resolves v{version} to a commit first; "
+    "for folders of built cards use register_npu_kernels(local_dir=...))"
+)
+INCOMPLETE_HINT = (
+    "download the full v{version} snapshot of each card (snapshot_download without allow_patterns): offline, kernels "
+    "loads only a snapshot that holds every file of the repository's cached file listing"
+)
+DIGEST_HINT = "the copy of build/{variant} is damaged or partial: replace {copy} (download or build it again)"
+HUB_HINT = "the Hub could not be asked: check HF_ENDPOINT and the network, or set HF_HUB_OFFLINE=1 to use the cache"
+TELEMETRY_HINT = (
+    "unset HF_HUB_DISABLE_TELEMETRY: with it, kernels 0.17.2 sends a user agent ending in '; ', which the HTTP "
+    "client refuses to send, so no Hub request of kernels succeeds"
+)
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class HostReport:
+    """What kernels sees of this machine when it picks a build variant."""
+
+    python: str
+    torch: str
+    torch_npu: str
+    cann: str
+    kernels: str
+    backend: str
+    backend_reason: str
+    platform: str
+    hub: str
+    cache_dir: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CardReport:
+    """What `register_npu_kernels` would load for one card, and why; `problem` is None when it loads."""
+
+    card: str
+    kernel_id: str
+    repo_id: str
+    source: str | None = None
+    revision: str | None = None
+    variant: str | None = None
+    fallbacks: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+    cached: bool | None = None
+    files: str | None = None
+    problem: str | None = None
+    hint: str | None = None
+
+
+@dataclass
+class Report:
+    """The doctor's findings: the host, trust, and one CardReport per card."""
+
+    org: str
+    version: int
+    host: HostReport
+    registry_trust: str
+    publisher_trusted: bool | None
+    publisher_trust: str
+    cards: list[CardReport]
+
+    @property
+    def ok(self) -> bool:
+        """Every card resolves to a variant that loads."""
+        return all(card.problem is None for card in self.cards)
+
+    def hints(self) -> list[str]:
+        """What to do, once per kind of problem."""
+        return list(dict.fromkeys(card.hint for card in self.cards if card.hint))
+
+    def as_dict(self) -> dict:
+        """The report as plain data, for --json."""
+        return {**asdict(self), "ok": self.ok, "hints": self.hints()}
+
+
+class _Refusal(Exception):
+    """Why a card would not load here, and what to do about it."""
+
+    def __init__(self, problem: str, hint: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.hint = hint
+
+
+def diagnose(org: str | None = None, version: int = 1) -> Report:
+    """Diagnose every card of `org` (default as register_npu_kernels) at API version `version`."""
+    org = resolve_org(org)
+    cards = [_diagnose_card(card, org, version) for card in CARDS.values()]
+    host = host_report()
+    note = _torch_npu_note(host, cards)
+    if note:
+        host.notes.append(note)
+    publisher_trusted, publisher_trust = _publisher_trust(org)
+    return Report(
+        org=org,
+        version=version,
+        host=host,
+        registry_trust=(
+            f"yes for each card: register_npu_kernels(org={org!r}) passes "
+            f"trust_remote_code={[card.repo_id for card in cards]}, exactly the repositories it registers"
+        ),
+        publisher_trusted=publisher_trusted,
+        publisher_trust=publisher_trust,
+        cards=cards,
+    )
+
+
+def host_report() -> HostReport:
+    """The versions and backend kernels resolves variants against."""
+    torch_npu_version, cann = _torch_npu_and_cann()
+    backend, backend_reason = _detected_backend()
+    offline = constants.HF_HUB_OFFLINE
+    hub = "offline (HF_HUB_OFFLINE=1): cards come from the cache only" if offline else f"online: {constants.ENDPOINT}"
+    cache_source = "KERNELS_CACHE" if os.environ.get("KERNELS_CACHE") else "HF_HUB_CACHE"
+    host = HostReport(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        torch_npu=torch_npu_version,
+        cann=cann,
+        kernels=KERNELS_VERSION,
+        backend=backend,
+        backend_reason=backend_reason,
+        platform=f"{platform.machine()}-{platform.system().lower()}",
+        hub=hub,
+        cache_dir=f"{default_cache_dir()} ({cache_source})",
+    )
+    if not offline and constants.HF_HUB_DISABLE_TELEMETRY:
+        host.notes.append(TELEMETRY_HINT)
+    return host
+
+
+def _torch_npu_and_cann() -> tuple[str, str]:
+    """torch_npu's version and the CANN version it reports; never fails, never installs anything."""
+    module = sys.modules.get("torch_npu")
+    if module is None:
+        if importlib.util.find_spec("torch_npu") is None:
+            return NOT_INSTALLED, NOT_INSTALLED
+        try:
+            module = importlib.import_module("torch_npu")
+        except Exception as error:  # a broken install is a finding, not a crash of the doctor
+            return f"installed, but importing it fails: {_one_line(error)}", "unknown"
+    version = str(getattr(module, "__version__", "unknown"))
+    if getattr(module, "__emulated__", False):
+        version += " (emulated by npu_hub_kernels.emulation)"
+    try:
+        from torch_npu.utils.collect_env import get_cann_version
+
+        return version, str(get_cann_version())
+    except Exception as error:  # no CANN toolkit, or a torch_npu without collect_env
+        return version, f"unknown: {_one_line(error)}"
+
+
+def _detected_backend() -> tuple[str, str]:
+    """The backend kernels selects (as in variant names, e.g. cann91) and why."""
+    try:
+        backend = _backend()
+    except Exception as error:  # e.g. torch_npu present but CANN unreadable
+        return "unknown", f"kernels could not detect it: {_one_line(error)}"
+    if backend.name == "cann":
+        reason = "torch's PrivateUse1 device is \"npu\"; CANN major.minor from torch_npu's get_cann_version()"
+    elif backend.name == "cpu":
+        reason = 'no CUDA, ROCm, XPU or MPS torch build, and no "npu" device (torch_npu is not loaded)'
+    else:
+        reason = f"this torch build targets {backend.name}"
+    return backend.variant_str, reason
+
+
+def _publisher_trust(org: str) -> tuple[bool | None, str]:
+    """kernels' publisher trust: the org's trustedKernelPublisher flag on the Hub (unknowable offline)."""
+    if constants.HF_HUB_OFFLINE:
+        return None, "unknown (offline): kernels skips the publisher check offline and trusts what the cache holds"
+    try:
+        overview = _get_hf_api().get_organization_overview(org)
+    except Exception as error:  # the Hub's answer, or why there was none, is the finding
+        return None, f"unknown: the Hub did not say ({_one_line(error)})"
+    if getattr(overview, "trustedKernelPublisher", False):
+        return True, f"yes: the Hub marks {org} a trusted kernel publisher"
+    return False, (
+        f"no: the Hub does not mark {org} a trusted kernel publisher, so get_kernel needs trust_remote_code "
+        "(True, or a list naming the repository) and `kernels lock` refuses these repositories"
+    )
+
+
+def _diagnose_card(card: Card, org: str, version: int) -> CardReport:
+    """One card's report; a refusal at any step becomes its problem and hint."""
+    report = CardReport(card=card.repo_name, kernel_id=card.kernel_id, repo_id=card.repo_id(org))
+    try:
+        _resolve(report, org, version)
+    except _Refusal as refusal:
+        report.problem, report.hint = refusal.problem, refusal.hint
+    return report
+
+
+def _resolve(report: CardReport, org: str, version: int) -> None:
+    """Fill `report` following LayerRepository.load; raise _Refusal at the first step that fails."""
+    offline = constants.HF_HUB_OFFLINE
+    local = _local_kernels_path(report.repo_id)
+    report.revision = _version_commit(report.repo_id, org, version, offline, local)
+    snapshot = _cache_snapshot(report.repo_id, report.revision)
+    if local is not None:
+        variant_dir = _from_local_folder(report, local, version)
+    elif offline:
+        variant_dir = _from_cache(report, snapshot, org, version)
+    else:
+        variant_dir = _from_hub(report)
+        if variant_dir is None:
+            return
+    metadata = _check_files(report, variant_dir, local if local is not None else snapshot)
+    try:
+        AllValidator([*default_metadata_validators(), ArchValidator()]).validate_metadata(
+            metadata=metadata, variant=report.variant
+        )
+    except Exception as error:  # kernels' checks raise ValueError or RuntimeError with the fix in the message
+        raise _Refusal(
+            f"kernels refuses build/{report.variant}: {_one_line(error)}", "do what kernels' message says"
+        ) from None
+
+
+def _from_local_folder(report: CardReport, folder: Path, version: int) -> Path:
+    """The variant kernels' RepoPathsResolver takes from a LOCAL_KERNELS folder."""
+    report.source = f"LOCAL_KERNELS: {folder}"
+    location = _loader(lambda: resolve_local_kernel(folder, backend=None), version)
+    _record_decisions(report, get_variants_local(location.variant_path.parent))
+    return location.variant_path
+
+
+def _from_cache(report: CardReport, snapshot: Path, org: str, version: int) -> Path:
+    """The variant kernels' HubCacheResolver takes from the cached snapshot of the commit."""
+    report.source = f"Hub cache: {snapshot}"
+    if not snapshot.is_dir():
+        raise _Refusal(
+            f"not cached: the cache's refs/v{version} names {report.revision}, whose snapshot is missing",
+            NOT_CACHED_HINT.format(version=version, org=org),
+        )
+    _record_decisions(report, get_variants_local(snapshot / "build"))
+    location = _loader(
+        lambda: resolve_hub_cache_kernel(_get_hf_api(), report.repo_id, revision=report.revision, backend=None),
+        version,
+    )
+    report.cached = True
+    return location.variant_path
+
+
+def _from_hub(report: CardReport) -> Path | None:
+    """The variant kernels' HubResolver picks from the Hub's listing; its cached copy, None if not cached."""
+    report.source = f"Hub: {constants.ENDPOINT}"
+    variants = _ask_hub(lambda: get_variants(_get_hf_api(), repo_id=report.repo_id, revision=report.revision))
+    _record_decisions(report, variants)
+    cached = try_to_load_from_cache(
+        report.repo_id,
+        f"build/{report.variant}/metadata.json",
+        cache_dir=default_cache_dir(),
+        revision=report.revision,
+        repo_type="kernel",
+    )
+    report.cached = isinstance(cached, str)
+    if not report.cached:
+        report.files = f"get_kernel downloads build/{report.variant}/ on first use"
+        return None
+    return Path(cached).parent
+
+
+def _local_kernels_path(repo_id: str) -> Path | None:
+    """The folder LOCAL_KERNELS maps `repo_id` to, parsed by kernels' own parser."""
+    spec = os.environ.get("LOCAL_KERNELS")
+    if spec is None:
+        return None
+    try:
+        return _parse_local_kernel_overrides(spec).get(repo_id)
+    except ValueError as error:
+        raise _Refusal(f"LOCAL_KERNELS: {error}", "fix LOCAL_KERNELS or unset it") from None
+
+
+def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: Path | None) -> str:
+    """The commit branch v<version> names: in the cache's refs/ when offline, on the Hub otherwise."""
+    try:
+        return resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
+    except ValueError as error:
+        if offline:
+            note = LOCAL_KERNELS_NOTE.format(repo_id=repo_id, version=version) if local is not None else ""
+            raise _Refusal(f"not cached: {error}", NOT_CACHED_HINT.format(version=version, org=org) + note) from None
+        raise _Refusal(str(error), "pass one of the published versions with --version") from None
+    except Exception as error:  # online: the Hub's error, or why it could not be reached
+        raise _hub_refusal(error) from None
+
+
+def _ask_hub(call: Callable[[], _T]) -> _T:
+    try:
+        return call()
+    except Exception as error:  # the Hub's error, or why it could not be reached
+        raise _hub_refusal(error) from None
+
+
+def _hub_refusal(error: Exception) -> _Refusal:
+    hint = TELEMETRY_HINT if constants.HF_HUB_DISABLE_TELEMETRY else HUB_HINT
+    return _Refusal(f"the Hub did not answer: {_one_line(error)}", hint)
+
+
+def _loader(call: Callable[[], _T], version: int) -> _T:
+    """Run one of kernels' resolvers; its refusal becomes ours, with the cause huggingface_hub gave."""
+    try:
+        return call()
+    except FileNotFoundError as error:
+        if isinstance(error.__cause__, IncompleteSnapshotError):
+            raise _Refusal(
+                f"kernels refuses the cached snapshot: {error.__cause__}", INCOMPLETE_HINT.format(version=version)
+            ) from None
+        raise _Refusal(str(error).splitlines()[0], "see the rejected variants") from None
+
+
+def _record_decisions(report: CardReport, variants: list[Variant]) -> None:
+    """kernels' decision: the preferred variant, the other acceptable ones, each rejected one with its reason."""
+    accepted, trace = resolve_variants(variants)
+    report.rejected = dict(
+        sorted(
+            (decision.variant.variant_str, decision.reason)
+            for decision in trace
+            if not isinstance(decision, VariantAccepted)
+        )
+    )
+    if not accepted:
+        raise _Refusal(
+            f"no build variant of {report.card} fits this host ({len(trace)} found, all rejected)",
+            "see the rejected variants: the card has no build for this torch, CANN and CPU",
+        )
+    report.variant = accepted[0].variant_str
+    report.fallbacks = [variant.variant_str for variant in accepted[1:]]
+
+
+def _cache_snapshot(repo_id: str, commit: str) -> Path:
+    return default_cache_dir() / repo_folder_name(repo_id=repo_id, repo_type="kernel") / "snapshots" / commit
+
+
+def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
+    """The variant's metadata, once its files match the digest in it (kernels does not check this).
+
+    `copy` is what to replace when they do not: the cache snapshot, or the LOCAL_KERNELS folder.
+    """
+    try:
+        metadata = Metadata.read_from_file(variant_dir / "metadata.json")
+    except ValueError as error:
+        raise _Refusal(
+            f"build/{report.variant}/metadata.json does not parse: {_one_line(error)}",
+            DIGEST_HINT.format(variant=report.variant, copy=copy),
+        ) from None
+    if metadata.digest is None:
+        report.files = "not checked: metadata.json has no digest"
+        return metadata
+    try:
+        metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, variant_dir))
+    except DigestValidationError as error:
+        shown = [str(violation) for violation in error.violations]
+        listed = "; ".join(shown[:3]) + (f"; and {len(shown) - 3} more" if len(shown) > 3 else "")
+        report.files = f"differ from the metadata.json digest: {listed}"
+        raise _Refusal(
+            f"the files of build/{report.variant} differ from its metadata.json digest: {listed}",
+            DIGEST_HINT.format(variant=report.variant, copy=copy),
+        ) from None
+    report.files = f"{len(metadata.digest.files)} files match the metadata.json digest"
+    return metadata
+
+
+def _torch_npu_note(host: HostReport, cards: list[CardReport]) -> str | None:
+    """On a host without torch_npu: what runs instead, and which torch_npu and CANN the cards are built for."""
+    if host.torch_npu != NOT_INSTALLED:
+        return None
+    release = Version(torch.__version__).release
+    torch_version = Version(f"{release[0]}.{release[1]}")
+    canns = set()
+    for card in cards:
+        for name in card.rejected:
+            variant = parse_variant(name)
+            if (
+                isinstance(variant, ArchVariant)
+                and isinstance(variant.framework, Torch)
+                and isinstance(variant.arch.backend, CANN)
+                and variant.framework.version == torch_version
+                and variant.arch.platform == platform.machine()
+            ):
+                canns.add(variant.arch.backend.version)
+    if canns:
+        built_for = f" (the cards are built for torch {torch_version} with CANN {', '.join(map(str, sorted(canns)))})"
+    elif any(card.variant or card.rejected for card in cards):
+        built_for = f" (no card has a build for torch {torch_version} on {platform.machine()}: torch-npu would run)"
+    else:
+        built_for = ""  # no card's variants are known here
+    return (
+        "torch_npu is not installed, so the cards run their torch-universal build (the eager torch math). For the "
+        f"fused ops on an Ascend host, pip install the torch_npu release for torch {torch_version} matching your "
+        f"CANN toolkit{built_for}; never install torch_npu on a machine without CANN"
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def format_report(report: Report) -> str:
+    """The report for people: aligned label columns, one block per card, the hints (one per kind) at the end."""
+    host = report.host
+    lines = [f"npu-hub-kernels doctor: org {report.org}, version {report.version}", "", "host"]
+    lines += _rows(
+        [
+            ("python", host.python),
+            ("torch", host.torch),
+            ("torch_npu", host.torch_npu),
+            ("CANN", host.cann),
+            ("kernels", host.kernels),
+            ("backend", f"{host.backend}: {host.backend_reason}"),
+            ("platform", host.platform),
+            ("Hub", host.hub),
+            ("cache", host.cache_dir),
+            *(("note", note) for note in host.notes),
+        ]
+    )
+    lines += ["", "trust"]
+    lines += _rows([("registry", report.registry_trust), ("publisher", report.publisher_trust)])
+    shown_rejections: dict[str, str] = {}
+    for card in report.cards:
+        lines += ["", f"{card.card}  {card.repo_id}  (kernel id {card.kernel_id})"]
+        rows = []
+        if card.variant:
+            rows.append(("loads" if card.problem is None else "would load", card.variant))
+        if card.revision:
+            rows.append(("revision", f"v{report.version} = {card.revision}"))
+        if card.source:
+            rows.append(("source", card.source))
+        if card.cached is not None:
+            rows.append(("cached", ("yes" if card.cached else "no") + (f": {card.files}" if card.files else "")))
+        elif card.files:
+            rows.append(("files", card.files))
+        if card.fallbacks:
+            rows.append(("fallbacks", ", ".join(card.fallbacks)))
+        if card.problem:
+            rows.append(("problem", card.problem))
+        lines += _rows(rows)
+        lines += _rejections(card, shown_rejections)
+    lines.append("")
+    if report.ok:
+        lines.append(f"OK: all {len(report.cards)} cards resolve to a build variant that loads on this host.")
+    else:
+        failing = sum(card.problem is not None for card in report.cards)
+        lines.append(f"PROBLEM: {failing} of {len(report.cards)} cards would not load on this host. Hints:")
+        lines += [f"  - {hint}" for hint in report.hints()]
+    return "\n".join(lines)
+
+
+def _rows(rows: list[tuple[str, str]]) -> list[str]:
+    return [f"  {label:<11} {value}" for label, value in rows]
+
+
+def _rejections(card: CardReport, shown: dict[str, str]) -> list[str]:
+    """The rejected variants with kernels' reasons; a list another card already showed is named, not repeated."""
+    if not card.rejected:
+        return []
+    key = json.dumps(card.rejected, sort_keys=True)
+    if key in shown:
+        return _rows([("rejected", f"{len(card.rejected)} variants, as for {shown[key]} (same reasons)")])
+    shown[key] = card.card
+    width = max(map(len, card.rejected))
+    lines = _rows([("rejected", f"{len(card.rejected)} variants:")])
+    lines += [f"    {variant:<{width}}  {reason}" for variant, reason in card.rejected.items()]
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The doctor's command-line options, for `python -m npu_hub_kernels doctor`."""
+    parser.add_argument(
+        "--org", help="Hub organisation of the cards (default: $NPU_HUB_KERNELS_ORG, else npu-hub-kernels)"
+    )
+    parser.add_argument("--version", type=int, default=1, help="card API version, the branch v<version> (default: 1)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; exit status 0 when every card loads, 1 otherwise."""
+    report = diagnose(args.org, args.version)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1

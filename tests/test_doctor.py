@@ -1,0 +1,189 @@
+"""`python -m npu_hub_kernels doctor`: the variant each card would load here, kernels' reasons, cache and trust.
+
+In this process (conftest: an emulated Ascend host with CANN 9.1.0, offline, the built cards seeded in the
+cache as TEST_ORG/<card>) the doctor runs in-process; as a plain CPU host, on other caches or online it
+runs as `python -m npu_hub_kernels doctor` in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from hub_server import LoopbackHub, client_env
+from huggingface_hub import constants
+from test_distribution import publish_built_cards
+
+from npu_hub_kernels import emulation
+from npu_hub_kernels.__main__ import main
+from npu_hub_kernels.cards import CARDS
+from npu_hub_kernels.offline import seed_offline_cache
+
+CARD_NAMES = [card.repo_name for card in CARDS.values()]
+MACHINE = platform.machine()
+OTHER_MACHINE = "aarch64" if MACHINE == "x86_64" else "x86_64"
+ARCH_VARIANT = f"torch213-cxx11-cann91-{MACHINE}-linux"
+HUB_ORG = "npu-hub-kernels-doctor"
+TOKEN = "hf_loopback_doctor"
+
+
+def doctor_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    """Run the doctor in this process with --json; returns its exit status and report."""
+    status = main(["doctor", *args, "--json"])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def doctor_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m npu_hub_kernels doctor ARGS` in a fresh interpreter: a plain CPU host."""
+    return subprocess.run(
+        [sys.executable, "-m", "npu_hub_kernels", "doctor", *args],
+        env=env if env is not None else dict(os.environ),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def cards_of(report: dict) -> dict[str, dict]:
+    return {card["card"]: card for card in report["cards"]}
+
+
+def variant_count(built_cards: Path) -> int:
+    return len(list((built_cards / "npu-rope" / "build").iterdir()))
+
+
+def test_emulated_ascend_host_loads_the_cann91_build_of_every_card(offline_hub, built_cards, capsys):
+    status, report = doctor_json(capsys, "--org", offline_hub)
+    assert status == 0 and report["ok"] and report["hints"] == []
+    host = report["host"]
+    assert (host["backend"], host["cann"]) == ("cann91", "9.1.0")
+    assert host["torch_npu"].endswith("(emulated by npu_hub_kernels.emulation)")
+    assert report["publisher_trusted"] is None and report["publisher_trust"].startswith("unknown (offline)")
+    assert f"trust_remote_code={[f'{offline_hub}/{name}' for name in CARD_NAMES]}" in report["registry_trust"]
+    for name, card in cards_of(report).items():
+        assert card["repo_id"] == f"{offline_hub}/{name}"
+        assert (card["variant"], card["fallbacks"]) == (ARCH_VARIANT, ["torch-npu", "torch-universal"])
+        assert card["source"].startswith("Hub cache: ") and card["cached"] is True
+        assert card["files"].endswith("files match the metadata.json digest")
+        rejected = card["rejected"]
+        assert len(rejected) == variant_count(built_cards) - 3
+        assert rejected[f"torch29-cxx11-cann91-{MACHINE}-linux"] == (
+            "Torch version (2.9) does not match environment Torch version (2.13)"
+        )
+        assert rejected[f"torch213-cxx11-cann91-{OTHER_MACHINE}-linux"] == (
+            f"CPU ({OTHER_MACHINE}) does not match system CPU ({MACHINE})"
+        )
+
+    assert main(["doctor", "--org", offline_hub]) == 0
+    text = capsys.readouterr().out
+    assert text.count(f"\n  loads       {ARCH_VARIANT}\n") == len(CARDS)
+    assert re.search(rf"\n    torch29-cxx11-cann91-{MACHINE}-linux +Torch version \(2\.9\) does not match", text)
+    rejection_rows = [line for line in text.splitlines() if line.startswith("    torch")]
+    assert len(rejection_rows) == variant_count(built_cards) - 3  # listed once, for the first card
+    assert len({len(re.match(r" +\S+ +", row).group()) for row in rejection_rows}) == 1  # reasons aligned
+    assert "rejected    39 variants, as for npu-rms-norm (same reasons)" in text
+    assert text.endswith(f"OK: all {len(CARDS)} cards resolve to a build variant that loads on this host.\n")
+
+
+def test_another_cann_version_falls_back_to_the_generic_npu_build(offline_hub, capsys):
+    emulation.set_cann_version("8.5.0")  # torch 2.13 is built for CANN 9.1 only
+    try:
+        status, report = doctor_json(capsys, "--org", offline_hub)
+    finally:
+        emulation.set_cann_version(emulation.DEFAULT_CANN_VERSION)
+    assert status == 0 and report["host"]["backend"] == "cann85"
+    for card in report["cards"]:
+        assert (card["variant"], card["fallbacks"]) == ("torch-npu", ["torch-universal"])
+        assert card["rejected"][ARCH_VARIANT] == "backend (cann91) does not match selected backend (cann85)"
+
+
+def test_cpu_host_loads_torch_universal_and_says_why_not_the_npu_builds(offline_hub):
+    result = doctor_process("--org", offline_hub, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    host = report["host"]
+    assert (host["torch_npu"], host["cann"], host["backend"]) == ("not installed", "not installed", "cpu")
+    assert any("torch 2.13 with CANN 9.1" in note and "pip install" in note for note in host["notes"])
+    for card in report["cards"]:
+        assert (card["variant"], card["fallbacks"], card["problem"]) == ("torch-universal", [], None)
+        assert card["rejected"]["torch-npu"] == "backend (npu) does not match system backend (cpu) and is not universal"
+        assert card["rejected"][ARCH_VARIANT] == "backend (cann91) does not match selected backend (cpu)"
+
+
+def test_empty_cache_says_not_cached_and_exits_1_with_a_hint(tmp_path):
+    result = doctor_process("--org", "some-org", env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "empty")})
+    assert result.returncode == 1, result.stdout + result.stderr
+    out = result.stdout
+    for name in CARD_NAMES:
+        assert f"  problem     not cached: Version 1 of 'some-org/{name}' is not available in the local cache" in out
+    assert f"PROBLEM: {len(CARDS)} of {len(CARDS)} cards would not load on this host. Hints:" in out
+    assert "run `make build`, then seed the cache" in out and "seed_offline_cache('build', 'some-org')" in out
+
+
+def test_a_damaged_cached_variant_fails_with_what_differs(built_cards, tmp_path):
+    cache = tmp_path / "cache"
+    snapshot = seed_offline_cache(built_cards, "some-org", cache)["some-org/npu-rope"]
+    (snapshot / "build" / "torch-universal" / "npu_rope" / "layers.py").unlink()
+    result = doctor_process("--org", "some-org", "--json", env={**os.environ, "HF_HUB_CACHE": str(cache)})
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    cards = cards_of(report)
+    assert "npu_rope/layers.py" in cards["npu-rope"]["problem"]
+    assert cards["npu-rope"]["problem"].startswith("the files of build/torch-universal differ from its metadata.json")
+    assert cards["npu-rope"]["hint"].startswith(
+        f"the copy of build/torch-universal is damaged or partial: replace {snapshot}"
+    )
+    assert [name for name, card in cards.items() if card["problem"]] == ["npu-rope"]
+
+
+def test_local_kernels_folder_is_where_its_card_comes_from(offline_hub, built_cards, monkeypatch, capsys):
+    monkeypatch.setenv("LOCAL_KERNELS", f"{offline_hub}/npu-rope={built_cards / 'npu-rope'}")
+    status, report = doctor_json(capsys, "--org", offline_hub)
+    assert status == 0
+    cards = cards_of(report)
+    assert cards["npu-rope"]["source"] == f"LOCAL_KERNELS: {built_cards / 'npu-rope'}"
+    assert (cards["npu-rope"]["variant"], cards["npu-rope"]["cached"]) == (ARCH_VARIANT, None)
+    assert cards["npu-rope"]["files"].endswith("files match the metadata.json digest")
+    assert all(card["source"].startswith("Hub cache: ") for name, card in cards.items() if name != "npu-rope")
+
+
+@pytest.fixture
+def hub(built_cards: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LoopbackHub]:
+    """A Hub holding every card in HUB_ORG, which the Hub does not mark a trusted kernel publisher."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # conftest keeps this process offline
+    with LoopbackHub(idle_timeout=60) as hub:
+        hub.add_org(HUB_ORG, kernels_approved=True)
+        hub.add_user("publisher", orgs=[HUB_ORG], token=TOKEN)
+        publish_built_cards(hub, built_cards, HUB_ORG, TOKEN)
+        yield hub
+        assert hub.unrouted == [] and hub.errors == []
+
+
+@pytest.mark.slow
+def test_online_host_asks_the_hub_and_names_the_telemetry_trap(hub, tmp_path):
+    online = client_env(hub.url, tmp_path)
+    result = doctor_process("--org", HUB_ORG, "--json", env=online)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["publisher_trusted"] is False and "`kernels lock` refuses" in report["publisher_trust"]
+    for name, card in cards_of(report).items():
+        assert (card["source"], card["revision"]) == (f"Hub: {hub.url}", hub.head(f"{HUB_ORG}/{name}", "v1"))
+        assert (card["variant"], card["cached"]) == ("torch-universal", False)
+        assert card["files"] == "get_kernel downloads build/torch-universal/ on first use"
+    assert not (tmp_path / "hub-cache").exists()  # the doctor reads the cache, never writes to it
+
+    trapped = doctor_process("--org", HUB_ORG, "--json", env={**online, "HF_HUB_DISABLE_TELEMETRY": "1"})
+    assert trapped.returncode == 1
+    report = json.loads(trapped.stdout)
+    assert all(card["problem"].startswith("the Hub did not answer: LocalProtocolError") for card in report["cards"])
+    assert len(report["hints"]) == 1 and report["hints"][0].startswith("unset HF_HUB_DISABLE_TELEMETRY")
