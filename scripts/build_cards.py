@@ -187,8 +187,15 @@ def render_models(card: Card) -> str:
     return "\n".join(lines)
 
 
+def render_front_matter(card: Card) -> str:
+    """The Hub card metadata, from card.toml: `library_name: kernels` makes the Hub list it as a kernel."""
+    tags = "".join(f"  - {tag}\n" for tag in card.tags)
+    return f"---\nlibrary_name: kernels\nlicense: {card.license.lower()}\ntags:\n{tags}---\n"
+
+
 def render_readme(card: Card, variants: list[Variant]) -> str:
-    """The card text, the supported classes and the table of build variants."""
+    """The card text (with its version filled in) after the front matter, then the supported classes
+    and the table of build variants."""
     rows = ["| variant | torch | CANN | CPU |", "|---|---|---|---|"]
     for v in variants:
         if v.cann is None:
@@ -196,9 +203,9 @@ def render_readme(card: Card, variants: list[Variant]) -> str:
             rows.append(f"| `{v.name}` | {scope} | | |")
         else:
             rows.append(f"| `{v.name}` | {v.torch} | {v.cann} | {v.cpu} |")
-    text = (card.path / "README.md").read_text().rstrip("\n")
+    text = (card.path / "README.md").read_text().rstrip("\n").replace("@VERSION@", str(card.version))
     return (
-        f"{text}\n\n{render_models(card)}\n\n## Build variants\n\n"
+        f"{render_front_matter(card)}\n{text}\n\n{render_models(card)}\n\n## Build variants\n\n"
         "The `kernels` loader takes the variant matching this host's torch, CANN and CPU exactly, "
         "then `torch-npu`, then `torch-universal`.\n\n" + "\n".join(rows) + "\n"
     )
