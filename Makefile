@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ORG ?=
 
-.PHONY: setup build demo publish test lint clean
+.PHONY: setup build demo bench publish test lint clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ build: setup
 
 demo: build
 	$(PY) scripts/demo.py $(if $(ORG),--org $(ORG))
+
+# Fusion accounting (counted) and timings: writes .cache/bench/ and rewrites README's bench section.
+bench: build
+	$(PY) scripts/bench.py --readme README.md $(if $(ORG),--org $(ORG))
 
 # make publish ORG=<Hub organisation> [CARDS=npu-rope,...] [DRY_RUN=1]
 publish: build

@@ -190,5 +190,9 @@ def install_device() -> None:
     # nn.Module.to() can only re-point a parameter at an NpuTensor by swapping the tensors; with the
     # default (a new Parameter per module) `.to("npu")` would untie tied weights, unlike a real device.
     torch.__future__.set_swap_module_params_on_conversion(True)
+    # The emulated device computes on the host: backward runs on the calling thread. With autograd's
+    # worker thread for the PrivateUse1 device, processes intermittently abort at exit ("terminate
+    # called without an active exception").
+    torch.autograd.set_multithreading_enabled(False)
     _LIBRARY = torch.library.Library("aten", "IMPL")
     _register_factories(_LIBRARY)

@@ -1,0 +1,419 @@
+"""Count the device operations of a forward (and backward) and the bytes each one reads and writes.
+
+Used by `scripts/bench.py` to set eager transformers against the kernelized model and against a floor,
+for full-size decoder layers, without computing anything: the model runs on fake tensors
+(`torch._subclasses.FakeTensorMode`) that carry shapes, dtypes, strides and the "npu" device of the
+emulation, but no data.
+
+What counts as one device operation:
+- every aten op that reaches the dispatcher below autograd and would launch a kernel on a device:
+  not views and metadata (`view`, `transpose`, `expand`, `detach`, `_unsafe_view`, ...), not bare
+  allocations (`empty*`, `new_empty*`); `_local_scalar_dense` (a device-to-host read, e.g. `bool(t)`) counts;
+- every fused op (the torch_npu ops of the emulation, and `F.scaled_dot_product_attention`, which an
+  Ascend device runs as one flash-attention kernel) counts ONCE forward and ONCE backward. Their
+  internals are never run here: `count_device_ops` swaps each for a stand-in that makes outputs of the
+  right shape (`FUSED_OPS`), records one op, and, when autograd needs it, one `<op>_backward` op.
+
+Bytes of an op: the distinct bytes of each tensor it reads plus each tensor it writes (a broadcast
+dimension, stride 0, is read once). Gathers (`index`, `index_select`, `gather`, `embedding`) read only
+the gathered elements; scatters into a tensor (`index_add_`, `index_put_`, `scatter_add_`, ...) touch
+only as many elements as their source holds. An op that overwrites a tensor (`copy_`, `fill_`, `out=`)
+does not read it. A fused op reads its tensor inputs and writes its outputs; its backward reads the
+output gradients plus what the torch_npu backward kernel reads (`FusedOp.backward_reads`) and writes
+the input gradients (in the inputs' dtypes).
+
+Routing of MoE layers depends on data, which fake tensors lack: with `experts=E`, data-dependent ops
+on fake tensors are answered as balanced routing would answer them (every expert receives
+tokens*top_k/E token copies; scalar reads are 0, "not the placeholder expert"). Real tensors are
+never answered: their routing is real.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+aten = torch.ops.aten
+
+_NOT_LAUNCHES = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
+_NOT_LAUNCHES |= {"_unsafe_view", "lift_fresh", "resize_", "set_"}
+"""Allocations and metadata changes that schema alias annotations do not mark as views."""
+_OVERWRITES = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+"""In-place ops that write their `self` without reading it."""
+_GATHERS = {aten.index.Tensor, aten.index_select.default, aten.gather.default, aten.embedding.default}
+_SCATTERS = {
+    aten.index_add_.default: ("source", True),
+    aten.index_copy_.default: ("source", False),
+    aten.index_put_.default: ("values", None),
+    aten._index_put_impl_.default: ("values", None),
+    aten.scatter_.src: ("src", False),
+    aten.scatter_add_.default: ("src", True),
+}
+"""In-place scatter -> (the argument whose size is the number of elements touched, whether `self` is
+also read there; None: read when `accumulate` is set)."""
+_NATIVE_ON_NPU = ("silu_backward",)
+"""aten ops with a CPU kernel and a torch_npu kernel but none on the emulated device, where autograd would run
+their CompositeImplicitAutograd decomposition instead (7 ops for silu_backward) of the one kernel a device
+runs. `count_device_ops` registers a kernel for them. Found by counting the eager decoder layers' ops on the
+emulated device and on CPU: this is the only one that differs."""
+_native: dict[str, Any] = {"depth": 0, "library": None}
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Distinct bytes of a tensor as an op reads it: broadcast (stride-0) dimensions count once."""
+    if t.numel() == 0:
+        return 0
+    return math.prod(size for size, stride in zip(t.shape, t.stride(), strict=True) if stride != 0) * t.element_size()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _sum_bytes(value: Any) -> int:
+    return sum(tensor_bytes(t) for t in _tensors(value))
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One device operation: its name and the bytes it read and wrote."""
+
+    name: str
+    reads: int
+    writes: int
+
+
+@dataclass
+class Tally:
+    """The device operations recorded in a block: how many, and the bytes they read and wrote."""
+
+    records: list[OpRecord] = field(default_factory=list)
+
+    def add(self, name: str, reads: int, writes: int) -> None:
+        self.records.append(OpRecord(name, reads, writes))
+
+    @property
+    def ops(self) -> int:
+        return len(self.records)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.reads + r.writes for r in self.records)
+
+    def by_op(self) -> Counter[str]:
+        """Op name -> how many times it ran."""
+        return Counter(r.name for r in self.records)
+
+
+def _is_view(func) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _aten_bytes(func, args: tuple, kwargs: dict, out: Any) -> tuple[int, int] | None:
+    """(reads, writes) of an aten op that launches a kernel, None for views, metadata and allocations."""
+    if func.namespace != "aten" or func._opname in _NOT_LAUNCHES or _is_view(func):
+        return None
+    if func is aten._local_scalar_dense.default:
+        return args[0].element_size(), 0
+    named = {arg.name: value for arg, value in zip(func._schema.arguments, args, strict=False)} | kwargs
+    writable = [arg for arg in func._schema.arguments if arg.alias_info is not None and arg.alias_info.is_write]
+    written = {arg.name for arg in writable} & named.keys()
+    returns = func._schema.returns
+    outs = out if len(returns) > 1 else (out,)
+    fresh = [t for r, o in zip(returns, outs, strict=False) if r.alias_info is None for t in _tensors(o)]
+    if not written and not fresh:
+        return None  # asserts and other ops that neither write a tensor nor return one
+    if func in _GATHERS:
+        reads = _sum_bytes([v for k, v in named.items() if k not in ("self", "weight")]) + _sum_bytes(fresh)
+        return reads, _sum_bytes(fresh)
+    if func in _SCATTERS:
+        source, reads_self = _SCATTERS[func]
+        reads_self = named.get("accumulate", False) if reads_self is None else reads_self
+        touched = named[source].numel() * named["self"].element_size()
+        reads = _sum_bytes([v for k, v in named.items() if k != "self"]) + (touched if reads_self else 0)
+        return reads, touched
+    overwritten = {arg.name for arg in writable if arg.kwarg_only or func in _OVERWRITES}  # out= and copy_-like
+    reads = _sum_bytes([v for k, v in named.items() if k not in overwritten])
+    writes = _sum_bytes([named[k] for k in written]) + _sum_bytes(fresh)
+    return reads, writes
+
+
+class BalancedRouting:
+    """Answers for the data-dependent ops of MoE routing on fake tensors, as balanced routing would give them."""
+
+    def __init__(self, experts: int) -> None:
+        self.experts = experts
+
+    def answer(self, func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        """(answered, result) for `func` on these arguments; not answered for real tensors and other ops."""
+        x = args[0] if args else None
+        if not isinstance(x, FakeTensor):
+            return False, None
+        if func is aten.nonzero.default:
+            # The mask of experts hit ([E] or [E+1]): all E. One expert's [top_k, tokens] mask: its share.
+            rows = self.experts if x.dim() == 1 and x.numel() in (self.experts, self.experts + 1) else None
+            rows = x.numel() // self.experts if rows is None else rows
+            return True, torch.zeros((rows, x.dim()), dtype=torch.long, device=x.device)
+        if func is aten.bincount.default:
+            minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return True, torch.zeros(max(minlength, self.experts), dtype=torch.long, device=x.device)
+        if func is aten._local_scalar_dense.default:
+            return True, False if x.dtype == torch.bool else 0
+        return False, None
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, tally: Tally, routing: BalancedRouting | None) -> None:
+        super().__init__()
+        self.tally = tally
+        self.routing = routing
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        answered, out = self.routing.answer(func, args, kwargs) if self.routing else (False, None)
+        if not answered:
+            out = func(*args, **kwargs)
+        counted = _aten_bytes(func, args, kwargs, out)
+        if counted is not None:
+            self.tally.add(str(func.overloadpacket.__name__), *counted)
+        return out
+
+
+def _empty(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    """How the accounting sees one fused op.
+
+    outputs: makes empty outputs of the op's shapes and dtypes, structured as the op returns them,
+        from its bound arguments.
+    grads_for: the arguments its backward gives gradients for (none: the op has no autograd, as
+        npu_grouped_matmul on the device).
+    backward_reads: what its backward kernel reads besides the output gradients, from the bound
+        arguments and the outputs.
+    """
+
+    outputs: Callable[[dict[str, Any]], Any]
+    grads_for: tuple[str, ...] = ()
+    backward_reads: Callable[[dict[str, Any], Any], list] = lambda args, out: []
+
+
+def _rms_norm_outputs(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    x, gamma = a["x"], a["gamma"]
+    rstd_shape = (*x.shape[: x.dim() - gamma.dim()], *([1] * gamma.dim()))
+    return _empty(x, x.shape), _empty(x, rstd_shape, torch.float32)
+
+
+def _swiglu_outputs(a: dict[str, Any]) -> torch.Tensor:
+    x, dim = a["x"], a["dim"]
+    shape = list(x.shape)
+    shape[dim] //= 2
+    return _empty(x, shape)
+
+
+def _permute_outputs(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, indices = a["tokens"], a["indices"]
+    return _empty(tokens, (indices.numel(), tokens.shape[-1])), _empty(indices, (indices.numel(),), torch.int32)
+
+
+def _unpermute_outputs(a: dict[str, Any]) -> torch.Tensor:
+    permuted, probs = a["permuted_tokens"], a["probs"]
+    top_k = probs.shape[1] if probs is not None else 1
+    return _empty(permuted, (a["sorted_indices"].numel() // top_k, permuted.shape[-1]))
+
+
+def _grouped_matmul_outputs(a: dict[str, Any]) -> list[torch.Tensor]:
+    (x,), (w,) = a["x"], a["weight"]
+    dtype = a["output_dtype"] or x.dtype
+    if a["group_type"] == 2:  # x [K, M] split along M into groups, weight [M, N] -> [groups, K, N]
+        out = _empty(x, (a["group_list"].numel(), x.shape[0], w.shape[1]), dtype)
+        return [out] if a["split_item"] in (2, 3) else list(out.unbind(0))
+    if a["split_item"] not in (2, 3):
+        raise NotImplementedError("accounting: npu_grouped_matmul split by group sizes depends on data")
+    return [_empty(x, (x.shape[0], w.shape[2]), dtype)]  # x [M, K], weight [E, K, N] -> [M, N]
+
+
+def _sdpa_outputs(a: dict[str, Any]) -> torch.Tensor:
+    q = a["query"]
+    return _empty(q, (*q.shape[:-1], a["value"].shape[-1]))
+
+
+def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The signature of F.scaled_dot_product_attention (a builtin, which inspect cannot read)."""
+
+
+FUSED_OPS: dict[str, FusedOp] = {
+    "npu_rms_norm": FusedOp(_rms_norm_outputs, ("x", "gamma"), lambda a, out: [a["x"], a["gamma"], out[1]]),
+    "npu_rotary_mul": FusedOp(lambda a: _empty(a["x"]), ("x", "r1", "r2"), lambda a, out: [a["x"], a["r1"], a["r2"]]),
+    "npu_swiglu": FusedOp(_swiglu_outputs, ("x",), lambda a, out: [a["x"]]),
+    "npu_moe_token_permute": FusedOp(_permute_outputs, ("tokens",), lambda a, out: [out[1]]),
+    "npu_moe_token_unpermute": FusedOp(
+        _unpermute_outputs,
+        ("permuted_tokens", "probs"),
+        lambda a, out: [a["permuted_tokens"], a["sorted_indices"], a["probs"]],
+    ),
+    "npu_grouped_matmul": FusedOp(_grouped_matmul_outputs),
+    "scaled_dot_product_attention": FusedOp(
+        _sdpa_outputs, ("query", "key", "value"), lambda a, out: [a["query"], a["key"], a["value"], out]
+    ),
+}
+"""The fused ops `count_device_ops` counts as one op each way, by name (torch_npu's, and F.sdpa)."""
+
+
+class _FusedAutograd(torch.autograd.Function):
+    """Connects a fused op's outputs to its differentiable inputs; the backward records one op."""
+
+    @staticmethod
+    def forward(ctx, outputs: tuple, on_backward: Callable, *inputs: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.on_backward = on_backward
+        ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, *ctx.on_backward(grads, ctx.needs_input_grad[2:])
+
+
+def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tally) -> Callable:
+    """A stand-in for a fused op: outputs of the right shapes, one recorded op forward and one backward."""
+
+    def op(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = bound.arguments
+        outputs = spec.outputs(arguments)
+        tally.add(name, _sum_bytes(arguments), _sum_bytes(outputs))
+        inputs = [arguments[n] for n in spec.grads_for if isinstance(arguments.get(n), torch.Tensor)]
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+            return outputs
+        flat, tree = tree_flatten(outputs)
+
+        def on_backward(grads: tuple, needed: tuple[bool, ...]) -> list[torch.Tensor | None]:
+            input_grads = [_empty(t) if need else None for t, need in zip(inputs, needed, strict=True)]
+            reads = _sum_bytes([g for g in grads if g is not None]) + _sum_bytes(
+                spec.backward_reads(arguments, outputs)
+            )
+            tally.add(f"{name}_backward", reads, _sum_bytes(input_grads))
+            return input_grads
+
+        return tree_unflatten(list(_FusedAutograd.apply(tuple(flat), on_backward, *inputs)), tree)
+
+    return op
+
+
+def _emulated_ops() -> dict[str, Callable]:
+    """The emulated ops of the `torch_npu` module (defined in npu_hub_kernels.emulation's op files)."""
+    torch_npu = sys.modules.get("torch_npu")
+    if torch_npu is None or not getattr(torch_npu, "__emulated__", False):
+        raise RuntimeError("count_device_ops needs the torch_npu emulation: call npu_hub_kernels.emulation.install()")
+    return {
+        name: fn
+        for name, fn in vars(torch_npu).items()
+        if callable(fn) and getattr(fn, "__module__", "").startswith("npu_hub_kernels.emulation.")
+    }
+
+
+@contextmanager
+def count_device_ops(*, experts: int | None = None) -> Iterator[Tally]:
+    """Yield a Tally of the device operations run inside the block, forward and backward (see module doc).
+
+    Enter it inside the FakeTensorMode (if any), so that it sees the ops first. `experts`: answer MoE
+    routing on fake tensors as balanced routing over that many experts.
+    """
+    ops = _emulated_ops()
+    missing = sorted(set(ops) - set(FUSED_OPS))
+    if missing:
+        raise NotImplementedError(f"no accounting rule for torch_npu.{', '.join(missing)}: add it to FUSED_OPS")
+    tally = Tally()
+    torch_npu = sys.modules["torch_npu"]
+    stand_ins = {
+        (torch_npu, name): _counted(name, FUSED_OPS[name], inspect.signature(fn), tally) for name, fn in ops.items()
+    }
+    sdpa = "scaled_dot_product_attention"
+    stand_ins[(F, sdpa)] = _counted(sdpa, FUSED_OPS[sdpa], inspect.signature(_sdpa_signature), tally)
+    originals = {key: getattr(*key) for key in stand_ins}
+    try:
+        _register_native_kernels()
+        for (owner, name), stand_in in stand_ins.items():
+            setattr(owner, name, stand_in)
+        with warnings.catch_warnings(), _Recorder(tally, BalancedRouting(experts) if experts else None):
+            # npu-swiglu tells packed weights by their storage's data pointer: on fake tensors torch warns that the
+            # pointer is not real (all meta storages share it; the storage offsets, which are real, decide).
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            yield tally
+    finally:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+        _release_native_kernels()
+
+
+def _register_native_kernels() -> None:
+    """Give the ops of _NATIVE_ON_NPU a kernel on the emulated device (PrivateUse1) while counting. Tensors of
+    the emulation and fake tensors are dispatched in Python before it, so it only keeps autograd from
+    decomposing them; it computes on host copies should anything reach it."""
+    _native["depth"] += 1
+    if _native["library"] is not None:
+        return
+    library = torch.library.Library("aten", "IMPL")
+    for name in _NATIVE_ON_NPU:
+        op = getattr(aten, name).default
+
+        def on_host(*args, op=op):
+            device = next(t.device for t in args if isinstance(t, torch.Tensor))
+            return op(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in args]).to(device)
+
+        library.impl(name, on_host, "PrivateUse1")
+    _native["library"] = library
+
+
+def _release_native_kernels() -> None:
+    _native["depth"] -= 1
+    if _native["depth"] == 0 and _native["library"] is not None:
+        _native["library"]._destroy()  # deregisters the kernels (torch.library has no public way)
+        _native["library"] = None
+
+
+def fake_module(module: nn.Module, fake_mode: FakeTensorMode, device: str | torch.device) -> nn.Module:
+    """Give a module built on the meta device fake parameters and buffers on `device`, in place.
+
+    The fake tensors are made directly (not through `fake_mode.from_tensor`, which memoizes them by weak
+    reference), so that `torch.utils.swap_tensors`, which `pack_gate_up` uses, still works on them.
+    """
+    device = torch.device(device)
+    if device.index is None and device.type != "cpu":
+        device = torch.device(device.type, 0)
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            raise ValueError(f"fake_module takes a module on the meta device, found a tensor on {t.device}")
+        if id(t) not in made:
+            made[id(t)] = FakeTensor(fake_mode, t.detach(), device)
+            if isinstance(t, nn.Parameter):
+                made[id(t)] = nn.Parameter(made[id(t)], requires_grad=t.requires_grad)
+        return made[id(t)]
+
+    for m in module.modules():
+        for registry in (m._parameters, m._buffers):
+            for name, t in registry.items():
+                if t is not None:
+                    registry[name] = fake(t)
+    return module

@@ -1,0 +1,245 @@
+"""`make bench`: the fusion accounting (npu_hub_kernels.accounting) against hand-computed counts, the floors,
+and scripts/bench.py end to end on a quick run (counted, host-timed and emulated device-timed)."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import inspect
+import subprocess
+import sys
+
+import bench
+import pytest
+import torch
+from conftest import ROOT
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from npu_hub_kernels import register_npu_kernels, unregister_npu_kernels
+from npu_hub_kernels.accounting import FUSED_OPS, count_device_ops, fake_module
+
+BF16 = torch.bfloat16
+X, X32, VAR, W = 2 * 8 * 64 * 2, 2 * 8 * 64 * 4, 2 * 8 * 4, 64 * 2
+"""Bytes of x [2, 8, 64] in bfloat16 and in float32, of its float32 variance [2, 8, 1], of the weight [64]."""
+TINY_LLAMA = bench.TINY_SPECS[0]
+TINY_MOE = bench.TINY_SPECS[1]
+
+
+def records(tally) -> list[tuple[str, int, int]]:
+    return [(r.name, r.reads, r.writes) for r in tally.records]
+
+
+def fake_norm(fake_mode: FakeTensorMode) -> LlamaRMSNorm:
+    with torch.device("meta"):
+        norm = LlamaRMSNorm(64).to(BF16)
+    return fake_module(norm, fake_mode, "npu")
+
+
+def run_norm(norm, fake_mode: FakeTensorMode, phase: str):
+    with fake_mode:
+        x = torch.empty(2, 8, 64, dtype=BF16, device="npu", requires_grad=True)
+        return bench.count_run(norm, (x,), {}, norm.parameters(), phase, experts=None)
+
+
+def test_eager_rms_norm_counted_op_by_op(npu_kernels):
+    """LlamaRMSNorm.forward of x [2, 8, 64] bf16: to(float32), pow, mean, + eps, rsqrt, mul, to(bf16), * weight."""
+    fake_mode = FakeTensorMode()
+    norm = fake_norm(fake_mode)
+    bench.set_variant(norm, "eager")
+    assert records(run_norm(norm, fake_mode, "fwd")) == [
+        ("_to_copy", X, X32),  # x.to(float32)
+        ("pow", X32, X32),
+        ("mean", X32, VAR),  # keepdim: [2, 8, 1]
+        ("add", VAR, VAR),  # + eps, a Python scalar (no tensor read)
+        ("rsqrt", VAR, VAR),
+        ("mul", X32 + VAR, X32),  # x * rsqrt(variance), broadcast
+        ("_to_copy", X32, X),  # .to(bfloat16)
+        ("mul", W + X, X),  # weight * ...
+    ]
+
+
+def test_kernelized_rms_norm_is_one_op_reading_its_inputs_and_writing_its_outputs(npu_kernels):
+    """npu_rms_norm reads x and the weight, writes y and rstd [2, 8, 1] float32; its backward reads dy, x,
+    the weight and rstd and writes dx and dweight; nothing the emulation runs inside is counted."""
+    fake_mode = FakeTensorMode()
+    norm = fake_norm(fake_mode)
+    bench.set_variant(norm, "kernelized")
+    forward = ("npu_rms_norm", X + W, X + VAR)
+    assert records(run_norm(norm, fake_mode, "fwd")) == [forward]
+    assert records(run_norm(norm, fake_mode, "fwd+bwd")) == [forward, ("npu_rms_norm_backward", X + X + W + VAR, X + W)]
+    with fake_mode:
+        x = torch.empty(2, 8, 64, dtype=BF16, device="npu")
+    assert bench.rms_norm_floor(norm, x) == ((1, X + W + X), (1, X + X + W + X + W))
+
+
+def test_fused_op_rules_give_the_emulated_ops_shapes():
+    """Every emulated torch_npu op has an accounting rule, and the rule's outputs have the op's shapes and dtypes."""
+    import torch_npu
+
+    npu = {"device": "npu"}
+    tokens, indices = torch.randn(5, 8, **npu), torch.tensor([[0, 2], [1, 0], [2, 2], [0, 1], [1, 2]], **npu)
+    counts = torch.tensor([2, 2, 2], **npu)
+    calls = {
+        "npu_rms_norm": ((torch.randn(2, 3, 8, **npu), torch.randn(8, **npu)), {}),
+        "npu_rotary_mul": ((torch.randn(1, 2, 4, 8, **npu), *torch.randn(2, 1, 1, 4, 8, **npu)), {}),
+        "npu_swiglu": ((torch.randn(4, 16, **npu),), {}),
+        "npu_moe_token_permute": ((tokens, indices), {}),
+        "npu_grouped_matmul": (
+            ([torch.randn(6, 8, **npu)], [torch.randn(3, 8, 4, **npu)]),
+            dict(group_list=counts, group_type=0, group_list_type=1, split_item=2),
+        ),
+    }
+    permuted, order = torch_npu.npu_moe_token_permute(tokens, indices)
+    calls["npu_moe_token_unpermute"] = ((permuted, order), {"probs": torch.rand(5, 2, **npu)})
+    grouped_k = ([torch.randn(4, 6, **npu)], [torch.randn(6, 5, **npu)])
+    with count_device_ops():  # refuses to run if an emulated op has no rule
+        pass
+    for name, (args, kwargs) in [
+        *calls.items(),
+        ("npu_grouped_matmul", (grouped_k, dict(calls["npu_grouped_matmul"][1], group_type=2))),
+    ]:
+        op = getattr(torch_npu, name)
+        bound = inspect.signature(op).bind(*args, **kwargs)
+        bound.apply_defaults()
+        expected = [(tuple(t.shape), t.dtype) for t in tree_leaves(op(*args, **kwargs))]
+        assert [(tuple(t.shape), t.dtype) for t in tree_leaves(FUSED_OPS[name].outputs(bound.arguments))] == expected
+
+
+def tiny_layer_records(real: bool) -> dict[tuple[str, str], list]:
+    """The op records of a tiny Llama decoder layer, eager and kernelized, forward and forward+backward, on fake
+    tensors (as the bench runs) or on real tensors of the emulated device."""
+    if real:
+        config = AutoConfig.for_model("llama", **TINY_LLAMA.config, num_hidden_layers=1)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=BF16)
+        layer, context = model.model.layers[0].to("npu"), contextlib.nullcontext()
+    else:
+        context = FakeTensorMode()
+        layer = bench.build_layer(TINY_LLAMA, context)
+    out = {}
+    with context:
+        args, kwargs = bench.layer_inputs(TINY_LLAMA, 2, 16, torch.empty)
+        for variant in ("eager", "kernelized"):
+            bench.set_variant(layer, variant)
+            for phase in bench.PHASES:
+                out[(variant, phase)] = records(bench.count_run(layer, args, kwargs, layer.parameters(), phase, None))
+    bench.set_variant(layer, "eager")
+    return out
+
+
+def test_fake_tensors_count_what_real_tensors_on_the_emulated_device_count(npu_kernels):
+    """The accounting runs on fake tensors to afford full sizes; on a tiny layer, real tensors give the same records."""
+    assert tiny_layer_records(real=False) == tiny_layer_records(real=True)
+
+
+@pytest.mark.parametrize("spec", bench.TINY_SPECS, ids=lambda spec: spec.name)
+def test_eager_layer_runs_the_ops_on_the_emulated_device_that_it_runs_on_cpu(spec):
+    """Ops with a device kernel are not decomposed on the emulated device (silu_backward: one op, not seven)."""
+    counts = {}
+    for device in ("npu", "cpu"):
+        config = AutoConfig.for_model(spec.model_type, **dict(spec.config, num_hidden_layers=1))
+        options = {"experts_implementation": "eager"} if spec.experts else {}
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=BF16, **options)
+        fake_mode = FakeTensorMode()
+        layer = fake_module(model.model.layers[0], fake_mode, device)
+        with fake_mode:
+            hidden = torch.empty(2, 16, 64, dtype=BF16, device=device, requires_grad=True)
+            cos, sin = torch.empty(2, 2, 16, 16, dtype=BF16, device=device)
+            kwargs = {"attention_mask": None, "position_embeddings": (cos, sin)}
+            counts[device] = bench.count_run(layer, (hidden,), kwargs, layer.parameters(), "fwd+bwd", spec.experts)
+    assert counts["npu"].by_op() == counts["cpu"].by_op()
+    assert counts["npu"].by_op()["silu_backward"] >= 1
+
+
+def test_layer_floor_adds_up_and_packed_swiglu_reaches_it(npu_kernels):
+    """The regions add up: the layer minus its regions is the same for every variant (so the layer floor is the rest
+    plus each region's floor), and the packed SwiGLU MLP runs exactly its floor's ops and bytes."""
+    results = bench.account(TINY_LLAMA, 2, 16)
+    for phase in bench.PHASES:
+        regions = [m for (kind, p), m in results.items() if p == phase and kind != "decoder layer"]
+        layer = results[("decoder layer", phase)]
+        rests = {
+            variant: (
+                getattr(layer, variant).ops - sum(getattr(m, variant).ops for m in regions),
+                getattr(layer, variant).bytes - sum(getattr(m, variant).bytes for m in regions),
+            )
+            for variant in ("eager", "kernelized", "packed")
+        }
+        assert len(set(rests.values())) == 1, rests
+        floors = [m.floor for m in regions]
+        rest = rests["eager"]
+        assert layer.floor == (rest[0] + sum(f[0] for f in floors), rest[1] + sum(f[1] for f in floors))
+        mlp = results[("SwiGLU MLP", phase)]
+        assert (mlp.packed.ops, mlp.packed.bytes) == mlp.floor
+        assert mlp.kernelized.by_op() == mlp.eager.by_op()  # unpacked: the eager math
+    assert results[("SwiGLU MLP", "fwd")].floor[0] == 3
+    assert results[("RMSNorm", "fwd")].kernelized.by_op() == {"npu_rms_norm": 2}
+
+
+def test_moe_experts_eager_loop_grows_with_the_experts_npu_moe_does_not(npu_kernels):
+    """Balanced routing on fake tensors: transformers' eager loop runs the same ops per expert, npu-moe a fixed set."""
+    counts = {}
+    for experts in (2, 4, 8):
+        measured = bench.account(TINY_MOE, 2, 16, experts=experts)[("MoE experts", "fwd+bwd")]
+        counts[experts] = (measured.eager.ops, measured.kernelized.ops)
+    per_expert = counts[4][0] - counts[2][0]
+    assert per_expert > 0 and counts[8][0] - counts[4][0] == 2 * per_expert
+    assert len({kernelized for _, kernelized in counts.values()}) == 1
+
+
+def test_experts_without_a_card_say_so(built_cards):
+    """Until an Experts card is registered, the kernelized column of the experts stays empty: "no card yet"."""
+    register_npu_kernels(local_dir=built_cards, kernels="npu_fused_rmsnorm,npu_fused_rope,npu_fused_swiglu")
+    try:
+        rows = bench.counted_rows(TINY_MOE, [(2, 16)])
+    finally:
+        unregister_npu_kernels()
+    experts = [r for r in rows if r.op == "MoE experts"]
+    assert experts and all(r.kernelized is None and r.note == bench.NO_CARD for r in experts)
+    assert all(r.kernelized is not None for r in rows if r.op == "RMSNorm")
+    assert f"| MoE experts: kernelized op count = floor | {bench.NO_CARD} | - |" in bench.summary(rows, "m", "v")
+
+
+def test_readme_section_is_rewritten_between_the_markers_only(tmp_path):
+    readme = tmp_path / "README.md"
+    before, after = "# Title\n\nintro\n\n", "\n\n## Next\n\ntext\n"
+    readme.write_text(f"{before}{bench.README_BEGIN}\nold figures\n{bench.README_END}{after}")
+    bench.update_readme(readme, "new figures\n")
+    expected = f"{before}{bench.README_BEGIN}\nnew figures\n{bench.README_END}{after}"
+    assert readme.read_text() == expected
+    bench.update_readme(readme, "new figures")
+    assert readme.read_text() == expected
+    plain = tmp_path / "PLAIN.md"
+    plain.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        bench.update_readme(plain, "x")
+    assert plain.read_text() == "no markers\n"
+
+
+def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
+    """The command end to end: --quick, one model, device timing forced on the emulation (labelled, kept out of the
+    README), the README section rewritten from summary.md."""
+    out, readme = tmp_path / "out", tmp_path / "README.md"
+    readme.write_text(f"# x\n{bench.README_BEGIN}\n{bench.README_END}\nend\n")
+    command = [sys.executable, "scripts/bench.py", "--quick", "--configs", "llama-3-8b", "--device-timing", "on"]
+    command += ["--build", str(built_cards), "--out", str(out), "--readme", str(readme), "--org", "bench-test"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "counted Llama-3-8B, batch 1, seq 512" in done.stdout  # progress
+    with (out / "bench.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == bench.CSV_COLUMNS
+    assert {r["mode"] for r in table} == {"counted", "timed"}
+    emulated = [r for r in table if r["note"] == bench.EMULATED]
+    assert {r["op"] for r in emulated} >= {"decoder layer (packed MLP)", "RMSNorm", "training step (AdamW)"}
+    counted = [r for r in table if r["mode"] == "counted" and r["config"] == "Llama-3-8B"]
+    assert {r["phase"] for r in counted} == {"fwd", "fwd+bwd"} and {r["unit"] for r in counted} == {"ops", "bytes"}
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out / "summary.md").read_text()
+    assert readme.read_text() == f"# x\n{bench.README_BEGIN}\n{summary}{bench.README_END}\nend\n"
+    assert bench.EMULATED not in summary.replace("emulated ones are only in bench.csv", "")
+    for target in ("kernelize of 32 layers", "per-call overhead", "torch-universal fallback", "RMSNorm: kernelized"):
+        assert target in summary
