@@ -77,7 +77,8 @@ from npu_hub_kernels.accounting import Tally, count_device_ops, fake_module, ten
 from npu_hub_kernels.cards import resolve_org  # noqa: E402
 
 PHASES = ("fwd", "fwd+bwd")
-SHAPES = ((1, 512), (1, 4096), (8, 512), (8, 4096))
+SHAPES = ((1, 1), (1, 512), (1, 4096), (8, 512), (8, 4096))
+"""(batch, sequence) of the counted layers; (1, 1) is one decode step's token."""
 QUICK_SHAPES = ((1, 512),)
 DTYPE = torch.bfloat16
 BYTES_TOLERANCE = 1.05
@@ -1015,6 +1016,32 @@ def targets(rows: list[Row]) -> list[tuple[str, str, bool | None]]:
     return out
 
 
+def _mlp_prefill_decode_table(counted: list[Row]) -> list[str]:
+    """Forward ops and bytes of one SwiGLU MLP call, eager and kernelized: prefill (1 x 4096), decode (1 x 1)."""
+    mlp = [
+        r for r in counted if r.phase == "fwd" and r.op.startswith("SwiGLU MLP") and (r.batch, r.seq) in PREFILL_DECODE
+    ]
+    if not mlp:
+        return []
+    lines = [
+        "",
+        "Counted, one SwiGLU MLP call, forward, prefill (batch 1, 4096 tokens) and decode (batch 1, 1 token):",
+        "",
+        "| model | MLP | tokens | ops eager | kernelized | bytes eager | kernelized |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for ops in sorted((r for r in mlp if r.unit == "ops"), key=lambda r: (r.config, r.op, -int(r.seq))):
+        size = next(r for r in mlp if r.unit == "bytes" and (r.config, r.op, r.seq) == (ops.config, ops.op, ops.seq))
+        lines.append(
+            f"| {ops.config} | {ops.op.removeprefix('SwiGLU MLP ')} | {ops.seq} | {ops.eager:.0f} | "
+            f"{ops.kernelized:.0f} | {human_bytes(size.eager)} | {human_bytes(size.kernelized)} |"
+        )
+    return lines
+
+
+PREFILL_DECODE = ((1, 4096), (1, 1))
+
+
 def summary(rows: list[Row], machine: str, versions: str, table: str = ".cache/bench/bench.csv") -> str:
     """The markdown summary (summary.md and the README section): counted and timed figures, no emulated timing."""
     met_text = {True: "yes", False: "**no**", None: "-"}
@@ -1052,6 +1079,7 @@ def summary(rows: list[Row], machine: str, versions: str, table: str = ".cache/b
                 f"| {ops.config} | {ops.op} | {ops.eager:.0f} | {kernelized} | {ops.floor:.0f} | "
                 f"{human_bytes(size.eager)} | {human_bytes(size.kernelized)} | {human_bytes(size.floor)} | {ratio} |"
             )
+    lines += _mlp_prefill_decode_table(counted)
     sweep = [r for r in rows if _is_sweep(r) and r.phase == "fwd+bwd" and r.unit == "ops"]
     if sweep:
         lines += [
