@@ -24,9 +24,10 @@ build: setup
 demo: build
 	$(PY) scripts/demo.py $(if $(ORG),--org $(ORG))
 
-# Fusion accounting (counted) and timings: writes .cache/bench/ and rewrites README's bench section.
+# Fusion accounting (counted) and timings: writes .cache/bench/, rewrites README's bench section and each
+# card's benchmark.md (which the next build adds to the card's Hub README).
 bench: build
-	$(PY) scripts/bench.py --readme README.md $(if $(ORG),--org $(ORG))
+	$(PY) scripts/bench.py --readme README.md --cards-dir kernel-cards $(if $(ORG),--org $(ORG))
 
 # make publish ORG=<Hub organisation> [CARDS=npu-rope,...] [DRY_RUN=1]
 publish: build

@@ -1042,6 +1042,52 @@ def _mlp_prefill_decode_table(counted: list[Row]) -> list[str]:
 PREFILL_DECODE = ((1, 4096), (1, 1))
 
 
+CARD_REGIONS = {
+    "npu-rms-norm": ("RMSNorm",),
+    "npu-rope": ("RoPE",),
+    "npu-swiglu": ("SwiGLU MLP (packed)", "SwiGLU MLP (unpacked)"),
+    "npu-moe": ("MoE experts",),
+}
+"""Which counted regions each card's benchmark section reports."""
+
+
+def card_summary(card: str, rows: list[Row]) -> str:
+    """A card's share of the summary, for its Hub README: its targets and its regions' counted figures."""
+    regions = CARD_REGIONS[card]
+    met_text = {True: "yes", False: "no", None: "not measured"}
+    lines = [
+        "Counted by npu-hub-kernels' `make bench`: device operations and bytes on fake tensors under the torch_npu "
+        "emulation, which do not depend on the machine (floor: each fused region as the fewest kernels, each reading "
+        "its inputs and writing its outputs once).",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {target} | {measured} | {met_text[met]} |"
+        for target, measured, met in targets(rows)
+        if target.startswith(tuple(region.split(" (")[0] for region in regions))
+    ]
+    counted = [r for r in rows if r.mode == "counted" and not _is_sweep(r) and r.op in regions]
+    if counted:
+        _, batch, seq = max((r.batch * r.seq, r.batch, r.seq) for r in counted)
+        chosen = [r for r in counted if r.phase == "fwd+bwd" and (r.batch, r.seq) == (batch, seq)]
+        lines += [
+            "",
+            f"Forward+backward, batch {batch}, sequence {seq}, bfloat16:",
+            "",
+            "| model | region | ops eager | kernelized | floor | bytes eager | kernelized | floor |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for ops in (r for r in chosen if r.unit == "ops"):
+            size = next(r for r in chosen if r.unit == "bytes" and (r.config, r.op) == (ops.config, ops.op))
+            lines.append(
+                f"| {ops.config} | {ops.op} | {ops.eager:.0f} | {ops.kernelized:.0f} | {ops.floor:.0f} | "
+                f"{human_bytes(size.eager)} | {human_bytes(size.kernelized)} | {human_bytes(size.floor)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def summary(rows: list[Row], machine: str, versions: str, table: str = ".cache/bench/bench.csv") -> str:
     """The markdown summary (summary.md and the README section): counted and timed figures, no emulated timing."""
     met_text = {True: "yes", False: "**no**", None: "-"}
@@ -1295,6 +1341,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build", type=Path, default=ROOT / "build", help="folder of built cards (make build)")
     parser.add_argument("--org", default=None, help="Hub organisation of the cards in the offline cache")
     parser.add_argument("--readme", type=Path, help="rewrite the bench section of this file (between its markers)")
+    parser.add_argument(
+        "--cards-dir",
+        type=Path,
+        help="write each card's benchmark.md here (kernel-cards/): the build adds it to the card's Hub README",
+    )
     parser.add_argument("--quick", action="store_true", help="batch 1 x sequence 512 only, fewer repeats")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--only", choices=("counted", "timed"), help="run one mode only")
@@ -1354,6 +1405,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = write_chart(rows, args.out / "bench.png", machine)
     if args.readme:
         update_readme(args.readme, text)
+    for card in CARD_REGIONS if args.cards_dir else ():
+        (args.cards_dir / card / "benchmark.md").write_text(card_summary(card, rows))
     log(problem or f"wrote {args.out}: bench.csv ({len(rows)} rows), bench.png, summary.md")
     print(text)
     return 0

@@ -194,8 +194,8 @@ def render_front_matter(card: Card) -> str:
 
 
 def render_readme(card: Card, variants: list[Variant]) -> str:
-    """The card text (with its version filled in) after the front matter, then the supported classes
-    and the table of build variants."""
+    """The card text (with its version filled in) after the front matter, its benchmark summary when
+    `make bench` has written one, then the supported classes and the table of build variants."""
     rows = ["| variant | torch | CANN | CPU |", "|---|---|---|---|"]
     for v in variants:
         if v.cann is None:
@@ -204,6 +204,9 @@ def render_readme(card: Card, variants: list[Variant]) -> str:
         else:
             rows.append(f"| `{v.name}` | {v.torch} | {v.cann} | {v.cpu} |")
     text = (card.path / "README.md").read_text().rstrip("\n").replace("@VERSION@", str(card.version))
+    benchmark = card.path / "benchmark.md"
+    if benchmark.exists():
+        text += "\n\n## Benchmark\n\n" + benchmark.read_text().rstrip("\n")
     return (
         f"{render_front_matter(card)}\n{text}\n\n{render_models(card)}\n\n## Build variants\n\n"
         "The `kernels` loader takes the variant matching this host's torch, CANN and CPU exactly, "
