@@ -26,6 +26,9 @@ def _import_torch_npu() -> ModuleType | None:
 
 torch_npu = _import_torch_npu()
 
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The floating-point dtypes the fused torch_npu ops of the cards take."""
+
 
 def npu_unavailable_reason(*tensors: torch.Tensor) -> str | None:
     """Why the fused torch_npu op cannot run on these tensors, or None when it can."""

@@ -185,13 +185,11 @@ def pack_gate_up(model: nn.Module) -> int:
     """
     packed = 0
     for module in model.modules():
-        forward = module.__dict__.get("forward")
-        build = _card_build_of(forward.__func__) if isinstance(forward, MethodType) else None
-        if build is None or build.CARD != "npu-swiglu" or _layer_name_of(forward.__func__) != "SwiGLUMLP":
-            continue
-        card = sys.modules[build.__name__.rpartition(".")[0]]
-        card.pack_gate_up(module.gate_proj, module.up_proj)
-        packed += 1
+        build, layer = _card_layer_of(module) or (None, None)
+        if build is not None and (build.CARD, layer) == ("npu-swiglu", "SwiGLUMLP"):
+            card = sys.modules[build.__name__.rpartition(".")[0]]
+            card.pack_gate_up(module.gate_proj, module.up_proj)
+            packed += 1
     return packed
 
 
@@ -218,19 +216,26 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
         candidates = [(name, module)]
         candidates += [(f"{name}.{fname}", fn) for fname, fn in getattr(module, "_kernel_funcs", {}).items()]
         for qualified, candidate in candidates:
-            forward = candidate.__dict__.get("forward")
-            build = _card_build_of(forward.__func__) if isinstance(forward, MethodType) else None
+            build, layer = _card_layer_of(candidate) or (None, None)
             if build is not None and card in (None, build.CARD):
                 swaps.append(
                     Swap(
                         module=qualified or "<root>",
                         module_class=type(candidate).__name__,
                         card=build.CARD,
-                        layer=_layer_name_of(forward.__func__),
+                        layer=layer,
                         variant=build.VARIANT,
                     )
                 )
     return swaps
+
+
+def _card_layer_of(module: nn.Module) -> tuple[ModuleType, str] | None:
+    """(the card's generated `_build` module, the layer name) when kernelize gave `module` a card
+    layer's forward; None otherwise."""
+    forward = module.__dict__.get("forward")
+    build = _card_build_of(forward.__func__) if isinstance(forward, MethodType) else None
+    return None if build is None else (build, _layer_name_of(forward.__func__))
 
 
 def _layer_name_of(function) -> str:

@@ -12,7 +12,8 @@ supplies it: dx through the same grouped matmul on the untransposed weights, dW 
 K-split form (group_type 2).
 
 Elsewhere (torch-universal, CPU tensors, or inputs outside the ops' limits) `experts_sorted` runs the
-same math efficiently: sort the token copies by expert once, one matmul per non-empty expert.
+same math efficiently: sort the token copies by expert once, then one matmul per non-empty expert or
+torch's grouped matmul (see its docstring).
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ._activations import is_silu
-from ._npu import npu_unavailable_reason, torch_npu
+from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GROUPS = 1024
 """npu_grouped_matmul takes at most 1024 groups with a single 3-D weight."""
 MAX_INNER_DIM = 65536

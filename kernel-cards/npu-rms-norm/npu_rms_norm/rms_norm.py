@@ -16,10 +16,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ._npu import npu_unavailable_reason, torch_npu
+from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 Scaling = Literal["plain", "zero_centered", "float32_scale"]
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def epsilon_of(module: nn.Module) -> float:

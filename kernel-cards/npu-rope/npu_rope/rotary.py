@@ -13,9 +13,7 @@ from typing import Literal
 
 import torch
 
-from ._npu import npu_unavailable_reason, torch_npu
-
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 Rotation = Literal["half", "interleave"]
 """npu_rotary_mul's rotary_mode: 'half' pairs x[i] with x[i + D/2], 'interleave' pairs x[2i] with x[2i + 1]."""

@@ -20,9 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._activations import is_silu
-from ._npu import npu_unavailable_reason, torch_npu
-
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 
 def activation_of(mlp: nn.Module) -> Callable | None:
@@ -117,29 +115,36 @@ class _PackedGateUp(torch.autograd.Function):
 
 def split_mlp(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
     """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused when gate/up are packed (see module doc)."""
-    reason = split_unavailable_reason(x, gate_proj, up_proj, act_fn)
+    reason, packed = _split_plan(x, gate_proj, up_proj, act_fn)
     if reason is not None:
         return down_proj(act_fn(gate_proj(x)) * up_proj(x))
-    packed = packed_gate_up_weight(gate_proj, up_proj)
     gate_up = _PackedGateUp.apply(x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias, packed)
     return down_proj(torch_npu.npu_swiglu(gate_up.contiguous()))
 
 
 def split_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn) -> str | None:
     """Why `split_mlp` takes the eager path for this input and module, or None when it fuses."""
+    return _split_plan(x, gate_proj, up_proj, act_fn)[0]
+
+
+def _split_plan(
+    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn
+) -> tuple[str | None, torch.Tensor | None]:
+    """(why the eager path runs, or None; the packed [2I, H] weight view when it does not)."""
     reason = swiglu_unavailable_reason(x, act_fn)
     if reason is not None:
-        return reason
-    if packed_gate_up_weight(gate_proj, up_proj) is None:
+        return reason, None
+    packed = packed_gate_up_weight(gate_proj, up_proj)
+    if packed is None:
         return (
             "gate_proj/up_proj are not two plain Linears packed in one buffer (call pack_gate_up, e.g. through "
             "npu_hub_kernels.pack_gate_up(model)); unpacked, a concatenation would move more bytes than eager"
-        )
+        ), None
     if (gate_proj.bias is None) != (up_proj.bias is None):
-        return "only one of gate_proj/up_proj has a bias"
-    if gate_proj.weight.dtype != x.dtype:
-        return f"weight dtype {gate_proj.weight.dtype} differs from input dtype {x.dtype}"
-    return None
+        return "only one of gate_proj/up_proj has a bias", None
+    if packed.dtype != x.dtype:
+        return f"weight dtype {packed.dtype} differs from input dtype {x.dtype}", None
+    return None, packed
 
 
 def fused_mlp(x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:

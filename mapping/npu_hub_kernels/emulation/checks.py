@@ -6,6 +6,9 @@ from collections import Counter
 
 import torch
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The floating-point dtypes the emulated fused ops take, as the real ones do."""
+
 OP_CALLS: Counter[str] = Counter()
 """How many times each emulated torch_npu op was called in this process."""
 

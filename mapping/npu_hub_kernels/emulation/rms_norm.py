@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .checks import require_npu
-
-_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .checks import FLOAT_DTYPES, require_npu
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     require_npu("npu_rms_norm", x=x, gamma=gamma)
-    if x.dtype not in _X_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise RuntimeError(f"npu_rms_norm: x dtype {x.dtype} is not supported (fp16, bf16, fp32)")
     if gamma.dtype != x.dtype and gamma.dtype != torch.float32:
         raise RuntimeError(f"npu_rms_norm: gamma dtype {gamma.dtype} must equal x dtype {x.dtype} or be float32")

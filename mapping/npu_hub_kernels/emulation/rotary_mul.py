@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import require_npu
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .checks import FLOAT_DTYPES, require_npu
 
 
 def npu_rotary_mul(
@@ -35,7 +33,7 @@ def npu_rotary_mul(
 def _check(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> None:
     if mode not in ("half", "interleave"):
         raise RuntimeError(f"npu_rotary_mul: rotary_mode must be 'half' or 'interleave', got {mode!r}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise RuntimeError(f"npu_rotary_mul: dtype {x.dtype} is not supported (fp16, bf16, fp32)")
     if x.dim() not in (3, 4) or r1.dim() != x.dim() or r1.shape != r2.shape:
         raise RuntimeError(

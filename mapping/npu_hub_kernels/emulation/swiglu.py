@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from .checks import require_npu
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .checks import FLOAT_DTYPES, require_npu
 
 
 def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     require_npu("npu_swiglu", x=x)
-    if x.dtype not in _DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise RuntimeError(f"npu_swiglu: dtype {x.dtype} is not supported (fp16, bf16, fp32)")
     if not x.is_contiguous():
         raise RuntimeError("npu_swiglu: the input must be contiguous")
