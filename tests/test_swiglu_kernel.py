@@ -64,11 +64,8 @@ def make(shape: str, hidden: int, intermediate: int, dtype, bias=False, seed=0):
 
 
 def on_npu(card, mlp):
-    """A copy of mlp on the npu device, split projections packed."""
-    mlp = _copy(mlp).to("npu")
-    if isinstance(mlp, SplitMLP):
-        card.pack_gate_up(mlp.gate_proj, mlp.up_proj)
-    return mlp
+    """A copy of mlp on the npu device (split projections unpacked: the first fused call packs them)."""
+    return _copy(mlp).to("npu")
 
 
 def _copy(mlp):
@@ -149,14 +146,120 @@ def test_packing_keeps_parameters_and_state_dict_entries(card):
     assert torch.equal(card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj)[24:].cpu(), before["up_proj.weight"] + 1)
 
 
-def test_unpacked_split_mlp_takes_the_eager_path_and_says_why(card):
+def split_output(card, mlp, x):
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        out = card.split_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
+    return out, calls["npu_swiglu"]
+
+
+def test_split_mlp_packs_its_weights_on_the_first_fused_call_and_keeps_them_packed(card):
+    """No call from the user: the first fused call packs (same Parameter objects and state dict), later calls
+    find the layout in place; an optimizer made before the first call keeps training the same tensors."""
+    mlp = make("split", 16, 24, torch.float32, bias=True).to("npu")
+    params = dict(mlp.named_parameters())
+    before = {k: v.cpu().clone() for k, v in mlp.state_dict().items()}
+    optimizer = torch.optim.AdamW(mlp.parameters(), lr=1e-2)
+    x = torch.randn(3, 16).to("npu")
+    assert card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj) is None
+    assert card.split_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn) is None
+    out, fused = split_output(card, mlp, x)
+    assert fused == 1
+    torch.testing.assert_close(out.cpu(), _copy(mlp).cpu()(x.cpu()), rtol=1e-6, atol=1e-6)
+    assert dict(mlp.named_parameters()) == params and all(p is params[k] for k, p in mlp.named_parameters())
+    assert all(torch.equal(v.cpu(), before[k]) for k, v in mlp.state_dict().items())
+    packed = card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj)
+    address = packed.data_ptr()
+    mlp(x).sum().backward()  # the module's own forward: gradients on the packed parameters
+    card.split_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn).sum().backward()
+    optimizer.step()
+    assert card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj).data_ptr() == address  # updated in place
+    assert not torch.equal(mlp.up_proj.weight.cpu(), before["up_proj.weight"])
+
+
+@pytest.mark.parametrize("change", ["bfloat16 cast", "half", "move to host and back", "load_state_dict(assign=True)"])
+def test_a_change_that_reallocates_the_weights_is_packed_again_on_the_next_call(card, change):
+    mlp = make("split", 16, 24, torch.float32).to("npu")
+    gate = mlp.gate_proj.weight
+    x = torch.randn(3, 16)
+    assert split_output(card, mlp, x.to("npu"))[1] == 1
+    if change == "bfloat16 cast":
+        mlp.to(torch.bfloat16)
+    elif change == "half":
+        mlp.half()
+    elif change == "move to host and back":
+        mlp.cpu().to("npu")
+    else:
+        mlp.load_state_dict({k: v.clone() for k, v in mlp.state_dict().items()}, assign=True)
+    dtype = mlp.gate_proj.weight.dtype
+    assert card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj) is None
+    out, fused = split_output(card, mlp, x.to("npu", dtype))
+    assert fused == 1 and card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj) is not None
+    if change != "load_state_dict(assign=True)":  # assign=True may hand in new Parameter objects: torch's choice
+        assert mlp.gate_proj.weight is gate
+    expected = _copy(mlp).cpu()(x.to(dtype))
+    torch.testing.assert_close(out.cpu(), expected, **({} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}))
+
+
+def test_packing_inside_inference_mode_leaves_trainable_parameters(card):
     mlp = make("split", 16, 24, torch.float32).to("npu")
     x = torch.randn(3, 16).to("npu")
-    assert "not two plain Linears packed" in card.split_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn)
-    with emulation.count_op_calls() as calls, torch.no_grad():
-        got = kernel_output(card, mlp, x)
-    assert calls["npu_swiglu"] == 0
-    assert torch.equal(got.cpu(), _copy(mlp).cpu()(x.cpu()))
+    with torch.inference_mode():
+        card.split_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
+    assert (
+        not mlp.gate_proj.weight.is_inference() and card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj) is not None
+    )
+    leaf = x.clone().requires_grad_()
+    card.split_mlp(leaf, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn).sum().backward()
+    assert mlp.gate_proj.weight.grad is not None and leaf.grad is not None
+
+
+def _owned_elsewhere(mlp, case):
+    """Mark or lay out mlp's gate/up weights as a system that owns them would."""
+    if case == "DeepSpeed ZeRO-3":
+        mlp.gate_proj.weight.ds_id = 7  # what ZeRO-3 sets on the parameters it partitions
+    elif case == "view into a flat buffer":
+        flat = torch.zeros(3 * 24 * 16, device="npu")  # gate and up with a gap between them
+        for i, linear in enumerate((mlp.gate_proj, mlp.up_proj)):
+            view = flat[2 * i * 384 : (2 * i + 1) * 384].view(24, 16)
+            view.copy_(linear.weight.detach())
+            linear.weight = nn.Parameter(view)
+    elif case == "held by a live autograd graph":
+        mlp._graph = mlp.gate_proj(torch.randn(2, 16, device="npu")).sum()  # keeps AccumulateGrad alive
+        torch.autograd.graph.get_gradient_edge(mlp.gate_proj.weight)
+    elif case == "gradient hook":
+        mlp.up_proj.weight.register_hook(lambda grad: grad)
+    elif case == "hooked projection (as adapters are)":
+        mlp.up_proj.register_forward_hook(lambda module, args, out: out * 2)
+    return {
+        "DeepSpeed ZeRO-3": "ZeRO-3",
+        "view into a flat buffer": "view into a larger buffer",
+        "held by a live autograd graph": "live autograd graph",
+        "gradient hook": "gradient hooks",
+        "hooked projection (as adapters are)": "not two plain nn.Linear",
+    }[case]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "DeepSpeed ZeRO-3",
+        "view into a flat buffer",
+        "held by a live autograd graph",
+        "gradient hook",
+        "hooked projection (as adapters are)",
+    ],
+)
+def test_weights_another_system_owns_are_never_rewritten_and_the_reason_is_given(card, case):
+    mlp = make("split", 16, 24, torch.float32).to("npu")
+    reason = _owned_elsewhere(mlp, case)
+    storages = [p.untyped_storage().data_ptr() for p in mlp.parameters()]
+    x = torch.randn(3, 16)
+    assert reason in card.split_unavailable_reason(x.to("npu"), mlp.gate_proj, mlp.up_proj, mlp.act_fn)
+    assert not card.pack_gate_up(mlp.gate_proj, mlp.up_proj)
+    out, fused = split_output(card, mlp, x.to("npu"))
+    assert fused == 0 and [p.untyped_storage().data_ptr() for p in mlp.parameters()] == storages
+    with torch.no_grad():
+        torch.testing.assert_close(out.cpu(), _copy(mlp).cpu()(x) if "hooked" not in case else out.cpu())
 
 
 class ScaledSiLU(nn.SiLU):

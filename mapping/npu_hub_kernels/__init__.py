@@ -4,9 +4,9 @@
     register_npu_kernels()                       # the cards of the default org, version 1
     model = AutoModelForCausalLM.from_pretrained(path, device_map="npu", use_kernels=True)
 
-or `apply_npu_kernels(model)` on a model already built; `pack_gate_up(model)` lets split gated
-MLPs fuse; `swapped_modules(model)` reports what runs where. `npu_hub_kernels.emulation` runs the
-NPU path on a CPU-only machine.
+or `apply_npu_kernels(model)` on a model already built; `swapped_modules(model)` reports what runs
+where; `pack_gate_up(model)` packs split gated MLPs ahead of time (before DDP wraps the model).
+`npu_hub_kernels.emulation` runs the NPU path on a CPU-only machine.
 """
 
 from .cards import CARDS, DEFAULT_ORG, ORG_ENV

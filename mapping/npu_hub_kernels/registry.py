@@ -148,15 +148,12 @@ def apply_npu_kernels(
     model: nn.Module,
     kernels: KernelSelection = "auto",
     mode: Mode | None = None,
-    *,
-    pack: bool = False,
     **register_kwargs,
 ) -> nn.Module:
     """Register the selected cards and kernelize `model` for "npu" (LLaMA-Factory's `apply_default_kernels`).
 
-    `mode` defaults to TRAINING or INFERENCE after `model.training`. `pack=True` then calls
-    `pack_gate_up(model)`. Other keyword arguments go to `register_npu_kernels`. With kernels=None
-    or False the model is returned untouched.
+    `mode` defaults to TRAINING or INFERENCE after `model.training`. Other keyword arguments go to
+    `register_npu_kernels`. With kernels=None or False the model is returned untouched.
     """
     if not register_npu_kernels(kernels=kernels, **register_kwargs):
         return model
@@ -169,27 +166,24 @@ def apply_npu_kernels(
         )
     if mode is None:
         mode = Mode.TRAINING if model.training else Mode.INFERENCE
-    model = kernelize(model, mode=mode, device="npu")
-    if pack:
-        pack_gate_up(model)
-    return model
+    return kernelize(model, mode=mode, device="npu")
 
 
 def pack_gate_up(model: nn.Module) -> int:
-    """Lay out gate_proj/up_proj of every MLP running npu-swiglu's SwiGLUMLP in one buffer; returns how many.
+    """Pack gate_proj/up_proj of every MLP running npu-swiglu's SwiGLUMLP now; returns how many are packed.
 
-    Opt-in, after kernelize (and after `.to("npu")`): with the two weights side by side, the layer gets
-    `[gate | up]` from one matmul and feeds npu_swiglu directly; unpacked, it runs the eager math.
-    The Parameter objects and state-dict entries stay as they are, so optimizers, saving and loading
-    are unaffected. Moving or casting the model afterwards reallocates the weights: pack again.
+    Not needed on the usual paths: each such MLP packs its two weights into one buffer on its first
+    fused call, and again after a move or cast. Call it (after `.to("npu")` and kernelize) before
+    handing the model to something that takes hold of its parameters and so stops the layer from
+    packing them later, such as `DistributedDataParallel`. Projections the layer must not rewrite
+    (LoRA-wrapped, DTensor, ZeRO-3, ...) are left as they are and not counted.
     """
     packed = 0
     for module in model.modules():
         build, layer = _card_layer_of(module) or (None, None)
         if build is not None and (build.CARD, layer) == ("npu-swiglu", "SwiGLUMLP"):
             card = sys.modules[build.__name__.rpartition(".")[0]]
-            card.pack_gate_up(module.gate_proj, module.up_proj)
-            packed += 1
+            packed += card.pack_gate_up(module.gate_proj, module.up_proj)
     return packed
 
 

@@ -6,13 +6,21 @@ transformers writes the gated MLP in two shapes:
 
 npu_swiglu gates the FIRST half of its input: `silu(a) * b` for `a, b = chunk(x, 2, -1)`, which is
 what the fused shape's `gate_up_proj(x)` holds. For the split shape, concatenating `gate_proj(x)`
-and `up_proj(x)` would cost a copy that moves more bytes than eager's silu and mul, so the split
-shape is fused only when its two weights lie side by side in one buffer (`pack_gate_up`): then one
-matmul against that buffer yields `[gate | up]` directly, with no per-call weight copy.
+and `up_proj(x)` per call would move more bytes than eager's silu and mul. Instead, the first fused
+call lays the two weights (and biases) out side by side in one buffer (`pack_gate_up`), once: the
+Parameter objects stay the same objects and the same state-dict entries, only their storage becomes
+the two halves of one [2I, H] buffer. Every call then gets `[gate | up]` from one matmul against
+that buffer and feeds npu_swiglu directly. Anything that reallocates the weights (`.to()`, a cast,
+`load_state_dict(assign=True)`) undoes the layout; the next fused call packs again. Parameters
+another system owns (DTensor/FSDP, DeepSpeed ZeRO-3, views into a flat buffer, hooked or wrapped
+Linears such as LoRA's, tensors a live autograd graph or a weak reference holds) are never
+rewritten: those MLPs run the eager math, and `split_unavailable_reason` says why.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -22,6 +30,9 @@ from torch import nn
 from ._activations import is_silu
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
+_PACKING = threading.Lock()
+"""Held while a pair of weights is packed, so two threads never pack the same MLP twice."""
+
 
 def activation_of(mlp: nn.Module) -> Callable | None:
     """An MLP's activation: `act_fn` in most of transformers, `activation_fn` in Phi3, Glm4 and Llama4."""
@@ -30,7 +41,12 @@ def activation_of(mlp: nn.Module) -> Callable | None:
 
 def is_plain_linear(module: nn.Module) -> bool:
     """An `nn.Linear` whose forward is `F.linear(x, weight, bias)`: not a subclass, LoRA wrapper or hooked module."""
-    return type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+    return (
+        type(module) is nn.Linear
+        and "forward" not in vars(module)
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+    )
 
 
 def swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> str | None:
@@ -47,56 +63,138 @@ def swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> str |
     return None
 
 
+def _side_by_side(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
+    """`cat((first, second))` as a view of the buffer they share, without a copy; None unless they are
+    two contiguous tensors of one shape laid out one right after the other in one storage."""
+    if first is None or second is None or first.shape != second.shape or first.dtype != second.dtype:
+        return None
+    if not (first.is_contiguous() and second.is_contiguous()) or first.device != second.device:
+        return None
+    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+        return None
+    if second.storage_offset() != first.storage_offset() + first.numel():
+        return None
+    # Contiguous halves: the doubled tensor has the strides of one half.
+    return first.detach().as_strided((2 * first.shape[0], *first.shape[1:]), first.stride(), first.storage_offset())
+
+
 def packed_gate_up_weight(gate_proj: nn.Module, up_proj: nn.Module) -> torch.Tensor | None:
     """`[gate_proj.weight; up_proj.weight]` as one [2I, H] view of their shared buffer, without a copy,
     or None when they are not two plain Linears packed side by side (see `pack_gate_up`)."""
     if not (is_plain_linear(gate_proj) and is_plain_linear(up_proj)):
         return None
-    gate, up = gate_proj.weight, up_proj.weight
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        return None
-    if not (gate.is_contiguous() and up.is_contiguous()) or gate.device != up.device:
-        return None
-    if gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr():
-        return None
-    if up.storage_offset() != gate.storage_offset() + gate.numel():
-        return None
-    rows, cols = gate.shape
-    return gate.detach().as_strided((2 * rows, cols), (cols, 1), gate.storage_offset())
+    return _side_by_side(gate_proj.weight, up_proj.weight)
 
 
-def pack_gate_up(gate_proj: nn.Linear, up_proj: nn.Linear) -> None:
-    """Lay gate_proj.weight and up_proj.weight out side by side in one new buffer, in place.
-
-    The Parameter objects stay the same (optimizers holding them keep working) and stay separate
-    entries of the state dict; only their storage becomes the two halves of one [2I, H] buffer.
-    A later `.to(...)` or `load` that reallocates them undoes the packing (the layers then take
-    the eager path) until this is called again.
-    """
+def unpackable_reason(gate_proj: nn.Module, up_proj: nn.Module) -> str | None:
+    """Why `pack_gate_up` must leave these projections as they are, or None when it may pack them."""
+    if not (is_plain_linear(gate_proj) and is_plain_linear(up_proj)):
+        return (
+            f"gate_proj/up_proj are {type(gate_proj).__name__}/{type(up_proj).__name__}, not two plain nn.Linear "
+            "(an adapter such as LoRA, a subclass or a hook computes something else): their weights stay as they are"
+        )
     gate, up = gate_proj.weight, up_proj.weight
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
-        raise ValueError(
-            f"gate_proj and up_proj weights differ ({tuple(gate.shape)} {gate.dtype} {gate.device} vs "
-            f"{tuple(up.shape)} {up.dtype} {up.device}): they cannot share one buffer"
-        )
-    with torch.no_grad():
+        return f"gate_proj and up_proj weights differ in shape, dtype or device ({gate.dtype}/{up.dtype})"
+    if (gate_proj.bias is None) != (up_proj.bias is None):
+        return "only one of gate_proj/up_proj has a bias"
+    for name, param in _named_params(gate_proj, up_proj):
+        reason = _owned_elsewhere_reason(param)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
+
+
+def _named_params(gate_proj: nn.Module, up_proj: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = [("gate_proj.weight", gate_proj.weight), ("up_proj.weight", up_proj.weight)]
+    if gate_proj.bias is not None:
+        named += [("gate_proj.bias", gate_proj.bias), ("up_proj.bias", up_proj.bias)]
+    return named
+
+
+def _owned_elsewhere_reason(param: torch.Tensor) -> str | None:
+    """Why this parameter belongs to a system that lays it out itself (packing would break it), or None."""
+    if type(param).__name__ == "DTensor" or hasattr(param, "_local_tensor"):
+        return "a DTensor (FSDP2 / tensor parallel) shards it"
+    if hasattr(param, "ds_id") or hasattr(param, "ds_status"):
+        return "DeepSpeed ZeRO-3 partitions it"
+    if getattr(param, "_is_flat_param", False) or type(param).__name__ == "FlatParameter":
+        return "it is an FSDP flat parameter"
+    if param.is_meta or param.numel() == 0:
+        return "it holds no data here (meta or empty: offloaded or partitioned)"
+    own_bytes = param.numel() * param.element_size()
+    if param.untyped_storage().nbytes() not in (own_bytes, 2 * own_bytes):  # its own, or a gate/up pair's buffer
+        return "it is a view into a larger buffer another system owns (FSDP flat parameter, offloading)"
+    if not param.is_leaf:
+        return "it is not a leaf tensor"
+    if weakref.getweakrefs(param):
+        return "something holds a weak reference to it (torch.compile, a fake-tensor cache)"
+    if param._use_count() > 1:
+        return "it is held by a live autograd graph or another reference (e.g. DDP's reducer); call pack_gate_up first"
+    if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
+        return "it has gradient hooks registered"
+    return None
+
+
+def pack_gate_up(gate_proj: nn.Linear, up_proj: nn.Linear) -> bool:
+    """Lay gate_proj's and up_proj's weights (and biases) out side by side in one new buffer, in place.
+
+    The Parameter objects stay the same objects (optimizers holding them keep working), their
+    gradients stay, and they stay separate state-dict entries; only their storage becomes the two
+    halves of one buffer. The transient memory is one copy of the two weights. Split MLPs do this on
+    their first fused call; call it yourself only before something takes hold of the parameters that
+    would stop it (e.g. wrapping the model in DistributedDataParallel).
+
+    Args:
+        gate_proj: the MLP's gate projection.
+        up_proj: the MLP's up projection.
+
+    Returns:
+        True when the two are now packed (or already were); False when `unpackable_reason` forbids it.
+    """
+    with _PACKING:
+        if _packed_views(gate_proj, up_proj) is not None:
+            return True
+        if unpackable_reason(gate_proj, up_proj) is not None:
+            return False
+        _pack_pair(gate_proj.weight, up_proj.weight)
+        if gate_proj.bias is not None:
+            _pack_pair(gate_proj.bias, up_proj.bias)
+        return True
+
+
+def _packed_views(gate_proj: nn.Module, up_proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(the packed [2I, H] weight view, the packed [2I] bias view or None) when gate/up are packed, else None."""
+    weight = packed_gate_up_weight(gate_proj, up_proj)
+    if weight is None:
+        return None
+    if gate_proj.bias is None and up_proj.bias is None:
+        return weight, None
+    bias = _side_by_side(gate_proj.bias, up_proj.bias)
+    return None if bias is None else (weight, bias)
+
+
+def _pack_pair(gate: nn.Parameter, up: nn.Parameter) -> None:
+    # Plain tensors even inside inference_mode: an inference tensor could never be trained again.
+    with torch.inference_mode(False), torch.no_grad():
         buffer = torch.cat((gate, up))
-    rows = gate.shape[0]
-    for param, half in ((gate, buffer[:rows]), (up, buffer[rows:])):
-        # swap_tensors re-points the existing Parameter object at its half of the buffer.
-        torch.utils.swap_tensors(param, nn.Parameter(half, requires_grad=param.requires_grad))
+        rows = gate.shape[0]
+        for param, half in ((gate, buffer[:rows]), (up, buffer[rows:])):
+            replacement = nn.Parameter(half, requires_grad=param.requires_grad)
+            replacement.grad = param.grad  # gradients live with the tensor swap_tensors replaces: keep them
+            # swap_tensors re-points the existing Parameter object at its half of the buffer.
+            torch.utils.swap_tensors(param, replacement)
 
 
 class _PackedGateUp(torch.autograd.Function):
     """`[gate(x) | up(x)]` from one matmul against the packed weight; gradients go to both Parameters."""
 
     @staticmethod
-    def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias, packed):
-        # gate_weight/up_weight are inputs so that autograd routes their gradients; packed is their data.
+    def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias, packed, packed_bias):
+        # The four parameters are inputs so that autograd routes their gradients; packed* are their data.
         ctx.save_for_backward(x, packed)
-        ctx.has_bias = gate_bias is not None
-        bias = torch.cat((gate_bias, up_bias)) if ctx.has_bias else None
-        return F.linear(x, packed, bias)
+        ctx.has_bias = packed_bias is not None
+        return F.linear(x, packed, packed_bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -110,40 +208,43 @@ class _PackedGateUp(torch.autograd.Function):
         if ctx.has_bias and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
             grad_gate_bias, grad_up_bias = grad_bias[:rows], grad_bias[rows:]
-        return grad_x, grad_gate, grad_up, grad_gate_bias, grad_up_bias, None
+        return grad_x, grad_gate, grad_up, grad_gate_bias, grad_up_bias, None, None
 
 
 def split_mlp(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
-    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused when gate/up are packed (see module doc)."""
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused on the NPU (packing gate/up once, see module doc)."""
     reason, packed = _split_plan(x, gate_proj, up_proj, act_fn)
     if reason is not None:
         return down_proj(act_fn(gate_proj(x)) * up_proj(x))
-    gate_up = _PackedGateUp.apply(x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias, packed)
-    return down_proj(torch_npu.npu_swiglu(gate_up.contiguous()))
+    gate_up = _PackedGateUp.apply(x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias, *packed)
+    return down_proj(torch_npu.npu_swiglu(gate_up))
 
 
 def split_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn) -> str | None:
-    """Why `split_mlp` takes the eager path for this input and module, or None when it fuses."""
-    return _split_plan(x, gate_proj, up_proj, act_fn)[0]
+    """Why `split_mlp` takes the eager path for this input and module, or None when it fuses (packing
+    the weights on the way if they are not packed yet)."""
+    return _split_plan(x, gate_proj, up_proj, act_fn, pack=False)[0]
 
 
 def _split_plan(
-    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn
-) -> tuple[str | None, torch.Tensor | None]:
-    """(why the eager path runs, or None; the packed [2I, H] weight view when it does not)."""
+    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn, pack: bool = True
+) -> tuple[str | None, tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """(why the eager path runs, or None; the packed weight and bias views when it does not). With
+    `pack`, weights that are not packed yet are packed here (once: the layout lasts)."""
     reason = swiglu_unavailable_reason(x, act_fn)
     if reason is not None:
         return reason, None
-    packed = packed_gate_up_weight(gate_proj, up_proj)
+    packed = _packed_views(gate_proj, up_proj)
     if packed is None:
-        return (
-            "gate_proj/up_proj are not two plain Linears packed in one buffer (call pack_gate_up, e.g. through "
-            "npu_hub_kernels.pack_gate_up(model)); unpacked, a concatenation would move more bytes than eager"
-        ), None
-    if (gate_proj.bias is None) != (up_proj.bias is None):
-        return "only one of gate_proj/up_proj has a bias", None
-    if packed.dtype != x.dtype:
-        return f"weight dtype {packed.dtype} differs from input dtype {x.dtype}", None
+        reason = unpackable_reason(gate_proj, up_proj)
+        if reason is not None or not pack:
+            return reason, None
+        pack_gate_up(gate_proj, up_proj)
+        packed = _packed_views(gate_proj, up_proj)
+        if packed is None:  # something took hold of the weights meanwhile (another thread): eager this time
+            return unpackable_reason(gate_proj, up_proj) or "the weights could not be packed", None
+    if packed[0].dtype != x.dtype:
+        return f"weight dtype {packed[0].dtype} differs from input dtype {x.dtype}", None
     return None, packed
 
 

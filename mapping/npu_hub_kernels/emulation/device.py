@@ -75,7 +75,18 @@ class NpuTensor(torch.Tensor):
         out = _DEVICE_KERNELS.get(func, func)(*cpu_args, **cpu_kwargs)
         if target is not None and torch.device(target).type != "npu":
             return out
+        if torch.is_inference_mode_enabled() and _is_view_of_normal_tensor(func, args):
+            # A view of a normal tensor stays a normal tensor in inference mode (it shares the base's
+            # version counter); only a wrapper made outside inference mode can.
+            with torch.inference_mode(False):
+                return tree_map(_wrap, out)
         return tree_map(_wrap, out)
+
+
+def _is_view_of_normal_tensor(func, args) -> bool:
+    returns = func._schema.returns
+    is_view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    return is_view and isinstance(args[0], torch.Tensor) and not args[0].is_inference()
 
 
 def _to_inner(value):
@@ -137,6 +148,11 @@ class EmulatedNpuModule:
     @staticmethod
     def manual_seed_all(seed: int) -> None:
         """As manual_seed (torch.manual_seed calls this for the custom device)."""
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        """What torch.autocast asks a custom device (and gradient checkpointing, which saves autocast state)."""
+        return [torch.float16, torch.bfloat16]
 
     @staticmethod
     def _is_in_bad_fork() -> bool:

@@ -1,0 +1,158 @@
+"""The path users get, with no extra call: `register_npu_kernels()`, then `from_pretrained(..., device_map="npu",
+use_kernels=True)`. Split SiLU-gated MLPs (gate_proj/up_proj) must fuse there, and keep fusing through casts,
+mode switches, training, gradient checkpointing and a save/load round trip, with the same Parameter objects.
+Negative controls: LoRA-wrapped projections and a GELU MLP never fuse, and give the eager result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from npu_hub_kernels import emulation, swapped_modules
+from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels.tiny_models import token_ids
+
+SPLIT_MLP_FAMILIES = ["llama", "qwen3"]
+
+
+def mlp_count(model) -> int:
+    return sum(hasattr(m, "gate_proj") and hasattr(m, "up_proj") for m in model.modules())
+
+
+def load(tmp_path, model_type: str):
+    """The family's tiny model saved, then loaded the way the README says: device_map="npu", use_kernels=True."""
+    source = tiny_model(model_type)
+    source.save_pretrained(tmp_path / model_type)
+    return source, AutoModelForCausalLM.from_pretrained(tmp_path / model_type, device_map="npu", use_kernels=True)
+
+
+def logits(model, ids=None):
+    ids = token_ids() if ids is None else ids
+    with torch.no_grad():
+        return model(ids.to(next(model.parameters()).device)).logits.float().cpu()
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("model_type", SPLIT_MLP_FAMILIES)
+def test_split_mlps_fuse_on_the_default_path_through_casts_modes_and_training(npu_kernels, tmp_path, model_type):
+    source, model = load(tmp_path, model_type)
+    params = dict(model.named_parameters())
+    saved = {k: v.clone() for k, v in source.state_dict().items()}
+    mlps = mlp_count(model)
+    assert len(swapped_modules(model, card="npu-swiglu")) == mlps
+
+    with emulation.count_op_calls() as calls:  # eval, float32
+        out = logits(model)
+    assert calls["npu_swiglu"] == mlps
+    torch.testing.assert_close(out, logits(source), rtol=1e-5, atol=1e-5)
+    state = model.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k].cpu(), v) for k, v in saved.items())
+
+    model.to(torch.bfloat16)  # a cast reallocates the weights: the next call packs them again
+    with emulation.count_op_calls() as calls:
+        out = logits(model)
+    assert calls["npu_swiglu"] == mlps
+    eager_bf16_error = max_error(logits(tiny_model(model_type, dtype=torch.bfloat16)), logits(source))
+    assert max_error(out, logits(source)) <= 2 * eager_bf16_error + 1e-3
+
+    model.train()
+    ids = token_ids().to("npu")
+    with emulation.count_op_calls() as calls:
+        model(ids, labels=ids).loss.backward()
+    assert calls["npu_swiglu"] == mlps
+    assert all(p.grad is not None for name, p in model.named_parameters() if "gate_proj" in name or "up_proj" in name)
+    model.eval()
+    with emulation.count_op_calls() as calls:
+        logits(model)
+    assert calls["npu_swiglu"] == mlps
+    assert all(p is params[name] for name, p in model.named_parameters()) and len(params) == len(
+        dict(model.named_parameters())
+    )
+
+
+@pytest.mark.parametrize("model_type", SPLIT_MLP_FAMILIES)
+def test_save_pretrained_round_trips_a_packed_model(npu_kernels, tmp_path, model_type):
+    _, model = load(tmp_path, model_type)
+    logits(model)  # packs every split MLP
+    model.save_pretrained(tmp_path / "packed")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
+    state = model.state_dict()
+    assert reloaded.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k].cpu()) for k, v in reloaded.state_dict().items())
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _train(model, batches, *, checkpointing: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """AdamW steps (the optimizer is made before the first forward, as trainers do); losses and each
+    parameter's update."""
+    initial = {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    device = next(model.parameters()).device
+    losses = []
+    for ids in batches:
+        loss = model(ids.to(device), labels=ids.to(device)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().float().cpu() - initial[name] for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient checkpointing"])
+def test_adamw_steps_match_eager(npu_kernels, tmp_path, checkpointing):
+    batches = [token_ids(seed=s) for s in range(3)]
+    eager_losses, eager_updates = _train(tiny_model("llama"), batches, checkpointing=checkpointing)
+    _, model = load(tmp_path, "llama")
+    params = dict(model.named_parameters())
+    with emulation.count_op_calls() as calls:
+        losses, updates = _train(model, batches, checkpointing=checkpointing)
+    forwards = 2 if checkpointing else 1  # checkpointing runs each layer's forward again in backward
+    assert calls["npu_swiglu"] == forwards * mlp_count(model) * len(batches)
+    assert all(p is params[name] for name, p in model.named_parameters())
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-4, atol=1e-5)
+    # The convergence idiom: every parameter moves as eager moves it, within 0.1% (relative L2). Adam divides
+    # by the root of the squared gradients, so a float32 rounding difference in a near-zero gradient entry
+    # changes that entry's step: compare whole updates, not entries.
+    moved = {name: relative_error(update, eager_updates[name]) for name, update in updates.items()}
+    assert max(moved.values()) <= 1e-3, max(moved.items(), key=lambda item: item[1])
+
+
+def test_lora_wrapped_mlps_never_fuse_and_match_eager(npu_kernels, tmp_path):
+    """Negative control: PEFT wraps gate_proj/up_proj; the layer must not touch them (eager path, same numbers)."""
+    source, model = load(tmp_path, "llama")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    torch.manual_seed(0)
+    eager = get_peft_model(source, lora)
+    torch.manual_seed(0)
+    wrapped = get_peft_model(model, lora)
+    storages = {n: p.untyped_storage().data_ptr() for n, p in wrapped.named_parameters()}
+    with emulation.count_op_calls() as calls:
+        out = logits(wrapped)
+    assert calls["npu_swiglu"] == 0 and calls["npu_rms_norm"] > 0
+    assert {n: p.untyped_storage().data_ptr() for n, p in wrapped.named_parameters()} == storages
+    torch.testing.assert_close(out, logits(eager), rtol=1e-5, atol=1e-5)
+
+
+def test_a_gelu_mlp_never_fuses(npu_kernels, tmp_path):
+    source = tiny_model("llama")
+    source.config.hidden_act = "gelu"
+    gelu = type(source)(source.config).eval()
+    gelu.load_state_dict(source.state_dict())
+    gelu.save_pretrained(tmp_path / "gelu")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "gelu", device_map="npu", use_kernels=True)
+    with emulation.count_op_calls() as calls:
+        out = logits(model)
+    assert calls["npu_swiglu"] == 0 and calls["npu_rms_norm"] > 0
+    torch.testing.assert_close(out, logits(gelu), rtol=1e-5, atol=1e-5)
