@@ -12,6 +12,8 @@ so `kernels` resolves the `torch<XY>-cxx11-cann<XY>-<arch>-linux` build variants
         model(inputs)
     assert calls["npu_rms_norm"] == expected
 
+The emulated ops follow the contracts in docs/torch-npu-ops.md (one section per op, with sources).
+
 Never use it on a real Ascend host: `install()` refuses when a real torch_npu is installed.
 The install is for the life of the process (torch allows one PrivateUse1 rename).
 """

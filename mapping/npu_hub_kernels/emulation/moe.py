@@ -1,4 +1,5 @@
-"""Emulated torch_npu MoE routing and grouped matmul, from shared/docs/torch-npu-ops.md (torch_npu 2.13.0).
+"""Emulated torch_npu MoE routing and grouped matmul: the contracts in docs/torch-npu-ops.md, sections
+"npu_grouped_matmul" and "npu_moe_token_permute / npu_moe_token_unpermute".
 
 - `npu_moe_token_permute`: tokens gathered in stable expert order; `sorted_indices` is the INVERSE
   permutation (int32): `permuted[sorted_indices[i]] == tokens[i // K]`. Autograd for tokens.
@@ -6,7 +7,8 @@
   inside, one cast to the tokens' dtype. Autograd for tokens and probs.
 - `npu_grouped_matmul`: `y_g = x_g @ w_g` per group, group sizes from `group_list` (cumsum or counts),
   rows split (group_type 0) or the K axis split (group_type 2, for weight gradients). Float32
-  accumulation, output in x's dtype. No autograd, as on the device: its outputs are detached.
+  accumulation, output in x's dtype. No autograd, as on the device (no derivative there: torch_npu's
+  fallback lets no gradient through); here the outputs are simply detached.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Emulated `torch_npu.npu_rms_norm`, from shared/docs/torch-npu-ops.md (torch_npu 2.13.0 semantics).
+"""Emulated `torch_npu.npu_rms_norm`: the contract in docs/torch-npu-ops.md, section "npu_rms_norm".
 
 Everything in fp32 with one final cast: `rstd = rsqrt(mean(x.float()**2) + eps)`,
 `y = (x.float() * rstd * gamma.float()).to(x.dtype)`; rstd is float32 with the normalised dims kept

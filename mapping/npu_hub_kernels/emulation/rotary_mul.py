@@ -1,8 +1,9 @@
-"""Emulated `torch_npu.npu_rotary_mul`, from shared/docs/torch-npu-ops.md (torch_npu 2.13.0 semantics).
+"""Emulated `torch_npu.npu_rotary_mul`: the contract in docs/torch-npu-ops.md, section "npu_rotary_mul".
 
 `out = x * r1 + rotate(x) * r2`, r1/r2 first cast to x's dtype, then everything in float32 and one
 cast back. 'half' rotates like transformers' `rotate_half` (`cat(-x2, x1)`); 'interleave' turns
-each pair (x[2i], x[2i+1]) into (-x[2i+1], x[2i]). Layout limits are enforced as the real op does.
+each pair (x[2i], x[2i+1]) into (-x[2i+1], x[2i]). The real op's layout limits are checked as the
+cards lay out q/k (BNSD, BSND); the doc's "Known gaps in the emulation" lists where SBND differs.
 """
 
 from __future__ import annotations

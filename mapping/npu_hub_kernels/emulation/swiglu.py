@@ -1,4 +1,4 @@
-"""Emulated `torch_npu.npu_swiglu`, from shared/docs/torch-npu-ops.md (torch_npu 2.13.0 semantics).
+"""Emulated `torch_npu.npu_swiglu`: the contract in docs/torch-npu-ops.md, section "npu_swiglu".
 
 `a, b = chunk(x, 2, dim)`; `out = silu(a) * b` with the FIRST half gated, in float32 with one cast
 back. The input must be contiguous and even along `dim`. Autograd through the float32 ops gives the
