@@ -156,3 +156,26 @@ def test_a_gelu_mlp_never_fuses(npu_kernels, tmp_path):
         out = logits(model)
     assert calls["npu_swiglu"] == 0 and calls["npu_rms_norm"] > 0
     torch.testing.assert_close(out, logits(gelu), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_inference_mode_rotates_q_and_k_of_a_layer_in_one_call(npu_kernels, tmp_path, model_type):
+    """Head dim 64 and per-row positions: one in-place npu_apply_rotary_pos_emb per layer, no npu_rotary_mul;
+    with no_grad instead of inference_mode, or positions shared by the batch, two npu_rotary_mul per layer."""
+    source = tiny_model(model_type, head_dim=64)
+    source.save_pretrained(tmp_path / "hd64")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hd64", device_map="npu", use_kernels=True)
+    layers = model.config.num_hidden_layers
+    ids = token_ids()
+    positions = torch.arange(ids.shape[1]).expand_as(ids)  # [B, S]: cos/sin per batch row
+    eager = source(ids, position_ids=positions).logits.detach()
+    with torch.inference_mode(), emulation.count_op_calls() as calls:
+        out = model(ids.to("npu"), position_ids=positions.to("npu")).logits.cpu()
+    assert calls["npu_apply_rotary_pos_emb"] == layers and calls["npu_rotary_mul"] == 0
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        out = model(ids.to("npu"), position_ids=positions.to("npu")).logits.cpu()
+    assert calls["npu_apply_rotary_pos_emb"] == 0 and calls["npu_rotary_mul"] == 2 * layers
+    with torch.inference_mode(), emulation.count_op_calls() as calls:
+        model(ids.to("npu")).logits.cpu()  # positions [1, S]: cos shared by the batch, which the op cannot take
+    assert calls["npu_apply_rotary_pos_emb"] == 0 and calls["npu_rotary_mul"] == 2 * layers

@@ -222,3 +222,67 @@ def test_npu_swiglu_backward_matches_autograd_of_the_formula():
     gate, up = ref.chunk(2, dim=-1)
     (torch.nn.functional.silu(gate) * up).pow(2).sum().backward()
     torch.testing.assert_close(leaf.grad.cpu().double(), ref.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "r_shape"),
+    [
+        ((2, 4, 5, 8), (1, 1, 5, 8)),
+        ((2, 4, 5, 8), (2, 1, 5, 8)),
+        ((2, 5, 4, 8), (1, 5, 1, 8)),
+        ((2, 5, 4, 8), (2, 5, 1, 8)),
+    ],
+    ids=["BNSD 11SD", "BNSD B1SD", "BSND 1S1D", "BSND BS1D"],
+)
+def test_npu_rotary_mul_takes_each_layout_and_returns_it_row_major(x_shape, r_shape):
+    x = torch.randn(x_shape).to("npu").transpose(1, 2).contiguous().transpose(1, 2)  # x's shape, other strides
+    r1, r2 = torch.randn(r_shape).to("npu"), torch.randn(r_shape).to("npu")
+    out = torch_npu.npu_rotary_mul(x, r1, r2)
+    assert out.shape == x.shape and out.is_contiguous()
+    x64, r1_64, r2_64 = (t.cpu().double() for t in (x, r1, r2))
+    torch.testing.assert_close(out.cpu().double(), x64 * r1_64 + _rotate_half(x64) * r2_64, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "r_shape", "mode", "message"),
+    [
+        ((2, 5, 1000, 8), (1, 5, 1, 8), "half", r"B and N < 1000 \(BSND\)"),
+        ((2, 5, 4, 8), (1, 5, 4, 8), "half", "not one of the forms"),
+        ((2, 5, 4, 8), (2, 5, 1, 8), "interleave", "not the first form"),
+        ((2, 5, 600, 8), (1, 5, 1, 8), "interleave", r"B\*N < 1000 \(BSND\)"),
+    ],
+)
+def test_npu_rotary_mul_checks_the_limits_of_the_layout_it_reads(x_shape, r_shape, mode, message):
+    x, r = torch.randn(x_shape, device="npu"), torch.randn(r_shape, device="npu")
+    with pytest.raises(RuntimeError, match=message):
+        torch_npu.npu_rotary_mul(x, r, r, rotary_mode=mode)
+
+
+def test_npu_apply_rotary_pos_emb_rotates_q_and_k_in_place():
+    q, k = torch.randn(2, 5, 8, 64), torch.randn(2, 5, 2, 64)
+    cos, sin = torch.randn(2, 5, 1, 64), torch.randn(2, 5, 1, 64)
+    q_npu, k_npu = q.to("npu"), k.to("npu")
+    with emulation.count_op_calls() as calls:
+        out = torch_npu.npu_apply_rotary_pos_emb(q_npu, k_npu, cos.to("npu"), sin.to("npu"))
+    assert calls == {"npu_apply_rotary_pos_emb": 1} and out[0] is q_npu and out[1] is k_npu
+    for got, x in zip(out, (q, k), strict=True):
+        torch.testing.assert_close(got.cpu(), x * cos + _rotate_half(x) * sin, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layout": "BNSD"}, "layout 'BSND' or 'TND'"),
+        ({"head_dim": 80}, "head dim 64 or 128"),
+        ({"cos_batch": 1}, "no broadcast"),
+        ({"cos_dtype": torch.float16}, "one float dtype"),
+        ({"grad": True}, "no backward"),
+    ],
+)
+def test_npu_apply_rotary_pos_emb_enforces_its_limits(change, message):
+    d = change.get("head_dim", 64)
+    q, k = torch.randn(2, 5, 8, d, device="npu"), torch.randn(2, 5, 2, d, device="npu")
+    cos = torch.randn(change.get("cos_batch", 2), 5, 1, d, device="npu").to(change.get("cos_dtype", torch.float32))
+    q.requires_grad_(change.get("grad", False))
+    with pytest.raises(RuntimeError, match=message):
+        torch_npu.npu_apply_rotary_pos_emb(q, k, cos, cos, layout=change.get("layout", "BSND"))

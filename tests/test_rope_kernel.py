@@ -259,3 +259,89 @@ def test_layers_take_both_transformers_signatures(card):
     assert calls["npu_rotary_mul"] == 2
     for got, want in zip(older, current, strict=True):
         assert torch.equal(got.cpu(), want.cpu())
+
+
+def projected_qk(batch=2, q_heads=8, kv_heads=2, seq=5, head_dim=64, dtype=torch.float32, cos_batch=None, seed=0):
+    """q/k as transformers' attention makes them: `[B, H, S, D]` transposes of `[B, S, H, D]` projections (npu)."""
+    q, k, cos, sin = rotary_inputs(batch, q_heads, kv_heads, seq, head_dim, dtype, cos_batch, 2, seed)
+    q, k, cos, sin = npu(q, k, cos, sin)
+    return q.transpose(1, 2), k.transpose(1, 2), cos, sin
+
+
+def test_transposed_projections_are_rotated_on_their_own_memory_without_copies(card):
+    """Training (grad on): npu_rotary_mul runs on the BSND memory q/k already have, once for q and once for k,
+    and nothing else runs: no copies of q/k, no copies of cos/sin. The results keep q/k's layout."""
+    from npu_hub_kernels.accounting import count_device_ops
+
+    q, k, cos, sin = projected_qk()
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    with count_device_ops() as tally:  # counts the ops (the fused ops' outputs there are shapes only)
+        card.apply_rotary_pos_emb(q, k, cos, sin)
+    assert tally.by_op() == {"npu_rotary_mul": 2}
+    fused = card.apply_rotary_pos_emb(q, k, cos, sin)
+    for got, want, x in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), (q, k), strict=True):
+        assert got.stride() == x.stride()
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
+    with count_device_ops() as tally:
+        sum(t.pow(2).sum() for t in card.apply_rotary_pos_emb(q, k, cos, sin)).backward()
+    assert tally.by_op()["npu_rotary_mul_backward"] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_inference_mode_rotates_q_and_k_in_one_call_in_place(card, dtype, head_dim):
+    q, k, cos, sin = projected_qk(head_dim=head_dim, dtype=dtype)
+    expected = card.apply_rotary_pos_emb_eager(q.cpu(), k.cpu(), cos.cpu(), sin.cpu())
+    with torch.inference_mode(), emulation.count_op_calls() as calls:
+        q_in, k_in = q.clone(), k.clone()  # inference tensors of the same layout, as the projections would be
+        assert card.in_place_unavailable_reason(q_in, k_in, cos) is None
+        fused = card.apply_rotary_pos_emb(q_in, k_in, cos, sin)
+    assert dict(calls) == {"npu_apply_rotary_pos_emb": 1}
+    assert fused[0] is q_in and fused[1] is k_in  # rotated in place
+    for got, want in zip(fused, expected, strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+        else:  # the op computes in float32 and rounds once; eager rounds after each step
+            torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def _in_place_case(case):
+    q, k, cos, sin = projected_qk()
+    if case == "head dim 80":
+        q, k, cos, sin = projected_qk(head_dim=80)
+    elif case == "cos shared by the batch":
+        q, k, cos, sin = projected_qk(cos_batch=1)
+    elif case == "q/k contiguous BNSD":
+        q, k = q.contiguous(), k.contiguous()
+    elif case == "float32 cos with bf16 q/k":
+        q, k = q.bfloat16(), k.bfloat16()
+    return (q, k, cos, sin), {
+        "head dim 80": "head dim 80",
+        "cos shared by the batch": "no broadcast over the batch",
+        "q/k contiguous BNSD": "not BSND in memory",
+        "float32 cos with bf16 q/k": "must share one of",
+    }[case]
+
+
+@pytest.mark.parametrize(
+    "case", ["head dim 80", "cos shared by the batch", "q/k contiguous BNSD", "float32 cos with bf16 q/k"]
+)
+def test_outside_its_limits_the_one_call_op_is_not_used_and_the_reason_is_given(card, case):
+    (q, k, cos, sin), reason = _in_place_case(case)
+    with torch.inference_mode():
+        assert reason in card.in_place_unavailable_reason(q, k, cos)
+        with emulation.count_op_calls() as calls:
+            fused = card.apply_rotary_pos_emb(q, k, cos, sin)
+    assert calls["npu_apply_rotary_pos_emb"] == 0
+    assert calls["npu_rotary_mul"] == (2 if "float32 cos" not in case else 0)
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_one_call_op_is_never_used_with_grad_or_for_other_styles(card):
+    q, k, cos, _ = projected_qk()
+    assert "not in inference mode" in card.in_place_unavailable_reason(q, k, cos)
+    with torch.no_grad():  # no_grad is not inference mode: q/k may be needed elsewhere
+        assert "not in inference mode" in card.in_place_unavailable_reason(q, k, cos)
+    with torch.inference_mode():
+        assert "style 'cast_back'" in card.in_place_unavailable_reason(q, k, cos, style="cast_back")

@@ -261,7 +261,14 @@ def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 FUSED_OPS: dict[str, FusedOp] = {
     "npu_rms_norm": FusedOp(_rms_norm_outputs, ("x", "gamma"), lambda a, out: [a["x"], a["gamma"], out[1]]),
-    "npu_rotary_mul": FusedOp(lambda a: _empty(a["x"]), ("x", "r1", "r2"), lambda a, out: [a["x"], a["r1"], a["r2"]]),
+    # The backward kernel reads x only when r1/r2 need gradients (docs/torch-npu-ops.md, npu_rotary_mul).
+    "npu_rotary_mul": FusedOp(
+        lambda a: _empty(a["x"]),
+        ("x", "r1", "r2"),
+        lambda a, out: [a["r1"], a["r2"]] + ([a["x"]] if a["r1"].requires_grad or a["r2"].requires_grad else []),
+    ),
+    # In place: writes q and k, returns them; no autograd.
+    "npu_apply_rotary_pos_emb": FusedOp(lambda a: (a["query"], a["key"])),
     "npu_swiglu": FusedOp(_swiglu_outputs, ("x",), lambda a, out: [a["x"]]),
     "npu_moe_token_permute": FusedOp(_permute_outputs, ("tokens",), lambda a, out: [out[1]]),
     "npu_moe_token_unpermute": FusedOp(

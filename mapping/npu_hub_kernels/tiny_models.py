@@ -84,9 +84,19 @@ IMAGE_TEXT_TO_TEXT = {"qwen2_5_vl"}
 """Model types built with AutoModelForImageTextToText (their language model alone is not a causal LM class)."""
 
 
-def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
-    """A 2-layer causal LM (logits from token ids) in eval mode; norm weights randomised so that they matter."""
-    config = AutoConfig.for_model(model_type, **{**_TINY, **TINY_CONFIGS[model_type]})
+def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> PreTrainedModel:
+    """A 2-layer causal LM (logits from token ids) in eval mode; norm weights randomised so that they matter.
+
+    Args:
+        model_type: a key of TINY_CONFIGS.
+        dtype: the parameters' dtype.
+        seed: the seed of the random weights.
+        overrides: config values on top of the tiny ones (e.g. head_dim=64).
+
+    Returns:
+        The model, on the host.
+    """
+    config = AutoConfig.for_model(model_type, **{**_TINY, **TINY_CONFIGS[model_type], **overrides})
     torch.manual_seed(seed)
     auto_class = AutoModelForImageTextToText if model_type in IMAGE_TEXT_TO_TEXT else AutoModelForCausalLM
     model = auto_class.from_config(config, dtype=dtype)

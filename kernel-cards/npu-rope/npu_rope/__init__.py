@@ -2,13 +2,20 @@
 
 from . import layers
 from ._build import VARIANT
-from .rotary import STYLES, apply_rotary_pos_emb, apply_rotary_pos_emb_eager, rotary_unavailable_reason
+from .rotary import (
+    STYLES,
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_eager,
+    in_place_unavailable_reason,
+    rotary_unavailable_reason,
+)
 
 __all__ = [
     "STYLES",
     "VARIANT",
     "apply_rotary_pos_emb",
     "apply_rotary_pos_emb_eager",
+    "in_place_unavailable_reason",
     "layers",
     "rotary_unavailable_reason",
 ]

@@ -1,9 +1,16 @@
-"""Rotary position embedding on torch_npu.npu_rotary_mul, with the eager math wherever the op does not apply.
+"""Rotary position embedding on torch_npu's rotary ops, with the eager math wherever the ops do not apply.
 
 transformers writes its rotary function in a dozen ways. Each is a `RotaryStyle` in `STYLES`; all
 reduce to `x * cos + rotation(x) * sin` over the leading `cos.shape[-1]` dims of x, which is exactly
 what `npu_rotary_mul` computes ('half' or 'interleave' rotation), once cos/sin are laid out as the
 op wants them.
+
+No copies of q/k: transformers' q/k are `[B, H, S, D]` transposes of `[B, S, H, D]` projections, and
+npu_rotary_mul takes BSND as well as BNSD, so the op runs on the layout the memory already has (with
+cos/sin as `[B or 1, S, 1, D]`) and its output is handed back through the same transpose. In
+inference mode, Llama-style full rotation of BSND q/k with head dim 64 or 128 runs as one
+`npu_apply_rotary_pos_emb` call, which rotates q and k in place (no backward, so never in training).
+The contracts relied on are in the project's docs/torch-npu-ops.md.
 """
 
 from __future__ import annotations
@@ -106,8 +113,48 @@ def rotate(
 ) -> torch.Tensor:
     """`x * cos + rotation(x) * sin`, fused on npu tensors (unless `fused` is False); cos/sin broadcast to x."""
     if fused and rotary_unavailable_reason(x, cos, heads_axis, rotation) is None:
-        return torch_npu.npu_rotary_mul(x.contiguous(), cos.contiguous(), sin.contiguous(), rotary_mode=rotation)
+        return _rotary_mul(x, cos, sin, rotation)
     return (x * cos) + ((rotate_half(x) if rotation == "half" else rotate_pairs(x)) * sin)
+
+
+def _rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """npu_rotary_mul on the layout x's memory has: x itself when contiguous, else its BNSD <-> BSND transpose
+    when that is contiguous (the output goes back through the same transpose), else a contiguous copy."""
+    swapped = x.transpose(1, 2)
+    if not x.is_contiguous() and swapped.is_contiguous():
+        angles = (cos.transpose(1, 2).contiguous(), sin.transpose(1, 2).contiguous())  # size-1 axes: no copy
+        return torch_npu.npu_rotary_mul(swapped, *angles, rotary_mode=rotation).transpose(1, 2)
+    return torch_npu.npu_rotary_mul(x.contiguous(), cos.contiguous(), sin.contiguous(), rotary_mode=rotation)
+
+
+def in_place_unavailable_reason(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int = 1, style: Style = "llama"
+) -> str | None:
+    """Why q and k (cos as transformers passes it, [B or 1, S, D]) are not rotated by one in-place
+    `npu_apply_rotary_pos_emb` call, or None when they are."""
+    if not torch.is_inference_mode_enabled():
+        return "not in inference mode (npu_apply_rotary_pos_emb has no backward and writes q/k in place)"
+    if style != "llama":
+        return f"style {style!r}: npu_apply_rotary_pos_emb computes Llama's 'half' rotation only"
+    reason = npu_unavailable_reason(q, k, cos)
+    if reason is not None:
+        return reason
+    if not hasattr(torch_npu, "npu_apply_rotary_pos_emb"):
+        return "this torch_npu has no npu_apply_rotary_pos_emb (torch_npu >= 2.7 has it)"
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or unsqueeze_dim not in (1, 2):
+        return "q/k must be 4-D and cos/sin [B, S, D]"
+    if q.dtype not in FUSED_DTYPES or len({q.dtype, k.dtype, cos.dtype}) != 1:
+        return f"q, k and cos/sin must share one of {FUSED_DTYPES}, got {q.dtype}, {k.dtype}, {cos.dtype}"
+    if q.shape[-1] not in (64, 128) or cos.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1]:
+        return f"head dim {q.shape[-1]} (rotary dim {cos.shape[-1]}): the op rotates all of a 64 or 128 head dim"
+    q_bsnd, k_bsnd = (t.transpose(1, 2) if unsqueeze_dim == 1 else t for t in (q, k))
+    if not (q_bsnd.is_contiguous() and k_bsnd.is_contiguous()):
+        return "q/k are not BSND in memory (the op would need a copy)"
+    if q.numel() == 0 or k.numel() == 0:
+        return "empty input"
+    if cos.shape[:2] != q_bsnd.shape[:2] or k_bsnd.shape[:2] != q_bsnd.shape[:2]:
+        return f"cos {tuple(cos.shape)} must give every batch row its own angles (no broadcast over the batch)"
+    return None
 
 
 def apply_rotary_pos_emb(
@@ -122,8 +169,13 @@ def apply_rotary_pos_emb(
     """transformers' rotary function in `style`; q/k [B, H, S, D] or [B, S, H, D], cos/sin [B or 1, S, rotary dim].
 
     The leading rotary dims of q and k are rotated (all of them unless cos/sin are narrower), the
-    rest passes through. `fused=False` is the same math without the NPU op (the eager path).
+    rest passes through. `fused=False` is the same math without the NPU ops (the eager path). In
+    inference mode, where `in_place_unavailable_reason` is None, q and k are rotated in place.
     """
+    if fused and in_place_unavailable_reason(q, k, cos, unsqueeze_dim, style) is None:
+        q_bsnd, k_bsnd = (t.transpose(1, 2) if unsqueeze_dim == 1 else t for t in (q, k))
+        torch_npu.npu_apply_rotary_pos_emb(q_bsnd, k_bsnd, cos.unsqueeze(2), sin.unsqueeze(2), layout="BSND")
+        return q, k
     rotary_style = STYLES[style]
     cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
     return tuple(_apply(x, cos, sin, unsqueeze_dim, rotary_style, fused) for x in (q, k))

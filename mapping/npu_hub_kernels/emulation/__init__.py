@@ -34,7 +34,7 @@ from .checks import OP_CALLS
 from .device import NpuTensor, install_device
 from .moe import npu_grouped_matmul, npu_moe_token_permute, npu_moe_token_unpermute
 from .rms_norm import npu_rms_norm
-from .rotary_mul import npu_rotary_mul
+from .rotary_mul import npu_apply_rotary_pos_emb, npu_rotary_mul
 from .swiglu import npu_swiglu
 
 DEFAULT_CANN_VERSION = "9.1.0"
@@ -43,6 +43,7 @@ DEFAULT_CANN_VERSION = "9.1.0"
 _EMULATED_OPS = {
     "npu_rms_norm": npu_rms_norm,
     "npu_rotary_mul": npu_rotary_mul,
+    "npu_apply_rotary_pos_emb": npu_apply_rotary_pos_emb,
     "npu_swiglu": npu_swiglu,
     "npu_moe_token_permute": npu_moe_token_permute,
     "npu_moe_token_unpermute": npu_moe_token_unpermute,

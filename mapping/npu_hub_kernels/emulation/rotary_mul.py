@@ -1,9 +1,16 @@
-"""Emulated `torch_npu.npu_rotary_mul`: the contract in docs/torch-npu-ops.md, section "npu_rotary_mul".
+"""Emulated torch_npu rotary ops: the contracts in docs/torch-npu-ops.md, sections "npu_rotary_mul" and
+"npu_apply_rotary_pos_emb".
 
-`out = x * r1 + rotate(x) * r2`, r1/r2 first cast to x's dtype, then everything in float32 and one
-cast back. 'half' rotates like transformers' `rotate_half` (`cat(-x2, x1)`); 'interleave' turns
-each pair (x[2i], x[2i+1]) into (-x[2i+1], x[2i]). The real op's layout limits are checked as the
-cards lay out q/k (BNSD, BSND); the doc's "Known gaps in the emulation" lists where SBND differs.
+`npu_rotary_mul`: `out = x * r1 + rotate(x) * r2`, r1/r2 first cast to x's dtype, then everything in
+float32 and one cast back. 'half' rotates like transformers' `rotate_half` (`cat(-x2, x1)`);
+'interleave' turns each pair (x[2i], x[2i+1]) into (-x[2i+1], x[2i]). The layout (BNSD, BSND, SBND,
+or TND for 3-D x) is read from which axes of r1 are 1, as the kernel does; r1 must be one of the
+layout's broadcast forms, and the batch/heads limits apply to that layout's axes. The output is a new
+tensor of x's shape, in x's layout (row-major), whatever x's strides.
+
+`npu_apply_rotary_pos_emb`: 'half' RoPE of q and k with one cos/sin, written into q and k in place
+(BSND or TND, head dim 64 or 128, one dtype for all four tensors, cos/sin without broadcast over the
+batch); returns q and k. No autograd.
 """
 
 from __future__ import annotations
@@ -12,6 +19,14 @@ import torch
 
 from .checks import FLOAT_DTYPES, require_npu
 
+_LAYOUT_FORMS = {
+    # layout: (the batch axis, the heads axis, the r1 forms as "which x axes r1 keeps" (others are 1))
+    "BNSD": (0, 1, ((2, 3), (0, 2, 3), (0, 1, 2, 3))),
+    "BSND": (0, 2, ((1, 3), (0, 1, 3), (0, 1, 2, 3))),
+    "SBND": (1, 2, ((0, 3), (0, 1, 3), (0, 1, 2, 3))),
+}
+"""The 4-D layouts npu_rotary_mul takes; the first r1 form of each is the only one 'interleave' mode takes."""
+
 
 def npu_rotary_mul(
     x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half", rotate=None
@@ -19,10 +34,56 @@ def npu_rotary_mul(
     """torch_npu's signature; `rotate` (a custom rotation matrix) is accepted and, as in the cards, unused."""
     require_npu("npu_rotary_mul", x=x, r1=r1, r2=r2)
     _check(x, r1, r2, rotary_mode)
+    return _rotated(x, r1, r2, rotary_mode).contiguous()
+
+
+def npu_apply_rotary_pos_emb(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: str = "BSND",
+    rotary_mode: str = "half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    require_npu("npu_apply_rotary_pos_emb", query=query, key=key, cos=cos, sin=sin)
+    op = "npu_apply_rotary_pos_emb"
+    if layout not in ("BSND", "TND") or rotary_mode != "half":
+        raise RuntimeError(
+            f"{op}: layout 'BSND' or 'TND', rotary_mode 'half' on A2/A3; got {layout!r}, {rotary_mode!r}"
+        )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, cos, sin)):
+        raise RuntimeError(f"{op}: the op has no backward (inference only), but an input requires grad")
+    rank = 4 if layout == "BSND" else 3
+    tensors = {"query": query, "key": key, "cos": cos, "sin": sin}
+    if any(t.dim() != rank for t in tensors.values()) or any(t.numel() == 0 for t in tensors.values()):
+        raise RuntimeError(f"{op}: {layout} takes {rank}-D, non-empty tensors; got {_shapes(tensors)}")
+    if len({t.dtype for t in tensors.values()}) != 1 or query.dtype not in FLOAT_DTYPES:
+        raise RuntimeError(
+            f"{op}: one float dtype for all four tensors, got {[str(t.dtype) for t in tensors.values()]}"
+        )
+    head_dim = query.shape[-1]
+    if head_dim not in (64, 128) or any(t.shape[-1] != head_dim for t in tensors.values()):
+        raise RuntimeError(f"{op}: head dim 64 or 128, the same in all four tensors; got {_shapes(tensors)}")
+    angles_shape = (*query.shape[:-2], 1, head_dim)
+    if cos.shape != angles_shape or sin.shape != angles_shape or key.shape[:-2] != query.shape[:-2]:
+        raise RuntimeError(
+            f"{op}: cos/sin must be {angles_shape} (no broadcast), k must match q's leading dims: {_shapes(tensors)}"
+        )
+    with torch.no_grad():
+        for t in (query, key):
+            t.copy_(_rotated(t, cos, sin, "half"))
+    return query, key
+
+
+def _shapes(tensors: dict[str, torch.Tensor]) -> str:
+    return ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors.items())
+
+
+def _rotated(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> torch.Tensor:
     x32 = x.float()
     r1_32 = r1.to(x.dtype).float()
     r2_32 = r2.to(x.dtype).float()
-    if rotary_mode == "half":
+    if mode == "half":
         x1, x2 = x32.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
     else:
@@ -42,21 +103,33 @@ def _check(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> No
             f"got x {tuple(x.shape)}, r1 {tuple(r1.shape)}, r2 {tuple(r2.shape)}"
         )
     head_dim = x.shape[-1]
-    if head_dim % 2 or head_dim >= 896:
-        raise RuntimeError(f"npu_rotary_mul: the last dim must be even and < 896, got {head_dim}")
-    if torch.broadcast_shapes(x.shape, r1.shape) != x.shape:
-        raise RuntimeError(f"npu_rotary_mul: r1 {tuple(r1.shape)} does not broadcast to x {tuple(x.shape)}")
-    if x.dim() == 4:
-        batch, heads = x.shape[0], x.shape[_heads_axis(x, r1)]
-        if mode == "half" and (batch >= 1000 or heads >= 1000):
-            raise RuntimeError(f"npu_rotary_mul: 'half' needs B and N < 1000, got B={batch}, N={heads}")
-        if mode == "interleave" and (batch * heads >= 1000 or r1.shape[0] != 1):
-            raise RuntimeError("npu_rotary_mul: 'interleave' needs B*N < 1000 and r1 without a batch dim")
+    if head_dim % 2 or head_dim >= 896 or r1.shape[-1] != head_dim:
+        raise RuntimeError(f"npu_rotary_mul: the last dim must be even and < 896 and equal in x and r1, got {head_dim}")
+    if x.dim() == 3:  # TND: r1 [T, 1, D] (or [T, N, D] in 'half' mode)
+        forms = [(x.shape[0], 1, head_dim)] + ([tuple(x.shape)] if mode == "half" else [])
+        if tuple(r1.shape) not in forms:
+            raise RuntimeError(f"npu_rotary_mul: TND x {tuple(x.shape)} takes r1 of {forms}, got {tuple(r1.shape)}")
+        return
+    layout = _layout(x, r1, mode)
+    batch_axis, heads_axis, _ = _LAYOUT_FORMS[layout]
+    batch, heads = x.shape[batch_axis], x.shape[heads_axis]
+    if mode == "half" and (batch >= 1000 or heads >= 1000):
+        raise RuntimeError(f"npu_rotary_mul: 'half' needs B and N < 1000 ({layout}), got B={batch}, N={heads}")
+    if mode == "interleave" and batch * heads >= 1000:
+        raise RuntimeError(f"npu_rotary_mul: 'interleave' needs B*N < 1000 ({layout}), got B={batch}, N={heads}")
+    if (r1.requires_grad or r2.requires_grad) and torch.is_grad_enabled() and batch * heads > 1024:
+        raise RuntimeError(f"npu_rotary_mul: B*N must be <= 1024 when r1/r2 require grad, got {batch * heads}")
 
 
-def _heads_axis(x: torch.Tensor, r1: torch.Tensor) -> int:
-    """The heads axis of a 4-D x: where r1 broadcasts (size 1) and x does not; BNSD by default."""
-    for axis in (1, 2):
-        if r1.shape[axis] == 1 and x.shape[axis] != 1:
-            return axis
-    return 1
+def _layout(x: torch.Tensor, r1: torch.Tensor, mode: str) -> str:
+    """The layout whose r1 form r1's shape is: the axes of x it keeps, 1 on the others."""
+    for layout, (_, _, forms) in _LAYOUT_FORMS.items():
+        for kept in forms[:1] if mode == "interleave" else forms:
+            form = tuple(x.shape[axis] if axis in kept else 1 for axis in range(4))
+            if tuple(r1.shape) == form:
+                return layout
+    allowed = "the first form" if mode == "interleave" else "one of the forms"
+    raise RuntimeError(
+        f"npu_rotary_mul: r1 {tuple(r1.shape)} is not {allowed} of a layout for x {tuple(x.shape)} in {mode!r} mode "
+        "(BNSD: 11SD, B1SD, BNSD; BSND: 1S1D, BS1D, BSND; SBND: S11D, SB1D, SBND; 'interleave' without a batch dim)"
+    )
