@@ -232,3 +232,19 @@ def test_universal_fallback_equals_transformers_eager_loop_in_float32(card):
         rtol=1e-6,
         atol=1e-6,
     )
+
+
+@pytest.mark.parametrize("on_npu", [True, False], ids=["npu", "host"])
+def test_expert_ids_above_the_placeholder_raise_as_eager_raises(card, on_npu):
+    """Eager transformers raises for ids above E (one_hot with E + 1 classes); so do both paths: a router bug
+    must not silently drop token copies."""
+    rng = random.Random(19)
+    index, weights = routing(6, 4, 2, rng)
+    index[2, 0] = 5  # E + 1
+    gate_up, down = expert_weights(4, 16, 8, seed=19)
+    x = torch.randn(6, 16)
+    with pytest.raises(RuntimeError, match="num_classes"):
+        transformers_eager(x, index, weights, gate_up, down)
+    tensors = npu(x, index, weights, gate_up, down) if on_npu else (x, index, weights, gate_up, down)
+    with pytest.raises(ValueError, match=r"expert id 5, above 4.*Check the router"):
+        card.experts_forward(*tensors, SILU)

@@ -4,12 +4,15 @@ transformers v5 keeps the experts of an MoE layer in one module: `gate_up_proj [
 rows first), `down_proj [E, H, I]`, and computes, for token t and its k routed experts e = top_k_index[t, j],
 `out[t] = sum_j top_k_weights[t, j] * down_proj[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))`.
 
-On the NPU: permute the tokens into expert order (`npu_moe_token_permute`), count tokens per
-expert, one `npu_grouped_matmul` for gate_up over all experts, `npu_swiglu`, one grouped matmul for
-down, and `npu_moe_token_unpermute` to weight and sum each token's k rows. The device op count does
-not grow with the number of experts. `npu_grouped_matmul` has no autograd, so `_GroupedLinear`
-supplies it: dx through the same grouped matmul on the untransposed weights, dW through the
-K-split form (group_type 2).
+On the NPU: count tokens per expert (one `bincount`), permute the tokens into expert order
+(`npu_moe_token_permute`), one `npu_grouped_matmul` for gate_up over all experts, `npu_swiglu`, one
+grouped matmul for down, and `npu_moe_token_unpermute` to weight and sum each token's k rows: 6
+device ops whatever the number of experts. The counts take an op of their own because no torch_npu
+routing op both returns them and has a backward (`npu_moe_init_routing_v2` returns them, but is
+inference-only and needs int32 expert ids, which costs the same op as a cast): see the project's
+docs/torch-npu-ops.md, "MoE routing ops and per-expert counts". `npu_grouped_matmul` has no
+autograd, so `_GroupedLinear` supplies it: dx through the same grouped matmul on the untransposed
+weights, dW through the K-split form (group_type 2).
 
 Elsewhere (torch-universal, CPU tensors, or inputs outside the ops' limits) `experts_sorted` runs the
 same math efficiently: sort the token copies by expert once, then one matmul per non-empty expert or
@@ -100,13 +103,29 @@ def experts_forward(
     """transformers' Experts forward: grouped matmuls on the NPU, `experts_sorted` where they do not apply."""
     reason = experts_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj, act_fn)
     experts = gate_up_proj.shape[0]
-    counts = torch.bincount(top_k_index.flatten(), minlength=experts) if reason is None else None
-    if counts is None or counts.numel() > experts:  # ids >= E: expert-parallel placeholders, dropped as eager does
+    counts = expert_counts(top_k_index, experts) if reason is None else None
+    if counts is None or counts.numel() > experts:  # id E: expert-parallel placeholders, skipped as eager does
         return experts_sorted(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
     permuted, sorted_indices = torch_npu.npu_moe_token_permute(hidden_states, top_k_index)
     gate_up = _GroupedLinear.apply(permuted, gate_up_proj, counts)
     expert_out = _GroupedLinear.apply(torch_npu.npu_swiglu(gate_up), down_proj, counts)
     return torch_npu.npu_moe_token_unpermute(expert_out, sorted_indices, probs=top_k_weights)
+
+
+def expert_counts(top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
+    """Token copies per expert id, [E] (or [E + 1] when the placeholder id E occurs).
+
+    Raises:
+        ValueError: for ids above E, as transformers' eager experts raise (`one_hot` with E + 1 classes): a router
+            bug must not become a silently wrong output. bincount itself rejects negative ids.
+    """
+    counts = torch.bincount(top_k_index.flatten(), minlength=experts)
+    if counts.numel() > experts + 1:
+        raise ValueError(
+            f"top_k_index holds expert id {counts.numel() - 1}, above {experts}: ids must lie in [0, {experts - 1}], "
+            f"or be {experts} for a token copy routed to no local expert (expert parallelism). Check the router."
+        )
+    return counts
 
 
 def experts_sorted(
@@ -125,8 +144,8 @@ def experts_sorted(
     top_k = top_k_index.shape[1]
     flat = top_k_index.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=experts)[:experts]
-    kept = order[: int(counts.sum())]  # ids >= experts (expert-parallel placeholders) sort last: dropped
+    counts = expert_counts(top_k_index, experts)[:experts]
+    kept = order[: int(counts.sum())]  # id E (expert-parallel placeholders) sorts last: dropped
     rows = kept // top_k
     sorted_states = hidden_states[rows]
     few_rows_per_expert = sorted_states.shape[0] < GROUPED_MM_ROWS_PER_EXPERT * experts
