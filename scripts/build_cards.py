@@ -4,9 +4,10 @@
 
 Per card: `README.md` (the card text plus a generated variants table) and, for each variant of
 kernel-cards/variants.toml, `build/<variant>/metadata.json` and `build/<variant>/<python_name>/`
-(the card package, the shared modules of kernel-cards/shared/, and a generated `_build.py`). The output depends only on
-the sources: same inputs, byte-identical trees. A card is written to a temporary folder and moved
-into place whole, so an interrupted build never leaves a half-written card behind.
+(the card package, the modules of kernel-cards/shared/ its card.toml lists, and a generated
+`_build.py`). The output depends only on the sources: same inputs, byte-identical trees. A card is
+written to a temporary folder and moved into place whole, so an interrupted build never leaves a
+half-written card behind.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import hashlib
 import importlib.metadata
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -25,6 +27,7 @@ from pathlib import Path
 from kernels import Metadata
 from kernels._rust import Digest, DigestAlgorithm
 
+from npu_hub_kernels.cards import Card as CardConfig
 from npu_hub_kernels.models import MODEL_CLASSES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,21 +39,14 @@ TRANSFORMERS_VERSION = importlib.metadata.version("transformers")
 
 
 @dataclass(frozen=True)
-class Card:
+class Card(CardConfig):
     """A card source folder: kernel-cards/<name>/ with card.toml, README.md and <python_name>/."""
 
     path: Path
-    name: str
-    kernel_id: str
-    version: int
-    license: str
-    description: str
-    layers: tuple[str, ...]
-    tags: tuple[str, ...]
 
     @property
-    def python_name(self) -> str:
-        return self.name.replace("-", "_")
+    def name(self) -> str:
+        return self.repo_name
 
     @property
     def package_dir(self) -> Path:
@@ -76,22 +72,27 @@ class Variant:
         return "cpu" if self.name == "torch-universal" else "cann"
 
 
+_RELATIVE_IMPORT = re.compile(r"^from \.(\w+) import", re.MULTILINE)
+
+
 def load_card(path: Path) -> Card:
-    config = tomllib.loads((path / "card.toml").read_text())
-    card = Card(
-        path=path,
-        name=config["name"],
-        kernel_id=config["kernel_id"],
-        version=int(config["version"]),
-        license=config["license"],
-        description=config["description"],
-        layers=tuple(config["layers"]),
-        tags=tuple(config["tags"]),
-    )
+    config = CardConfig.from_file(path / "card.toml")
+    card = Card(**{field: getattr(config, field) for field in CardConfig.__dataclass_fields__}, path=path)
     if card.name != path.name:
         raise ValueError(f"{path}/card.toml names the card {card.name!r}; the folder must have the same name")
     if not (card.package_dir / "__init__.py").is_file():
         raise ValueError(f"card {card.name}: missing package {card.package_dir.relative_to(ROOT)}/__init__.py")
+    imported = {
+        f"{module}.py"
+        for source in card.package_dir.rglob("*.py")
+        for module in _RELATIVE_IMPORT.findall(source.read_text())
+        if (SHARED_DIR / f"{module}.py").is_file()
+    }
+    if imported != set(card.shared):
+        raise ValueError(
+            f"card {card.name}: its package imports {sorted(imported)} of kernel-cards/shared/, its card.toml "
+            f"lists shared = {sorted(card.shared)}: make the list in card.toml match the imports"
+        )
     return card
 
 
@@ -144,8 +145,8 @@ def write_variant(card: Card, variant: Variant, variant_dir: Path) -> None:
         dest = package_out / src.relative_to(card.package_dir)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(src.read_bytes())
-    for shared in sorted(SHARED_DIR.glob("*.py")):
-        (package_out / shared.name).write_bytes(shared.read_bytes())
+    for shared in sorted(card.shared):
+        (package_out / shared).write_bytes((SHARED_DIR / shared).read_bytes())
     (package_out / "_build.py").write_text(_build_module(card, variant))
 
     content = hashlib.sha256()

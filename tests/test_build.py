@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,15 +51,40 @@ def test_every_card_has_every_variant_with_valid_metadata(built_cards):
             backend = "cpu" if variant_dir.name == "torch-universal" else "cann"
             assert raw["backend"] == {"type": backend}
             metadata.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, variant_dir))
-            assert (variant_dir / card.python_name / "_npu.py").is_file()
+            shared = {p.name for p in (variant_dir / card.python_name).glob("_*.py")} - {"__init__.py", "_build.py"}
+            assert shared == set(card.shared)  # only the shared modules the package imports
 
 
-def test_card_configs_agree_with_the_mapping():
+def test_the_mapping_reads_the_card_configs():
     cards = {card.kernel_id: card for card in build_cards.load_cards()}
     assert set(cards) == set(CARDS)
     for kernel_id, card in cards.items():
         assert CARDS[kernel_id].repo_name == card.name
         assert CARDS[kernel_id].layers == card.layers
+
+
+def test_each_layers_module_defines_exactly_the_layers_of_its_card_toml(built_cards):
+    from kernels import get_local_kernel
+    from torch import nn
+
+    for card in CARDS.values():
+        layers = get_local_kernel(built_cards / card.repo_name).layers
+        defined = [
+            name
+            for name, obj in vars(layers).items()
+            if isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__module__ == layers.__name__
+        ]
+        assert sorted(defined) == sorted(card.layers), card.repo_name
+
+
+def test_a_card_toml_that_does_not_list_the_shared_modules_its_package_imports_is_refused(tmp_path, monkeypatch):
+    source = build_cards.CARDS_DIR / "npu-swiglu"
+    copy = tmp_path / "npu-swiglu"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    config = copy / "card.toml"
+    config.write_text(config.read_text().replace('shared = ["_activations.py", "_npu.py"]', 'shared = ["_npu.py"]'))
+    with pytest.raises(ValueError, match=r"imports \['_activations.py', '_npu.py'\].*shared = \['_npu.py'\]"):
+        build_cards.load_card(copy)
 
 
 def test_an_interrupted_build_leaves_the_previous_tree_intact(built_cards, tmp_path, monkeypatch):

@@ -49,9 +49,9 @@ EXPECTED = {
     "qwen3_moe": Expected(moe=True),  # routed experts only: no dense MLP
     "gemma3_text": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
     "olmo2": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbCastBack",)),
-    "phi3": Expected(mlp="SwiGLUFusedMLP"),  # partial rotary
-    "glm4": Expected(rope=("RotaryPosEmbGlm",), mlp="SwiGLUFusedMLP"),
-    "gpt_neox": Expected(norm=None, mlp=None),  # LayerNorm, GELU MLP, partial rotary
+    "phi3": Expected(rope=("RotaryPosEmbPartial",), mlp="SwiGLUFusedMLP"),  # partial rotary
+    "glm4": Expected(rope=("RotaryPosEmbGlmPartial",), mlp="SwiGLUFusedMLP"),
+    "gpt_neox": Expected(norm=None, rope=("RotaryPosEmbPartial",), mlp=None),  # LayerNorm, GELU MLP, partial rotary
     # DeepseekV3Attention calls apply_rotary_pos_emb_interleave (rope_interleave=True), else apply_rotary_pos_emb:
     # the registry attaches both, so both are swapped; the fused op counts show which one runs.
     "deepseek_v3": Expected(rope=("RotaryPosEmb", "RotaryPosEmbDeinterleave"), moe=True),  # + shared experts
@@ -313,7 +313,7 @@ def test_a_subclass_with_other_math_is_not_swapped(npu_kernels):
 
 
 def test_kernel_selection_follows_the_apply_default_kernels_contract():
-    assert available_kernels() == ["npu_fused_rmsnorm", "npu_fused_rope", "npu_fused_swiglu", "npu_fused_moe"]
+    assert available_kernels() == ["npu_fused_moe", "npu_fused_rmsnorm", "npu_fused_rope", "npu_fused_swiglu"]
     assert [c.kernel_id for c in select_kernels("auto")] == available_kernels()
     assert [c.kernel_id for c in select_kernels(True)] == available_kernels()
     assert select_kernels(None) == [] and select_kernels(False) == []

@@ -141,6 +141,36 @@ def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_ke
     assert failures == []
 
 
+def test_every_listed_rotary_function_takes_or_refuses_narrower_cos_as_the_original_does(npu_kernels):
+    """cos/sin narrower than q/k: a partial layer rotates the leading dims as the original does; a strict one
+    fails where the original fails (Llama's function raises; rotating the leading dims would hide the bug)."""
+    failures = []
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 4, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)
+    angles = torch.rand(1, 5, 8, generator=g) * 6.28  # half the rotary width of the test above
+    for rule in ROPE_RULES:
+        cos, sin = _cos_sin_for(rule.layer, angles)
+        function_module = getattr(importlib.import_module(rule.module), rule.class_name)
+        with torch.no_grad():
+            try:
+                expected = type(function_module).forward(function_module, q, k, cos, sin, unsqueeze_dim=1)
+            except RuntimeError:
+                expected = None
+            holder = torch.nn.Module()
+            holder.__dict__["_kernel_funcs"] = {rule.class_name: function_module}
+            kernelize(holder, mode=Mode.INFERENCE, device="npu")
+            try:
+                got = function_module(*(t.to("npu") for t in (q, k, cos, sin)), unsqueeze_dim=1)
+            except RuntimeError:
+                got = None
+        if (expected is None) != (got is None):
+            outcome = {True: "raises", False: "returns"}
+            failures.append(f"{rule.path}: original {outcome[expected is None]}, {rule.layer} {outcome[got is None]}")
+        elif got is not None and not all(torch.equal(a.cpu(), b) for a, b in zip(got, expected, strict=True)):
+            failures.append(f"{rule.path}: differs from the original")
+    assert failures == []
+
+
 def test_every_listed_rotary_function_has_a_caller_that_kernelize_reaches(npu_kernels):
     """Each listed function is in the `_kernel_funcs` of at least one class of its modeling file
     (attached by transformers, or by the registry when transformers does not)."""

@@ -22,20 +22,23 @@ def card(built_cards):
     return get_local_kernel(built_cards / "npu-rope")
 
 
-INTERLEAVED = {"pairs", "pairs_float32", "pairs_half_angles", "glm", "glm_float32"}
+INTERLEAVED = {"pairs", "pairs_partial", "pairs_float32", "pairs_half_angles", "glm", "glm_partial", "glm_float32"}
 """Styles on npu_rotary_mul's 'interleave' mode, which takes cos/sin without a batch dim."""
-PARTIAL = {"llama", "pairs", "glm"}
+PARTIAL = {"llama_partial", "pairs_partial", "glm_partial"}
 """Styles whose transformers functions (Phi3, Glm4v, Glm4) rotate only the leading cos.shape[-1] dims."""
 
 TRANSFORMERS_FUNCTION = {
-    "llama": "phi3.modeling_phi3.apply_rotary_pos_emb",  # Llama's math, plus partial rotary
+    "llama": "llama.modeling_llama.apply_rotary_pos_emb",
+    "llama_partial": "phi3.modeling_phi3.apply_rotary_pos_emb",  # Llama's math, plus partial rotary
     "cast_back": "olmo2.modeling_olmo2.apply_rotary_pos_emb",
     "float32": "esm.modeling_esm.apply_rotary_pos_emb",
     "half_angles": "gpt_oss.modeling_gpt_oss.apply_rotary_pos_emb",
-    "pairs": "glm4v.modeling_glm4v.apply_rotary_pos_emb",
+    "pairs": "blt.modeling_blt.apply_rotary_pos_emb",
+    "pairs_partial": "glm4v.modeling_glm4v.apply_rotary_pos_emb",
     "pairs_float32": "cohere.modeling_cohere.apply_rotary_pos_emb",
     "pairs_half_angles": "openai_privacy_filter.modeling_openai_privacy_filter.apply_rotary_pos_emb",
-    "glm": "glm4.modeling_glm4.apply_rotary_pos_emb",
+    "glm": "helium.modeling_helium.apply_rotary_pos_emb",
+    "glm_partial": "glm4.modeling_glm4.apply_rotary_pos_emb",
     "glm_float32": "ernie4_5.modeling_ernie4_5.apply_rotary_pos_emb",
     "deinterleave": "deepseek_v3.modeling_deepseek_v3.apply_rotary_pos_emb_interleave",
 }
@@ -75,7 +78,7 @@ def rotary_inputs(
     angles = torch.rand(cos_batch or batch, seq, (rotary_dim or head_dim) // 2, generator=g) * 6.28
     if style in ("half_angles", "pairs_half_angles"):
         emb = angles
-    elif style in ("pairs", "pairs_float32"):
+    elif style in ("pairs", "pairs_partial", "pairs_float32"):
         emb = angles.repeat_interleave(2, dim=-1)
     else:
         emb = torch.cat((angles, angles), dim=-1)
@@ -345,3 +348,18 @@ def test_the_one_call_op_is_never_used_with_grad_or_for_other_styles(card):
         assert "not in inference mode" in card.in_place_unavailable_reason(q, k, cos)
     with torch.inference_mode():
         assert "style 'cast_back'" in card.in_place_unavailable_reason(q, k, cos, style="cast_back")
+
+
+@pytest.mark.parametrize("style", sorted(set(STYLES) - PARTIAL))
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 32), (16, 14)])
+def test_strict_styles_fail_on_narrower_cos_as_their_transformers_function_fails(card, style, head_dim, rotary_dim):
+    """Llama's function (and every other strict one) raises when cos/sin are narrower than q/k; the card's layer
+    for it must not rotate the leading dims instead (that would hide a caller's bug)."""
+    q, k, cos, sin = rotary_inputs(1, 2, 2, 3, head_dim, torch.float32, style=style)
+    narrow = (t[..., : rotary_dim // (2 if style in ("half_angles", "pairs_half_angles") else 1)] for t in (cos, sin))
+    cos, sin = narrow
+    with pytest.raises(RuntimeError):
+        transformers_eager(q, k, cos, sin, 1, style)
+    with pytest.raises(RuntimeError), emulation.count_op_calls() as calls:
+        card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 1, style)
+    assert calls["npu_rotary_mul"] == 0

@@ -1,13 +1,20 @@
-"""The kernel cards, by kernel id: which Hub repository holds each one and which layers it offers.
+"""The kernel cards, by kernel id, read from each card's own `kernel-cards/<card>/card.toml`.
 
-Kernel ids follow LLaMA-Factory's NPU kernel plugins (`npu_fused_rmsnorm`, ...). Each card's source
-is kernel-cards/<repo_name>/ (its card.toml must agree with this table: a test checks it).
+card.toml is the one place a card is declared: its Hub repository name, kernel id (after LLaMA-Factory's
+NPU kernel plugins: `npu_fused_rmsnorm`, ...), API version, layers, the region of a decoder layer it
+fuses (as `make bench` names it) and the files of `kernel-cards/shared/` its package imports. The
+build, the mapping, the publisher and the bench all read it from here. Installed, the card.toml files
+are the package data of `npu_hub_kernels.card_configs` (see pyproject.toml).
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import os
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 DEFAULT_ORG = "npu-hub-kernels"
 ORG_ENV = "NPU_HUB_KERNELS_ORG"
@@ -16,9 +23,44 @@ ORG_ENV = "NPU_HUB_KERNELS_ORG"
 
 @dataclass(frozen=True)
 class Card:
+    """One card, as its card.toml declares it."""
+
     kernel_id: str
     repo_name: str
     layers: tuple[str, ...]
+    region: str
+    shared: tuple[str, ...]
+    version: int
+    license: str
+    description: str
+    tags: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], source: str = "card.toml") -> Card:
+        """Parse a card.toml's contents; `source` names it in errors."""
+        missing = {"name", "kernel_id", "version", "license", "description", "layers", "region", "tags"} - set(config)
+        if missing:
+            raise ValueError(f"{source} misses {', '.join(sorted(missing))}")
+        return cls(
+            kernel_id=config["kernel_id"],
+            repo_name=config["name"],
+            layers=tuple(config["layers"]),
+            region=config["region"],
+            shared=tuple(config.get("shared", ())),
+            version=int(config["version"]),
+            license=config["license"],
+            description=config["description"],
+            tags=tuple(config["tags"]),
+        )
+
+    @classmethod
+    def from_file(cls, path: Path) -> Card:
+        return cls.from_config(tomllib.loads(path.read_text()), str(path))
+
+    @property
+    def python_name(self) -> str:
+        """The card's package name: its repo name with "-" as "_"."""
+        return self.repo_name.replace("-", "_")
 
     def repo_id(self, org: str) -> str:
         return f"{org}/{self.repo_name}"
@@ -32,31 +74,15 @@ class Card:
         return f"{self.repo_name}:{layer}"
 
 
-CARDS: dict[str, Card] = {
-    card.kernel_id: card
-    for card in (
-        Card("npu_fused_rmsnorm", "npu-rms-norm", ("RMSNorm", "RMSNormZeroCentered", "RMSNormFloat32Scale")),
-        Card(
-            "npu_fused_rope",
-            "npu-rope",
-            (
-                "RotaryPosEmb",
-                "RotaryPosEmbPositionIds",
-                "RotaryPosEmbCastBack",
-                "RotaryPosEmbFloat32",
-                "RotaryPosEmbHalfAngles",
-                "RotaryPosEmbPairs",
-                "RotaryPosEmbPairsFloat32",
-                "RotaryPosEmbPairsHalfAngles",
-                "RotaryPosEmbGlm",
-                "RotaryPosEmbGlmFloat32",
-                "RotaryPosEmbDeinterleave",
-            ),
-        ),
-        Card("npu_fused_swiglu", "npu-swiglu", ("SwiGLUMLP", "SwiGLUFusedMLP")),
-        Card("npu_fused_moe", "npu-moe", ("SwiGLUExperts",)),
-    )
-}
+def _load_cards() -> dict[str, Card]:
+    root = importlib.resources.files("npu_hub_kernels.card_configs")
+    configs = sorted((entry.name, entry / "card.toml") for entry in root.iterdir() if (entry / "card.toml").is_file())
+    cards = [Card.from_config(tomllib.loads(config.read_text()), f"{name}/card.toml") for name, config in configs]
+    return {card.kernel_id: card for card in cards}
+
+
+CARDS: dict[str, Card] = _load_cards()
+"""Kernel id -> card, in the order of the cards' names."""
 
 
 def resolve_org(org: str | None) -> str:

@@ -244,7 +244,7 @@ LEFT_OUT = {
 # re-proved per function by tests/test_models_table.py. The registry swaps each one whether or not
 # transformers decorates or attaches it (see registry.py: it wraps and attaches the rest itself).
 ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
-    # LlamaModel's q * cos + rotate_half(q) * sin; with narrower cos/sin, on the leading dims (Phi3, GPT-NeoX)
+    # LlamaModel's q * cos + rotate_half(q) * sin, cos/sin as wide as q/k (narrower ones fail, as they fail there)
     "RotaryPosEmb": (
         "afmoe.modeling_afmoe.apply_rotary_pos_emb",
         "apertus.modeling_apertus.apply_rotary_pos_emb",
@@ -252,7 +252,6 @@ ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
         "aria.modeling_aria.apply_rotary_pos_emb",
         "axk1.modeling_axk1.apply_rotary_pos_emb",
         "axk2.modeling_axk2.apply_rotary_pos_emb",
-        "bamba.modeling_bamba.apply_rotary_pos_emb",
         "bitnet.modeling_bitnet.apply_rotary_pos_emb",
         "chameleon.modeling_chameleon.apply_rotary_pos_emb",
         "cohere_compass.modeling_cohere_compass.apply_rotary_pos_emb",
@@ -281,11 +280,7 @@ ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
         "gemma.modeling_gemma.apply_rotary_pos_emb",
         "gemma2.modeling_gemma2.apply_rotary_pos_emb",
         "gemma3.modeling_gemma3.apply_rotary_pos_emb",
-        "glm4_moe.modeling_glm4_moe.apply_rotary_pos_emb",
         "glm4_moe_lite.modeling_glm4_moe_lite.apply_rotary_pos_emb",
-        "glm4v_moe.modeling_glm4v_moe.apply_rotary_pos_emb",
-        "glm_image.modeling_glm_image.apply_rotary_pos_emb",
-        "gpt_neox.modeling_gpt_neox.apply_rotary_pos_emb",
         "gpt_neox_japanese.modeling_gpt_neox_japanese.apply_rotary_pos_emb",
         "gradium_phonon_tts.modeling_gradium_phonon_tts.apply_rotary_pos_emb",
         "granite.modeling_granite.apply_rotary_pos_emb",
@@ -310,18 +305,14 @@ ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
         "jina_embeddings_v3.modeling_jina_embeddings_v3.apply_rotary_pos_emb",
         "kolibri1.modeling_kolibri1.apply_rotary_pos_emb",
         "kyutai_speech_to_text.modeling_kyutai_speech_to_text.apply_rotary_pos_emb",
-        "laguna.modeling_laguna.apply_rotary_pos_emb",
         "lasr.modeling_lasr.apply_rotary_pos_emb",
         "lfm2.modeling_lfm2.apply_rotary_pos_emb",
         "lfm2_moe.modeling_lfm2_moe.apply_rotary_pos_emb",
         "llama.modeling_llama.apply_rotary_pos_emb",
         "mellum.modeling_mellum.apply_rotary_pos_emb",
         "mimi.modeling_mimi.apply_rotary_pos_emb",
-        "mimo_v2_flash.modeling_mimo_v2_flash.apply_rotary_pos_emb",
         "minicpm3.modeling_minicpm3.apply_rotary_pos_emb",
         "minimax.modeling_minimax.apply_rotary_pos_emb",
-        "minimax_m2.modeling_minimax_m2.apply_rotary_pos_emb",
-        "minimax_m3_vl.modeling_minimax_m3_vl.apply_rotary_pos_emb",
         "ministral.modeling_ministral.apply_rotary_pos_emb",
         "ministral3.modeling_ministral3.apply_rotary_pos_emb",
         "mistral.modeling_mistral.apply_rotary_pos_emb",
@@ -333,10 +324,8 @@ ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
         "muse_glimmer.modeling_muse_glimmer.apply_rotary_pos_emb",
         "muse_glimmer_assistant.modeling_muse_glimmer_assistant.apply_rotary_pos_emb",
         "muse_spark.modeling_muse_spark.apply_rotary_pos_emb",
-        "nemotron.modeling_nemotron.apply_rotary_pos_emb",
         "nemotron_asr_streaming.modeling_nemotron_asr_streaming.apply_rotary_pos_emb",
         "nemotron_h.modeling_nemotron_h.apply_rotary_pos_emb",
-        "neomme.modeling_neomme.apply_rotary_pos_emb",
         "neucodec.modeling_neucodec.apply_rotary_pos_emb",
         "nomic_bert.modeling_nomic_bert.apply_rotary_pos_emb",
         "olmoe.modeling_olmoe.apply_rotary_pos_emb",
@@ -344,8 +333,6 @@ ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
         "parakeet.modeling_parakeet.apply_rotary_pos_emb",
         "persimmon.modeling_persimmon.apply_rotary_pos_emb",
         "phi.modeling_phi.apply_rotary_pos_emb",
-        "phi3.modeling_phi3.apply_rotary_pos_emb",
-        "phi4_multimodal.modeling_phi4_multimodal.apply_rotary_pos_emb",
         "phimoe.modeling_phimoe.apply_rotary_pos_emb",
         "pixtral.modeling_pixtral.apply_rotary_pos_emb",
         "pocket_tts.modeling_pocket_tts.apply_rotary_pos_emb",
@@ -356,20 +343,15 @@ ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
         "qwen2_moe.modeling_qwen2_moe.apply_rotary_pos_emb",
         "qwen2_vl.modeling_qwen2_vl.apply_rotary_pos_emb",
         "qwen3.modeling_qwen3.apply_rotary_pos_emb",
-        "qwen3_5.modeling_qwen3_5.apply_rotary_pos_emb",
-        "qwen3_5_moe.modeling_qwen3_5_moe.apply_rotary_pos_emb",
         "qwen3_moe.modeling_qwen3_moe.apply_rotary_pos_emb",
-        "qwen3_next.modeling_qwen3_next.apply_rotary_pos_emb",
         "qwen3_omni_moe.modeling_qwen3_omni_moe.apply_rotary_pos_emb",
         "qwen3_vl.modeling_qwen3_vl.apply_rotary_pos_emb",
         "qwen3_vl_moe.modeling_qwen3_vl_moe.apply_rotary_pos_emb",
-        "recurrent_gemma.modeling_recurrent_gemma.apply_rotary_pos_emb",
         "seed_oss.modeling_seed_oss.apply_rotary_pos_emb",
         "smollm3.modeling_smollm3.apply_rotary_pos_emb",
         "solar_open.modeling_solar_open.apply_rotary_pos_emb",
         "stablelm.modeling_stablelm.apply_rotary_pos_emb",
         "starcoder2.modeling_starcoder2.apply_rotary_pos_emb",
-        "step3p7.modeling_step3p7.apply_rotary_pos_emb",
         "t5gemma.modeling_t5gemma.apply_rotary_pos_emb",
         "t5gemma2.modeling_t5gemma2.apply_rotary_pos_emb",
         "timesfm2_5.modeling_timesfm2_5.apply_rotary_pos_emb",
@@ -380,9 +362,30 @@ ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
         "xcodec2.modeling_xcodec2.apply_rotary_pos_emb",
         "youtu.modeling_youtu.apply_rotary_pos_emb",
         "zamba2.modeling_zamba2.apply_rotary_pos_emb",
+    ),
+    # the same, where narrower cos/sin rotate the leading dims and pass the rest (Phi3, GPT-NeoX, Qwen3-Next)
+    "RotaryPosEmbPartial": (
+        "bamba.modeling_bamba.apply_rotary_pos_emb",
+        "glm4_moe.modeling_glm4_moe.apply_rotary_pos_emb",
+        "glm4v_moe.modeling_glm4v_moe.apply_rotary_pos_emb",
+        "glm_image.modeling_glm_image.apply_rotary_pos_emb",
+        "gpt_neox.modeling_gpt_neox.apply_rotary_pos_emb",
+        "laguna.modeling_laguna.apply_rotary_pos_emb",
+        "mimo_v2_flash.modeling_mimo_v2_flash.apply_rotary_pos_emb",
+        "minimax_m2.modeling_minimax_m2.apply_rotary_pos_emb",
+        "minimax_m3_vl.modeling_minimax_m3_vl.apply_rotary_pos_emb",
+        "nemotron.modeling_nemotron.apply_rotary_pos_emb",
+        "neomme.modeling_neomme.apply_rotary_pos_emb",
+        "phi3.modeling_phi3.apply_rotary_pos_emb",
+        "phi4_multimodal.modeling_phi4_multimodal.apply_rotary_pos_emb",
+        "qwen3_5.modeling_qwen3_5.apply_rotary_pos_emb",
+        "qwen3_5_moe.modeling_qwen3_5_moe.apply_rotary_pos_emb",
+        "qwen3_next.modeling_qwen3_next.apply_rotary_pos_emb",
+        "recurrent_gemma.modeling_recurrent_gemma.apply_rotary_pos_emb",
+        "step3p7.modeling_step3p7.apply_rotary_pos_emb",
         "zaya.modeling_zaya.apply_rotary_pos_emb",
     ),
-    # the same with the older (q, k, cos, sin, position_ids=None, unsqueeze_dim=1) signature
+    # RotaryPosEmbPartial with the older (q, k, cos, sin, position_ids=None, unsqueeze_dim=1) signature
     "RotaryPosEmbPositionIds": (
         "glmasr.modeling_glmasr.apply_rotary_pos_emb",
         "nemotron3_5_transcribe.modeling_nemotron3_5_transcribe.apply_rotary_pos_emb",
@@ -408,8 +411,9 @@ ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
     # cos/sin over half the head dim, first/second-half rotation
     "RotaryPosEmbHalfAngles": ("gpt_oss.modeling_gpt_oss.apply_rotary_pos_emb",),
     # interleaved (x[2i], x[2i+1]) pairs with cos/sin as given
-    "RotaryPosEmbPairs": (
-        "blt.modeling_blt.apply_rotary_pos_emb",
+    "RotaryPosEmbPairs": ("blt.modeling_blt.apply_rotary_pos_emb",),
+    # the same, where narrower cos/sin rotate the leading dims
+    "RotaryPosEmbPairsPartial": (
         "glm4v.modeling_glm4v.apply_rotary_pos_emb",
         "glm_ocr.modeling_glm_ocr.apply_rotary_pos_emb",
     ),
@@ -426,14 +430,17 @@ ROPE_FUNCTIONS: dict[str, tuple[str, ...]] = {
     "RotaryPosEmbPairsHalfAngles": ("openai_privacy_filter.modeling_openai_privacy_filter.apply_rotary_pos_emb",),
     # interleaved pairs, first half of cos/sin repeat-interleaved, leading dims only
     "RotaryPosEmbGlm": (
-        "glm.modeling_glm.apply_rotary_pos_emb",
-        "glm4.modeling_glm4.apply_rotary_pos_emb",
         "helium.modeling_helium.apply_rotary_pos_emb",
-        "moonshine.modeling_moonshine.apply_rotary_pos_emb",
-        "moonshine_streaming.modeling_moonshine_streaming.apply_rotary_pos_emb",
         "pe_audio.modeling_pe_audio.apply_rotary_pos_emb",
         "pe_audio_video.modeling_pe_audio_video.apply_rotary_pos_emb",
         "pe_video.modeling_pe_video.apply_rotary_pos_emb",
+    ),
+    # the same, where narrower cos/sin rotate the leading dims
+    "RotaryPosEmbGlmPartial": (
+        "glm.modeling_glm.apply_rotary_pos_emb",
+        "glm4.modeling_glm4.apply_rotary_pos_emb",
+        "moonshine.modeling_moonshine.apply_rotary_pos_emb",
+        "moonshine_streaming.modeling_moonshine_streaming.apply_rotary_pos_emb",
     ),
     # RotaryPosEmbGlm in float32
     "RotaryPosEmbGlmFloat32": (

@@ -43,11 +43,15 @@ def _layer(name: str, style: Style, doc: str, with_position_ids: bool = False) -
     return type(name, (nn.Module,), namespace)
 
 
-RotaryPosEmb = _layer(
-    "RotaryPosEmb", "llama", "apply_rotary_pos_emb as LlamaModel writes it; narrower cos/sin rotate the leading dims."
+RotaryPosEmb = _layer("RotaryPosEmb", "llama", "apply_rotary_pos_emb as LlamaModel writes it (cos/sin as wide as q/k).")
+RotaryPosEmbPartial = _layer(
+    "RotaryPosEmbPartial", "llama_partial", "RotaryPosEmb; narrower cos/sin rotate the leading dims (Phi3, GPT-NeoX)."
 )
 RotaryPosEmbPositionIds = _layer(
-    "RotaryPosEmbPositionIds", "llama", "RotaryPosEmb with the older position_ids argument.", with_position_ids=True
+    "RotaryPosEmbPositionIds",
+    "llama_partial",
+    "RotaryPosEmbPartial with the older position_ids argument.",
+    with_position_ids=True,
 )
 RotaryPosEmbCastBack = _layer(
     "RotaryPosEmbCastBack", "cast_back", "As RotaryPosEmb, then cast back to the q/k dtypes (Olmo family)."
@@ -59,6 +63,9 @@ RotaryPosEmbHalfAngles = _layer(
     "RotaryPosEmbHalfAngles", "half_angles", "cos/sin over half the head dim, first/second-half rotation (GPT-OSS)."
 )
 RotaryPosEmbPairs = _layer("RotaryPosEmbPairs", "pairs", "Interleaved (x[2i], x[2i+1]) pairs, cos/sin as given (BLT).")
+RotaryPosEmbPairsPartial = _layer(
+    "RotaryPosEmbPairsPartial", "pairs_partial", "RotaryPosEmbPairs; narrower cos/sin rotate the leading dims (Glm4v)."
+)
 RotaryPosEmbPairsFloat32 = _layer(
     "RotaryPosEmbPairsFloat32", "pairs_float32", "Interleaved pairs in float32, cast back once (Cohere)."
 )
@@ -66,7 +73,10 @@ RotaryPosEmbPairsHalfAngles = _layer(
     "RotaryPosEmbPairsHalfAngles", "pairs_half_angles", "Interleaved pairs, one cos/sin value per pair."
 )
 RotaryPosEmbGlm = _layer(
-    "RotaryPosEmbGlm", "glm", "Interleaved pairs, first half of cos/sin repeat-interleaved (GLM, Glm4, Helium)."
+    "RotaryPosEmbGlm", "glm", "Interleaved pairs, first half of cos/sin repeat-interleaved (Helium, PE audio/video)."
+)
+RotaryPosEmbGlmPartial = _layer(
+    "RotaryPosEmbGlmPartial", "glm_partial", "RotaryPosEmbGlm; narrower cos/sin rotate the leading dims (GLM, Glm4)."
 )
 RotaryPosEmbGlmFloat32 = _layer("RotaryPosEmbGlmFloat32", "glm_float32", "RotaryPosEmbGlm in float32 (Ernie 4.5).")
 RotaryPosEmbDeinterleave = _layer(

@@ -38,24 +38,30 @@ class RotaryStyle:
     compute: "input" (the q/k dtype), "float32" (upcast, cast back once) or "cast_back" (the
         promoted q/cos dtype, cast back to q's dtype).
     deinterleave: rotate (x[0::2], x[1::2]) as two halves and return them in that order (DeepSeek).
+    partial: cos/sin narrower than q/k rotate the leading dims and pass the rest through (Phi3's
+        function); otherwise, as in Llama's, the whole of q/k meets cos/sin, and shapes that do not
+        broadcast fail exactly as they fail there.
     """
 
     rotation: Rotation = "half"
     angles: Literal["as_is", "doubled", "first_half_doubled", "first_half_interleaved", "interleaved"] = "as_is"
     compute: Literal["input", "float32", "cast_back"] = "input"
     deinterleave: bool = False
+    partial: bool = False
 
 
 STYLES: dict[str, RotaryStyle] = {
-    # q * cos + rotate_half(q) * sin (LlamaModel and most others); with narrower cos, on the leading dims (Phi3).
-    "llama": RotaryStyle(),
+    "llama": RotaryStyle(),  # q * cos + rotate_half(q) * sin (LlamaModel and most others)
+    "llama_partial": RotaryStyle(partial=True),  # the same; narrower cos/sin rotate the leading dims (Phi3)
     "cast_back": RotaryStyle(compute="cast_back"),  # then .to(q.dtype) (the Olmo family)
     "float32": RotaryStyle(compute="float32"),  # q.float() inside (ESM, ModernBERT, ...)
     "half_angles": RotaryStyle(angles="doubled"),  # first * cos - second * sin, ... (GPT-OSS)
-    "pairs": RotaryStyle(rotation="interleave"),  # rotate_half on (x[0::2], x[1::2]) pairs (BLT, Glm4v)
+    "pairs": RotaryStyle(rotation="interleave"),  # rotate_half on (x[0::2], x[1::2]) pairs (BLT)
+    "pairs_partial": RotaryStyle(rotation="interleave", partial=True),  # (Glm4v)
     "pairs_float32": RotaryStyle(rotation="interleave", compute="float32"),  # (Cohere)
     "pairs_half_angles": RotaryStyle(rotation="interleave", angles="interleaved"),  # (OpenAI privacy filter)
-    "glm": RotaryStyle(rotation="interleave", angles="first_half_interleaved"),  # (GLM, Glm4, Helium)
+    "glm": RotaryStyle(rotation="interleave", angles="first_half_interleaved"),  # (Helium)
+    "glm_partial": RotaryStyle(rotation="interleave", angles="first_half_interleaved", partial=True),  # (GLM, Glm4)
     "glm_float32": RotaryStyle(rotation="interleave", angles="first_half_interleaved", compute="float32"),  # (Ernie)
     "deinterleave": RotaryStyle(angles="first_half_doubled", deinterleave=True),  # (DeepSeek-V3 `_interleave`)
 }
@@ -81,7 +87,11 @@ def rotary_unavailable_reason(
     head_dim = x.shape[-1]
     if head_dim % 2 or head_dim >= 896:
         return f"rotated dim {head_dim} must be even and below 896"
-    if torch.broadcast_shapes(x.shape, cos.shape) != x.shape:
+    try:
+        broadcast = torch.broadcast_shapes(x.shape, cos.shape)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != x.shape:
         return f"cos {tuple(cos.shape)} does not broadcast to {tuple(x.shape)}"
     batch, heads = x.shape[0], x.shape[heads_axis]
     if rotation == "interleave":
@@ -215,7 +225,7 @@ def _apply(
         compute = torch.promote_types(x.dtype, cos.dtype)
     else:
         compute = None
-    rotary_dim = cos.shape[-1]
+    rotary_dim = cos.shape[-1] if style.partial else x.shape[-1]
     x_rot = x[..., :rotary_dim]
     if style.deinterleave:
         x_rot = torch.cat((x_rot[..., 0::2], x_rot[..., 1::2]), dim=-1)
