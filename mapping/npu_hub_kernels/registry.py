@@ -22,7 +22,8 @@ Another library may have replaced a rotary function already (LLaMA-Factory's NPU
 `apply_liger_kernel_to_*(rope=True)` set the module global to their own function; others patch the
 forward of transformers' function-module). The card reproduces only transformers' function, so the
 registry leaves such a function alone and logs what replaced it: the other library's function keeps
-running.
+running. The registry's function-modules are shared like the functions they stand for: a deep copy
+of a model (a TRL reference model) keeps calling them, so kernelizing the copy fuses it.
 
 Trade-off, documented in the README: a retagged class looks up only the npu-hub-kernels entry, so
 on other devices (cuda, rocm, ...) it keeps its original forward. Call `unregister_npu_kernels()`
@@ -65,6 +66,8 @@ _original_globals: dict[tuple[ModuleType, str], tuple[object, nn.Module]] = {}
 """(module, name) -> (the plain function the registry replaced, the function-module it put there)."""
 _function_modules: dict[tuple[ModuleType, str], nn.Module] = {}
 """(module, name) -> the function-module the registry made kernelizable for that global (its own or transformers')."""
+_original_function_module_attrs: dict[nn.Module, tuple[object, object]] = {}
+"""Function-module -> (its own `__name__`, its class's own `__deepcopy__`) before the registry set them."""
 _left_alone: dict[tuple[ModuleType, str], object] = {}
 """(module, name) -> another library's replacement the registry left alone (logged once per replacement)."""
 _original_kernel_funcs: dict[type, object] = {}
@@ -142,10 +145,14 @@ def unregister_npu_kernels() -> None:
     for (module, name), (function, function_module) in _original_globals.items():
         if getattr(module, name, None) is function_module:  # not if another library replaced it since
             setattr(module, name, function)
+    for function_module, (name, deepcopy) in _original_function_module_attrs.items():
+        _restore(function_module, "__name__", name)
+        _restore(type(function_module), "__deepcopy__", deepcopy)
     _original_tags.clear()
     _original_kernel_funcs.clear()
     _original_globals.clear()
     _function_modules.clear()
+    _original_function_module_attrs.clear()
     _left_alone.clear()
     _pending.clear()
 
@@ -222,12 +229,17 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
     (only those of `card`, e.g. "npu-rope", when given).
 
     Function-modules that a module calls (transformers attaches `apply_rotary_pos_emb` to each
-    attention module under `_kernel_funcs`) are listed under the calling module's name.
+    attention module under `_kernel_funcs`) are listed under the calling module's name and the name
+    its code calls them by, e.g. `model.layers.0.self_attn.apply_rotary_pos_emb`, and only when that
+    call reaches a card's layer: an attached function-module that the code does not call (another
+    library replaced the global, or the entry is a deep copy of the global) is not listed, the global
+    it does call is.
     """
     swaps = []
+    lookups: dict[tuple[type, object], list[tuple[str, dict]]] = {}
     for name, module in model.named_modules():
         candidates = [(name, module)]
-        candidates += [(f"{name}.{fname}", fn) for fname, fn in getattr(module, "_kernel_funcs", {}).items()]
+        candidates += [(f"{name}.{fname}", fn) for fname, fn in _called_function_modules(module, lookups)]
         for qualified, candidate in candidates:
             build, layer = _card_layer_of(candidate) or (None, None)
             if build is not None and card in (None, build.CARD):
@@ -241,6 +253,53 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
                     )
                 )
     return swaps
+
+
+def _called_function_modules(module: nn.Module, cache: dict) -> list[tuple[str, nn.Module]]:
+    """(global name, function-module) for each function-module of `module._kernel_funcs` that the
+    module's code calls.
+
+    The code calls a module global, not its `_kernel_funcs` entry: an entry counts while that global
+    is the entry itself or another instance of its class (the shared original of a deep copy made
+    before registering, or of any copy when transformers made the function-module). A module with
+    no code of its own (a bare nn.Module holding function-modules) is taken to call each one by its
+    function's name in the file that defines it.
+    """
+    entries = [entry for entry in getattr(module, "_kernel_funcs", {}).values() if isinstance(entry, nn.Module)]
+    if not entries:
+        return []
+    own_forward = module.__dict__.get("forward")
+    key = (type(module), getattr(own_forward, "__func__", own_forward))
+    if key not in cache:
+        cache[key] = _global_lookups(type(module), key[1])
+    lookups = cache[key] or [
+        (function.__name__, vars(sys.modules[function.__module__]))
+        for function in map(_wrapped_function, entries)
+        if function is not None and function.__module__ in sys.modules
+    ]
+    called = {}
+    for global_name, namespace in lookups:
+        target = namespace.get(global_name, _MISSING)
+        if any(target is entry or type(target) is type(entry) for entry in entries):
+            called[global_name] = target
+    return sorted(called.items())
+
+
+def _global_lookups(cls: type, forward=None) -> list[tuple[str, dict]]:
+    """(name, globals) of every global name looked up by the methods of `cls` (those of nn.Module
+    aside; `forward`, when given, in place of the class's forward)."""
+    methods = {}
+    for klass in reversed(cls.__mro__):
+        if klass not in nn.Module.__mro__:
+            methods.update((name, f) for name, f in vars(klass).items() if inspect.isfunction(f))
+    if inspect.isfunction(forward):
+        methods["forward"] = forward
+    lookups = {}
+    for method in methods.values():
+        method = inspect.unwrap(method)
+        for name in _global_names(method.__code__):
+            lookups[(name, id(method.__globals__))] = (name, method.__globals__)
+    return list(lookups.values())
 
 
 def _global_names(code: CodeType) -> set[str]:
@@ -315,11 +374,29 @@ def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
         _original_globals[(module, name)] = (function, obj)
         setattr(module, name, obj)
     _retag(type(obj), mapping_name)
+    _share(obj, name)
     _function_modules[(module, name)] = obj
     for cls in _callers(module, name):
         if cls not in _original_kernel_funcs:
             _original_kernel_funcs[cls] = cls.__dict__.get("_kernel_funcs", _MISSING)
         cls._kernel_funcs = {**getattr(cls, "_kernel_funcs", {}), name: obj}
+
+
+def _share(function_module: nn.Module, name: str) -> None:
+    """Make a rotary function-module behave like the function it stands for: named after it (transformers
+    attaches it to models under that name) and shared by deep copies, which call the module global."""
+    if function_module not in _original_function_module_attrs:
+        _original_function_module_attrs[function_module] = (
+            function_module.__dict__.get("__name__", _MISSING),
+            type(function_module).__dict__.get("__deepcopy__", _MISSING),
+        )
+    function_module.__name__ = name
+    type(function_module).__deepcopy__ = _same_object
+
+
+def _same_object(self, memo):
+    """`__deepcopy__` of a function-module: itself, as `copy.deepcopy` of a function is the function."""
+    return self
 
 
 def _replacement(module: ModuleType, name: str, obj: object) -> str | None:
@@ -395,6 +472,10 @@ def _leave_alone(module: ModuleType, name: str, obj: object, replacement: str, *
         tag, condition = _original_tags.pop(type(function_module))
         _restore(type(function_module), "kernel_layer_name", tag)
         _restore(type(function_module), "kernel_condition", condition)
+    if function_module in _original_function_module_attrs:
+        own_name, deepcopy = _original_function_module_attrs.pop(function_module)
+        _restore(function_module, "__name__", own_name)
+        _restore(type(function_module), "__deepcopy__", deepcopy)
 
 
 def _callers(module: ModuleType, name: str) -> list[type]:
