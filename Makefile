@@ -10,12 +10,14 @@ ORG ?=
 setup: $(STAMP)
 
 # torch goes first and exact (the local CPU wheel): an unpinned torch would pull GBs of CUDA packages.
+# llamafactory goes last and without its dependencies: tests run its NPU kernels next to ours (coexistence).
 $(STAMP): pyproject.toml requirements-dev.txt
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=/path/to/python3.11"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$$(grep '^torch==' requirements-dev.txt)"
 	$(PY) -m pip install --quiet -c requirements-dev.txt -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps "$$(grep '^llamafactory==' requirements-dev.txt)"
 	touch $(STAMP)
 
 build: setup

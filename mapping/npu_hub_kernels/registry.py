@@ -18,6 +18,13 @@ the module global with a function-module and lists it in the `_kernel_funcs` of 
 modeling file that calls it (a class attribute, so models built earlier are reached too).
 `unregister_npu_kernels` undoes both.
 
+Another library may have replaced a rotary function already (LLaMA-Factory's NPU kernels and Liger's
+`apply_liger_kernel_to_*(rope=True)` set the module global to their own function; others patch the
+forward of transformers' function-module). The card reproduces only transformers' function, so the
+registry leaves such a function alone and logs what replaced it: the other library's function keeps
+running. The registry's function-modules are shared like the functions they stand for: a deep copy
+of a model (a TRL reference model) keeps calling them, so kernelizing the copy fuses it.
+
 Trade-off, documented in the README: a retagged class looks up only the npu-hub-kernels entry, so
 on other devices (cuda, rocm, ...) it keeps its original forward. Call `unregister_npu_kernels()`
 to restore the classes.
@@ -55,8 +62,14 @@ KernelSelection = str | bool | Iterable[str] | None
 
 _MISSING = object()
 _original_tags: dict[type, tuple[object, object]] = {}
-_original_globals: dict[tuple[ModuleType, str], object] = {}
-"""(module, name) -> the plain function the registry replaced with a function-module."""
+_original_globals: dict[tuple[ModuleType, str], tuple[object, nn.Module]] = {}
+"""(module, name) -> (the plain function the registry replaced, the function-module it put there)."""
+_function_modules: dict[tuple[ModuleType, str], nn.Module] = {}
+"""(module, name) -> the function-module the registry made kernelizable for that global (its own or transformers')."""
+_original_function_module_attrs: dict[nn.Module, tuple[object, object]] = {}
+"""Function-module -> (its own `__name__`, its class's own `__deepcopy__`) before the registry set them."""
+_left_alone: dict[tuple[ModuleType, str], object] = {}
+"""(module, name) -> another library's replacement the registry left alone (logged once per replacement)."""
 _original_kernel_funcs: dict[type, object] = {}
 """Class -> its own `_kernel_funcs` attribute before the registry attached functions to it."""
 _pending: dict[str, list[tuple[ClassRule, str]]] = {}
@@ -129,11 +142,18 @@ def unregister_npu_kernels() -> None:
         _restore(cls, "kernel_condition", condition)
     for cls, kernel_funcs in _original_kernel_funcs.items():
         _restore(cls, "_kernel_funcs", kernel_funcs)
-    for (module, name), function in _original_globals.items():
-        setattr(module, name, function)
+    for (module, name), (function, function_module) in _original_globals.items():
+        if getattr(module, name, None) is function_module:  # not if another library replaced it since
+            setattr(module, name, function)
+    for function_module, (name, deepcopy) in _original_function_module_attrs.items():
+        _restore(function_module, "__name__", name)
+        _restore(type(function_module), "__deepcopy__", deepcopy)
     _original_tags.clear()
     _original_kernel_funcs.clear()
     _original_globals.clear()
+    _function_modules.clear()
+    _original_function_module_attrs.clear()
+    _left_alone.clear()
     _pending.clear()
 
 
@@ -203,12 +223,17 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
     (only those of `card`, e.g. "npu-rope", when given).
 
     Function-modules that a module calls (transformers attaches `apply_rotary_pos_emb` to each
-    attention module under `_kernel_funcs`) are listed under the calling module's name.
+    attention module under `_kernel_funcs`) are listed under the calling module's name and the name
+    its code calls them by, e.g. `model.layers.0.self_attn.apply_rotary_pos_emb`, and only when that
+    call reaches a card's layer: an attached function-module that the code does not call (another
+    library replaced the global, or the entry is a deep copy of the global) is not listed, the global
+    it does call is.
     """
     swaps = []
+    lookups: dict[tuple[type, object], list[tuple[str, dict]]] = {}
     for name, module in model.named_modules():
         candidates = [(name, module)]
-        candidates += [(f"{name}.{fname}", fn) for fname, fn in getattr(module, "_kernel_funcs", {}).items()]
+        candidates += [(f"{name}.{fname}", fn) for fname, fn in _called_function_modules(module, lookups)]
         for qualified, candidate in candidates:
             build, layer = _card_layer_of(candidate) or (None, None)
             if build is not None and card in (None, build.CARD):
@@ -222,6 +247,59 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
                     )
                 )
     return swaps
+
+
+def _called_function_modules(module: nn.Module, cache: dict) -> list[tuple[str, nn.Module]]:
+    """(global name, function-module) for each function-module of `module._kernel_funcs` that the
+    module's code calls.
+
+    The code calls a module global, not its `_kernel_funcs` entry: an entry counts while that global
+    is the entry itself or another instance of its class (the shared original of a deep copy made
+    before registering, or of any copy when transformers made the function-module). A module with
+    no code of its own (a bare nn.Module holding function-modules) is taken to call each one by its
+    function's name in the file that defines it.
+    """
+    entries = [entry for entry in getattr(module, "_kernel_funcs", {}).values() if isinstance(entry, nn.Module)]
+    if not entries:
+        return []
+    own_forward = module.__dict__.get("forward")
+    key = (type(module), getattr(own_forward, "__func__", own_forward))
+    if key not in cache:
+        cache[key] = _global_lookups(type(module), key[1])
+    lookups = cache[key] or [
+        (function.__name__, vars(sys.modules[function.__module__]))
+        for function in map(_wrapped_function, entries)
+        if function is not None and function.__module__ in sys.modules
+    ]
+    called = {}
+    for global_name, namespace in lookups:
+        target = namespace.get(global_name, _MISSING)
+        if any(target is entry or type(target) is type(entry) for entry in entries):
+            called[global_name] = target
+    return sorted(called.items())
+
+
+def _global_lookups(cls: type, forward=None) -> list[tuple[str, dict]]:
+    """(name, globals) of every global name looked up by the methods of `cls` (those of nn.Module
+    aside; `forward`, when given, in place of the class's forward)."""
+    methods = {}
+    for klass in reversed(cls.__mro__):
+        if klass not in nn.Module.__mro__:
+            methods.update((name, f) for name, f in vars(klass).items() if inspect.isfunction(f))
+    if inspect.isfunction(forward):
+        methods["forward"] = forward
+    lookups = {}
+    for method in methods.values():
+        method = inspect.unwrap(method)
+        for name in _global_names(method.__code__):
+            lookups[(name, id(method.__globals__))] = (name, method.__globals__)
+    return list(lookups.values())
+
+
+def _global_names(code: CodeType) -> set[str]:
+    """The global (and attribute) names a code object and the code nested in it look up."""
+    nested = (_global_names(const) for const in code.co_consts if isinstance(const, CodeType))
+    return set(code.co_names).union(*nested)
 
 
 def _card_layer_of(module: nn.Module) -> tuple[ModuleType, str] | None:
@@ -276,35 +354,133 @@ def _tag_when_imported(rule: ClassRule, mapping_name: str) -> None:
 
 def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
     """Make the rule's class (or function) of an imported module kernelizable under `mapping_name`."""
-    obj = getattr(module, rule.class_name)
+    name = rule.class_name
+    obj = getattr(module, name)
     if isinstance(obj, type):
         _retag(obj, mapping_name)
         return
+    replacement = _replacement(module, name, obj)
+    if replacement is not None:
+        _leave_alone(module, name, obj, replacement, card=mapping_name.partition(":")[0])
+        return
     if inspect.isfunction(obj):  # a rotary function transformers left plain: make it a function-module
-        _original_globals.setdefault((module, rule.class_name), obj)
-        obj = use_kernel_forward_from_hub(mapping_name)(obj)
-        setattr(module, rule.class_name, obj)
+        function, obj = obj, use_kernel_forward_from_hub(mapping_name)(obj)
+        _original_globals[(module, name)] = (function, obj)
+        setattr(module, name, obj)
     _retag(type(obj), mapping_name)
-    for cls in _callers(module, rule.class_name):
+    _share(obj, name)
+    _function_modules[(module, name)] = obj
+    for cls in _callers(module, name):
         if cls not in _original_kernel_funcs:
             _original_kernel_funcs[cls] = cls.__dict__.get("_kernel_funcs", _MISSING)
-        cls._kernel_funcs = {**getattr(cls, "_kernel_funcs", {}), rule.class_name: obj}
+        cls._kernel_funcs = {**getattr(cls, "_kernel_funcs", {}), name: obj}
+
+
+def _share(function_module: nn.Module, name: str) -> None:
+    """Make a rotary function-module behave like the function it stands for: named after it (transformers
+    attaches it to models under that name) and shared by deep copies, which call the module global."""
+    if function_module not in _original_function_module_attrs:
+        _original_function_module_attrs[function_module] = (
+            function_module.__dict__.get("__name__", _MISSING),
+            type(function_module).__dict__.get("__deepcopy__", _MISSING),
+        )
+    function_module.__name__ = name
+    type(function_module).__deepcopy__ = _same_object
+
+
+def _same_object(self, memo):
+    """`__deepcopy__` of a function-module: itself, as `copy.deepcopy` of a function is the function."""
+    return self
+
+
+def _replacement(module: ModuleType, name: str, obj: object) -> str | None:
+    """What another library replaced transformers' function `name` of `module` with (for the log), or
+    None when `obj` is still that function: as shipped, or a function-module made of it (by transformers
+    or the registry) whose class forward is still the one kernels gives it.
+
+    A forward set on the function-module instance is not a replacement: kernelize owns it (it binds the
+    card's forward there, or the class forward when the function-module is not mapped)."""
+    if inspect.isfunction(obj):
+        return None if _is_shipped(module, name, obj) else f"replaced it with {_qualified(obj)}"
+    function = _wrapped_function(obj)
+    if function is None:
+        forward = getattr(type(obj), "forward", None)
+        return f"replaced it with a {_qualified(type(obj))} whose forward is {_qualified(forward)}"
+    if _is_shipped(module, name, function):
+        return None
+    return f"replaced it with a function-module of {_qualified(function)}"
+
+
+def _is_shipped(module: ModuleType, name: str, function) -> bool:
+    """Whether `function` is the function `name` that `module`'s own source defines."""
+    code = function.__code__
+    return (
+        function.__module__ == module.__name__
+        and function.__qualname__ == name
+        and code.co_name == name
+        and code.co_filename == getattr(module, "__file__", None)
+    )
+
+
+def _wrapped_function(function_module: object):
+    """The plain function a kernels function-module (`use_kernel_forward_from_hub` on a function)
+    calls; None for anything else, including a function-module whose class forward was replaced."""
+    forward = type(function_module).__dict__.get("forward")
+    if not inspect.isfunction(forward) or forward.__code__ is not _FUNCTION_MODULE_FORWARD:
+        return None
+    return inspect.getclosurevars(forward).nonlocals.get("func")
+
+
+def _probe():
+    """Made a function-module of below, to recognise the forward kernels gives every function-module."""
+
+
+_FUNCTION_MODULE_FORWARD = type(use_kernel_forward_from_hub("npu-hub-kernels:probe")(_probe)).forward.__code__
+
+
+def _qualified(obj: object) -> str:
+    function = getattr(obj, "__func__", obj)
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def _leave_alone(module: ModuleType, name: str, obj: object, replacement: str, *, card: str) -> None:
+    """Keep another library's rotary function: log it once, and undo what an earlier registration did
+    for this global (the function-module it attached or retagged, which nothing calls any more)."""
+    if _left_alone.get((module, name)) is not obj:
+        _left_alone[(module, name)] = obj
+        logger.warning(
+            "%s leaves %s.%s alone: another library %s, which keeps running (the card reproduces only "
+            "transformers' own function).",
+            card,
+            module.__name__,
+            name,
+            replacement,
+        )
+    function_module = _function_modules.pop((module, name), None)
+    if function_module is None:
+        return
+    for cls in _callers(module, name):
+        if cls.__dict__.get("_kernel_funcs", {}).get(name) is function_module:
+            cls._kernel_funcs = {key: fn for key, fn in cls._kernel_funcs.items() if key != name}
+    if type(function_module) in _original_tags:
+        tag, condition = _original_tags.pop(type(function_module))
+        _restore(type(function_module), "kernel_layer_name", tag)
+        _restore(type(function_module), "kernel_condition", condition)
+    if function_module in _original_function_module_attrs:
+        own_name, deepcopy = _original_function_module_attrs.pop(function_module)
+        _restore(function_module, "__name__", own_name)
+        _restore(type(function_module), "__deepcopy__", deepcopy)
 
 
 def _callers(module: ModuleType, name: str) -> list[type]:
     """The nn.Module classes defined in `module` whose methods (undecorated) look up the global `name`."""
-
-    def names(code: CodeType) -> set[str]:
-        nested = (names(const) for const in code.co_consts if isinstance(const, CodeType))
-        return set(code.co_names).union(*nested)
-
     return [
         cls
         for cls in vars(module).values()
         if isinstance(cls, type)
         and issubclass(cls, nn.Module)
         and cls.__module__ == module.__name__
-        and any(inspect.isfunction(f) and name in names(inspect.unwrap(f).__code__) for f in vars(cls).values())
+        and any(inspect.isfunction(f) and name in _global_names(inspect.unwrap(f).__code__) for f in vars(cls).values())
     ]
 
 

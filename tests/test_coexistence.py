@@ -1,0 +1,326 @@
+"""Coexisting with other libraries' rotary patches, deep copies of models, and a report that tells the truth.
+
+Another library may have replaced transformers' rotary functions before npu-hub-kernels is registered:
+LLaMA-Factory's NPU kernels (`apply_default_kernels(model, "auto")`) and Liger's
+`apply_liger_kernel_to_*(rope=True)` set each modeling file's `apply_rotary_pos_emb` to their own
+function. The registry leaves such a function alone (logged, naming the global and its replacement),
+swaps the rest, and the load goes on. `swapped_modules` lists only what runs: each listed swap is
+proven by the fused op counts of its caller, and a swap that cannot run is not listed.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+from collections import Counter
+
+import pytest
+import torch
+from kernels import Mode, kernelize
+from test_mapping import EXPECTED, expected_calls, forward, layer_count
+
+from npu_hub_kernels import (
+    apply_npu_kernels,
+    emulation,
+    pack_gate_up,
+    register_npu_kernels,
+    swapped_modules,
+    unregister_npu_kernels,
+)
+from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels.tiny_models import token_ids
+
+FAMILIES = ["llama", "phi3", "deepseek_v3", "qwen3"]
+"""transformers attaches Llama's and Qwen3's rotary function-module; the registry attaches Phi3's
+(plain function) and DeepseekV3's (decorated, never attached)."""
+ROTARY = "apply_rotary_pos_emb"
+LLAMAFACTORY_KERNELS = "llamafactory.v1.plugins.model_plugins.kernels.interface"
+ROPE_OPS_PER_CALL = 2  # npu_rotary_mul on q, then on k
+
+
+def modeling(model_type: str):
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+def llamafactory_kernels():
+    """LLaMA-Factory's kernel plugins, imported under the NPU emulation (installed without dependencies)."""
+    return pytest.importorskip(
+        LLAMAFACTORY_KERNELS,
+        reason="llamafactory is not installed: `make setup` installs it without its dependencies "
+        "(pip install --no-deps llamafactory==0.9.5, pinned in requirements-dev.txt)",
+    )
+
+
+@pytest.fixture
+def fresh_rotary():
+    """The families' rotary globals as in a fresh process (no forward bound by an earlier kernelize), and
+    as they were after the test, whatever another library (or the registry) set them to meanwhile."""
+    saved = []
+    for model_type in FAMILIES:
+        module = modeling(model_type)
+        for name in (ROTARY, f"{ROTARY}_interleave"):
+            obj = getattr(module, name, None)
+            if isinstance(obj, torch.nn.Module):
+                saved.append((module, name, obj, obj.__dict__.pop("forward", None)))
+            elif obj is not None:
+                saved.append((module, name, obj, None))
+    yield
+    for module, name, obj, bound in saved:
+        setattr(module, name, obj)
+        if isinstance(obj, torch.nn.Module):
+            obj.__dict__.pop("forward", None)
+            if bound is not None:
+                obj.__dict__["forward"] = bound
+
+
+@pytest.fixture
+def register(fresh_rotary, built_cards):
+    """Registers the cards when called (after another library's patch); unregisters after the test."""
+    yield lambda: register_npu_kernels(local_dir=built_cards)
+    unregister_npu_kernels()
+
+
+def foreign_rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Another library's rotary function (Liger's and LLaMA-Factory's signature): the eager math, counted."""
+    foreign_rotary.calls += 1
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rotary = cos.shape[-1]
+
+    def rotate(x):
+        x1, x2 = x[..., : rotary // 2], x[..., rotary // 2 : rotary]
+        return torch.cat((x[..., :rotary] * cos + torch.cat((-x2, x1), dim=-1) * sin, x[..., rotary:]), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+foreign_rotary.calls = 0
+
+
+def foreign_forward(self, q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    return foreign_rotary(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+def other_calls(model_type: str, model) -> dict[str, int]:
+    """The fused op calls of the other cards (norms, MLPs, experts) in one forward."""
+    return {op: n for op, n in expected_calls(model_type, model).items() if op != "npu_rotary_mul"}
+
+
+def rope_layers_left(model_type: str) -> list[str]:
+    """The npu-rope layers still swapped when `apply_rotary_pos_emb` is another library's: DeepseekV3's
+    `apply_rotary_pos_emb_interleave` (the one its tiny config calls) stays."""
+    return [layer for layer in EXPECTED[model_type].rope if layer != "RotaryPosEmb"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_llamafactory_npu_kernels_applied_first_are_left_alone(register, caplog, model_type):
+    """LLaMA-Factory's rotary function takes an extra position_ids: swapping it crashed kernelize (a
+    forward signature mismatch). It keeps running; every other card fuses; the output is eager's."""
+    interface = llamafactory_kernels()
+    ids = token_ids()
+    eager = forward(tiny_model(model_type), ids)
+    model = tiny_model(model_type).to("npu")
+    interface.apply_default_kernels(model, "auto")
+    module = modeling(model_type)
+    theirs = getattr(module, ROTARY)
+    assert theirs.__module__.startswith("llamafactory.")  # LLaMA-Factory did replace the global
+    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
+        register()
+        kernelize(model, mode=Mode.INFERENCE, device="npu")
+    pack_gate_up(model)
+    assert getattr(module, ROTARY) is theirs
+    assert f"{module.__name__}.{ROTARY} alone" in caplog.text
+    assert f"{theirs.__module__}.{theirs.__qualname__}" in caplog.text
+    with emulation.count_op_calls() as calls:
+        out = forward(model, ids)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    rope_swaps = swapped_modules(model, card="npu-rope")
+    assert [s.layer for s in rope_swaps] == rope_layers_left(model_type) * layer_count(model)
+    assert {op: calls[op] for op in other_calls(model_type, model)} == other_calls(model_type, model)
+    # theirs fuses too (npu_rotary_mul on q and k), or for DeepseekV3 the card's interleaved function runs
+    assert calls["npu_rotary_mul"] == ROPE_OPS_PER_CALL * layer_count(model)
+
+
+def test_llamafactory_kernels_module_imports_under_the_emulation():
+    interface = llamafactory_kernels()
+    assert {"npu_fused_rope", "npu_fused_rmsnorm", "npu_fused_swiglu"} <= set(interface.get_default_kernels())
+
+
+def patch(how: str, module, monkeypatch) -> str:
+    """Replace `module.apply_rotary_pos_emb` the way another library would; returns the replacement's name."""
+    obj = getattr(module, ROTARY)
+    if how == "global":  # Liger, LLaMA-Factory
+        monkeypatch.setattr(module, ROTARY, foreign_rotary)
+        return f"{__name__}.foreign_rotary"
+    assert isinstance(obj, torch.nn.Module), "transformers made it a function-module"
+    monkeypatch.setattr(type(obj), "forward", foreign_forward)  # the forward of transformers' function-module
+    return f"{__name__}.foreign_forward"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "how"),
+    [(t, "global") for t in FAMILIES] + [(t, "function-module forward") for t in ("llama", "deepseek_v3")],
+)
+def test_a_rotary_function_another_library_replaced_is_left_alone(register, monkeypatch, caplog, model_type, how):
+    """A stand-in for Liger (a plain function as the module global), and for a library that patches the
+    forward of transformers' function-module: left alone and logged; the model loads and matches eager."""
+    ids = token_ids()
+    eager = forward(tiny_model(model_type), ids)
+    module = modeling(model_type)
+    replacement = patch(how, module, monkeypatch)
+    foreign_rotary.calls = 0
+    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
+        register()
+        model = kernelize(tiny_model(model_type).to("npu"), mode=Mode.INFERENCE, device="npu")
+    pack_gate_up(model)
+    assert f"{module.__name__}.{ROTARY} alone" in caplog.text and replacement in caplog.text
+    with emulation.count_op_calls() as calls:
+        out = forward(model, ids)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    rope_swaps = swapped_modules(model, card="npu-rope")
+    assert [s.layer for s in rope_swaps] == rope_layers_left(model_type) * layer_count(model)
+    assert calls["npu_rotary_mul"] == ROPE_OPS_PER_CALL * len(rope_swaps)
+    assert foreign_rotary.calls == (0 if rope_swaps else layer_count(model))
+    assert {op: calls[op] for op in other_calls(model_type, model)} == other_calls(model_type, model)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_a_function_replaced_after_registration_is_released_at_the_next(
+    register, monkeypatch, caplog, built_cards, model_type
+):
+    """Registered first, replaced by another library, then kernelized: the swap nothing calls is not
+    listed. `apply_npu_kernels` registers again: it logs the replacement and no longer swaps the
+    function-module it had attached."""
+    register()
+    model = kernelize(tiny_model(model_type).to("npu"), mode=Mode.INFERENCE, device="npu")
+    assert len(swapped_modules(model, card="npu-rope")) == layer_count(model)
+    module = modeling(model_type)
+    ours = getattr(module, ROTARY)
+    monkeypatch.setattr(module, ROTARY, foreign_rotary)
+    with emulation.count_op_calls() as calls:
+        forward(model, token_ids())
+    assert calls["npu_rotary_mul"] == 0 and swapped_modules(model, card="npu-rope") == []
+    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
+        apply_npu_kernels(model, local_dir=built_cards)
+    assert f"{module.__name__}.{ROTARY} alone" in caplog.text
+    classes = [cls for cls in vars(module).values() if isinstance(cls, type)]
+    assert not any(ours in vars(cls).get("_kernel_funcs", {}).values() for cls in classes)  # the registry's
+    assert model_type != "llama" or type(ours).kernel_layer_name == "rotary_pos_emb"  # transformers' own tag
+    assert getattr(module, ROTARY) is foreign_rotary
+
+
+CARD_OPS = {"npu-rms-norm": "npu_rms_norm", "npu-rope": "npu_rotary_mul", "npu-swiglu": "npu_swiglu"}
+CARD_OPS["npu-moe"] = "npu_moe_token_permute"
+"""The fused op each card's layer calls: once per call, npu_rotary_mul twice (q, then k)."""
+
+
+def ops_inside(model, names: set[str]) -> dict[str, Counter]:
+    """The fused op calls made inside the forward of each named module (its submodules' included), in one
+    forward. Only those are hooked: a split MLP whose projections carry hooks runs its eager math."""
+    ops: dict[str, Counter] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if name not in names:
+            continue
+
+        def before(module, args, name=name):
+            ops.setdefault(name, Counter()).subtract(emulation.OP_CALLS)
+
+        def after(module, args, output, name=name):
+            ops[name].update(emulation.OP_CALLS)
+
+        hooks += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    try:
+        forward(model, token_ids())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return {name: +counts for name, counts in ops.items()}
+
+
+def assert_each_listed_swap_runs(model_type: str, model) -> None:
+    """Every swap listed ran, and nothing fused that is not listed (split MLPs packed): each listed module
+    made its card's fused op call; each caller of rotary function-modules made ops per call times the functions listed
+    under it (DeepseekV3's attention calls one of its two, by config), and one with none listed made none."""
+    swaps = swapped_modules(model)
+    modules = dict(model.named_modules())
+    rope_callers: dict[str, list[str]] = {name: [] for name, m in modules.items() if getattr(m, "_kernel_funcs", None)}
+    ops = ops_inside(model, {"", *rope_callers, *(s.module for s in swaps)})
+    for swap in swaps:
+        if swap.module in modules:
+            assert ops[swap.module][CARD_OPS[swap.card]] == 1, (swap, ops[swap.module])
+        else:
+            caller, _, function = swap.module.rpartition(".")
+            rope_callers[caller].append(function)
+    assert rope_callers, "no caller of a rotary function-module"
+    fused = Counter(CARD_OPS[s.card] for s in swaps if s.module in modules)
+    fused["npu_swiglu"] += fused["npu_moe_token_permute"]  # the experts' activation
+    for caller, functions in rope_callers.items():
+        taken = [f for f in functions if model_type != "deepseek_v3" or f.endswith("_interleave")]
+        assert ops[caller]["npu_rotary_mul"] == ROPE_OPS_PER_CALL * len(taken), (caller, functions, ops[caller])
+        fused["npu_rotary_mul"] += ROPE_OPS_PER_CALL * len(taken)
+    assert {op: ops[""][op] for op in CARD_OPS.values()} == {op: fused[op] for op in CARD_OPS.values()}
+
+
+def rope_names(model_type: str, model) -> list[str]:
+    functions = [ROTARY] if model_type != "deepseek_v3" else [ROTARY, f"{ROTARY}_interleave"]
+    return [f"model.layers.{i}.self_attn.{f}" for i in range(layer_count(model)) for f in functions]
+
+
+DEEPCOPY_CASES = ["kernelize a copy of the base model", "copy a kernelized model", "copy, then kernelize again"]
+
+
+@pytest.mark.parametrize("case", DEEPCOPY_CASES)
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "deepseek_v3"])
+def test_a_deep_copy_fuses_as_the_original_does(register, model_type, case):
+    """TRL-style reference models are deep copies. transformers keeps the rotary function-module in each
+    attention module's `_kernel_funcs`, and deepcopy used to copy it: kernelize then swapped the copy,
+    while the code calls the module global. The function-modules are shared like the functions they are."""
+    register()
+    ids = token_ids()
+    eager = forward(tiny_model(model_type), ids)
+    base = tiny_model(model_type)  # copied on the host: the emulated device's tensors do not deepcopy
+    if case != DEEPCOPY_CASES[0]:
+        kernelize(base, mode=Mode.INFERENCE, device="npu")
+    model = copy.deepcopy(base).to("npu")
+    if case != DEEPCOPY_CASES[1]:
+        kernelize(model, mode=Mode.INFERENCE, device="npu")
+    pack_gate_up(model)
+    with emulation.count_op_calls() as calls:
+        out = forward(model, ids)
+    assert dict(calls) == expected_calls(model_type, model)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    assert [s.module for s in swapped_modules(model, card="npu-rope")] == rope_names(model_type, model)
+    assert_each_listed_swap_runs(model_type, model)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
+def test_a_copy_made_before_registering_lists_only_what_runs(register, model_type):
+    """A deep copy made before registering holds its own copies of the function-modules transformers
+    attaches (Llama), which its code does not call: kernelizing the copy swaps them but they are not
+    listed, and nothing fuses until the global its code calls is kernelized (through any model of the
+    family). Functions the registry attaches (DeepseekV3) are class attributes, never copied: they fuse."""
+    base = tiny_model(model_type)
+    model = copy.deepcopy(base).to("npu")
+    register()
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    pack_gate_up(model)  # split MLPs fuse once packed (listed either way)
+    attached_by_transformers = model_type == "llama"
+    expected = [] if attached_by_transformers else rope_names(model_type, model)
+    assert [s.module for s in swapped_modules(model, card="npu-rope")] == expected
+    assert_each_listed_swap_runs(model_type, model)
+    kernelize(base, mode=Mode.INFERENCE, device="npu")  # swaps the shared global the copy's code calls
+    assert [s.module for s in swapped_modules(model, card="npu-rope")] == rope_names(model_type, model)
+    assert_each_listed_swap_runs(model_type, model)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_rotary_swaps_are_named_by_function_before_and_after_registering(register, model_type):
+    before = tiny_model(model_type).to("npu")
+    register()
+    after = tiny_model(model_type).to("npu")
+    for model in (before, after):
+        kernelize(model, mode=Mode.INFERENCE, device="npu")
+        pack_gate_up(model)
+        assert [s.module for s in swapped_modules(model, card="npu-rope")] == rope_names(model_type, model)
+        assert_each_listed_swap_runs(model_type, model)
