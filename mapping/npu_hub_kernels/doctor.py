@@ -14,7 +14,8 @@ functions the `kernels` loader (0.17.2) itself runs, so its answer is the loader
   must accept the cached snapshot. Last come the metadata checks get_kernel makes before importing
   (python-depends, minimum kernels version, device architecture);
 - whether the cache holds that variant intact: its files checked against the digest of its
-  metadata.json;
+  metadata.json, the check register_npu_kernels' loader makes before importing it
+  (`npu_hub_kernels.integrity`);
 - trust: `register_npu_kernels` trusts exactly the card repos it registers. kernels' own publisher
   trust (the org's `trustedKernelPublisher` on the Hub) is needed by `get_kernel` without
   `trust_remote_code` and by `kernels lock`. Offline it cannot be known, and kernels skips it.
@@ -45,7 +46,6 @@ from kernels import Metadata, VariantAccepted
 from kernels import __version__ as KERNELS_VERSION
 
 # kernels' internals below are what its loader calls; the pin (kernels<0.18.1) keeps them in place.
-from kernels._rust import Digest, DigestValidationError
 from kernels._versions import resolve_version_spec_as_ref
 from kernels.backends import CANN, _backend
 from kernels.hf_hub import _get_hf_api
@@ -64,6 +64,7 @@ from kernels.variants import (
 from packaging.version import Version
 
 from .cards import CARDS, Card, resolve_org
+from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
 
 NOT_INSTALLED = "not installed"
@@ -411,7 +412,8 @@ def _cache_snapshot(repo_id: str, commit: str) -> Path:
 
 
 def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
-    """The variant's metadata, once its files match the digest in it (kernels does not check this).
+    """The variant's metadata, once its files match the digest in it: the check register_npu_kernels' loader
+    makes before importing a variant (kernels itself does not make it).
 
     `copy` is what to replace when they do not: the cache snapshot, or the LOCAL_KERNELS folder.
     """
@@ -422,20 +424,18 @@ def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
             f"build/{report.variant}/metadata.json does not parse: {_one_line(error)}",
             DIGEST_HINT.format(variant=report.variant, copy=copy),
         ) from None
-    if metadata.digest is None:
-        report.files = "not checked: metadata.json has no digest"
-        return metadata
     try:
-        metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, variant_dir))
-    except DigestValidationError as error:
-        shown = [str(violation) for violation in error.violations]
-        listed = "; ".join(shown[:3]) + (f"; and {len(shown) - 3} more" if len(shown) > 3 else "")
-        report.files = f"differ from the metadata.json digest: {listed}"
+        checked = check_variant_files(variant_dir, metadata)
+    except VariantFilesError as error:
+        report.files = f"differ from the metadata.json digest: {error.summary}"
         raise _Refusal(
-            f"the files of build/{report.variant} differ from its metadata.json digest: {listed}",
+            f"the files of build/{report.variant} differ from its metadata.json digest: {error.summary}",
             DIGEST_HINT.format(variant=report.variant, copy=copy),
         ) from None
-    report.files = f"{len(metadata.digest.files)} files match the metadata.json digest"
+    if checked is None:
+        report.files = "not checked: metadata.json has no digest"
+        return metadata
+    report.files = f"{checked} files match the metadata.json digest"
     return metadata
 
 

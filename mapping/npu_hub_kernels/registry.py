@@ -36,8 +36,6 @@ from pathlib import Path
 from types import CodeType, MethodType, ModuleType
 
 from kernels import (
-    LayerRepository,
-    LocalLayerRepository,
     Mode,
     kernelize,
     register_kernel_mapping,
@@ -47,6 +45,7 @@ from kernels import (
 from torch import nn
 
 from .cards import CARDS, Card, resolve_org
+from .integrity import CheckedLayerRepository, CheckedLocalLayerRepository
 from .models import MODEL_CLASSES, ClassRule
 
 logger = logging.getLogger(__name__)
@@ -257,15 +256,17 @@ def _card_build_of(function) -> ModuleType | None:
 
 
 def _repository(card: Card, layer: str, *, org: str, version: int, local_dir, trust):
+    """kernels' repository of one layer of `card`; it refuses to import a build variant whose files fail the
+    digest in its metadata.json (npu_hub_kernels.integrity)."""
     if local_dir is None:
-        return LayerRepository(card.repo_id(org), layer_name=layer, version=version, trust_remote_code=trust)
+        return CheckedLayerRepository(card.repo_id(org), layer_name=layer, version=version, trust_remote_code=trust)
     card_dir = Path(local_dir) / card.repo_name
     if not (card_dir / "build").is_dir():
         raise FileNotFoundError(
             f"{card_dir} holds no built card (no build/ folder). Build the cards first (`make build`), "
             f"and pass the folder that contains {card.repo_name}/."
         )
-    return LocalLayerRepository(repo_path=card_dir.resolve(), layer_name=layer)
+    return CheckedLocalLayerRepository(repo_path=card_dir.resolve(), layer_name=layer)
 
 
 def _tag_when_imported(rule: ClassRule, mapping_name: str) -> None:
