@@ -196,3 +196,12 @@ def test_an_intact_copy_loads_after_a_refused_one(built_cards, tmp_path):
     finally:
         unregister_npu_kernels()
     assert len(swapped_modules(model, card="npu-rms-norm")) == norm_module_count(model)
+
+
+@pytest.mark.parametrize("selection", [0, 1, 2.5, object(), [0], ("npu_fused_rope", None), b"npu_fused_rope"])
+def test_a_kernel_selection_of_the_wrong_type_says_what_is_accepted(selection):
+    with pytest.raises(TypeError) as error:
+        register_npu_kernels(kernels=selection)
+    message = str(error.value)
+    assert message.startswith("kernels=") and '"auto"' in message and "None" in message
+    assert "comma-separated" in message and "npu_fused_rmsnorm" in message

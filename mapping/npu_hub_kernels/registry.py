@@ -73,7 +73,14 @@ def select_kernels(kernels: KernelSelection) -> list[Card]:
         return []
     if kernels is True or kernels == "auto":
         return list(CARDS.values())
-    ids = [k.strip() for k in kernels.split(",")] if isinstance(kernels, str) else list(kernels)
+    if isinstance(kernels, str):
+        ids = [k.strip() for k in kernels.split(",")]
+    elif isinstance(kernels, Iterable) and not isinstance(kernels, bytes | bytearray):
+        ids = list(kernels)
+        if not all(isinstance(k, str) for k in ids):
+            raise TypeError(_selection_error(kernels))
+    else:
+        raise TypeError(_selection_error(kernels))
     ids = [k for k in ids if k]
     unknown = [k for k in ids if k not in CARDS]
     if unknown:
@@ -82,6 +89,13 @@ def select_kernels(kernels: KernelSelection) -> list[Card]:
             'or pass "auto" for all of them, None to turn kernels off.'
         )
     return [CARDS[k] for k in dict.fromkeys(ids)]
+
+
+def _selection_error(kernels: object) -> str:
+    return (
+        f'kernels={kernels!r} is not a kernel selection. Pass "auto" or True for all cards, None or False for '
+        f"none, or kernel ids as a list of strings or one comma-separated string, from: {', '.join(CARDS)}."
+    )
 
 
 def register_npu_kernels(
