@@ -21,7 +21,8 @@ functions the `kernels` loader (0.17.2) itself runs, so its answer is the loader
   `trust_remote_code` and by `kernels lock`. Offline it cannot be known, and kernels skips it.
 
 The doctor never imports card code and never writes to the cache. Exit status: 0 when every card
-resolves to a variant that loads, 1 otherwise, with a hint per problem.
+resolves to a variant that loads, 1 otherwise, with a hint per problem; 2 for a version below 1 or a
+malformed organisation name, refused before anything is looked up.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ import torch
 from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import IncompleteSnapshotError
 from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from kernels import Metadata, VariantAccepted
 from kernels import __version__ as KERNELS_VERSION
 
 # kernels' internals below are what its loader calls; the pin (kernels<0.18.1) keeps them in place.
-from kernels._versions import resolve_version_spec_as_ref
+from kernels._versions import _get_available_versions, resolve_version_spec_as_ref
 from kernels.backends import CANN, _backend
 from kernels.hf_hub import _get_hf_api
 from kernels.load import _parse_local_kernel_overrides
@@ -63,7 +65,7 @@ from kernels.variants import (
 )
 from packaging.version import Version
 
-from .cards import CARDS, Card, resolve_org
+from .cards import CARDS, ORG_ENV, Card, resolve_org
 from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
 
@@ -73,6 +75,10 @@ NOT_CACHED_HINT = (
     "(README, 'Distribution: offline and pinned use') and copy the cache over, or from a source checkout run "
     "`make build`, then seed the cache: "
     "python -c \"from npu_hub_kernels.offline import seed_offline_cache; seed_offline_cache('build', '{org}')\""
+)
+OTHER_VERSION_HINT = (
+    "pass a version the cache holds ({cached}); offline, the doctor cannot tell whether version {version} exists on "
+    "the Hub: run it without HF_HUB_OFFLINE=1 to ask the Hub, which lists the published versions"
 )
 LOCAL_KERNELS_NOTE = (
     " (LOCAL_KERNELS maps {repo_id} to a folder, but register_npu_kernels resolves v{version} to a commit first; "
@@ -356,6 +362,13 @@ def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: 
     try:
         return resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
     except ValueError as error:
+        cached = sorted(_get_available_versions(repo_id, local_files_only=True)) if offline else []
+        if cached:  # the cache holds this card, at other versions: whether v<version> exists is unknowable offline
+            raise _Refusal(
+                f"version {version} of {repo_id} is not in the cache, which holds "
+                + ", ".join(f"v{v}" for v in cached),
+                OTHER_VERSION_HINT.format(version=version, cached=" or ".join(f"--version {v}" for v in cached)),
+            ) from None
         if offline:
             note = LOCAL_KERNELS_NOTE.format(repo_id=repo_id, version=version) if local is not None else ""
             raise _Refusal(f"not cached: {error}", NOT_CACHED_HINT.format(version=version, org=org) + note) from None
@@ -543,17 +556,60 @@ def _rejections(card: CardReport, shown: dict[str, str]) -> list[str]:
     return lines
 
 
+def org_name_problem(org: str) -> str | None:
+    """Why `org` cannot name a Hub organisation (huggingface_hub's own repo id rule), or None."""
+    try:
+        validate_repo_id(f"{org}/{next(iter(CARDS.values())).repo_name}")
+    except HFValidationError as error:
+        return (
+            f"{org!r} is not a Hub organisation name: it takes letters, digits, '-', '_' and '.', neither starts nor "
+            f"ends with '-' or '.', and has no '/', '--' or '..' (huggingface_hub: {error})"
+        )
+    return None
+
+
+def _org_argument(text: str) -> str:
+    problem = org_name_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _version_argument(text: str) -> int:
+    try:
+        version = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a card version: a whole number from 1 (the Hub branch v<N>)"
+        ) from None
+    if version < 1:
+        raise argparse.ArgumentTypeError(f"{version} is not a card version: versions start at 1 (the Hub branch v1)")
+    return version
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The doctor's command-line options, for `python -m npu_hub_kernels doctor`."""
     parser.add_argument(
-        "--org", help="Hub organisation of the cards (default: $NPU_HUB_KERNELS_ORG, else npu-hub-kernels)"
+        "--org",
+        type=_org_argument,
+        help="Hub organisation of the cards (default: $NPU_HUB_KERNELS_ORG, else npu-hub-kernels)",
     )
-    parser.add_argument("--version", type=int, default=1, help="card API version, the branch v<version> (default: 1)")
+    parser.add_argument(
+        "--version",
+        type=_version_argument,
+        default=1,
+        help="card API version from 1, the branch v<version> (default: 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report; exit status 0 when every card loads, 1 otherwise."""
+    """Print the report; exit status 0 when every card loads, 1 otherwise, 2 for an unusable $NPU_HUB_KERNELS_ORG."""
+    if args.org is None and os.environ.get(ORG_ENV):
+        problem = org_name_problem(os.environ[ORG_ENV])
+        if problem:
+            print(f"error: {ORG_ENV}={problem}", file=sys.stderr)
+            return 2
     report = diagnose(args.org, args.version)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.ok else 1
