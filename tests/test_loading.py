@@ -170,7 +170,7 @@ def test_a_tampered_variant_in_the_offline_hub_cache_is_refused_as_the_doctor_sa
 def test_missing_and_extra_files_are_named(built_cards, tmp_path):
     copy = tampered_rms_norm_copy(built_cards, tmp_path)
     package = copy / "npu-rms-norm" / "build" / ARCH_VARIANT / "npu_rms_norm"
-    (package / "_activations.py").unlink()
+    (package / "layers.py").unlink()
     (package / "notes.txt").write_text("left behind\n")
     register_npu_kernels(local_dir=copy, kernels="npu_fused_rmsnorm")
     try:
@@ -179,8 +179,7 @@ def test_missing_and_extra_files_are_named(built_cards, tmp_path):
     finally:
         unregister_npu_kernels()
     assert error.value.summary == (
-        "changed: npu_rms_norm/rms_norm.py; missing: npu_rms_norm/_activations.py; "
-        "not in the digest: npu_rms_norm/notes.txt"
+        "changed: npu_rms_norm/rms_norm.py; missing: npu_rms_norm/layers.py; not in the digest: npu_rms_norm/notes.txt"
     )
 
 
