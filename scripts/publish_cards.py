@@ -314,7 +314,9 @@ def plan_branch(
     return plan
 
 
-def plan_card(api: HfApi, card: build_cards.Card, card_dir: Path, fingerprint: dict, org: str) -> CardPlan:
+def plan_card(
+    api: HfApi, card: build_cards.Card, card_dir: Path, fingerprint: dict, org: str, *, dry_run: bool = False
+) -> CardPlan:
     """Read the repository's branches and files, refuse an unbumped API change, plan one commit per branch."""
     repo_id = f"{org}/{card.name}"
     version_branch = f"v{card.version}"
@@ -324,7 +326,7 @@ def plan_card(api: HfApi, card: build_cards.Card, card_dir: Path, fingerprint: d
     version_files.update({path: content for path, content in built.items() if path.startswith("build/")})
     owned = tuple(f"build/{variant}/" for variant in variants)
 
-    with hub_errors(f"reading {repo_id}", org):
+    with hub_errors(f"reading {repo_id}", org, dry_run=dry_run):
         try:
             refs = api.list_repo_refs(repo_id, repo_type=REPO_TYPE)
         except RepositoryNotFoundError:
@@ -400,17 +402,22 @@ def print_plan(plan: CardPlan, *, list_files: bool) -> None:
 
 
 @contextmanager
-def hub_errors(action: str, org: str, *, commit: str | None = None) -> Iterator[None]:
+def hub_errors(action: str, org: str, *, commit: str | None = None, dry_run: bool = False) -> Iterator[None]:
     """Turn the Hub's and the network's errors during `action` into a PublishError that says what to do.
 
     `commit` names the branch of a commit in progress: the Hub applies a commit whole or not at all.
+    `dry_run`: the step belongs to a dry run, which writes nothing and whose rerun only plans again.
     """
-    outcome = (
-        f"The commit was not applied: {commit} is as it was (a commit applies whole or not at all)."
-        if commit
-        else "Nothing was written by this step."
-    )
-    rerun = "Run the same command again: it publishes what is missing and skips what is already on the Hub."
+    if dry_run:
+        outcome = "Nothing was written: this is a dry run."
+        rerun = "Run the same command again to see the plan."
+    else:
+        outcome = (
+            f"The commit was not applied: {commit} is as it was (a commit applies whole or not at all)."
+            if commit
+            else "Nothing was written by this step."
+        )
+        rerun = "Run the same command again: it publishes what is missing and skips what is already on the Hub."
     try:
         yield
     except OfflineModeIsEnabled:
@@ -500,7 +507,9 @@ def publish(org: str, card_names: list[str] | None, build_dir: Path, dry_run: bo
         card_dirs[card.name] = card_dir
     print("loading every build variant through kernels, as a CPU-only host and as an Ascend host ...", flush=True)
     fingerprints = check_loads(card_dirs, cards)
-    plans = [plan_card(api, card, card_dirs[name], fingerprints[name], org) for name, card in cards.items()]
+    plans = [
+        plan_card(api, card, card_dirs[name], fingerprints[name], org, dry_run=dry_run) for name, card in cards.items()
+    ]
     for plan in plans:
         print_plan(plan, list_files=dry_run)
     if dry_run:

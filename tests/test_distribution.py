@@ -301,3 +301,36 @@ for card in ("npu-rope", "npu-rms-norm"):
         emulate=True,
     )
     assert pinned == {card.split("/")[1]: [ARCH_VARIANT, commit] for card, commit in locked.items()}
+
+
+@pytest.mark.slow
+def test_a_variant_downloaded_with_files_that_fail_its_digest_is_not_imported(hub, built_cards, tmp_path):
+    fused = "return torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]"
+    path = f"build/{ARCH_VARIANT}/npu_rms_norm/rms_norm.py"
+    source = (built_cards / "npu-rms-norm" / path).read_text()
+    HfApi(endpoint=hub.url, token=TOKEN).upload_file(  # one line changed on the Hub, metadata.json left as built
+        path_or_fileobj=source.replace(fused, fused + " * 1.5").encode(),
+        path_in_repo=path,
+        repo_id=f"{ORG}/npu-rms-norm",
+        repo_type="kernel",
+        revision="v1",
+    )
+    env = {**user_env(hub.url, tmp_path / "hub-cache"), "PYTHONPATH": str(Path(__file__).parents[1] / "mapping")}
+    loaded = run_user(
+        """
+from npu_hub_kernels.integrity import VariantFilesError
+try:
+    register_kwargs = {"kernels": "npu_fused_rmsnorm"}
+"""
+        + "\n".join("    " + line for line in LOAD_AND_KERNELIZE.strip().splitlines())
+        + """
+except VariantFilesError as error:
+    result["refused"] = str(error)
+    result["changed"] = error.changed
+""",
+        env,
+        emulate=True,
+    )
+    assert "variants" not in loaded and loaded["changed"] == ["npu_rms_norm/rms_norm.py"]
+    assert f"npu-rms-norm: build/{ARCH_VARIANT} (" in loaded["refused"]
+    assert "download the card again" in loaded["refused"]

@@ -187,3 +187,39 @@ def test_online_host_asks_the_hub_and_names_the_telemetry_trap(hub, tmp_path):
     report = json.loads(trapped.stdout)
     assert all(card["problem"].startswith("the Hub did not answer: LocalProtocolError") for card in report["cards"])
     assert len(report["hints"]) == 1 and report["hints"][0].startswith("unset HF_HUB_DISABLE_TELEMETRY")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--version", "0"), "argument --version: 0 is not a card version: versions start at 1"),
+        (("--version", "-1"), "argument --version: -1 is not a card version: versions start at 1"),
+        (("--version", "one"), "argument --version: 'one' is not a card version: a whole number from 1"),
+        (("--org", "bad org"), "argument --org: 'bad org' is not a Hub organisation name"),
+        (("--org", "an-org/npu-rope"), "argument --org: 'an-org/npu-rope' is not a Hub organisation name"),
+        (("--org", "x--y"), "argument --org: 'x--y' is not a Hub organisation name"),
+    ],
+)
+def test_invalid_versions_and_org_names_are_refused_when_parsing(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["doctor", *args])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+def test_a_malformed_org_from_the_environment_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("NPU_HUB_KERNELS_ORG", "my org")
+    assert main(["doctor"]) == 2
+    captured = capsys.readouterr()
+    assert "NPU_HUB_KERNELS_ORG='my org' is not a Hub organisation name" in captured.err and captured.out == ""
+
+
+def test_a_version_the_cache_does_not_hold_is_named_with_the_versions_it_holds(offline_hub, capsys):
+    status, report = doctor_json(capsys, "--org", offline_hub, "--version", "7")
+    assert status == 1
+    for name, card in cards_of(report).items():
+        assert card["problem"] == f"version 7 of {offline_hub}/{name} is not in the cache, which holds v1"
+    (hint,) = report["hints"]
+    assert "--version 1" in hint and "cannot tell whether version 7 exists" in hint
+    assert "seed" not in hint and "download each card" not in hint

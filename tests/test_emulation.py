@@ -7,6 +7,7 @@ import torch
 import torch_npu
 
 from npu_hub_kernels import emulation
+from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
 
 
 def _rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
@@ -286,3 +287,72 @@ def test_npu_apply_rotary_pos_emb_enforces_its_limits(change, message):
     q.requires_grad_(change.get("grad", False))
     with pytest.raises(RuntimeError, match=message):
         torch_npu.npu_apply_rotary_pos_emb(q, k, cos, cos, layout=change.get("layout", "BSND"))
+
+
+CASTS = {
+    "to(bfloat16)": lambda model: model.to(torch.bfloat16),
+    "half()": lambda model: model.half(),
+}
+
+
+@pytest.mark.parametrize("cast", CASTS)
+def test_a_cast_after_a_forward_whose_output_is_kept_works_as_on_a_device(cast):
+    ids = token_ids()
+    model = tiny_causal_lm("llama").to("npu")
+    params = list(model.parameters())
+    kept = model(ids.to("npu")).logits  # with its autograd graph, which holds the weights
+    before = kept.detach().cpu().clone()
+    CASTS[cast](model)
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))  # cast in place, as on a device
+    on_host = CASTS[cast](tiny_causal_lm("llama"))
+    assert {p.dtype for p in model.parameters()} == {on_host.lm_head.weight.dtype} != {torch.float32}
+    for (name, value), expected in zip(model.state_dict().items(), on_host.state_dict().values(), strict=True):
+        assert torch.equal(value.cpu(), expected), name
+    reference = CASTS[cast](tiny_causal_lm("llama").to("npu"))  # the same cast with no forward before it
+    with torch.no_grad():
+        assert torch.equal(model(ids.to("npu")).logits.cpu(), reference(ids.to("npu")).logits.cpu())
+    assert torch.equal(kept.detach().cpu(), before)
+
+
+def test_tied_weights_stay_tied_through_moves_and_casts():
+    model = tiny_causal_lm("gemma3_text")
+    assert model.config.tie_word_embeddings
+
+    def tied(device_type, dtype):
+        embedding, head = model.get_input_embeddings().weight, model.lm_head.weight
+        return head is embedding and (embedding.device.type, embedding.dtype) == (device_type, dtype)
+
+    model.to("npu")
+    assert tied("npu", torch.float32)
+    kept = model(token_ids().to("npu")).logits
+    model.to(torch.bfloat16)
+    assert tied("npu", torch.bfloat16)
+    model.half()
+    assert tied("npu", torch.float16)
+    del kept  # moving between host and device swaps the tensors, which an autograd graph would hold
+    model.to("cpu")
+    assert tied("cpu", torch.float16)
+
+
+def test_module_conversions_leave_the_swap_flag_as_the_user_set_it():
+    future = torch.__future__
+    assert not future.get_swap_module_params_on_conversion()  # torch's default, untouched by install()
+    linear = torch.nn.Linear(4, 4).to("npu").to(torch.bfloat16).cpu()
+    assert not future.get_swap_module_params_on_conversion()
+    future.set_swap_module_params_on_conversion(True)
+    try:
+        linear.to("npu").float().to("cpu")
+        assert future.get_swap_module_params_on_conversion()
+    finally:
+        future.set_swap_module_params_on_conversion(False)
+    assert linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
+
+
+def test_assigning_data_of_an_npu_tensor_moves_its_values_too():
+    param = torch.nn.Parameter(torch.zeros(2, 3, device="npu"))
+    new = torch.arange(6.0).reshape(3, 2).to(torch.bfloat16).to("npu")
+    param.data = new
+    assert (param.shape, param.dtype) == ((3, 2), torch.bfloat16)
+    assert torch.equal(param.detach().cpu(), new.cpu()) and torch.equal((param * 2).cpu(), new.cpu() * 2)
+    with pytest.raises(RuntimeError):
+        param.data = torch.zeros(3, 2)  # a host tensor: the emulation cannot move a device tensor's storage

@@ -12,6 +12,9 @@ from kernels.variants import VariantAccepted, get_variants_local, resolve_varian
 
 from npu_hub_kernels import CARDS, ORG_ENV, emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.cards import DEFAULT_ORG, resolve_org
+from npu_hub_kernels.doctor import diagnose
+from npu_hub_kernels.integrity import VariantFilesError
+from npu_hub_kernels.offline import default_cache_dir, seed_offline_cache
 from npu_hub_kernels.tiny_models import norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 
@@ -113,3 +116,91 @@ def test_org_from_environment_is_used_for_loading(offline_hub, monkeypatch):
 def test_local_dir_without_a_build_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="make build"):
         register_npu_kernels(local_dir=tmp_path)
+
+
+FUSED_CALL = "return torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]"
+
+
+def tampered_rms_norm_copy(built_cards, tmp_path):
+    """A folder of built cards whose npu-rms-norm build for this host has one changed line in rms_norm.py."""
+    copy = tmp_path / "cards"
+    shutil.copytree(built_cards / "npu-rms-norm", copy / "npu-rms-norm", ignore=shutil.ignore_patterns("__pycache__"))
+    source = copy / "npu-rms-norm" / "build" / ARCH_VARIANT / "npu_rms_norm" / "rms_norm.py"
+    assert FUSED_CALL in source.read_text()
+    source.write_text(source.read_text().replace(FUSED_CALL, FUSED_CALL + " * 1.5"))
+    return copy
+
+
+def kernelize_for_npu(model):
+    return kernelize(model, mode=Mode.INFERENCE, device="npu")
+
+
+def test_a_tampered_variant_in_a_local_folder_is_refused_naming_the_file(built_cards, tmp_path):
+    register_npu_kernels(local_dir=tampered_rms_norm_copy(built_cards, tmp_path), kernels="npu_fused_rmsnorm")
+    try:
+        with pytest.raises(VariantFilesError) as error:
+            kernelize_for_npu(tiny_model("llama").to("npu"))
+    finally:
+        unregister_npu_kernels()
+    message = str(error.value)
+    assert f"build/{ARCH_VARIANT}" in message and "changed: npu_rms_norm/rms_norm.py" in message
+    assert "make build" in message
+    assert error.value.changed == ["npu_rms_norm/rms_norm.py"] and error.value.missing == error.value.unexpected == []
+
+
+def test_a_tampered_variant_in_the_offline_hub_cache_is_refused_as_the_doctor_says(built_cards, tmp_path, capsys):
+    org = "tampered-cache-org"  # an org of its own: kernelize caches a layer per repository and version
+    seed_offline_cache(tampered_rms_norm_copy(built_cards, tmp_path), org)
+    register_npu_kernels(org=org, kernels="npu_fused_rmsnorm")
+    try:
+        with pytest.raises(VariantFilesError) as error:
+            kernelize_for_npu(tiny_model("llama").to("npu"))
+    finally:
+        unregister_npu_kernels()
+    message = str(error.value)
+    assert "changed: npu_rms_norm/rms_norm.py" in message and "download" in message
+    assert str(default_cache_dir()) in message
+
+    report = diagnose(org)
+    (card,) = [card for card in report.cards if card.card == "npu-rms-norm"]
+    assert not report.ok and card.variant == ARCH_VARIANT
+    assert error.value.summary in card.problem  # one check: the doctor's finding is the loader's refusal
+
+
+def test_missing_and_extra_files_are_named(built_cards, tmp_path):
+    copy = tampered_rms_norm_copy(built_cards, tmp_path)
+    package = copy / "npu-rms-norm" / "build" / ARCH_VARIANT / "npu_rms_norm"
+    (package / "layers.py").unlink()
+    (package / "notes.txt").write_text("left behind\n")
+    register_npu_kernels(local_dir=copy, kernels="npu_fused_rmsnorm")
+    try:
+        with pytest.raises(VariantFilesError) as error:
+            kernelize_for_npu(tiny_model("llama").to("npu"))
+    finally:
+        unregister_npu_kernels()
+    assert error.value.summary == (
+        "changed: npu_rms_norm/rms_norm.py; missing: npu_rms_norm/layers.py; not in the digest: npu_rms_norm/notes.txt"
+    )
+
+
+def test_an_intact_copy_loads_after_a_refused_one(built_cards, tmp_path):
+    copy = tampered_rms_norm_copy(built_cards, tmp_path)
+    register_npu_kernels(local_dir=copy, kernels="npu_fused_rmsnorm")
+    try:
+        with pytest.raises(VariantFilesError):
+            kernelize_for_npu(tiny_model("llama").to("npu"))
+        source = copy / "npu-rms-norm" / "build" / ARCH_VARIANT / "npu_rms_norm" / "rms_norm.py"
+        source.write_text(source.read_text().replace(FUSED_CALL + " * 1.5", FUSED_CALL))
+        model = kernelize_for_npu(tiny_model("llama").to("npu"))
+    finally:
+        unregister_npu_kernels()
+    assert len(swapped_modules(model, card="npu-rms-norm")) == norm_module_count(model)
+
+
+@pytest.mark.parametrize("selection", [0, 1, 2.5, object(), [0], ("npu_fused_rope", None), b"npu_fused_rope"])
+def test_a_kernel_selection_of_the_wrong_type_says_what_is_accepted(selection):
+    with pytest.raises(TypeError) as error:
+        register_npu_kernels(kernels=selection)
+    message = str(error.value)
+    assert message.startswith("kernels=") and '"auto"' in message and "None" in message
+    assert "comma-separated" in message and "npu_fused_rmsnorm" in message

@@ -265,3 +265,15 @@ def test_token_problems_are_explained_before_any_work(hub, built_cards, tmp_path
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert "checking" not in result.stdout  # refused before checking the build
+
+
+@pytest.mark.slow
+def test_a_failed_dry_run_does_not_promise_to_publish(hub, built_cards, tmp_path):
+    hub.fail_next("list_refs", 500)
+    result = publish(hub, tmp_path, "--org", ORG, "--build", str(built_cards), "--cards", "npu-rope", "--dry-run")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"reading {ORG}/npu-rope failed (500" in result.stderr
+    assert "publishes" not in result.stderr and "Nothing was written: this is a dry run" in result.stderr
+    assert "Run the same command again to see the plan" in result.stderr
+    for endpoint in ("create_repo", "create_branch", "preupload", "commit"):
+        assert hub.request_count(endpoint) == 0, endpoint

@@ -14,13 +14,15 @@ functions the `kernels` loader (0.17.2) itself runs, so its answer is the loader
   must accept the cached snapshot. Last come the metadata checks get_kernel makes before importing
   (python-depends, minimum kernels version, device architecture);
 - whether the cache holds that variant intact: its files checked against the digest of its
-  metadata.json;
+  metadata.json, the check register_npu_kernels' loader makes before importing it
+  (`npu_hub_kernels.integrity`);
 - trust: `register_npu_kernels` trusts exactly the card repos it registers. kernels' own publisher
   trust (the org's `trustedKernelPublisher` on the Hub) is needed by `get_kernel` without
   `trust_remote_code` and by `kernels lock`. Offline it cannot be known, and kernels skips it.
 
 The doctor never imports card code and never writes to the cache. Exit status: 0 when every card
-resolves to a variant that loads, 1 otherwise, with a hint per problem.
+resolves to a variant that loads, 1 otherwise, with a hint per problem; 2 for a version below 1 or a
+malformed organisation name, refused before anything is looked up.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ import torch
 from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import IncompleteSnapshotError
 from huggingface_hub.file_download import repo_folder_name
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from kernels import Metadata, VariantAccepted
 from kernels import __version__ as KERNELS_VERSION
 
 # kernels' internals below are what its loader calls; the pin (kernels<0.18.1) keeps them in place.
-from kernels._rust import Digest, DigestValidationError
-from kernels._versions import resolve_version_spec_as_ref
+from kernels._versions import _get_available_versions, resolve_version_spec_as_ref
 from kernels.backends import CANN, _backend
 from kernels.hf_hub import _get_hf_api
 from kernels.load import _parse_local_kernel_overrides
@@ -63,7 +65,8 @@ from kernels.variants import (
 )
 from packaging.version import Version
 
-from .cards import CARDS, Card, resolve_org
+from .cards import CARDS, ORG_ENV, Card, resolve_org
+from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
 
 NOT_INSTALLED = "not installed"
@@ -72,6 +75,10 @@ NOT_CACHED_HINT = (
     "(README, 'Distribution: offline and pinned use') and copy the cache over, or from a source checkout run "
     "`make build`, then seed the cache: "
     "python -c \"from npu_hub_kernels.offline import seed_offline_cache; seed_offline_cache('build', '{org}')\""
+)
+OTHER_VERSION_HINT = (
+    "pass a version the cache holds ({cached}); offline, the doctor cannot tell whether version {version} exists on "
+    "the Hub: run it without HF_HUB_OFFLINE=1 to ask the Hub, which lists the published versions"
 )
 LOCAL_KERNELS_NOTE = (
     " (LOCAL_KERNELS maps {repo_id} to a folder, but register_npu_kernels resolves v{version} to a commit first; "
@@ -355,6 +362,13 @@ def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: 
     try:
         return resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
     except ValueError as error:
+        cached = sorted(_get_available_versions(repo_id, local_files_only=True)) if offline else []
+        if cached:  # the cache holds this card, at other versions: whether v<version> exists is unknowable offline
+            raise _Refusal(
+                f"version {version} of {repo_id} is not in the cache, which holds "
+                + ", ".join(f"v{v}" for v in cached),
+                OTHER_VERSION_HINT.format(version=version, cached=" or ".join(f"--version {v}" for v in cached)),
+            ) from None
         if offline:
             note = LOCAL_KERNELS_NOTE.format(repo_id=repo_id, version=version) if local is not None else ""
             raise _Refusal(f"not cached: {error}", NOT_CACHED_HINT.format(version=version, org=org) + note) from None
@@ -411,7 +425,8 @@ def _cache_snapshot(repo_id: str, commit: str) -> Path:
 
 
 def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
-    """The variant's metadata, once its files match the digest in it (kernels does not check this).
+    """The variant's metadata, once its files match the digest in it: the check register_npu_kernels' loader
+    makes before importing a variant (kernels itself does not make it).
 
     `copy` is what to replace when they do not: the cache snapshot, or the LOCAL_KERNELS folder.
     """
@@ -422,20 +437,18 @@ def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
             f"build/{report.variant}/metadata.json does not parse: {_one_line(error)}",
             DIGEST_HINT.format(variant=report.variant, copy=copy),
         ) from None
-    if metadata.digest is None:
-        report.files = "not checked: metadata.json has no digest"
-        return metadata
     try:
-        metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, variant_dir))
-    except DigestValidationError as error:
-        shown = [str(violation) for violation in error.violations]
-        listed = "; ".join(shown[:3]) + (f"; and {len(shown) - 3} more" if len(shown) > 3 else "")
-        report.files = f"differ from the metadata.json digest: {listed}"
+        checked = check_variant_files(variant_dir, metadata)
+    except VariantFilesError as error:
+        report.files = f"differ from the metadata.json digest: {error.summary}"
         raise _Refusal(
-            f"the files of build/{report.variant} differ from its metadata.json digest: {listed}",
+            f"the files of build/{report.variant} differ from its metadata.json digest: {error.summary}",
             DIGEST_HINT.format(variant=report.variant, copy=copy),
         ) from None
-    report.files = f"{len(metadata.digest.files)} files match the metadata.json digest"
+    if checked is None:
+        report.files = "not checked: metadata.json has no digest"
+        return metadata
+    report.files = f"{checked} files match the metadata.json digest"
     return metadata
 
 
@@ -543,17 +556,60 @@ def _rejections(card: CardReport, shown: dict[str, str]) -> list[str]:
     return lines
 
 
+def org_name_problem(org: str) -> str | None:
+    """Why `org` cannot name a Hub organisation (huggingface_hub's own repo id rule), or None."""
+    try:
+        validate_repo_id(f"{org}/{next(iter(CARDS.values())).repo_name}")
+    except HFValidationError as error:
+        return (
+            f"{org!r} is not a Hub organisation name: it takes letters, digits, '-', '_' and '.', neither starts nor "
+            f"ends with '-' or '.', and has no '/', '--' or '..' (huggingface_hub: {error})"
+        )
+    return None
+
+
+def _org_argument(text: str) -> str:
+    problem = org_name_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def _version_argument(text: str) -> int:
+    try:
+        version = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a card version: a whole number from 1 (the Hub branch v<N>)"
+        ) from None
+    if version < 1:
+        raise argparse.ArgumentTypeError(f"{version} is not a card version: versions start at 1 (the Hub branch v1)")
+    return version
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The doctor's command-line options, for `python -m npu_hub_kernels doctor`."""
     parser.add_argument(
-        "--org", help="Hub organisation of the cards (default: $NPU_HUB_KERNELS_ORG, else npu-hub-kernels)"
+        "--org",
+        type=_org_argument,
+        help="Hub organisation of the cards (default: $NPU_HUB_KERNELS_ORG, else npu-hub-kernels)",
     )
-    parser.add_argument("--version", type=int, default=1, help="card API version, the branch v<version> (default: 1)")
+    parser.add_argument(
+        "--version",
+        type=_version_argument,
+        default=1,
+        help="card API version from 1, the branch v<version> (default: 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report; exit status 0 when every card loads, 1 otherwise."""
+    """Print the report; exit status 0 when every card loads, 1 otherwise, 2 for an unusable $NPU_HUB_KERNELS_ORG."""
+    if args.org is None and os.environ.get(ORG_ENV):
+        problem = org_name_problem(os.environ[ORG_ENV])
+        if problem:
+            print(f"error: {ORG_ENV}={problem}", file=sys.stderr)
+            return 2
     report = diagnose(args.org, args.version)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.ok else 1

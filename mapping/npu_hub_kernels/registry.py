@@ -43,8 +43,6 @@ from pathlib import Path
 from types import CodeType, MethodType, ModuleType
 
 from kernels import (
-    LayerRepository,
-    LocalLayerRepository,
     Mode,
     kernelize,
     register_kernel_mapping,
@@ -54,6 +52,7 @@ from kernels import (
 from torch import nn
 
 from .cards import CARDS, Card, resolve_org
+from .integrity import CheckedLayerRepository, CheckedLocalLayerRepository
 from .models import MODEL_CLASSES, ClassRule
 
 logger = logging.getLogger(__name__)
@@ -87,7 +86,14 @@ def select_kernels(kernels: KernelSelection) -> list[Card]:
         return []
     if kernels is True or kernels == "auto":
         return list(CARDS.values())
-    ids = [k.strip() for k in kernels.split(",")] if isinstance(kernels, str) else list(kernels)
+    if isinstance(kernels, str):
+        ids = [k.strip() for k in kernels.split(",")]
+    elif isinstance(kernels, Iterable) and not isinstance(kernels, bytes | bytearray):
+        ids = list(kernels)
+        if not all(isinstance(k, str) for k in ids):
+            raise TypeError(_selection_error(kernels))
+    else:
+        raise TypeError(_selection_error(kernels))
     ids = [k for k in ids if k]
     unknown = [k for k in ids if k not in CARDS]
     if unknown:
@@ -96,6 +102,13 @@ def select_kernels(kernels: KernelSelection) -> list[Card]:
             'or pass "auto" for all of them, None to turn kernels off.'
         )
     return [CARDS[k] for k in dict.fromkeys(ids)]
+
+
+def _selection_error(kernels: object) -> str:
+    return (
+        f'kernels={kernels!r} is not a kernel selection. Pass "auto" or True for all cards, None or False for '
+        f"none, or kernel ids as a list of strings or one comma-separated string, from: {', '.join(CARDS)}."
+    )
 
 
 def register_npu_kernels(
@@ -329,15 +342,17 @@ def _card_build_of(function) -> ModuleType | None:
 
 
 def _repository(card: Card, layer: str, *, org: str, version: int, local_dir, trust):
+    """kernels' repository of one layer of `card`; it refuses to import a build variant whose files fail the
+    digest in its metadata.json (npu_hub_kernels.integrity)."""
     if local_dir is None:
-        return LayerRepository(card.repo_id(org), layer_name=layer, version=version, trust_remote_code=trust)
+        return CheckedLayerRepository(card.repo_id(org), layer_name=layer, version=version, trust_remote_code=trust)
     card_dir = Path(local_dir) / card.repo_name
     if not (card_dir / "build").is_dir():
         raise FileNotFoundError(
             f"{card_dir} holds no built card (no build/ folder). Build the cards first (`make build`), "
             f"and pass the folder that contains {card.repo_name}/."
         )
-    return LocalLayerRepository(repo_path=card_dir.resolve(), layer_name=layer)
+    return CheckedLocalLayerRepository(repo_path=card_dir.resolve(), layer_name=layer)
 
 
 def _tag_when_imported(rule: ClassRule, mapping_name: str) -> None:

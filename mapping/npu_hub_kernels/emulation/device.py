@@ -8,6 +8,9 @@ with non-scalar CPU tensors raises, as on real hardware, so device bugs are not 
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -63,6 +66,17 @@ class NpuTensor(torch.Tensor):
     def tolist(self):  # type: ignore[override]
         """A device-to-host read, as `.tolist()` of a device tensor is (tensor subclasses lack it)."""
         return self._cpu.tolist()
+
+    @property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """`param.data = other` (how nn.Module casts a parameter in place): torch copies the tensor's
+        metadata; the values live in `_cpu`, which has to follow."""
+        torch._C.TensorBase.data.__set__(self, new)  # refuses a host tensor: incompatible tensor type
+        self._cpu = new._cpu
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -188,6 +202,58 @@ def _register_factories(lib: torch.library.Library) -> None:
     lib.impl("empty_strided", empty_strided, "PrivateUse1")
 
 
+_MODULE_CONVERSIONS = {
+    "to": lambda *args, **kwargs: torch._C._nn._parse_to(*args, **kwargs)[0],
+    "cpu": lambda *args, **kwargs: "cpu",
+    "npu": lambda *args, **kwargs: "npu",
+    "to_empty": lambda *, device, recurse=True: device,
+}
+"""nn.Module methods that can move a module between devices -> the device they move it to (None: stays)."""
+
+
+def _swap_module_params_between_host_and_npu() -> None:
+    """Make nn.Module conversions between the host and the npu swap the parameters, and only those.
+
+    On a device, `module.to(...)` keeps each Parameter object (`param.data = converted`), so tied
+    weights stay tied. A host tensor cannot take an NpuTensor's data that way: torch then gives each
+    module a new Parameter, which unties tied weights. Swapping the tensors
+    (`torch.__future__.set_swap_module_params_on_conversion`) keeps the objects, but it refuses a
+    parameter that an autograd graph still holds, which a device does not. So the swap is switched on
+    only for the duration of a conversion that crosses between the npu and another device; casts on
+    the npu take the device's path (`NpuTensor.data`), and torch's flag otherwise reads as the user set it.
+    """
+    for name, target_of in _MODULE_CONVERSIONS.items():
+        setattr(torch.nn.Module, name, _swapping_across_npu(getattr(torch.nn.Module, name), target_of))
+
+
+def _swapping_across_npu(method, target_of):
+    @functools.wraps(method)
+    def convert(module, *args, **kwargs):
+        future = torch.__future__
+        if future.get_swap_module_params_on_conversion() or not _crosses_npu(module, target_of, args, kwargs):
+            return method(module, *args, **kwargs)
+        future.set_swap_module_params_on_conversion(True)
+        try:
+            return method(module, *args, **kwargs)
+        finally:
+            future.set_swap_module_params_on_conversion(False)
+
+    return convert
+
+
+def _crosses_npu(module: torch.nn.Module, target_of, args, kwargs) -> bool:
+    """Whether the conversion moves a tensor of `module` onto the npu or off it."""
+    try:
+        target = target_of(*args, **kwargs)
+    except TypeError:  # arguments the method itself refuses: let it say so
+        return False
+    if target is None:
+        return False
+    to_npu = torch.device(target).type == "npu"
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    return any((tensor.device.type == "npu") != to_npu for tensor in tensors)
+
+
 _LIBRARY: torch.library.Library | None = None
 
 
@@ -203,9 +269,7 @@ def install_device() -> None:
             "The npu emulation must be installed before anything else registers a device."
         )
     _setup_privateuseone_for_python_backend(rename="npu", backend_module=EmulatedNpuModule())
-    # nn.Module.to() can only re-point a parameter at an NpuTensor by swapping the tensors; with the
-    # default (a new Parameter per module) `.to("npu")` would untie tied weights, unlike a real device.
-    torch.__future__.set_swap_module_params_on_conversion(True)
+    _swap_module_params_between_host_and_npu()
     # The emulated device computes on the host: backward runs on the calling thread. With autograd's
     # worker thread for the PrivateUse1 device, processes intermittently abort at exit ("terminate
     # called without an active exception").

@@ -1,0 +1,160 @@
+"""A build variant is imported only when its files match the digest in its metadata.json.
+
+kernels 0.17.2 reads the `digest` of a variant's metadata.json but never checks it: a variant whose
+files were changed, lost or added after the build loads silently. `check_variant_files` is the one
+check, used both by the doctor (which reports it) and by the repositories `register_npu_kernels`
+registers (which refuse to import such a variant), so that the doctor's answer is the loader's.
+
+`CheckedLayerRepository` and `CheckedLocalLayerRepository` load as kernels' `LayerRepository` and
+`LocalLayerRepository` do (`get_kernel` and `get_local_kernel`: the same resolvers, the same metadata
+validators, so the same build variant), with one step added between installing the variant (a
+download, when online) and importing it: its files are checked against its digest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from huggingface_hub import HfApi, constants
+from kernels import LayerRepository, LocalLayerRepository, Metadata
+
+# kernels' internals below are what get_kernel and get_local_kernel call; the pin (kernels<0.18.1) keeps them.
+from kernels._rust import Digest, DigestValidationError, DigestViolation, KernelDependency, KernelVersion
+from kernels._versions import revision_or_version
+from kernels.deps import DepTreeNode, resolve_kernel_tree
+from kernels.hf_hub import _get_hf_api
+from kernels.layer.layer import _get_kernel_layer
+from kernels.load import _get_local_kernel_overrides
+from kernels.resolver import HubCacheResolver, HubResolver, RepoPathsResolver, Resolver, SequentialResolver
+from kernels.validate import AllValidator, ArchValidator, MetadataValidator, default_metadata_validators
+from torch import nn
+
+from .offline import default_cache_dir
+
+SHOWN_PER_KIND = 5
+"""File names listed per kind of difference; more are counted."""
+
+
+class VariantFilesError(RuntimeError):
+    """The files of a build variant do not match the digest in its metadata.json: it is not imported."""
+
+    def __init__(self, variant_dir: Path, violations: list[DigestViolation], name: str) -> None:
+        self.variant_dir = Path(variant_dir)
+        self.name = name
+        self.changed = sorted(v.path for v in violations if isinstance(v, DigestViolation.HashMismatch))
+        self.missing = sorted(v.path for v in violations if isinstance(v, DigestViolation.MissingFile))
+        self.unexpected = sorted(v.path for v in violations if isinstance(v, DigestViolation.UnknownFile))
+        self.other = [
+            str(v)
+            for v in violations
+            if not isinstance(
+                v, (DigestViolation.HashMismatch, DigestViolation.MissingFile, DigestViolation.UnknownFile)
+            )
+        ]
+        super().__init__(
+            f"{name}: build/{self.variant_dir.name} ({self.variant_dir}) does not match the digest in its "
+            f"metadata.json: {self.summary}. It was not imported. {remedy(self.variant_dir)}"
+        )
+
+    @property
+    def summary(self) -> str:
+        """What differs, by kind: "changed: a.py; missing: b.py; not in the digest: c.txt"."""
+        kinds = [("changed", self.changed), ("missing", self.missing), ("not in the digest", self.unexpected)]
+        parts = [f"{kind}: {_listed(paths)}" for kind, paths in kinds if paths]
+        return "; ".join(parts + self.other)
+
+
+def _listed(paths: list[str]) -> str:
+    more = len(paths) - SHOWN_PER_KIND
+    return ", ".join(paths[:SHOWN_PER_KIND]) + (f" and {more} more" if more > 0 else "")
+
+
+def remedy(variant_dir: Path) -> str:
+    """What to do about a damaged copy of a variant: download it again (Hub cache) or rebuild it (a folder)."""
+    cache = default_cache_dir().resolve()
+    resolved = Path(variant_dir).resolve()
+    if resolved.is_relative_to(cache):
+        snapshot = resolved.parent.parent  # <cache>/kernels--org--card/snapshots/<commit>/build/<variant>
+        return (
+            f"The Hub cache copy is damaged or partial: delete {snapshot} and download the card again "
+            "(the full snapshot of its version branch; for a cache seeded from a source checkout, run `make build` "
+            "and seed_offline_cache again)."
+        )
+    return (
+        f"Replace {resolved.parent.parent}: rebuild the cards with `make build` (and copy build/ again), or download "
+        "the card again."
+    )
+
+
+def check_variant_files(variant_dir: Path, metadata: Metadata) -> int | None:
+    """Check the files of `variant_dir` against the digest of its `metadata`.
+
+    Returns how many files the digest lists, None when the metadata has no digest (nothing to check).
+    Raises VariantFilesError naming the changed, missing and unexpected files.
+    """
+    if metadata.digest is None:
+        return None
+    try:
+        metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, variant_dir))
+    except DigestValidationError as error:
+        raise VariantFilesError(variant_dir, error.violations, name=str(metadata.name)) from None
+    return len(metadata.digest.files)
+
+
+def load_checked(
+    *, api: HfApi, kernel: KernelDependency, resolvers: list[Resolver], validators: list[MetadataValidator]
+) -> ModuleType:
+    """kernels.load.get_kernel_with_resolver, with every installed variant's files checked before the import."""
+    tree = resolve_kernel_tree(api=api, backend=None, kernel=kernel, resolver=SequentialResolver(resolvers=resolvers))
+    tree.validate_metadata(AllValidator(validators=validators))
+    installed = tree.install(api=api)
+    _check_tree(installed)
+    return installed.load()
+
+
+def _check_tree(node: DepTreeNode) -> None:
+    check_variant_files(node.location.variant_path, node.location.metadata)
+    for dependency in node.deps.values():
+        _check_tree(dependency)
+
+
+def _hub_resolver(trust_remote_code: bool | list[str]) -> Resolver:
+    if constants.HF_HUB_OFFLINE:
+        return HubCacheResolver(trust_remote_code=trust_remote_code)
+    return HubResolver(trust_remote_code=trust_remote_code)
+
+
+class CheckedLayerRepository(LayerRepository):
+    """kernels' LayerRepository (a Hub repository at a version), refusing a variant whose files fail its digest."""
+
+    def load(self) -> type[nn.Module]:
+        """As LayerRepository.load (get_kernel at the resolved revision), with the files checked."""
+        kernel = load_checked(
+            api=_get_hf_api(user_agent=self._user_agent),
+            kernel=KernelDependency(
+                repo_id=self._repo_id, version=revision_or_version(revision=self._resolve_revision(), version=None)
+            ),
+            resolvers=[_get_local_kernel_overrides(), _hub_resolver(self._trust_remote_code)],
+            validators=[*default_metadata_validators(), ArchValidator()],
+        )
+        return _get_kernel_layer(self, kernel)
+
+
+class CheckedLocalLayerRepository(LocalLayerRepository):
+    """kernels' LocalLayerRepository (a folder of one built card), refusing a variant whose files fail its digest."""
+
+    def load(self) -> type[nn.Module]:
+        """As LocalLayerRepository.load (get_local_kernel of the folder), with the files checked."""
+        path = self._repo_path
+        kernel = load_checked(
+            api=_get_hf_api(),
+            kernel=KernelDependency(repo_id=str(path), version=KernelVersion.Version(0)),
+            resolvers=[
+                RepoPathsResolver(local_kernels={str(path): path}),
+                _get_local_kernel_overrides(),
+                _hub_resolver(False),
+            ],
+            validators=default_metadata_validators(),
+        )
+        return _get_kernel_layer(self, kernel)
