@@ -26,7 +26,7 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from npu_hub_kernels import CARDS, emulation, pack_gate_up, register_npu_kernels, swapped_modules  # noqa: E402
+from npu_hub_kernels import CARDS, emulation, register_npu_kernels, swapped_modules  # noqa: E402
 from npu_hub_kernels.cards import resolve_org  # noqa: E402
 from npu_hub_kernels.offline import seed_offline_cache  # noqa: E402
 from npu_hub_kernels.tiny_models import TINY_CONFIGS, tiny_causal_lm, token_ids  # noqa: E402
@@ -84,7 +84,6 @@ def main() -> int:
         model = tiny_causal_lm(model_type)
         eager = logits(model, ids)
         kernelize(model.to("npu"), mode=Mode.INFERENCE, device="npu")
-        pack_gate_up(model)
         with emulation.count_op_calls() as calls:
             fused = logits(model, ids)
         swaps = swapped_modules(model)
@@ -95,7 +94,6 @@ def main() -> int:
         eager = logits(model, ids)
         model.save_pretrained(saved)
         model = AutoModelForCausalLM.from_pretrained(saved, device_map="npu", use_kernels=True)
-        pack_gate_up(model)
         for step in ("use_kernels=True", "then .train()", "then .eval()"):
             if step == "then .train()":
                 model.train()

@@ -131,6 +131,6 @@ def test_universal_build_imports_and_runs_without_torch_npu(built_cards):
         f"card = get_local_kernel(Path({str(built_cards / 'npu-rms-norm')!r}))\n"
         "x, w = torch.randn(3, 8), torch.randn(8)\n"
         "assert torch.equal(card.rms_norm(x, w, 1e-6), card.rms_norm_eager(x, w, 1e-6))\n"
-        "print(card.VARIANT, card.fused_unavailable_reason(x, w))\n"
+        "print(card.VARIANT, card.rms_norm_unavailable_reason(x, w))\n"
     )
     assert out.startswith("torch-universal torch_npu is not installed")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernels import Mode, get_local_kernel, kernelize
 
-from npu_hub_kernels import emulation, pack_gate_up, register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels import emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.tiny_models import norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 
@@ -34,7 +34,7 @@ def test_arch_variant_loads_and_fused_norm_matches_host_eager(built_cards):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = torch.randn(4, 128, 4096, dtype=dtype)
         weight = torch.randn(4096, dtype=dtype)
-        assert card.fused_unavailable_reason(x.npu(), weight.npu(), "plain") is None
+        assert card.rms_norm_unavailable_reason(x.npu(), weight.npu(), "plain") is None
         got = card.rms_norm(x.npu(), weight.npu(), 1e-6).cpu()
         torch.testing.assert_close(got.float(), card.rms_norm_eager(x, weight, 1e-6).float(), rtol=2e-2, atol=2e-2)
 
@@ -61,7 +61,8 @@ def test_real_host_is_not_emulated():
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "phi3", "glm4", "deepseek_v3"])
 def test_every_card_runs_on_the_device_in_a_tiny_model(built_cards, model_type):
-    """RoPE (half, GLM interleave, DeepSeek de-interleave), SwiGLU (split packed and fused) and MoE on hardware."""
+    """RoPE (half, GLM interleave, DeepSeek de-interleave), SwiGLU (split, packed on the first call, and gate_up)
+    and MoE on hardware; then the one-call in-place RoPE op in inference mode (head dim 128)."""
     model = tiny_model(model_type)
     ids = token_ids()
     with torch.no_grad():
@@ -69,7 +70,6 @@ def test_every_card_runs_on_the_device_in_a_tiny_model(built_cards, model_type):
     register_npu_kernels(local_dir=built_cards)
     try:
         model = kernelize(model.npu(), mode=Mode.TRAINING, device="npu")
-        pack_gate_up(model)
         fused = model(ids.npu()).logits
         fused.float().pow(2).mean().backward()  # the grouped-matmul and packed-matmul backwards run
     finally:
@@ -77,3 +77,20 @@ def test_every_card_runs_on_the_device_in_a_tiny_model(built_cards, model_type):
     assert swapped_modules(model, card="npu-rope")
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     torch.testing.assert_close(fused.detach().cpu(), eager, rtol=1e-3, atol=1e-3)
+
+
+def test_inference_mode_rotates_q_and_k_in_one_call_on_the_device(built_cards):
+    """npu_apply_rotary_pos_emb in place (BSND, head dim 128, per-row positions) against eager."""
+    model = tiny_model("llama", head_dim=128)
+    ids = token_ids()
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        eager = model(ids, position_ids=positions).logits
+    register_npu_kernels(local_dir=built_cards)
+    try:
+        model = kernelize(model.npu(), mode=Mode.INFERENCE, device="npu")
+        with torch.inference_mode():
+            fused = model(ids.npu(), position_ids=positions.npu()).logits.cpu()
+    finally:
+        unregister_npu_kernels()
+    torch.testing.assert_close(fused, eager, rtol=1e-3, atol=1e-3)

@@ -49,8 +49,8 @@ EXPECTED = {
     "qwen3_moe": Expected(moe=True),  # routed experts only: no dense MLP
     "gemma3_text": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
     "olmo2": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbCastBack",)),
-    "phi3": Expected(rope=("RotaryPosEmbPartial",), mlp="SwiGLUFusedMLP"),  # partial rotary
-    "glm4": Expected(rope=("RotaryPosEmbGlmPartial",), mlp="SwiGLUFusedMLP"),
+    "phi3": Expected(rope=("RotaryPosEmbPartial",), mlp="SwiGLUGateUpMLP"),  # partial rotary
+    "glm4": Expected(rope=("RotaryPosEmbGlmPartial",), mlp="SwiGLUGateUpMLP"),
     "gpt_neox": Expected(norm=None, rope=("RotaryPosEmbPartial",), mlp=None),  # LayerNorm, GELU MLP, partial rotary
     # DeepseekV3Attention calls apply_rotary_pos_emb_interleave (rope_interleave=True), else apply_rotary_pos_emb:
     # the registry attaches both, so both are swapped; the fused op counts show which one runs.

@@ -227,7 +227,7 @@ def _bare_mlp(rule: ClassRule, hidden: int, intermediate: int, dtype: torch.dtyp
     cls = _class(rule)
     mlp = cls.__new__(cls)
     torch.nn.Module.__init__(mlp)
-    if rule.layer == "SwiGLUFusedMLP":
+    if rule.layer == "SwiGLUGateUpMLP":
         mlp.gate_up_proj = torch.nn.Linear(hidden, 2 * intermediate, bias=False)
     else:
         mlp.gate_proj = torch.nn.Linear(hidden, intermediate, bias=False)

@@ -100,7 +100,7 @@ def test_grouped_path_error_at_most_twice_eager_error(card, case, dtype):
     reference = loop_reference(x, index, weights, gate_up, down)
     eager = transformers_eager(x, index, weights, gate_up, down)
     with emulation.count_op_calls() as calls, torch.no_grad():
-        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
+        got = card.swiglu_experts(*npu(x, index, weights, gate_up, down), SILU).cpu()
     assert calls == {
         "npu_moe_token_permute": 1,
         "npu_grouped_matmul": 2,
@@ -125,8 +125,8 @@ def test_randomized_routing_matches_the_loop(card, seed):
     gate_up, down = expert_weights(experts, hidden, inner, seed)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
-        universal = card.experts_sorted(x, index, weights, gate_up, down, SILU)
+        got = card.swiglu_experts(*npu(x, index, weights, gate_up, down), SILU).cpu()
+        universal = card.swiglu_experts_eager(x, index, weights, gate_up, down, SILU)
     reference = loop_reference(x, index, weights, gate_up, down)
     torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(universal.double(), reference, rtol=1e-5, atol=1e-5)
@@ -141,7 +141,7 @@ def test_float32_routing_weights_with_bfloat16_hidden_states(card):
     reference = loop_reference(x, index, weights, gate_up, down)
     eager = transformers_eager(x, index, weights, gate_up, down)
     with torch.no_grad():
-        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
+        got = card.swiglu_experts(*npu(x, index, weights, gate_up, down), SILU).cpu()
     assert got.dtype == torch.bfloat16
     assert (got.double() - reference).abs().max() <= 2 * (eager.double() - reference).abs().max() + 1e-6
 
@@ -156,7 +156,7 @@ def test_backward_gives_input_weight_and_routing_gradients(card):
     loop_reference(leaves[0], index, *leaves[1:]).pow(2).sum().backward()
     npu_leaves = [t.clone().to("npu").requires_grad_() for t in (x, weights, gate_up, down)]
     with emulation.count_op_calls() as calls:
-        out = card.experts_forward(npu_leaves[0], index.to("npu"), *npu_leaves[1:], SILU)
+        out = card.swiglu_experts(npu_leaves[0], index.to("npu"), *npu_leaves[1:], SILU)
         out.pow(2).sum().backward()
     assert calls["npu_grouped_matmul"] == 2 + 4  # forward: gate_up, down; backward: dx and dW of each
     for name, got, want in zip(("x", "weights", "gate_up_proj", "down_proj"), npu_leaves, leaves, strict=True):
@@ -178,9 +178,9 @@ def test_too_many_experts_take_the_sorted_path(card):
     index, weights = routing(6, 1100, 2, rng)
     gate_up, down = expert_weights(1100, 8, 4, seed=9)
     x = torch.randn(6, 8)
-    assert "at most 1024 groups" in card.experts_unavailable_reason(*npu(x, index, gate_up, down), SILU)
+    assert "at most 1024 groups" in card.swiglu_experts_unavailable_reason(*npu(x, index, gate_up, down), SILU)
     with emulation.count_op_calls() as calls, torch.no_grad():
-        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
+        got = card.swiglu_experts(*npu(x, index, weights, gate_up, down), SILU).cpu()
     assert calls["npu_grouped_matmul"] == 0
     torch.testing.assert_close(got.double(), loop_reference(x, index, weights, gate_up, down), rtol=1e-5, atol=1e-5)
 
@@ -194,7 +194,7 @@ def test_placeholder_expert_ids_are_dropped_as_eager_drops_them(card):
     x = torch.randn(8, 16)
     eager = transformers_eager(x, index, weights, gate_up, down)
     with torch.no_grad(), emulation.count_op_calls() as calls:
-        got = card.experts_forward(*npu(x, index, weights, gate_up, down), SILU).cpu()
+        got = card.swiglu_experts(*npu(x, index, weights, gate_up, down), SILU).cpu()
     assert calls["npu_grouped_matmul"] == 0
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
 
@@ -205,10 +205,10 @@ def test_non_silu_activation_and_host_tensors_take_the_sorted_path(card):
     gate_up, down = expert_weights(4, 16, 8, seed=13)
     x = torch.randn(5, 16)
     gelu = ACT2FN["gelu"]
-    assert "not SiLU" in card.experts_unavailable_reason(*npu(x, index, gate_up, down), gelu)
+    assert "not SiLU" in card.swiglu_experts_unavailable_reason(*npu(x, index, gate_up, down), gelu)
     with torch.no_grad(), emulation.count_op_calls() as calls:
-        on_host = card.experts_forward(x, index, weights, gate_up, down, SILU)
-        with_gelu = card.experts_forward(*npu(x, index, weights, gate_up, down), gelu).cpu()
+        on_host = card.swiglu_experts(x, index, weights, gate_up, down, SILU)
+        with_gelu = card.swiglu_experts(*npu(x, index, weights, gate_up, down), gelu).cpu()
     assert calls == {}
     torch.testing.assert_close(on_host.double(), loop_reference(x, index, weights, gate_up, down), rtol=1e-5, atol=1e-5)
     inner = down.shape[2]
@@ -227,7 +227,7 @@ def test_universal_fallback_equals_transformers_eager_loop_in_float32(card):
     gate_up, down = expert_weights(8, 32, 16, seed=17)
     x = torch.randn(20, 32)
     torch.testing.assert_close(
-        card.experts_sorted(x, index, weights, gate_up, down, SILU),
+        card.swiglu_experts_eager(x, index, weights, gate_up, down, SILU),
         transformers_eager(x, index, weights, gate_up, down),
         rtol=1e-6,
         atol=1e-6,
@@ -247,4 +247,4 @@ def test_expert_ids_above_the_placeholder_raise_as_eager_raises(card, on_npu):
         transformers_eager(x, index, weights, gate_up, down)
     tensors = npu(x, index, weights, gate_up, down) if on_npu else (x, index, weights, gate_up, down)
     with pytest.raises(ValueError, match=r"expert id 5, above 4.*Check the router"):
-        card.experts_forward(*tensors, SILU)
+        card.swiglu_experts(*tensors, SILU)

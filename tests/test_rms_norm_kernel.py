@@ -100,7 +100,7 @@ def _fallback_cases():
 @pytest.mark.parametrize("case", list(_fallback_cases()))
 def test_unsupported_inputs_take_the_exact_eager_path(card, case):
     x, weight, scaling, reason = _fallback_cases()[case]
-    assert reason in card.fused_unavailable_reason(x.to("npu"), weight.to("npu"), scaling)
+    assert reason in card.rms_norm_unavailable_reason(x.to("npu"), weight.to("npu"), scaling)
     with emulation.count_op_calls() as calls:
         out = card.rms_norm(x.to("npu"), weight.to("npu"), 1e-6, scaling)
     assert calls["npu_rms_norm"] == 0
@@ -110,7 +110,7 @@ def test_unsupported_inputs_take_the_exact_eager_path(card, case):
 
 def test_host_tensors_take_the_eager_path(card):
     x, weight = torch.randn(4, 16), torch.randn(16)
-    assert "not on an npu device" in card.fused_unavailable_reason(x, weight, "plain")
+    assert "not on an npu device" in card.rms_norm_unavailable_reason(x, weight, "plain")
     with emulation.count_op_calls() as calls:
         out = card.rms_norm(x, weight, 1e-6)
     assert calls["npu_rms_norm"] == 0 and out.device.type == "cpu"

@@ -162,7 +162,7 @@ def test_partial_rotary_rotates_the_leading_dims_and_passes_the_rest(card, style
 def test_interleave_mode_with_per_batch_cos_takes_the_eager_path(card):
     """npu_rotary_mul's 'interleave' mode takes cos/sin without a batch dim: batch-B cos/sin fall back."""
     q, k, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32, style="glm")
-    assert "batch dim" in card.rotary_unavailable_reason(q.to("npu"), cos.unsqueeze(1).to("npu"), 1, "interleave")
+    assert "batch dim" in card.apply_rotary_pos_emb_unavailable_reason(*npu(q, k, cos, sin), 1, "glm")
     with emulation.count_op_calls() as calls:
         fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 1, "glm")
     assert calls["npu_rotary_mul"] == 0
@@ -211,7 +211,7 @@ def _fallback_cases():
 @pytest.mark.parametrize("case", list(_fallback_cases()))
 def test_unsupported_inputs_take_the_exact_eager_path(card, case):
     (q, k, cos, sin), reason = _fallback_cases()[case]
-    assert reason in card.rotary_unavailable_reason(q.to("npu"), cos.unsqueeze(1).to("npu"), 1)
+    assert reason in card.apply_rotary_pos_emb_unavailable_reason(*npu(q, k, cos, sin))
     with emulation.count_op_calls() as calls:
         fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin))
     assert calls["npu_rotary_mul"] == 0
@@ -222,14 +222,14 @@ def test_unsupported_inputs_take_the_exact_eager_path(card, case):
 def test_odd_head_dim_and_three_dim_inputs_take_the_eager_path(card):
     q, k = torch.randn(2, 5, 63), torch.randn(2, 5, 63)  # 3-D [B, S, D] with an odd D
     cos, sin = torch.randn(2, 5, 63), torch.randn(2, 5, 63)
-    assert "4-D" in card.rotary_unavailable_reason(q.to("npu"), cos.to("npu"), 1)
+    assert "4-D" in card.apply_rotary_pos_emb_unavailable_reason(*npu(q, k, cos, sin), 0)
     with emulation.count_op_calls() as calls:
         fused = card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 0)
     assert calls["npu_rotary_mul"] == 0
     for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin, 0), strict=True):
         assert torch.equal(got.cpu(), want)
-    cos_odd = torch.randn(1, 1, 3, 63)
-    assert "must be even" in card.rotary_unavailable_reason(torch.randn(1, 2, 3, 63).to("npu"), cos_odd.to("npu"), 1)
+    q4, cos_odd = torch.randn(1, 2, 3, 63), torch.randn(1, 3, 63)
+    assert "must be even" in card.apply_rotary_pos_emb_unavailable_reason(*npu(q4, q4, cos_odd, cos_odd))
 
 
 def test_non_contiguous_q_and_k_are_fused_and_correct(card):
@@ -297,7 +297,7 @@ def test_inference_mode_rotates_q_and_k_in_one_call_in_place(card, dtype, head_d
     expected = card.apply_rotary_pos_emb_eager(q.cpu(), k.cpu(), cos.cpu(), sin.cpu())
     with torch.inference_mode(), emulation.count_op_calls() as calls:
         q_in, k_in = q.clone(), k.clone()  # inference tensors of the same layout, as the projections would be
-        assert card.in_place_unavailable_reason(q_in, k_in, cos) is None
+        assert card.apply_rotary_pos_emb_unavailable_reason(q_in, k_in, cos, sin, in_place=True) is None
         fused = card.apply_rotary_pos_emb(q_in, k_in, cos, sin)
     assert dict(calls) == {"npu_apply_rotary_pos_emb": 1}
     assert fused[0] is q_in and fused[1] is k_in  # rotated in place
@@ -332,7 +332,7 @@ def _in_place_case(case):
 def test_outside_its_limits_the_one_call_op_is_not_used_and_the_reason_is_given(card, case):
     (q, k, cos, sin), reason = _in_place_case(case)
     with torch.inference_mode():
-        assert reason in card.in_place_unavailable_reason(q, k, cos)
+        assert reason in card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin, in_place=True)
         with emulation.count_op_calls() as calls:
             fused = card.apply_rotary_pos_emb(q, k, cos, sin)
     assert calls["npu_apply_rotary_pos_emb"] == 0
@@ -342,12 +342,14 @@ def test_outside_its_limits_the_one_call_op_is_not_used_and_the_reason_is_given(
 
 
 def test_the_one_call_op_is_never_used_with_grad_or_for_other_styles(card):
-    q, k, cos, _ = projected_qk()
-    assert "not in inference mode" in card.in_place_unavailable_reason(q, k, cos)
+    q, k, cos, sin = projected_qk()
+    reason = card.apply_rotary_pos_emb_unavailable_reason
+    assert "not in inference mode" in reason(q, k, cos, sin, in_place=True)
+    assert reason(q, k, cos, sin) is None  # the two-call path runs
     with torch.no_grad():  # no_grad is not inference mode: q/k may be needed elsewhere
-        assert "not in inference mode" in card.in_place_unavailable_reason(q, k, cos)
+        assert "not in inference mode" in reason(q, k, cos, sin, in_place=True)
     with torch.inference_mode():
-        assert "style 'cast_back'" in card.in_place_unavailable_reason(q, k, cos, style="cast_back")
+        assert "style 'cast_back'" in reason(q, k, cos, sin, style="cast_back", in_place=True)
 
 
 @pytest.mark.parametrize("style", sorted(set(STYLES) - PARTIAL))

@@ -621,7 +621,7 @@ SWIGLU_SPLIT = (
     "youtu.modeling_youtu.YoutuMLP",
 )
 
-# layer SwiGLUFusedMLP: gate, up = gate_up_proj(x).chunk(2, -1); down_proj(up * activation_fn(gate))
+# layer SwiGLUGateUpMLP: gate, up = gate_up_proj(x).chunk(2, -1); down_proj(up * activation_fn(gate))
 SWIGLU_FUSED = (
     "dia.modeling_dia.DiaMLP",
     "esmfold2.modeling_esmfold2.EsmFold2SwiGLU",
@@ -793,7 +793,7 @@ MODEL_CLASSES: dict[str, list[ClassRule]] = {
     + _rules("RMSNormZeroCentered", ZERO_CENTERED_NORMS)
     + _rules("RMSNormFloat32Scale", FLOAT32_SCALE_NORMS),
     "npu_fused_rope": [ClassRule(path, layer) for layer, paths in ROPE_FUNCTIONS.items() for path in paths],
-    "npu_fused_swiglu": _rules("SwiGLUMLP", SWIGLU_SPLIT) + _rules("SwiGLUFusedMLP", SWIGLU_FUSED),
+    "npu_fused_swiglu": _rules("SwiGLUMLP", SWIGLU_SPLIT) + _rules("SwiGLUGateUpMLP", SWIGLU_FUSED),
     "npu_fused_moe": _rules("SwiGLUExperts", MOE_EXPERTS),
 }
 """Kernel id -> the classes its layers replace."""

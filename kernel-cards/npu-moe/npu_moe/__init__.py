@@ -2,6 +2,6 @@
 
 from . import layers
 from ._build import VARIANT
-from .experts import experts_forward, experts_sorted, experts_unavailable_reason
+from .experts import swiglu_experts, swiglu_experts_eager, swiglu_experts_unavailable_reason
 
-__all__ = ["VARIANT", "experts_forward", "experts_sorted", "experts_unavailable_reason", "layers"]
+__all__ = ["VARIANT", "layers", "swiglu_experts", "swiglu_experts_eager", "swiglu_experts_unavailable_reason"]

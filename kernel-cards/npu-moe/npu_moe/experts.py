@@ -14,7 +14,7 @@ docs/torch-npu-ops.md, "MoE routing ops and per-expert counts". `npu_grouped_mat
 autograd, so `_GroupedLinear` supplies it: dx through the same grouped matmul on the untransposed
 weights, dW through the K-split form (group_type 2).
 
-Elsewhere (torch-universal, CPU tensors, or inputs outside the ops' limits) `experts_sorted` runs the
+Elsewhere (torch-universal, CPU tensors, or inputs outside the ops' limits) `swiglu_experts_eager` runs the
 same math efficiently: sort the token copies by expert once, then one matmul per non-empty expert or
 torch's grouped matmul (see its docstring).
 """
@@ -38,7 +38,7 @@ GROUPED_MM_ROWS_PER_EXPERT = 128
 rather than a loop over experts (measured on CPU: see `make bench`)."""
 
 
-def experts_unavailable_reason(
+def swiglu_experts_unavailable_reason(
     hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn
 ) -> str | None:
     """Why the grouped-matmul path will not run for these inputs, or None when it will."""
@@ -92,7 +92,7 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor)
     )[0]
 
 
-def experts_forward(
+def swiglu_experts(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -100,19 +100,19 @@ def experts_forward(
     down_proj: torch.Tensor,
     act_fn: Callable,
 ) -> torch.Tensor:
-    """transformers' Experts forward: grouped matmuls on the NPU, `experts_sorted` where they do not apply."""
-    reason = experts_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj, act_fn)
+    """transformers' Experts forward: grouped matmuls on the NPU, `swiglu_experts_eager` where they do not apply."""
+    reason = swiglu_experts_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj, act_fn)
     experts = gate_up_proj.shape[0]
-    counts = expert_counts(top_k_index, experts) if reason is None else None
+    counts = _expert_counts(top_k_index, experts) if reason is None else None
     if counts is None or counts.numel() > experts:  # id E: expert-parallel placeholders, skipped as eager does
-        return experts_sorted(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
+        return swiglu_experts_eager(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
     permuted, sorted_indices = torch_npu.npu_moe_token_permute(hidden_states, top_k_index)
     gate_up = _GroupedLinear.apply(permuted, gate_up_proj, counts)
     expert_out = _GroupedLinear.apply(torch_npu.npu_swiglu(gate_up), down_proj, counts)
     return torch_npu.npu_moe_token_unpermute(expert_out, sorted_indices, probs=top_k_weights)
 
 
-def expert_counts(top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
+def _expert_counts(top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
     """Token copies per expert id, [E] (or [E + 1] when the placeholder id E occurs).
 
     Raises:
@@ -128,7 +128,7 @@ def expert_counts(top_k_index: torch.Tensor, experts: int) -> torch.Tensor:
     return counts
 
 
-def experts_sorted(
+def swiglu_experts_eager(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
@@ -144,7 +144,7 @@ def experts_sorted(
     top_k = top_k_index.shape[1]
     flat = top_k_index.flatten()
     order = flat.argsort(stable=True)
-    counts = expert_counts(top_k_index, experts)[:experts]
+    counts = _expert_counts(top_k_index, experts)[:experts]
     kept = order[: int(counts.sum())]  # id E (expert-parallel placeholders) sorts last: dropped
     rows = kept // top_k
     sorted_states = hidden_states[rows]

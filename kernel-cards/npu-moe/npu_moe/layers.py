@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .experts import experts_forward
+from .experts import swiglu_experts
 
 
 class SwiGLUExperts(nn.Module):
@@ -18,6 +18,4 @@ class SwiGLUExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        return experts_forward(
-            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn
-        )
+        return swiglu_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)

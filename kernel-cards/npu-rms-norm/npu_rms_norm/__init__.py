@@ -2,6 +2,6 @@
 
 from . import layers
 from ._build import VARIANT
-from .rms_norm import fused_unavailable_reason, rms_norm, rms_norm_eager
+from .rms_norm import rms_norm, rms_norm_eager, rms_norm_unavailable_reason
 
-__all__ = ["VARIANT", "fused_unavailable_reason", "layers", "rms_norm", "rms_norm_eager"]
+__all__ = ["VARIANT", "layers", "rms_norm", "rms_norm_eager", "rms_norm_unavailable_reason"]

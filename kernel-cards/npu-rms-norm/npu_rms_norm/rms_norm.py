@@ -27,7 +27,7 @@ def epsilon_of(module: nn.Module) -> float:
     return module.eps if eps is None else eps
 
 
-def fused_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling = "plain") -> str | None:
+def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling = "plain") -> str | None:
     """Why `npu_rms_norm` will not run for these inputs (the eager math runs instead), or None."""
     reason = npu_unavailable_reason(x, weight)
     if reason is not None:
@@ -49,7 +49,7 @@ def fused_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Sca
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
     """RMSNorm of the last dim of x, scaled by weight the way `scaling` says; fused on npu tensors."""
-    if fused_unavailable_reason(x, weight, scaling) is None:
+    if rms_norm_unavailable_reason(x, weight, scaling) is None:
         gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
         return torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]
     return rms_norm_eager(x, weight, eps, scaling)

@@ -69,7 +69,7 @@ Style = str
 """A key of STYLES."""
 
 
-def rotary_unavailable_reason(
+def _rotary_mul_unavailable_reason(
     x: torch.Tensor, cos: torch.Tensor, heads_axis: int, rotation: Rotation = "half"
 ) -> str | None:
     """Why `npu_rotary_mul` will not rotate x (4-D, heads on `heads_axis`) by cos/sin, or None."""
@@ -122,7 +122,7 @@ def rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int, rotation: Rotation = "half", fused=True
 ) -> torch.Tensor:
     """`x * cos + rotation(x) * sin`, fused on npu tensors (unless `fused` is False); cos/sin broadcast to x."""
-    if fused and rotary_unavailable_reason(x, cos, heads_axis, rotation) is None:
+    if fused and _rotary_mul_unavailable_reason(x, cos, heads_axis, rotation) is None:
         return _rotary_mul(x, cos, sin, rotation)
     return (x * cos) + ((rotate_half(x) if rotation == "half" else rotate_pairs(x)) * sin)
 
@@ -137,7 +137,7 @@ def _rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation:
     return torch_npu.npu_rotary_mul(x.contiguous(), cos.contiguous(), sin.contiguous(), rotary_mode=rotation)
 
 
-def in_place_unavailable_reason(
+def _in_place_unavailable_reason(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int = 1, style: Style = "llama"
 ) -> str | None:
     """Why q and k (cos as transformers passes it, [B or 1, S, D]) are not rotated by one in-place
@@ -178,11 +178,18 @@ def apply_rotary_pos_emb(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' rotary function in `style`; q/k [B, H, S, D] or [B, S, H, D], cos/sin [B or 1, S, rotary dim].
 
-    The leading rotary dims of q and k are rotated (all of them unless cos/sin are narrower), the
-    rest passes through. `fused=False` is the same math without the NPU ops (the eager path). In
-    inference mode, where `in_place_unavailable_reason` is None, q and k are rotated in place.
+    Args:
+        q, k: the queries and keys, heads on axis `unsqueeze_dim`.
+        cos, sin: the angles as transformers passes them.
+        unsqueeze_dim: where cos/sin get their heads axis (1: q/k are [B, H, S, D]).
+        style: a key of STYLES (which way the function rotates).
+        fused: False runs the same math without the NPU ops (the eager path).
+
+    Returns:
+        The rotated q and k. In inference mode, where the one-call op applies (see
+        `apply_rotary_pos_emb_unavailable_reason(..., in_place=True)`), these are q and k, rotated in place.
     """
-    if fused and in_place_unavailable_reason(q, k, cos, unsqueeze_dim, style) is None:
+    if fused and _in_place_unavailable_reason(q, k, cos, unsqueeze_dim, style) is None:
         q_bsnd, k_bsnd = (t.transpose(1, 2) if unsqueeze_dim == 1 else t for t in (q, k))
         torch_npu.npu_apply_rotary_pos_emb(q_bsnd, k_bsnd, cos.unsqueeze(2), sin.unsqueeze(2), layout="BSND")
         return q, k
@@ -203,6 +210,34 @@ def apply_rotary_pos_emb_eager(
     return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, style, fused=False)
 
 
+def apply_rotary_pos_emb_unavailable_reason(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+    style: Style = "llama",
+    *,
+    in_place: bool = False,
+) -> str | None:
+    """Why `apply_rotary_pos_emb` runs the eager math for these inputs, or None when a fused op runs.
+
+    With `in_place=True`: why the one-call in-place `npu_apply_rotary_pos_emb` is not used (the
+    two-call `npu_rotary_mul` path may still be), or None when it is.
+    """
+    reason = _in_place_unavailable_reason(q, k, cos, unsqueeze_dim, style)
+    if in_place or reason is None:
+        return reason
+    rotary_style = STYLES[style]
+    cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
+    for name, x in (("q", q), ("k", k)):
+        x_rot, cos_rot, _, _ = _prepared(x, cos, sin, rotary_style)
+        reason = _rotary_mul_unavailable_reason(x_rot, cos_rot, unsqueeze_dim, rotary_style.rotation)
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
+
+
 def _angles(t: torch.Tensor, style: RotaryStyle) -> torch.Tensor:
     first_half = t[..., : t.shape[-1] // 2]
     if style.angles == "doubled":
@@ -216,22 +251,30 @@ def _angles(t: torch.Tensor, style: RotaryStyle) -> torch.Tensor:
     return t
 
 
-def _apply(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int, style: RotaryStyle, fused: bool
-) -> torch.Tensor:
+def _prepared(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RotaryStyle
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype | None]:
+    """(the part of x to rotate, in the order and dtype the style rotates it; cos; sin; that dtype or None)."""
     if style.compute == "float32":
         compute = torch.float32
     elif style.compute == "cast_back":
         compute = torch.promote_types(x.dtype, cos.dtype)
     else:
         compute = None
-    rotary_dim = cos.shape[-1] if style.partial else x.shape[-1]
-    x_rot = x[..., :rotary_dim]
+    x_rot = x[..., : cos.shape[-1] if style.partial else x.shape[-1]]
     if style.deinterleave:
         x_rot = torch.cat((x_rot[..., 0::2], x_rot[..., 1::2]), dim=-1)
     if compute is not None:
         x_rot, cos, sin = x_rot.to(compute), cos.to(compute), sin.to(compute)
+    return x_rot, cos, sin, compute
+
+
+def _apply(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int, style: RotaryStyle, fused: bool
+) -> torch.Tensor:
+    x_rot, cos, sin, compute = _prepared(x, cos, sin, style)
     rotated = rotate(x_rot, cos, sin, heads_axis, style.rotation, fused)
     if compute is not None:
         rotated = rotated.to(x.dtype)
+    rotary_dim = x_rot.shape[-1]
     return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

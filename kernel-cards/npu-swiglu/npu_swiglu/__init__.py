@@ -1,23 +1,35 @@
-"""npu-swiglu: SiLU-gated MLPs on Huawei Ascend NPUs through torch_npu.npu_swiglu."""
+"""npu-swiglu: SiLU-gated MLPs on Huawei Ascend NPUs through torch_npu.npu_swiglu.
+
+Per MLP shape, `<op>` (fused where it can be), `<op>_eager` (the exact fallback) and
+`<op>_unavailable_reason` (why the fallback runs): `swiglu_mlp` for split gate_proj/up_proj,
+`swiglu_gate_up_mlp` for one gate_up_proj. `pack_gate_up` lays split weights out in one buffer
+(`swiglu_mlp` does it on its first fused call).
+"""
 
 from . import layers
 from ._build import VARIANT
 from .swiglu import (
-    fused_mlp,
     pack_gate_up,
+    pack_gate_up_unavailable_reason,
     packed_gate_up_weight,
-    split_mlp,
-    split_unavailable_reason,
-    swiglu_unavailable_reason,
+    swiglu_gate_up_mlp,
+    swiglu_gate_up_mlp_eager,
+    swiglu_gate_up_mlp_unavailable_reason,
+    swiglu_mlp,
+    swiglu_mlp_eager,
+    swiglu_mlp_unavailable_reason,
 )
 
 __all__ = [
     "VARIANT",
-    "fused_mlp",
     "layers",
     "pack_gate_up",
+    "pack_gate_up_unavailable_reason",
     "packed_gate_up_weight",
-    "split_mlp",
-    "split_unavailable_reason",
-    "swiglu_unavailable_reason",
+    "swiglu_gate_up_mlp",
+    "swiglu_gate_up_mlp_eager",
+    "swiglu_gate_up_mlp_unavailable_reason",
+    "swiglu_mlp",
+    "swiglu_mlp_eager",
+    "swiglu_mlp_unavailable_reason",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .swiglu import activation_of, fused_mlp, split_mlp
+from .swiglu import activation_of, swiglu_gate_up_mlp, swiglu_mlp
 
 
 class SwiGLUMLP(nn.Module):
@@ -20,14 +20,14 @@ class SwiGLUMLP(nn.Module):
     can_torch_compile = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return split_mlp(x, self.gate_proj, self.up_proj, self.down_proj, activation_of(self))
+        return swiglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj, activation_of(self))
 
 
-class SwiGLUFusedMLP(nn.Module):
+class SwiGLUGateUpMLP(nn.Module):
     """`down_proj(up * act(gate))` with `gate, up = gate_up_proj(x).chunk(2, -1)`: Phi3, Glm4, ..."""
 
     has_backward = True
     can_torch_compile = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return fused_mlp(hidden_states, self.gate_up_proj, self.down_proj, activation_of(self))
+        return swiglu_gate_up_mlp(hidden_states, self.gate_up_proj, self.down_proj, activation_of(self))

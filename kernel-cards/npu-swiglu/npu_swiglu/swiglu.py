@@ -14,7 +14,7 @@ that buffer and feeds npu_swiglu directly. Anything that reallocates the weights
 `load_state_dict(assign=True)`) undoes the layout; the next fused call packs again. Parameters
 another system owns (DTensor/FSDP, DeepSpeed ZeRO-3, views into a flat buffer, hooked or wrapped
 Linears such as LoRA's, tensors a live autograd graph or a weak reference holds) are never
-rewritten: those MLPs run the eager math, and `split_unavailable_reason` says why.
+rewritten: those MLPs run the eager math, and `swiglu_mlp_unavailable_reason` says why.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def is_plain_linear(module: nn.Module) -> bool:
     )
 
 
-def swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> str | None:
+def _npu_swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> str | None:
     """Why npu_swiglu will not compute `silu(gate) * up` for input x and this activation, or None."""
     if not is_silu(act_fn):
         return f"activation {act_fn!r} is not SiLU"
@@ -86,7 +86,7 @@ def packed_gate_up_weight(gate_proj: nn.Module, up_proj: nn.Module) -> torch.Ten
     return _side_by_side(gate_proj.weight, up_proj.weight)
 
 
-def unpackable_reason(gate_proj: nn.Module, up_proj: nn.Module) -> str | None:
+def pack_gate_up_unavailable_reason(gate_proj: nn.Module, up_proj: nn.Module) -> str | None:
     """Why `pack_gate_up` must leave these projections as they are, or None when it may pack them."""
     if not (is_plain_linear(gate_proj) and is_plain_linear(up_proj)):
         return (
@@ -150,12 +150,12 @@ def pack_gate_up(gate_proj: nn.Linear, up_proj: nn.Linear) -> bool:
         up_proj: the MLP's up projection.
 
     Returns:
-        True when the two are now packed (or already were); False when `unpackable_reason` forbids it.
+        True when the two are now packed (or already were); False when `pack_gate_up_unavailable_reason` forbids it.
     """
     with _PACKING:
         if _packed_views(gate_proj, up_proj) is not None:
             return True
-        if unpackable_reason(gate_proj, up_proj) is not None:
+        if pack_gate_up_unavailable_reason(gate_proj, up_proj) is not None:
             return False
         _pack_pair(gate_proj.weight, up_proj.weight)
         if gate_proj.bias is not None:
@@ -211,17 +211,24 @@ class _PackedGateUp(torch.autograd.Function):
         return grad_x, grad_gate, grad_up, grad_gate_bias, grad_up_bias, None, None
 
 
-def split_mlp(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
+def swiglu_mlp(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
     """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused on the NPU (packing gate/up once, see module doc)."""
     reason, packed = _split_plan(x, gate_proj, up_proj, act_fn)
     if reason is not None:
-        return down_proj(act_fn(gate_proj(x)) * up_proj(x))
+        return swiglu_mlp_eager(x, gate_proj, up_proj, down_proj, act_fn)
     gate_up = _PackedGateUp.apply(x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias, *packed)
     return down_proj(torch_npu.npu_swiglu(gate_up))
 
 
-def split_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn) -> str | None:
-    """Why `split_mlp` takes the eager path for this input and module, or None when it fuses (packing
+def swiglu_mlp_eager(
+    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act_fn
+) -> torch.Tensor:
+    """The split MLP's own forward (LlamaMLP's): what `swiglu_mlp` falls back to."""
+    return down_proj(act_fn(gate_proj(x)) * up_proj(x))
+
+
+def swiglu_mlp_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn) -> str | None:
+    """Why `swiglu_mlp` takes the eager path for this input and module, or None when it fuses (packing
     the weights on the way if they are not packed yet)."""
     return _split_plan(x, gate_proj, up_proj, act_fn, pack=False)[0]
 
@@ -231,27 +238,43 @@ def _split_plan(
 ) -> tuple[str | None, tuple[torch.Tensor, torch.Tensor | None] | None]:
     """(why the eager path runs, or None; the packed weight and bias views when it does not). With
     `pack`, weights that are not packed yet are packed here (once: the layout lasts)."""
-    reason = swiglu_unavailable_reason(x, act_fn)
+    reason = _npu_swiglu_unavailable_reason(x, act_fn)
     if reason is not None:
         return reason, None
     packed = _packed_views(gate_proj, up_proj)
     if packed is None:
-        reason = unpackable_reason(gate_proj, up_proj)
+        reason = pack_gate_up_unavailable_reason(gate_proj, up_proj)
         if reason is not None or not pack:
             return reason, None
         pack_gate_up(gate_proj, up_proj)
         packed = _packed_views(gate_proj, up_proj)
         if packed is None:  # something took hold of the weights meanwhile (another thread): eager this time
-            return unpackable_reason(gate_proj, up_proj) or "the weights could not be packed", None
+            return pack_gate_up_unavailable_reason(gate_proj, up_proj) or "the weights could not be packed", None
     if packed[0].dtype != x.dtype:
         return f"weight dtype {packed[0].dtype} differs from input dtype {x.dtype}", None
     return None, packed
 
 
-def fused_mlp(x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
+def swiglu_gate_up_mlp(x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
     """`gate, up = gate_up_proj(x).chunk(2, -1)`; `down_proj(up * act_fn(gate))`, fused: gate rows come first."""
-    gate_up = gate_up_proj(x)
-    if swiglu_unavailable_reason(gate_up, act_fn) is None and gate_up.shape[-1] % 2 == 0:
-        return down_proj(torch_npu.npu_swiglu(gate_up.contiguous()))
-    gate, up = gate_up.chunk(2, dim=-1)
+    if swiglu_gate_up_mlp_unavailable_reason(x, gate_up_proj, act_fn) is not None:
+        return swiglu_gate_up_mlp_eager(x, gate_up_proj, down_proj, act_fn)
+    return down_proj(torch_npu.npu_swiglu(gate_up_proj(x).contiguous()))
+
+
+def swiglu_gate_up_mlp_eager(x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
+    """The gate_up MLP's own forward (Phi3MLP's): what `swiglu_gate_up_mlp` falls back to."""
+    gate, up = gate_up_proj(x).chunk(2, dim=-1)
     return down_proj(up * act_fn(gate))
+
+
+def swiglu_gate_up_mlp_unavailable_reason(x: torch.Tensor, gate_up_proj: nn.Module, act_fn) -> str | None:
+    """Why `swiglu_gate_up_mlp` takes the eager path for this input and module, or None when it fuses."""
+    weight = getattr(gate_up_proj, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return f"gate_up_proj is {type(gate_up_proj).__name__}, without a 2-D weight"
+    if weight.shape[0] % 2:
+        return f"gate_up_proj gives {weight.shape[0]} features: npu_swiglu halves an even size"
+    if weight.dtype != x.dtype:
+        return f"weight dtype {weight.dtype} differs from input dtype {x.dtype}"
+    return _npu_swiglu_unavailable_reason(x, act_fn)
