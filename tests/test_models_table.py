@@ -15,7 +15,7 @@ from kernels import Mode, kernelize
 from transformers.activations import ACT2FN
 
 from npu_hub_kernels import emulation, pack_gate_up, swapped_modules
-from npu_hub_kernels.models import LEFT_OUT, MODEL_CLASSES, MOE_LEFT_OUT, ROPE_LEFT_OUT, SWIGLU_LEFT_OUT, ClassRule
+from npu_hub_kernels.models import MODEL_CLASSES, ClassRule, moe, rms_norm, rope, swiglu
 
 RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
 ROPE_RULES = MODEL_CLASSES["npu_fused_rope"]
@@ -51,8 +51,8 @@ def _all_modeling_classes() -> dict[str, type]:
 def test_table_has_no_duplicates_and_left_out_classes_are_not_listed():
     paths = [rule.path for rule in RULES]
     assert len(paths) == len(set(paths))
-    assert not set(paths) & set(LEFT_OUT)
-    assert all(reason for reason in LEFT_OUT.values())
+    assert not set(paths) & set(rms_norm.LEFT_OUT)
+    assert all(reason for reason in rms_norm.LEFT_OUT.values())
 
 
 @pytest.mark.slow
@@ -63,11 +63,11 @@ def test_every_rmsnorm_class_of_transformers_is_decided():
     classes = _all_modeling_classes()
     listed = {rule.path for rule in RULES}
     rmsnorm_like = {path for path in classes if "RMSNorm" in path.rpartition(".")[2]}
-    assert rmsnorm_like - listed - set(LEFT_OUT) == set()
-    assert (listed | set(LEFT_OUT)) - set(classes) == set(), "listed classes missing from transformers"
+    assert rmsnorm_like - listed - set(rms_norm.LEFT_OUT) == set()
+    assert (listed | set(rms_norm.LEFT_OUT)) - set(classes) == set(), "listed classes missing from transformers"
     tagged = {p for p, c in classes.items() if c.__dict__.get("kernel_layer_name") == "RMSNorm"}
     assert tagged - listed == set()
-    assert len(listed) == 166 and len(LEFT_OUT) == 34
+    assert len(listed) == 166 and len(rms_norm.LEFT_OUT) == 34
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -215,10 +215,10 @@ def test_every_rotary_function_of_transformers_is_decided():
                     if name in vars(module):
                         found.add(f"{model.name}.{file.name}.{name}")
     listed = {rule.path for rule in ROPE_RULES}
-    assert found - listed - set(ROPE_LEFT_OUT) == set()
-    assert (listed | set(ROPE_LEFT_OUT)) - found == set()
-    assert not listed & set(ROPE_LEFT_OUT)
-    assert (len(listed), len(ROPE_LEFT_OUT)) == (180, 14)
+    assert found - listed - set(rope.LEFT_OUT) == set()
+    assert (listed | set(rope.LEFT_OUT)) - found == set()
+    assert not listed & set(rope.LEFT_OUT)
+    assert (len(listed), len(rope.LEFT_OUT)) == (180, 14)
 
 
 def _bare_mlp(rule: ClassRule, hidden: int, intermediate: int, dtype: torch.dtype) -> torch.nn.Module:
@@ -287,11 +287,11 @@ def test_every_gated_mlp_class_of_transformers_is_decided():
         if "self.gate_up_proj = nn.Linear(" in source or ("self.gate_proj =" in source and "self.up_proj =" in source):
             gated.add(path)
     listed = {rule.path for rule in SWIGLU_RULES}
-    assert gated - listed - set(SWIGLU_LEFT_OUT) == set()
-    assert (listed | set(SWIGLU_LEFT_OUT)) - gated == set()
-    assert not listed & set(SWIGLU_LEFT_OUT)
+    assert gated - listed - set(swiglu.LEFT_OUT) == set()
+    assert (listed | set(swiglu.LEFT_OUT)) - gated == set()
+    assert not listed & set(swiglu.LEFT_OUT)
     assert not any(path.startswith(("gemma.", "gemma2.", "gemma3.", "gemma3n.")) for path in listed)
-    assert (len(listed), len(SWIGLU_LEFT_OUT)) == (137, 37)
+    assert (len(listed), len(swiglu.LEFT_OUT)) == (137, 37)
 
 
 def _bare_experts(rule: ClassRule, experts: int, hidden: int, inner: int) -> torch.nn.Module:
@@ -346,6 +346,6 @@ def test_every_experts_class_of_transformers_is_decided():
         if name.endswith("Experts") or "self.gate_up_proj = nn.Parameter(" in source:
             candidates.add(path)
     listed = {rule.path for rule in MOE_RULES}
-    assert candidates - listed - set(MOE_LEFT_OUT) == set()
-    assert not listed & set(MOE_LEFT_OUT)
-    assert (len(listed), len(MOE_LEFT_OUT)) == (52, 20)
+    assert candidates - listed - set(moe.LEFT_OUT) == set()
+    assert not listed & set(moe.LEFT_OUT)
+    assert (len(listed), len(moe.LEFT_OUT)) == (52, 20)

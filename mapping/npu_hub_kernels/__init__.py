@@ -6,20 +6,30 @@
 
 or `apply_npu_kernels(model)` on a model already built; `swapped_modules(model)` reports what runs
 where; `pack_gate_up(model)` packs split gated MLPs ahead of time (before DDP wraps the model).
-`npu_hub_kernels.emulation` runs the NPU path on a CPU-only machine.
+
+What lives where:
+- `cards`: the cards by kernel id, read from each card's card.toml;
+- `models/`: which transformers classes each card's layers replace (one module per card);
+- `registry`: selecting, registering and unregistering cards, `apply_npu_kernels`;
+- `retag`: how classes and rotary functions are made kernelizable under the cards' names;
+- `report`: `swapped_modules`, what runs where; `packing`: `pack_gate_up(model)`;
+- `integrity`: the digest check of a build variant before it is imported (loader and doctor);
+- `_kernels_compat`: every private `kernels` API the project uses, in one place;
+- `doctor`, `offline`, `tiny_models`: `python -m npu_hub_kernels doctor`, the offline Hub cache,
+  tiny models for tests and demos;
+- `emulation/`: the CPU emulation of torch_npu and the "npu" device (docs/torch-npu-ops.md).
 """
 
 from .cards import CARDS, DEFAULT_ORG, ORG_ENV
+from .packing import pack_gate_up
 from .registry import (
-    Swap,
     apply_npu_kernels,
     available_kernels,
-    pack_gate_up,
     register_npu_kernels,
     select_kernels,
-    swapped_modules,
     unregister_npu_kernels,
 )
+from .report import Swap, swapped_modules
 
 __all__ = [
     "CARDS",
