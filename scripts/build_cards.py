@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernels import Metadata
-from kernels._rust import Digest, DigestAlgorithm
 
+from npu_hub_kernels._kernels_compat import Digest, DigestAlgorithm
 from npu_hub_kernels.cards import Card as CardConfig
 from npu_hub_kernels.models import MODEL_CLASSES
 

@@ -67,7 +67,8 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, Reposit
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils.sha import git_hash
 from kernels import Metadata
-from kernels._rust import Digest, DigestValidationError
+
+from npu_hub_kernels._kernels_compat import Digest, DigestValidationError, validate_layer
 
 SCRIPTS_DIR = Path(__file__).resolve().parent
 REPO_TYPE = "kernel"
@@ -209,14 +210,12 @@ def report_loads(host: str, request: str) -> None:
 
 def api_fingerprint(kernel: ModuleType, layers: list[str]) -> dict:
     """The API a card's build offers (the module docstring's rule), checking each layer as kernelize would."""
-    from kernels.layer.layer import _validate_layer  # kernelize's check that a layer may replace a forward
-
     fingerprint = {"layers": {}, "exports": {}}
     for name in sorted(layers):
         layer = getattr(kernel.layers, name, None)
         if layer is None:
             raise ValueError(f"no layer {name} in {kernel.__name__}.layers, which card.toml lists")
-        _validate_layer(check_cls=layer, cls=layer, repo=f"layer {name}")
+        validate_layer(check_cls=layer, cls=layer, repo=f"layer {name}")
         fingerprint["layers"][name] = _parameters(layer.forward)
     if not hasattr(kernel, "__all__"):
         raise ValueError("the package has no __all__: its public names are its API")

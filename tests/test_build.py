@@ -13,9 +13,9 @@ import build_cards
 import pytest
 from conftest import ROOT, run_python
 from kernels import Metadata
-from kernels._rust import Digest, DigestAlgorithm
 
 from npu_hub_kernels import CARDS
+from npu_hub_kernels._kernels_compat import Digest, DigestAlgorithm
 
 
 def test_same_sources_give_byte_identical_trees(built_cards, tmp_path):

@@ -108,7 +108,7 @@ def test_device_behaves_like_a_device():
 
 
 def test_host_reports_cann_and_kernels_sees_it():
-    from kernels.backends import _backend
+    from npu_hub_kernels._kernels_compat import backend as _backend
 
     assert torch_npu.utils.collect_env.get_cann_version() == emulation.DEFAULT_CANN_VERSION
     assert _backend().variant_str == "cann91"

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 from conftest import run_python
-from kernels import Mode, get_kernel, get_local_kernel, kernelize
-from kernels.variants import VariantAccepted, get_variants_local, resolve_variants
+from kernels import Mode, VariantAccepted, get_kernel, get_local_kernel, kernelize
 
 from npu_hub_kernels import CARDS, ORG_ENV, emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels.cards import DEFAULT_ORG, resolve_org
 from npu_hub_kernels.doctor import diagnose
 from npu_hub_kernels.integrity import VariantFilesError
@@ -45,7 +45,7 @@ def test_other_cann_version_falls_back_to_torch_npu(offline_hub):
 
 
 def test_decision_trace_explains_every_rejected_variant(built_cards):
-    accepted, trace = resolve_variants(get_variants_local(built_cards / "npu-rms-norm" / "build"))
+    accepted, trace = compat.resolve_variants(compat.get_variants_local(built_cards / "npu-rms-norm" / "build"))
     assert [v.variant_str for v in accepted] == [ARCH_VARIANT, "torch-npu", "torch-universal"]
     rejected = {d.variant.variant_str: d.reason for d in trace if not isinstance(d, VariantAccepted)}
     assert "Torch version (2.9)" in rejected[f"torch29-cxx11-cann91-{platform.machine()}-linux"]

@@ -4,15 +4,17 @@ Run it on a new host before `register_npu_kernels()` and `kernelize`. It answers
 functions the `kernels` loader (0.17.2) itself runs, so its answer is the loader's:
 
 - the host: torch, torch_npu and CANN versions, and the backend kernels detects
-  (`kernels.backends._backend`: torch's PrivateUse1 device "npu" gives `cann<XY>` from torch_npu's
-  `get_cann_version()`, a CPU-only torch gives `cpu`);
+  (`kernels.backends._backend`, imported through `_kernels_compat` like every private kernels name:
+  torch's PrivateUse1 device "npu" gives `cann<XY>` from torch_npu's `get_cann_version()`, a
+  CPU-only torch gives `cpu`);
 - per card `<org>/<card>`, the steps of `LayerRepository.load`, which `register_npu_kernels` uses.
   First the version branch `v<N>` becomes a commit: the Hub's refs, or the cache's `refs/v<N>` when
   HF_HUB_OFFLINE=1. Then the build variants are listed: from the folder `LOCAL_KERNELS` maps the
-  repo to, else from the Hub cache (offline) or the Hub. `kernels.variants.resolve_variants` picks
-  a variant and gives its reason for rejecting every other one. Offline, `resolve_hub_cache_kernel`
-  must accept the cached snapshot. Last come the metadata checks get_kernel makes before importing
-  (python-depends, minimum kernels version, device architecture);
+  repo to, else from the Hub cache (offline) or the Hub. kernels' `resolve_variants` (for the Hub,
+  the public `get_kernel_variants`) picks a variant and gives its reason for rejecting every other
+  one. Offline, `resolve_hub_cache_kernel` must accept the cached snapshot. Last come the metadata
+  checks get_kernel makes before importing (python-depends, minimum kernels version, device
+  architecture);
 - whether the cache holds that variant intact: its files checked against the digest of its
   metadata.json, the check register_npu_kernels' loader makes before importing it
   (`npu_hub_kernels.integrity`);
@@ -44,27 +46,11 @@ from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import IncompleteSnapshotError
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from kernels import Metadata, VariantAccepted
+from kernels import Metadata, VariantAccepted, get_kernel_variants
 from kernels import __version__ as KERNELS_VERSION
-
-# kernels' internals below are what its loader calls; the pin (kernels<0.18.1) keeps them in place.
-from kernels._versions import _get_available_versions, resolve_version_spec_as_ref
-from kernels.backends import CANN, _backend
-from kernels.hf_hub import _get_hf_api
-from kernels.load import _parse_local_kernel_overrides
-from kernels.resolver import resolve_hub_cache_kernel, resolve_local_kernel
-from kernels.validate import AllValidator, ArchValidator, default_metadata_validators
-from kernels.variants import (
-    ArchVariant,
-    Torch,
-    Variant,
-    get_variants,
-    get_variants_local,
-    parse_variant,
-    resolve_variants,
-)
 from packaging.version import Version
 
+from . import _kernels_compat as compat
 from .cards import CARDS, ORG_ENV, Card, resolve_org
 from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
@@ -239,7 +225,7 @@ def _torch_npu_and_cann() -> tuple[str, str]:
 def _detected_backend() -> tuple[str, str]:
     """The backend kernels selects (as in variant names, e.g. cann91) and why."""
     try:
-        backend = _backend()
+        backend = compat.backend()
     except Exception as error:  # e.g. torch_npu present but CANN unreadable
         return "unknown", f"kernels could not detect it: {_one_line(error)}"
     if backend.name == "cann":
@@ -256,7 +242,7 @@ def _publisher_trust(org: str) -> tuple[bool | None, str]:
     if constants.HF_HUB_OFFLINE:
         return None, "unknown (offline): kernels skips the publisher check offline and trusts what the cache holds"
     try:
-        overview = _get_hf_api().get_organization_overview(org)
+        overview = compat.get_hf_api().get_organization_overview(org)
     except Exception as error:  # the Hub's answer, or why there was none, is the finding
         return None, f"unknown: the Hub did not say ({_one_line(error)})"
     if getattr(overview, "trustedKernelPublisher", False):
@@ -293,7 +279,7 @@ def _resolve(report: CardReport, org: str, version: int) -> None:
             return
     metadata = _check_files(report, variant_dir, local if local is not None else snapshot)
     try:
-        AllValidator([*default_metadata_validators(), ArchValidator()]).validate_metadata(
+        compat.AllValidator([*compat.default_metadata_validators(), compat.ArchValidator()]).validate_metadata(
             metadata=metadata, variant=report.variant
         )
     except Exception as error:  # kernels' checks raise ValueError or RuntimeError with the fix in the message
@@ -305,8 +291,8 @@ def _resolve(report: CardReport, org: str, version: int) -> None:
 def _from_local_folder(report: CardReport, folder: Path, version: int) -> Path:
     """The variant kernels' RepoPathsResolver takes from a LOCAL_KERNELS folder."""
     report.source = f"LOCAL_KERNELS: {folder}"
-    location = _loader(lambda: resolve_local_kernel(folder, backend=None), version)
-    _record_decisions(report, get_variants_local(location.variant_path.parent))
+    location = _loader(lambda: compat.resolve_local_kernel(folder, backend=None), version)
+    _record_decisions(report, compat.get_variants_local(location.variant_path.parent))
     return location.variant_path
 
 
@@ -318,9 +304,11 @@ def _from_cache(report: CardReport, snapshot: Path, org: str, version: int) -> P
             f"not cached: the cache's refs/v{version} names {report.revision}, whose snapshot is missing",
             NOT_CACHED_HINT.format(version=version, org=org),
         )
-    _record_decisions(report, get_variants_local(snapshot / "build"))
+    _record_decisions(report, compat.get_variants_local(snapshot / "build"))
     location = _loader(
-        lambda: resolve_hub_cache_kernel(_get_hf_api(), report.repo_id, revision=report.revision, backend=None),
+        lambda: compat.resolve_hub_cache_kernel(
+            compat.get_hf_api(), report.repo_id, revision=report.revision, backend=None
+        ),
         version,
     )
     report.cached = True
@@ -330,8 +318,9 @@ def _from_cache(report: CardReport, snapshot: Path, org: str, version: int) -> P
 def _from_hub(report: CardReport) -> Path | None:
     """The variant kernels' HubResolver picks from the Hub's listing; its cached copy, None if not cached."""
     report.source = f"Hub: {constants.ENDPOINT}"
-    variants = _ask_hub(lambda: get_variants(_get_hf_api(), repo_id=report.repo_id, revision=report.revision))
-    _record_decisions(report, variants)
+    decisions = _ask_hub(lambda: get_kernel_variants(report.repo_id, revision=report.revision))
+    accepted = [decision.variant for decision in decisions if isinstance(decision, VariantAccepted)]
+    _record_trace(report, accepted, decisions)
     cached = try_to_load_from_cache(
         report.repo_id,
         f"build/{report.variant}/metadata.json",
@@ -352,7 +341,7 @@ def _local_kernels_path(repo_id: str) -> Path | None:
     if spec is None:
         return None
     try:
-        return _parse_local_kernel_overrides(spec).get(repo_id)
+        return compat.parse_local_kernel_overrides(spec).get(repo_id)
     except ValueError as error:
         raise _Refusal(f"LOCAL_KERNELS: {error}", "fix LOCAL_KERNELS or unset it") from None
 
@@ -360,9 +349,9 @@ def _local_kernels_path(repo_id: str) -> Path | None:
 def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: Path | None) -> str:
     """The commit branch v<version> names: in the cache's refs/ when offline, on the Hub otherwise."""
     try:
-        return resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
+        return compat.resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
     except ValueError as error:
-        cached = sorted(_get_available_versions(repo_id, local_files_only=True)) if offline else []
+        cached = sorted(compat.get_available_versions(repo_id, local_files_only=True)) if offline else []
         if cached:  # the cache holds this card, at other versions: whether v<version> exists is unknowable offline
             raise _Refusal(
                 f"version {version} of {repo_id} is not in the cache, which holds "
@@ -401,9 +390,14 @@ def _loader(call: Callable[[], _T], version: int) -> _T:
         raise _Refusal(str(error).splitlines()[0], "see the rejected variants") from None
 
 
-def _record_decisions(report: CardReport, variants: list[Variant]) -> None:
-    """kernels' decision: the preferred variant, the other acceptable ones, each rejected one with its reason."""
-    accepted, trace = resolve_variants(variants)
+def _record_decisions(report: CardReport, variants: list[compat.Variant]) -> None:
+    """kernels' decision over a local or cached repository's variants (see `_record_trace`)."""
+    accepted, trace = compat.resolve_variants(variants)
+    _record_trace(report, accepted, trace)
+
+
+def _record_trace(report: CardReport, accepted: list, trace: list) -> None:
+    """The preferred variant, the other acceptable ones, each rejected one with kernels' reason."""
     report.rejected = dict(
         sorted(
             (decision.variant.variant_str, decision.reason)
@@ -461,11 +455,11 @@ def _torch_npu_note(host: HostReport, cards: list[CardReport]) -> str | None:
     canns = set()
     for card in cards:
         for name in card.rejected:
-            variant = parse_variant(name)
+            variant = compat.parse_variant(name)
             if (
-                isinstance(variant, ArchVariant)
-                and isinstance(variant.framework, Torch)
-                and isinstance(variant.arch.backend, CANN)
+                isinstance(variant, compat.ArchVariant)
+                and isinstance(variant.framework, compat.Torch)
+                and isinstance(variant.arch.backend, compat.CANN)
                 and variant.framework.version == torch_version
                 and variant.arch.platform == platform.machine()
             ):

@@ -18,18 +18,9 @@ from types import ModuleType
 
 from huggingface_hub import HfApi, constants
 from kernels import LayerRepository, LocalLayerRepository, Metadata
-
-# kernels' internals below are what get_kernel and get_local_kernel call; the pin (kernels<0.18.1) keeps them.
-from kernels._rust import Digest, DigestValidationError, DigestViolation, KernelDependency, KernelVersion
-from kernels._versions import revision_or_version
-from kernels.deps import DepTreeNode, resolve_kernel_tree
-from kernels.hf_hub import _get_hf_api
-from kernels.layer.layer import _get_kernel_layer
-from kernels.load import _get_local_kernel_overrides
-from kernels.resolver import HubCacheResolver, HubResolver, RepoPathsResolver, Resolver, SequentialResolver
-from kernels.validate import AllValidator, ArchValidator, MetadataValidator, default_metadata_validators
 from torch import nn
 
+from . import _kernels_compat as compat
 from .offline import default_cache_dir
 
 SHOWN_PER_KIND = 5
@@ -39,17 +30,22 @@ SHOWN_PER_KIND = 5
 class VariantFilesError(RuntimeError):
     """The files of a build variant do not match the digest in its metadata.json: it is not imported."""
 
-    def __init__(self, variant_dir: Path, violations: list[DigestViolation], name: str) -> None:
+    def __init__(self, variant_dir: Path, violations: list[compat.DigestViolation], name: str) -> None:
         self.variant_dir = Path(variant_dir)
         self.name = name
-        self.changed = sorted(v.path for v in violations if isinstance(v, DigestViolation.HashMismatch))
-        self.missing = sorted(v.path for v in violations if isinstance(v, DigestViolation.MissingFile))
-        self.unexpected = sorted(v.path for v in violations if isinstance(v, DigestViolation.UnknownFile))
+        self.changed = sorted(v.path for v in violations if isinstance(v, compat.DigestViolation.HashMismatch))
+        self.missing = sorted(v.path for v in violations if isinstance(v, compat.DigestViolation.MissingFile))
+        self.unexpected = sorted(v.path for v in violations if isinstance(v, compat.DigestViolation.UnknownFile))
         self.other = [
             str(v)
             for v in violations
             if not isinstance(
-                v, (DigestViolation.HashMismatch, DigestViolation.MissingFile, DigestViolation.UnknownFile)
+                v,
+                (
+                    compat.DigestViolation.HashMismatch,
+                    compat.DigestViolation.MissingFile,
+                    compat.DigestViolation.UnknownFile,
+                ),
             )
         ]
         super().__init__(
@@ -96,33 +92,39 @@ def check_variant_files(variant_dir: Path, metadata: Metadata) -> int | None:
     if metadata.digest is None:
         return None
     try:
-        metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, variant_dir))
-    except DigestValidationError as error:
+        metadata.digest.validate(compat.Digest.hash_variant(metadata.digest.algorithm, variant_dir))
+    except compat.DigestValidationError as error:
         raise VariantFilesError(variant_dir, error.violations, name=str(metadata.name)) from None
     return len(metadata.digest.files)
 
 
 def load_checked(
-    *, api: HfApi, kernel: KernelDependency, resolvers: list[Resolver], validators: list[MetadataValidator]
+    *,
+    api: HfApi,
+    kernel: compat.KernelDependency,
+    resolvers: list[compat.Resolver],
+    validators: list[compat.MetadataValidator],
 ) -> ModuleType:
     """kernels.load.get_kernel_with_resolver, with every installed variant's files checked before the import."""
-    tree = resolve_kernel_tree(api=api, backend=None, kernel=kernel, resolver=SequentialResolver(resolvers=resolvers))
-    tree.validate_metadata(AllValidator(validators=validators))
+    tree = compat.resolve_kernel_tree(
+        api=api, backend=None, kernel=kernel, resolver=compat.SequentialResolver(resolvers=resolvers)
+    )
+    tree.validate_metadata(compat.AllValidator(validators=validators))
     installed = tree.install(api=api)
     _check_tree(installed)
     return installed.load()
 
 
-def _check_tree(node: DepTreeNode) -> None:
+def _check_tree(node: compat.DepTreeNode) -> None:
     check_variant_files(node.location.variant_path, node.location.metadata)
     for dependency in node.deps.values():
         _check_tree(dependency)
 
 
-def _hub_resolver(trust_remote_code: bool | list[str]) -> Resolver:
+def _hub_resolver(trust_remote_code: bool | list[str]) -> compat.Resolver:
     if constants.HF_HUB_OFFLINE:
-        return HubCacheResolver(trust_remote_code=trust_remote_code)
-    return HubResolver(trust_remote_code=trust_remote_code)
+        return compat.HubCacheResolver(trust_remote_code=trust_remote_code)
+    return compat.HubResolver(trust_remote_code=trust_remote_code)
 
 
 class CheckedLayerRepository(LayerRepository):
@@ -131,14 +133,15 @@ class CheckedLayerRepository(LayerRepository):
     def load(self) -> type[nn.Module]:
         """As LayerRepository.load (get_kernel at the resolved revision), with the files checked."""
         kernel = load_checked(
-            api=_get_hf_api(user_agent=self._user_agent),
-            kernel=KernelDependency(
-                repo_id=self._repo_id, version=revision_or_version(revision=self._resolve_revision(), version=None)
+            api=compat.get_hf_api(user_agent=self._user_agent),
+            kernel=compat.KernelDependency(
+                repo_id=self._repo_id,
+                version=compat.revision_or_version(revision=self._resolve_revision(), version=None),
             ),
-            resolvers=[_get_local_kernel_overrides(), _hub_resolver(self._trust_remote_code)],
-            validators=[*default_metadata_validators(), ArchValidator()],
+            resolvers=[compat.get_local_kernel_overrides(), _hub_resolver(self._trust_remote_code)],
+            validators=[*compat.default_metadata_validators(), compat.ArchValidator()],
         )
-        return _get_kernel_layer(self, kernel)
+        return compat.get_kernel_layer(self, kernel)
 
 
 class CheckedLocalLayerRepository(LocalLayerRepository):
@@ -148,13 +151,13 @@ class CheckedLocalLayerRepository(LocalLayerRepository):
         """As LocalLayerRepository.load (get_local_kernel of the folder), with the files checked."""
         path = self._repo_path
         kernel = load_checked(
-            api=_get_hf_api(),
-            kernel=KernelDependency(repo_id=str(path), version=KernelVersion.Version(0)),
+            api=compat.get_hf_api(),
+            kernel=compat.KernelDependency(repo_id=str(path), version=compat.KernelVersion.Version(0)),
             resolvers=[
-                RepoPathsResolver(local_kernels={str(path): path}),
-                _get_local_kernel_overrides(),
+                compat.RepoPathsResolver(local_kernels={str(path): path}),
+                compat.get_local_kernel_overrides(),
                 _hub_resolver(False),
             ],
-            validators=default_metadata_validators(),
+            validators=compat.default_metadata_validators(),
         )
-        return _get_kernel_layer(self, kernel)
+        return compat.get_kernel_layer(self, kernel)
