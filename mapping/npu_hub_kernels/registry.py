@@ -182,9 +182,16 @@ def pack_gate_up(model: nn.Module) -> int:
     for module in model.modules():
         build, layer = _card_layer_of(module) or (None, None)
         if build is not None and (build.CARD, layer) == ("npu-swiglu", "SwiGLUMLP"):
-            card = sys.modules[build.__name__.rpartition(".")[0]]
-            packed += card.pack_gate_up(module.gate_proj, module.up_proj)
+            packed += card_package(module).pack_gate_up(module.gate_proj, module.up_proj)
     return packed
+
+
+def card_package(module: nn.Module) -> ModuleType | None:
+    """The card package (e.g. the loaded `npu_swiglu`) whose layer kernelize gave `module` (or a function-module
+    such as a swapped `apply_rotary_pos_emb`), for calling the card's functions directly; None when `module`
+    runs no card layer."""
+    build, _ = _card_layer_of(module) or (None, None)
+    return None if build is None else sys.modules[build.__name__.rpartition(".")[0]]
 
 
 @dataclass(frozen=True)
