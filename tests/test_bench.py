@@ -75,6 +75,21 @@ def test_kernelized_rms_norm_is_one_op_reading_its_inputs_and_writing_its_output
     assert bench.rms_norm_floor(norm, x) == ((1, X + W + X), (1, X + X + W + X + W))
 
 
+def test_inference_mode_counts_the_ops_composites_decompose_into():
+    """In inference mode autograd is skipped, so composite ops reach the count whole; they are counted as what they
+    decompose into, as in grad mode: a reshape of a transposed tensor is a copy, a linear a matmul."""
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        x, w = torch.empty(2, 8, 64, dtype=BF16, device="npu"), torch.empty(32, 64, dtype=BF16, device="npu")
+        counted = {}
+        for context in (torch.no_grad, torch.inference_mode):
+            with context(), count_device_ops() as tally:
+                torch.nn.functional.linear(x, w).transpose(1, 2).reshape(2, -1).contiguous().to(BF16)
+            counted[context.__name__] = records(tally)
+    y = 2 * 8 * 32 * 2  # bytes of the output [2, 8, 32]
+    assert counted["inference_mode"] == counted["no_grad"] == [("mm", X + 32 * 64 * 2, y), ("clone", y, y)]
+
+
 def test_fused_op_rules_give_the_emulated_ops_shapes():
     """Every emulated torch_npu op has an accounting rule, and the rule's outputs have the op's shapes and dtypes."""
     import torch_npu
