@@ -1,9 +1,11 @@
 """Count the device operations of a forward (and backward) and the bytes each one reads and writes.
 
-Used by `scripts/bench.py` to set eager transformers against the kernelized model and against a floor,
-for full-size decoder layers, without computing anything: the model runs on fake tensors
+Used by `make bench` to set eager transformers against the kernelized model and against a floor, for
+full-size decoder layers, without computing anything: the model runs on fake tensors
 (`torch._subclasses.FakeTensorMode`) that carry shapes, dtypes, strides and the "npu" device of the
-emulation, but no data.
+emulation, but no data. It lives with the bench, not in the installed package: it relies on private
+torch APIs (dispatch keys, the fake-tensor memo, `torch.library` internals), and only the bench and
+its tests use it.
 
 What counts as one device operation:
 - every aten op that reaches the dispatcher below autograd and would launch a kernel on a device:
