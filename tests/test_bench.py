@@ -14,6 +14,7 @@ import pytest
 import torch
 from bench import cards, configs, counted, floors, regions, report, targets
 from bench.accounting import FUSED_OPS, count_device_ops, fake_module, fake_tensor_mode
+from bench.peer import PARITY_TOLERANCE, load_peer, parity_rows
 from bench.rows import CSV_COLUMNS, EMULATED
 from conftest import ROOT
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -22,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from npu_hub_kernels import register_npu_kernels, unregister_npu_kernels
+from npu_hub_kernels.tiny_models import tiny_config_values
 
 BF16 = torch.bfloat16
 X, X32, VAR, W = 2 * 8 * 64 * 2, 2 * 8 * 64 * 4, 2 * 8 * 4, 64 * 2
@@ -272,6 +274,64 @@ def test_experts_without_a_card_say_so(built_cards):
     )
 
 
+@pytest.fixture
+def peer(npu_kernels):
+    """LLaMA-Factory's NPU kernels (installed without dependencies in the dev environment)."""
+    loaded, why = load_peer()
+    if loaded is None:
+        pytest.skip(why)
+    return loaded
+
+
+def _modeling_globals() -> dict[str, object]:
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    return {
+        f"{m.__name__}.{name}": value for m in (modeling_llama, modeling_qwen3_moe) for name, value in vars(m).items()
+    }
+
+
+def test_peer_is_counted_on_its_own_layer_and_leaves_nothing_patched(peer):
+    """The peer column: LLaMA-Factory's RMSNorm casts the weight to float32 and back per call (3 ops a norm), its
+    RoPE runs npu_rotary_mul for q and for k, its split MLP concatenates gate and up per call, its Qwen3-MoE experts
+    take histc counts and casts. Its module-global patches are undone: eager and kernelized counts are the same with
+    and without the peer, and the modeling files' globals are the objects they were."""
+    before = _modeling_globals()
+    with_peer = counted.account(TINY_MOE, 2, 16, peer=peer)
+    assert _modeling_globals() == before
+    without = counted.account(TINY_MOE, 2, 16)
+    for key, m in with_peer.items():
+        assert (m.eager.by_op(), m.kernelized.by_op(), m.floor) == (
+            without[key].eager.by_op(),
+            without[key].kernelized.by_op(),
+            without[key].floor,
+        )
+        assert m.peer_patched is True
+    assert with_peer[("RMSNorm", "fwd")].peer.by_op() == {"npu_rms_norm": 4, "_to_copy": 8}
+    assert with_peer[("RoPE", "fwd")].peer.by_op() == {"npu_rotary_mul": 2}
+    experts = with_peer[("MoE experts", "fwd")].peer.by_op()
+    assert experts["histc"] == 1 and experts["npu_grouped_matmul"] == 2 and experts["_to_copy"] == 3
+    mlp = counted.account(TINY_LLAMA, 2, 16, peer=peer)[("SwiGLU MLP", "fwd")].peer.by_op()
+    assert mlp == {"mm": 3, "cat": 1, "npu_swiglu": 1}
+    mixtral = dataclasses.replace(TINY_MOE, model_type="mixtral", config=tiny_config_values("mixtral"))
+    assert counted.account(mixtral, 2, 16, peer=peer)[("MoE experts", "fwd")].peer_patched is False  # Qwen3-MoE only
+
+
+def test_peer_parity_on_tiny_families(peer):
+    """Each peer kernel alone against eager: LLaMA-Factory's RMSNorm matches Llama's but not Gemma3's zero-centred
+    norm, which it treats as a plain one; its MoE kernel leaves a dense model alone. Nothing stays patched."""
+    before = _modeling_globals()
+    rows = {(r.model, r.kind): r for r in parity_rows(peer, ("llama", "gemma3_text"))}
+    assert _modeling_globals() == before
+    assert rows[("llama", "RMSNorm")].outcome == "matches" and rows[("llama", "RMSNorm")].peer <= PARITY_TOLERANCE
+    assert rows[("gemma3_text", "RMSNorm")].outcome == "differs"
+    assert rows[("llama", "RoPE")].outcome == "matches"
+    assert rows[("llama", "MoE experts")].outcome == "not patched"
+    text = report.summary(list(rows.values()), "m", "v", peer=peer.name)
+    assert "| npu_fused_rmsnorm | llama | gemma3_text (" in text
+
+
 def test_readme_section_is_rewritten_between_the_markers_only(tmp_path):
     readme = tmp_path / "README.md"
     before, after = "# Title\n\nintro\n\n", "\n\n## Next\n\ntext\n"
@@ -301,7 +361,7 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     with (out / "bench.csv").open() as f:
         table = list(csv.DictReader(f))
     assert list(table[0]) == CSV_COLUMNS
-    assert {r["mode"] for r in table} == {"counted", "timed"}
+    assert {r["mode"] for r in table} == {"counted", "timed", "parity"}
     emulated = [r for r in table if r["note"] == EMULATED]
     assert {r["op"] for r in emulated} >= {"decoder layer", "RMSNorm", "training step (AdamW)"}
     assert not any("packed" in r["op"] for r in table)  # the default path only
@@ -313,3 +373,5 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     assert EMULATED not in summary.replace("emulated ones are only in bench.csv", "")
     for target in ("kernelize of 32 layers", "per-call overhead", "torch-universal fallback", "RMSNorm: kernelized"):
         assert target in summary
+    assert "**Peer**: LLaMA-Factory" in summary and "| peer kernel | matches |" in summary  # the peer column ran
+    assert all(r["peer"] for r in counted)

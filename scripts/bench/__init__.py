@@ -26,6 +26,9 @@ kernelized, forward and forward+backward, synchronised, peak memory, and a short
 Ascend host the device part runs only with `--device-timing on`, on the emulation at small shapes,
 labelled "emulated (not a device measurement)" and kept out of the summary.
 
+Peer (the `peer` column): LLaMA-Factory's in-tree NPU kernels counted on the same layers, and their output
+checked against eager on the tiny model families (`peer`); `--peer off` leaves them out.
+
 Writes bench.csv (one row per measurement), bench.png and summary.md to --out; --readme PATH rewrites
 the part of PATH between `<!-- bench:begin -->` and `<!-- bench:end -->` with the summary; --cards-dir
 writes each card's benchmark.md (its share of the summary, which the build adds to its Hub README).
@@ -33,6 +36,6 @@ writes each card's benchmark.md (its share of the summary, which the build adds 
 Modules: `configs` (the models and shapes), `cards` (region kinds by card, and the card functions the
 bench calls directly), `regions` (a decoder layer's fused regions and how they are run), `floors` (one
 floor per region kind), `targets`, `accounting` (ops and bytes on fake tensors), `counted`, `timed`,
-`rows` (a measurement, bench.csv), `report` (summary, README section, card sections), `chart`
-(bench.png), `__main__` (the command).
+`peer` (LLaMA-Factory's kernels), `rows` (a measurement, bench.csv), `report` (summary, README section,
+card sections), `chart` (bench.png), `__main__` (the command).
 """

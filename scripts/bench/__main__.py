@@ -30,15 +30,20 @@ import torch
 
 from npu_hub_kernels import emulation
 from npu_hub_kernels.cards import resolve_org
+from npu_hub_kernels.tiny_models import TINY_CONFIGS
 
 from . import __doc__ as package_doc
 from .cards import KINDS
 from .chart import write_chart
 from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, SWEEP_EXPERTS, TINY_SPECS
 from .counted import counted_rows, experts_sweep_rows
+from .peer import load_peer, parity_rows
 from .report import card_summary, summary, update_readme
 from .rows import Row, log, write_csv
 from .timed import device_rows, fallback_rows, get_kernel_rows, kernelize_rows, overhead_rows, training_rows
+
+QUICK_PARITY = ("llama", "qwen3_moe", "gemma3_text")
+"""--quick: the peer parity check on these tiny families only."""
 
 
 def describe_host(emulated: bool) -> tuple[str, str]:
@@ -73,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--only", choices=("counted", "timed"), help="run one mode only")
     parser.add_argument(
+        "--peer",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: count LLaMA-Factory's NPU kernels beside the cards when it is installed; off: no peer column",
+    )
+    parser.add_argument(
         "--device-timing",
         choices=("auto", "on", "off"),
         default="auto",
@@ -95,13 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     machine, versions = describe_host(emulated)
     log(f"bench: {machine}; {versions}")
     rows: list[Row] = []
+    peer, peer_absent = None, "--peer off"
     try:
         if args.only in (None, "counted"):
             if emulated:
-                log("counted: fusion accounting on fake tensors")
+                if args.peer == "auto":
+                    peer, peer_absent = load_peer()
+                log(f"counted: fusion accounting on fake tensors; peer: {peer.name if peer else peer_absent}")
                 for spec in specs:
-                    rows += counted_rows(spec, QUICK_SHAPES if quick else SHAPES)
-                rows += experts_sweep_rows((8, 128) if quick else SWEEP_EXPERTS)
+                    rows += counted_rows(spec, QUICK_SHAPES if quick else SHAPES, peer)
+                rows += experts_sweep_rows((8, 128) if quick else SWEEP_EXPERTS, peer=peer)
+                if peer is not None:
+                    rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)
             else:
                 log("counted: skipped; it runs on the torch_npu emulation (the counts do not depend on the host)")
         if args.only in (None, "timed"):
@@ -123,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / "bench.csv")
     table = args.out.resolve() / "bench.csv"
-    text = summary(rows, machine, versions, str(table.relative_to(ROOT) if table.is_relative_to(ROOT) else table))
+    where = str(table.relative_to(ROOT) if table.is_relative_to(ROOT) else table)
+    counted = args.only in (None, "counted") and emulated
+    text = summary(rows, machine, versions, where, peer.name if peer else None, peer_absent if counted else "")
     (args.out / "summary.md").write_text(text)
     problem = write_chart(rows, args.out / "bench.png", machine)
     if args.readme:

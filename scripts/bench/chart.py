@@ -52,11 +52,13 @@ def _chart_layer_ops(ax, rows: list[Row]) -> None:
     layers = list({r.model: r for r in layers}.values())
     if not layers:
         return _not_run(ax, title)
-    series = (
+    series = [
         ("eager transformers", [r.eager for r in layers]),
         ("kernelized (default path: kernelize only)", [r.kernelized for r in layers]),
+        ("peer: LLaMA-Factory NPU kernels", [r.peer for r in layers]),
         ("floor", [r.floor for r in layers]),
-    )
+    ]
+    series = [(label, values) for label, values in series if None not in values]
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series):
         bars = ax.bar([x - 0.4 + (i + 0.5) * width for x in range(len(layers))], values, width, label=label)
@@ -77,6 +79,7 @@ def _chart_bytes(ax, rows: list[Row]) -> None:
     chosen = [r for r in counted if (r.batch, r.seq) == (batch, seq)]
     models = list(dict.fromkeys(r.model for r in chosen))
     width = 0.8 / len(models)
+    peer_label = {"x": "peer (LLaMA-Factory)", "1": "peer: not patched (eager)"}
     for i, model in enumerate(models):
         label = model
         for j, kind in enumerate(kinds):
@@ -90,6 +93,10 @@ def _chart_bytes(ax, rows: list[Row]) -> None:
             else:
                 ax.bar(x, row.ratio, width * 0.6, color=f"C{i}", label=label)
                 label = None
+            if row.peer is not None:
+                marker = "x" if row.peer_patched is not False else "1"
+                ax.plot(x, row.peer / row.floor, marker, color="k", markersize=8, label=peer_label[marker])
+                peer_label[marker] = None
     label = "target (x floor)"
     for j, kind in enumerate(kinds):
         bound = next((t.bound for t in COUNTED_TARGETS if (t.kind, t.unit) == (kind, "bytes")), None)
@@ -99,7 +106,7 @@ def _chart_bytes(ax, rows: list[Row]) -> None:
     ax.axhline(1.0, color="k", linewidth=0.6, label="floor")
     ax.set_xticks(range(len(kinds)), kinds)
     ax.set_yscale("log")
-    ax.set_ylabel("bytes / floor (pale: eager, solid: kernelized)")
+    ax.set_ylabel("bytes / floor (pale: eager, solid: kernelized, x: peer)")
     ax.set_title(f"Bytes / floor per fused region and layer, fwd+bwd, batch {batch} x seq {seq} (log scale)")
     ax.legend(fontsize=8)
 
@@ -119,6 +126,8 @@ def _chart_sweep(ax, rows: list[Row]) -> None:
         ax.plot(experts, [r.kernelized for r in loop], "^-", label="npu-moe")
     else:
         ax.text(0.5, 0.1, f"npu-moe: {NO_CARD}", transform=ax.transAxes, ha="center")
+    if all(r.peer is not None for r in loop):
+        ax.plot(experts, [r.peer for r in loop], "x-", label="peer: LLaMA-Factory")
     ax.plot(experts, [r.floor for r in loop], "k--", label="floor")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

@@ -1,9 +1,10 @@
 """Counted: the device ops and bytes of full-size decoder layers and their fused regions, on fake tensors.
 
 Per model and shape: the eager layer (transformers' forwards), the kernelized layer (the default path:
-kernelize alone, after one uncounted warm-up forward) and the floor (`floors`), per region kind and for the
-whole layer, forward in inference mode and forward+backward with grad. Also the experts sweep: one MoE layer
-with more and more experts.
+kernelize alone, after one uncounted warm-up forward), the peer (LLaMA-Factory's NPU kernels applied to a
+layer of its own, `peer`) and the floor (`floors`), per region kind and for the whole layer, forward in
+inference mode and forward+backward with grad. Also the experts sweep: one MoE layer with more and more
+experts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .accounting import Tally, count_device_ops, fake_module, fake_tensor_mode
 from .cards import KINDS, LAYER, NO_CARD
 from .configs import CONFIGS, DTYPE, PHASES, SWEEP_MODEL, ModelSpec, experts_key
 from .floors import floor_of
+from .peer import Patches, Peer
 from .regions import Region, capture, find_regions, forward_backward, layer_inputs, resolve, set_variant
 from .rows import Row, log
 from .targets import counted_target
@@ -34,6 +36,12 @@ class Measured:
     eager: Tally
     kernelized: Tally | None  # None: no card fuses this region (yet)
     floor: tuple[int, int]
+    peer: Tally | None = None  # None: no peer column
+    peer_patched: bool | None = None  # False: the peer leaves the region to transformers
+
+
+PEER_LAYER = "model.layers.0."
+"""The measured layer's name in its model (what the peer's patches are named by)."""
 
 
 def build_model(spec: ModelSpec, experts: int | None = None) -> nn.Module:
@@ -83,14 +91,26 @@ def warm_up(layer: nn.Module, args: tuple, kwargs: dict, experts: int | None) ->
     count_run(layer, args, kwargs, (), "fwd", experts)  # the tally is dropped
 
 
-def account(spec: ModelSpec, batch: int, seq: int, experts: int | None = None) -> dict[tuple[str, str], Measured]:
+def peer_layer(spec: ModelSpec, fake_mode: FakeTensorMode, peer: Peer, experts: int | None = None):
+    """(decoder layer 0 of a model of its own with the peer's kernels applied, with fake weights on the npu
+    device; the peer's patches)."""
+    model = build_model(spec, experts)
+    patches = peer.apply(model)
+    return fake_module(model.model.layers[0], fake_mode, "npu"), patches
+
+
+def account(
+    spec: ModelSpec, batch: int, seq: int, experts: int | None = None, peer: Peer | None = None
+) -> dict[tuple[str, str], Measured]:
     """Tallies per (region kind or "decoder layer", phase): eager, kernelized (the default path, after one
-    uncounted warm-up forward) and the floor. On fake tensors of a fresh fake mode; `experts` overrides the
-    model's."""
+    uncounted warm-up forward), the peer's (when given) and the floor. On fake tensors of a fresh fake mode;
+    `experts` overrides the model's."""
     experts = experts or spec.experts
     fake_mode = fake_tensor_mode()
     layer = build_layer(spec, fake_mode, experts)  # eager and kernelized: the same layer, its forwards swapped
     regions = find_regions(layer)
+    peered = peer_layer(spec, fake_mode, peer, experts) if peer is not None else None
+    patched: dict[str, bool] = {}
     results: dict[tuple[str, str], Measured] = {}
     with fake_mode:
         args, kwargs = layer_inputs(spec, batch, seq, torch.empty)
@@ -109,13 +129,33 @@ def account(spec: ModelSpec, batch: int, seq: int, experts: int | None = None) -
                     module = resolve(layer, region.name)
                     run = count_run(module, region.args, region.kwargs, module.parameters(), phase, experts)
                     tallies[(region.name, variant)] = run
-            results.update(_combine(regions, layer, tallies, phase))
+            if peered is not None:
+                set_variant(layer, "eager")  # what the peer leaves alone runs transformers' forwards
+                patched = _count_peer(peered, regions, args, kwargs, phase, experts, tallies)
+            results.update(_combine(regions, layer, tallies, phase, patched))
         set_variant(layer, "eager")  # leave the shared rotary function-modules as they were
     return results
 
 
-def _combine(regions: list[Region], layer: nn.Module, tallies: dict, phase: str) -> dict[tuple[str, str], Measured]:
-    """Sum the regions of each kind; the layer's floor is what runs outside the regions plus each region's floor."""
+def _count_peer(
+    peered: tuple[nn.Module, Patches], regions: list[Region], args, kwargs, phase: str, experts, tallies: dict
+) -> dict[str, bool]:
+    """Count the peer's layer and regions into `tallies` (variant "peer"); returns whether it patched each region."""
+    layer, patches = peered
+    patched = {}
+    with patches.active():
+        tallies[(LAYER, "peer")] = count_run(layer, args, kwargs, layer.parameters(), phase, experts)
+        for region in regions:
+            fn, params, patched[region.name] = patches.region(layer, region, PEER_LAYER)
+            tallies[(region.name, "peer")] = count_run(fn, region.args, region.kwargs, params, phase, experts)
+    return patched
+
+
+def _combine(
+    regions: list[Region], layer: nn.Module, tallies: dict, phase: str, patched: dict[str, bool]
+) -> dict[tuple[str, str], Measured]:
+    """Sum the regions of each kind; the layer's floor is what runs outside the regions plus each region's floor
+    (the peer plays no part in the floor)."""
     out = {}
     floors = {r.name: floor_of(r, resolve(layer, r.name), phase) for r in regions}
     for kind in (k for k in KINDS.values() if any(r.kind == k for r in regions)):
@@ -124,6 +164,8 @@ def _combine(regions: list[Region], layer: nn.Module, tallies: dict, phase: str)
             eager=_sum([tallies[(n, "eager")] for n in names]),
             kernelized=_sum([tallies[(n, "kernelized")] for n in names]),
             floor=(sum(floors[n][0] for n in names), sum(floors[n][1] for n in names)),
+            peer=_sum([tallies.get((n, "peer")) for n in names]),
+            peer_patched=any(patched[n] for n in names) if patched else None,
         )
     rests = []  # what runs outside the regions, per variant with every region measured
     for variant in ("eager", "kernelized"):
@@ -135,6 +177,8 @@ def _combine(regions: list[Region], layer: nn.Module, tallies: dict, phase: str)
         eager=tallies[(LAYER, "eager")],
         kernelized=tallies[(LAYER, "kernelized")],
         floor=(rest[0] + sum(f[0] for f in floors.values()), rest[1] + sum(f[1] for f in floors.values())),
+        peer=tallies.get((LAYER, "peer")),
+        peer_patched=any(patched.values()) if patched else None,
     )
     return out
 
@@ -149,18 +193,27 @@ def _value(tally: Tally | None, unit: str) -> int | None:
     return None if tally is None else tally.ops if unit == "ops" else tally.bytes
 
 
-def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]]) -> list[Row]:
+def _note(kernelized: Tally | None, peer_patched: bool | None) -> str:
+    notes = [NO_CARD] if kernelized is None else []
+    notes += [PEER_NOT_PATCHED] if peer_patched is False else []
+    return "; ".join(notes)
+
+
+PEER_NOT_PATCHED = "peer: not patched (left to transformers)"
+
+
+def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]], peer: Peer | None = None) -> list[Row]:
     """bench.csv rows of one model: ops and bytes per region kind and per decoder layer, per shape and phase."""
     rows = []
     for batch, seq in shapes:
         started = time.perf_counter()
-        for (kind, phase), m in account(spec, batch, seq).items():
+        for (kind, phase), m in account(spec, batch, seq, peer=peer).items():
             for unit, floor in (("ops", m.floor[0]), ("bytes", m.floor[1])):
                 row = Row(
                     "counted", spec.name, kind, phase, batch, seq,
-                    eager=_value(m.eager, unit), kernelized=_value(m.kernelized, unit), floor=floor, unit=unit,
-                    note=NO_CARD if m.kernelized is None else "",
-                    study="layer", kind=kind, model=spec.name, experts=spec.experts,
+                    eager=_value(m.eager, unit), kernelized=_value(m.kernelized, unit), floor=floor,
+                    peer=_value(m.peer, unit), unit=unit, note=_note(m.kernelized, m.peer_patched),
+                    study="layer", kind=kind, model=spec.name, experts=spec.experts, peer_patched=m.peer_patched,
                 )  # fmt: skip
                 row.target = counted_target(row)
                 rows.append(row)
@@ -168,9 +221,11 @@ def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]]) -> list[Row
     return rows
 
 
-def experts_sweep_rows(experts_counts: Iterable[int], batch: int = 1, seq: int = 512) -> list[Row]:
+def experts_sweep_rows(
+    experts_counts: Iterable[int], batch: int = 1, seq: int = 512, peer: Peer | None = None
+) -> list[Row]:
     """The MoE experts of Qwen3-30B-A3B's layer with other numbers of experts: transformers' eager loop and its
-    default grouped_mm, against npu-moe and the floor (ops and bytes, forward and forward+backward)."""
+    default grouped_mm, against npu-moe, the peer and the floor (ops and bytes, forward and forward+backward)."""
     base = CONFIGS[SWEEP_MODEL]
     rows = []
     for experts in experts_counts:
@@ -178,6 +233,7 @@ def experts_sweep_rows(experts_counts: Iterable[int], batch: int = 1, seq: int =
         layer = build_layer(base, fake_mode, experts)
         region = next(r for r in find_regions(layer) if r.kind == "MoE experts")
         module = resolve(layer, region.name)
+        peered = peer_layer(base, fake_mode, peer, experts) if peer is not None else None
         with fake_mode:
             set_variant(layer, "eager")
             capture(layer, [region], *layer_inputs(base, batch, seq, torch.empty), count_device_ops(experts=experts))
@@ -188,6 +244,11 @@ def experts_sweep_rows(experts_counts: Iterable[int], batch: int = 1, seq: int =
                     set_variant(layer, "kernelized")
                     kernelized = count_run(module, region.args, region.kwargs, module.parameters(), phase, experts)
                 set_variant(layer, "eager")
+                peer_run, peer_patched = None, None
+                if peered is not None:
+                    with peered[1].active():
+                        fn, params, peer_patched = peered[1].region(peered[0], region, PEER_LAYER)
+                        peer_run = count_run(fn, region.args, region.kwargs, params, phase, experts)
                 for implementation in ("eager", "grouped_mm"):
                     module.config._experts_implementation = implementation
                     eager = count_run(module, region.args, region.kwargs, module.parameters(), phase, experts)
@@ -197,10 +258,11 @@ def experts_sweep_rows(experts_counts: Iterable[int], batch: int = 1, seq: int =
                                 "counted", f"{base.name}, {experts} experts",
                                 f"MoE experts (transformers {implementation})", phase, batch, seq,
                                 eager=_value(eager, unit), kernelized=_value(kernelized, unit), floor=floor[index],
-                                unit=unit, target="independent of #experts" if unit == "ops" else "",
-                                note=NO_CARD if kernelized is None else "",
+                                peer=_value(peer_run, unit), unit=unit,
+                                target="independent of #experts" if unit == "ops" else "",
+                                note=_note(kernelized, peer_patched),
                                 study="experts sweep", kind="MoE experts", path=implementation, model=base.name,
-                                experts=experts,
+                                experts=experts, peer_patched=peer_patched,
                             )
                         )  # fmt: skip
                 module.config._experts_implementation = "eager"

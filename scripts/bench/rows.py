@@ -18,7 +18,7 @@ class Row:
     label text.
     """
 
-    mode: str  # counted | timed
+    mode: str  # counted | timed | parity
     config: str
     op: str
     phase: str  # fwd | fwd+bwd | host
@@ -27,6 +27,8 @@ class Row:
     eager: float | None = None
     kernelized: float | None = None
     floor: float | None = None
+    peer: float | None = None
+    """The peer (LLaMA-Factory's NPU kernels) on the same layer or region; None: no peer column."""
     unit: str = ""
     target: str = ""
     note: str = ""
@@ -34,7 +36,8 @@ class Row:
     versions: str = ""
     study: str = ""
     """What the row belongs to. Counted: "layer" (a decoder layer and its regions), "experts sweep".
-    Timed: "kernelize", "call overhead", "get_kernel", "fallback" (torch-universal on CPU), "device", "training"."""
+    Timed: "kernelize", "call overhead", "get_kernel", "fallback" (torch-universal on CPU), "device", "training".
+    Parity: "peer parity" (a peer kernel's output against eager on a tiny model family)."""
     kind: str = ""
     """The region kind ("RMSNorm", "RoPE", "SwiGLU MLP", "MoE experts") or "decoder layer"; "" for none."""
     variant: str = "default"
@@ -48,6 +51,10 @@ class Row:
     """The number of experts of an MoE layer."""
     emulated: bool = False
     """A device timing taken on the emulation (not a device measurement)."""
+    peer_patched: bool | None = None
+    """Whether the peer patched the region (False: it leaves it to transformers, and the peer column is eager's)."""
+    outcome: str = ""
+    """Peer parity: what the check found (`peer.OUTCOMES`)."""
 
     @property
     def ratio(self) -> float | None:
@@ -57,8 +64,8 @@ class Row:
 
 
 CSV_COLUMNS = ["machine", "versions", "mode", "config", "op", "phase", "batch", "seq"]
-CSV_COLUMNS += ["eager", "kernelized", "floor", "ratio", "unit", "target", "note"]
-CSV_COLUMNS += ["study", "kind", "variant", "path", "model", "experts", "emulated"]
+CSV_COLUMNS += ["eager", "kernelized", "floor", "peer", "ratio", "unit", "target", "note"]
+CSV_COLUMNS += ["study", "kind", "variant", "path", "model", "experts", "emulated", "peer_patched", "outcome"]
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
