@@ -150,6 +150,11 @@ def kind_of(kernel: str) -> str:
     return KINDS.get(card.repo_name, "") if card else ""
 
 
+def kernel_of(kind: str) -> str:
+    """The peer kernel id of a region kind (the inverse of `kind_of`)."""
+    return next(kernel for kernel, card in CARDS.items() if KINDS.get(card.repo_name) == kind)
+
+
 def parity_rows(peer: Peer, families: Iterable[str] = TINY_CONFIGS) -> list[Row]:
     """Each peer kernel alone on each tiny model family (float32, on the npu device, eval): does the model's
     output match eager's? One row per (family, kernel): the largest |logits - eager| and the outcome (`OUTCOMES`):

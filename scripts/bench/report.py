@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .cards import KINDS, NO_CARD
 from .configs import PREFILL_DECODE
-from .peer import OUTCOMES, PARITY_TOLERANCE
+from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
 from .rows import Row
 from .targets import evaluate
 
@@ -148,7 +148,7 @@ def _parity_table(rows: list[Row]) -> list[str]:
         return []
     by_kernel: dict[str, dict[str, list[str]]] = {}
     for r in parity:
-        found = by_kernel.setdefault(r.op.removesuffix(" vs eager"), {outcome: [] for outcome in OUTCOMES})
+        found = by_kernel.setdefault(kernel_of(r.kind), {outcome: [] for outcome in OUTCOMES})
         found[r.outcome].append(f"{r.model} ({r.peer:.1g})" if r.outcome == "differs" else r.model)
     body = [[kernel, *(", ".join(found[o]) or "-" for o in OUTCOMES)] for kernel, found in by_kernel.items()]
     families = len({r.model for r in parity})
