@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .cards import KINDS, LAYER, NO_CARD
+from .report import largest_shape
 from .rows import Row
 from .targets import (
     COUNTED_TARGETS,
@@ -41,11 +42,6 @@ def _not_run(ax, title: str) -> None:
     ax.set_axis_off()
 
 
-def _largest_shape(rows: list[Row]) -> tuple[int, int]:
-    _, batch, seq = max((r.batch * r.seq, r.batch, r.seq) for r in rows)
-    return batch, seq
-
-
 def _chart_layer_ops(ax, rows: list[Row]) -> None:
     title = "Device ops of one decoder layer, fwd+bwd (log scale)"
     layers = [r for r in rows if r.study == "layer" and r.kind == LAYER and r.unit == "ops" and r.phase == "fwd+bwd"]
@@ -75,7 +71,7 @@ def _chart_bytes(ax, rows: list[Row]) -> None:
     kinds = [k for k in (*KINDS.values(), LAYER) if any(r.kind == k for r in counted)]
     if not kinds:
         return _not_run(ax, "Bytes moved / floor")
-    batch, seq = _largest_shape(counted)
+    batch, seq = largest_shape(counted)
     chosen = [r for r in counted if (r.batch, r.seq) == (batch, seq)]
     models = list(dict.fromkeys(r.model for r in chosen))
     width = 0.8 / len(models)

@@ -53,7 +53,8 @@ def _measured(r: Row) -> tuple:
     return r.study, r.model, r.kind, r.phase, r.batch, r.seq, r.path, r.experts
 
 
-def _largest_shape(rows: list[Row]) -> tuple[int, int]:
+def largest_shape(rows: list[Row]) -> tuple[int, int]:
+    """The (batch, seq) of the most tokens among the rows."""
     _, batch, seq = max((r.batch * r.seq, r.batch, r.seq) for r in rows)
     return batch, seq
 
@@ -77,7 +78,7 @@ def counted_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list
     counted = [r for r in rows if r.study == "layer" and (kinds is None or r.kind in kinds)]
     if not counted:
         return []
-    batch, seq = _largest_shape(counted)
+    batch, seq = largest_shape(counted)
     chosen = [r for r in counted if r.phase == "fwd+bwd" and (r.batch, r.seq) == (batch, seq)]
     peer = any(r.peer is not None for r in chosen)
     body = []
