@@ -102,7 +102,7 @@ def _chart_bytes(ax, rows: list[Row]) -> None:
     ax.axhline(1.0, color="k", linewidth=0.6, label="floor")
     ax.set_xticks(range(len(kinds)), kinds)
     ax.set_yscale("log")
-    ax.set_ylim(top=max(r.eager / r.floor for r in chosen) * 20)  # room for the legend above the bars
+    ax.set_ylim(0.5, max(r.eager / r.floor for r in chosen) * 20)  # kernelized bars visible; the legend above
     ax.set_ylabel("bytes / floor (pale: eager, solid: kernelized, x: peer)")
     ax.set_title(f"Bytes / floor per region and layer, fwd+bwd, batch {batch} x seq {seq} (log scale)")
     ax.legend(fontsize=7, ncol=3, loc="upper left")
