@@ -29,7 +29,7 @@ demo: build
 # Fusion accounting (counted) and timings: writes .cache/bench/, rewrites README's bench section and each
 # card's benchmark.md (which the next build adds to the card's Hub README).
 bench: build
-	$(PY) scripts/bench.py --readme README.md --cards-dir kernel-cards $(if $(ORG),--org $(ORG))
+	$(PY) scripts/bench --readme README.md --cards-dir kernel-cards $(if $(ORG),--org $(ORG))
 
 # make publish ORG=<Hub organisation> [CARDS=npu-rope,...] [DRY_RUN=1]
 publish: build

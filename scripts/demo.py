@@ -35,14 +35,6 @@ NOTHING_TO_SWAP = {"gpt2"}
 """Shown as negative controls: GPT-2 has LayerNorm, learned positions and a GELU MLP, so no card applies."""
 
 
-def real_npu() -> bool:
-    try:
-        import torch_npu  # noqa: F401
-    except ImportError:
-        return False
-    return torch.npu.is_available()
-
-
 def logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
         return model(ids.to(next(model.parameters()).device)).logits.float().cpu()
@@ -59,7 +51,7 @@ def main() -> int:
     logging.getLogger("kernels").setLevel(logging.ERROR)  # "no mapping for rotary_pos_emb/SiLU": expected here
     warnings.filterwarnings("ignore")
 
-    on_hardware = real_npu()
+    on_hardware = emulation.real_npu()
     if not on_hardware:
         emulation.install()
     from kernels import Mode, get_kernel, get_loaded_kernels, kernelize

@@ -1,17 +1,21 @@
-"""`make bench`: the fusion accounting (npu_hub_kernels.accounting) against hand-computed counts, the floors,
-and scripts/bench.py end to end on a quick run (counted, host-timed and emulated device-timed)."""
+"""`make bench`: the fusion accounting (bench.accounting) against hand-computed counts, the floors, the targets,
+and the bench (scripts/bench/) end to end on a quick run (counted, host-timed and emulated device-timed)."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import inspect
 import subprocess
 import sys
 
-import bench
 import pytest
 import torch
+from bench import cards, configs, counted, floors, regions, report, targets
+from bench.accounting import FUSED_OPS, count_device_ops, fake_module, fake_tensor_mode
+from bench.peer import PARITY_TOLERANCE, load_peer, parity_rows
+from bench.rows import CSV_COLUMNS, EMULATED
 from conftest import ROOT
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
@@ -19,13 +23,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from npu_hub_kernels import register_npu_kernels, unregister_npu_kernels
-from npu_hub_kernels.accounting import FUSED_OPS, count_device_ops, fake_module
+from npu_hub_kernels.tiny_models import tiny_config_values
 
 BF16 = torch.bfloat16
 X, X32, VAR, W = 2 * 8 * 64 * 2, 2 * 8 * 64 * 4, 2 * 8 * 4, 64 * 2
 """Bytes of x [2, 8, 64] in bfloat16 and in float32, of its float32 variance [2, 8, 1], of the weight [64]."""
-TINY_LLAMA = bench.TINY_SPECS[0]
-TINY_MOE = bench.TINY_SPECS[1]
+TINY_LLAMA = configs.TINY_SPECS[0]
+TINY_MOE = configs.TINY_SPECS[1]
 
 
 def records(tally) -> list[tuple[str, int, int]]:
@@ -41,14 +45,14 @@ def fake_norm(fake_mode: FakeTensorMode) -> LlamaRMSNorm:
 def run_norm(norm, fake_mode: FakeTensorMode, phase: str):
     with fake_mode:
         x = torch.empty(2, 8, 64, dtype=BF16, device="npu", requires_grad=True)
-        return bench.count_run(norm, (x,), {}, norm.parameters(), phase, experts=None)
+        return counted.count_run(norm, (x,), {}, norm.parameters(), phase, experts=None)
 
 
 def test_eager_rms_norm_counted_op_by_op(npu_kernels):
     """LlamaRMSNorm.forward of x [2, 8, 64] bf16: to(float32), pow, mean, + eps, rsqrt, mul, to(bf16), * weight."""
     fake_mode = FakeTensorMode()
     norm = fake_norm(fake_mode)
-    bench.set_variant(norm, "eager")
+    regions.set_variant(norm, "eager")
     assert records(run_norm(norm, fake_mode, "fwd")) == [
         ("_to_copy", X, X32),  # x.to(float32)
         ("pow", X32, X32),
@@ -66,13 +70,28 @@ def test_kernelized_rms_norm_is_one_op_reading_its_inputs_and_writing_its_output
     the weight and rstd and writes dx and dweight; nothing the emulation runs inside is counted."""
     fake_mode = FakeTensorMode()
     norm = fake_norm(fake_mode)
-    bench.set_variant(norm, "kernelized")
+    regions.set_variant(norm, "kernelized")
     forward = ("npu_rms_norm", X + W, X + VAR)
     assert records(run_norm(norm, fake_mode, "fwd")) == [forward]
     assert records(run_norm(norm, fake_mode, "fwd+bwd")) == [forward, ("npu_rms_norm_backward", X + X + W + VAR, X + W)]
     with fake_mode:
         x = torch.empty(2, 8, 64, dtype=BF16, device="npu")
-    assert bench.rms_norm_floor(norm, x) == ((1, X + W + X), (1, X + X + W + X + W))
+    assert floors.rms_norm_floor(norm, x) == ((1, X + W + X), (1, X + X + W + X + W))
+
+
+def test_inference_mode_counts_the_ops_composites_decompose_into():
+    """In inference mode autograd is skipped, so composite ops reach the count whole; they are counted as what they
+    decompose into, as in grad mode: a reshape of a transposed tensor is a copy, a linear a matmul."""
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        x, w = torch.empty(2, 8, 64, dtype=BF16, device="npu"), torch.empty(32, 64, dtype=BF16, device="npu")
+        counted = {}
+        for context in (torch.no_grad, torch.inference_mode):
+            with context(), count_device_ops() as tally:
+                torch.nn.functional.linear(x, w).transpose(1, 2).reshape(2, -1).contiguous().to(BF16)
+            counted[context.__name__] = records(tally)
+    y = 2 * 8 * 32 * 2  # bytes of the output [2, 8, 32]
+    assert counted["inference_mode"] == counted["no_grad"] == [("mm", X + 32 * 64 * 2, y), ("clone", y, y)]
 
 
 def test_fused_op_rules_give_the_emulated_ops_shapes():
@@ -112,20 +131,21 @@ def tiny_layer_records(real: bool) -> dict[tuple[str, str], list]:
     """The op records of a tiny Llama decoder layer, eager and kernelized, forward and forward+backward, on fake
     tensors (as the bench runs) or on real tensors of the emulated device."""
     if real:
-        config = AutoConfig.for_model("llama", **TINY_LLAMA.config, num_hidden_layers=1)
+        config = AutoConfig.for_model("llama", **dict(TINY_LLAMA.config, num_hidden_layers=1))
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=BF16)
         layer, context = model.model.layers[0].to("npu"), contextlib.nullcontext()
     else:
-        context = FakeTensorMode()
-        layer = bench.build_layer(TINY_LLAMA, context)
+        context = fake_tensor_mode()
+        layer = counted.build_layer(TINY_LLAMA, context)
     out = {}
     with context:
-        args, kwargs = bench.layer_inputs(TINY_LLAMA, 2, 16, torch.empty)
+        args, kwargs = regions.layer_inputs(TINY_LLAMA, 2, 16, torch.empty)
+        counted.warm_up(layer, args, kwargs, None)  # the MLP packs on its first call, on fake and on real tensors
         for variant in ("eager", "kernelized"):
-            bench.set_variant(layer, variant)
-            for phase in bench.PHASES:
-                out[(variant, phase)] = records(bench.count_run(layer, args, kwargs, layer.parameters(), phase, None))
-    bench.set_variant(layer, "eager")
+            regions.set_variant(layer, variant)
+            for phase in configs.PHASES:
+                out[(variant, phase)] = records(counted.count_run(layer, args, kwargs, layer.parameters(), phase, None))
+    regions.set_variant(layer, "eager")
     return out
 
 
@@ -134,7 +154,7 @@ def test_fake_tensors_count_what_real_tensors_on_the_emulated_device_count(npu_k
     assert tiny_layer_records(real=False) == tiny_layer_records(real=True)
 
 
-@pytest.mark.parametrize("spec", bench.TINY_SPECS, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("spec", configs.TINY_SPECS, ids=lambda spec: spec.name)
 def test_eager_layer_runs_the_ops_on_the_emulated_device_that_it_runs_on_cpu(spec):
     """Ops with a device kernel are not decomposed on the emulated device (silu_backward: one op, not seven)."""
     counts = {}
@@ -149,32 +169,37 @@ def test_eager_layer_runs_the_ops_on_the_emulated_device_that_it_runs_on_cpu(spe
             hidden = torch.empty(2, 16, 64, dtype=BF16, device=device, requires_grad=True)
             cos, sin = torch.empty(2, 2, 16, 16, dtype=BF16, device=device)
             kwargs = {"attention_mask": None, "position_embeddings": (cos, sin)}
-            counts[device] = bench.count_run(layer, (hidden,), kwargs, layer.parameters(), "fwd+bwd", spec.experts)
+            counts[device] = counted.count_run(layer, (hidden,), kwargs, layer.parameters(), "fwd+bwd", spec.experts)
     assert counts["npu"].by_op() == counts["cpu"].by_op()
     assert counts["npu"].by_op()["silu_backward"] >= 1
 
 
-def test_layer_floor_adds_up_and_packed_swiglu_reaches_it(npu_kernels):
-    """The regions add up: the layer minus its regions is the same for every variant (so the layer floor is the rest
-    plus each region's floor), and the packed SwiGLU MLP runs exactly its floor's ops and bytes."""
-    results = bench.account(TINY_LLAMA, 2, 16)
-    for phase in bench.PHASES:
+def test_layer_floor_adds_up_and_swiglu_reaches_it_on_the_default_path(npu_kernels):
+    """The regions add up: the layer minus its regions (the rest) is the same for every variant but for the copies
+    an eager region's gradient layout costs outside it (eager RoPE hands dq/dk on as BNSD, which the projections'
+    backward copies; npu-rope hands them on in their BSND memory), so the layer floor is the least rest plus each
+    region's floor; and the SwiGLU MLP of the default path (kernelize only; it packs on the warm-up call) runs
+    exactly its floor's ops and bytes."""
+    results = counted.account(TINY_LLAMA, 2, 16)
+    for phase in configs.PHASES:
         regions = [m for (kind, p), m in results.items() if p == phase and kind != "decoder layer"]
         layer = results[("decoder layer", phase)]
-        rests = {
-            variant: (
-                getattr(layer, variant).ops - sum(getattr(m, variant).ops for m in regions),
-                getattr(layer, variant).bytes - sum(getattr(m, variant).bytes for m in regions),
-            )
-            for variant in ("eager", "kernelized", "packed")
-        }
-        assert len(set(rests.values())) == 1, rests
+        rests = {}
+        for variant in ("eager", "kernelized"):
+            ops = getattr(layer, variant).by_op()
+            for m in regions:
+                ops.subtract(getattr(m, variant).by_op())
+            size = getattr(layer, variant).bytes - sum(getattr(m, variant).bytes for m in regions)
+            rests[variant] = (+ops, size)
+        extra = rests["eager"][0] - rests["kernelized"][0]
+        assert not rests["kernelized"][0] - rests["eager"][0] and set(extra) <= {"clone"}, rests
+        assert (phase == "fwd") == (not extra)
+        rest = (rests["kernelized"][0].total(), rests["kernelized"][1])
         floors = [m.floor for m in regions]
-        rest = rests["eager"]
         assert layer.floor == (rest[0] + sum(f[0] for f in floors), rest[1] + sum(f[1] for f in floors))
         mlp = results[("SwiGLU MLP", phase)]
-        assert (mlp.packed.ops, mlp.packed.bytes) == mlp.floor
-        assert mlp.kernelized.by_op() == mlp.eager.by_op()  # unpacked: the eager math
+        assert (mlp.kernelized.ops, mlp.kernelized.bytes) == mlp.floor
+        assert mlp.kernelized.by_op()["npu_swiglu"] == 1
     assert results[("SwiGLU MLP", "fwd")].floor[0] == 3
     assert results[("RMSNorm", "fwd")].kernelized.by_op() == {"npu_rms_norm": 2}
 
@@ -183,39 +208,145 @@ def test_moe_experts_eager_loop_grows_with_the_experts_npu_moe_does_not(npu_kern
     """Balanced routing on fake tensors: transformers' eager loop runs the same ops per expert, npu-moe a fixed set."""
     counts = {}
     for experts in (2, 4, 8):
-        measured = bench.account(TINY_MOE, 2, 16, experts=experts)[("MoE experts", "fwd+bwd")]
+        measured = counted.account(TINY_MOE, 2, 16, experts=experts)[("MoE experts", "fwd+bwd")]
         counts[experts] = (measured.eager.ops, measured.kernelized.ops)
     per_expert = counts[4][0] - counts[2][0]
     assert per_expert > 0 and counts[8][0] - counts[4][0] == 2 * per_expert
     assert len({kernelized for _, kernelized in counts.values()}) == 1
 
 
+def test_rope_in_inference_is_one_op_at_the_floor_with_grad_two_each_way(npu_kernels):
+    """Head dim 64 (the one-call op takes 64 and 128) and cos with q's batch: in inference mode q and k are rotated
+    by one npu_apply_rotary_pos_emb reading and writing exactly the floor's bytes; with grad, npu_rotary_mul runs
+    once for q and once for k each way, within the RoPE targets."""
+    spec = dataclasses.replace(TINY_LLAMA, config=dict(TINY_LLAMA.config, head_dim=64))
+    results = counted.account(spec, 2, 16)
+    inference = results[("RoPE", "fwd")]
+    assert inference.kernelized.by_op() == {"npu_apply_rotary_pos_emb": 1}
+    assert (inference.kernelized.ops, inference.kernelized.bytes) == inference.floor == (1, inference.floor[1])
+    training = results[("RoPE", "fwd+bwd")]
+    assert training.kernelized.by_op() == {"npu_rotary_mul": 2, "npu_rotary_mul_backward": 2}
+    assert training.kernelized.ops == targets.ROPE_OPS_PER_DIRECTION * training.floor[0]
+    rows = [r for r in counted.counted_rows(spec, [(2, 16)]) if r.kind == "RoPE" and r.phase == "fwd"]
+    met = {r.target: r.met for r in targets.evaluate(rows) if r.kind == "RoPE"}
+    assert met == {
+        "RoPE: kernelized op count = floor (fwd)": True,
+        "RoPE: kernelized bytes <= 1.05 x floor (fwd and fwd+bwd)": True,
+    }
+
+
+def test_moe_experts_run_at_their_floor_counts_op_included(npu_kernels):
+    """npu-moe: one bincount for the tokens per expert, permute, two grouped matmuls, swiglu, unpermute: the floor's
+    6 ops forward and 7 backward, and its bytes."""
+    for phase in configs.PHASES:
+        measured = counted.account(TINY_MOE, 2, 16)[("MoE experts", phase)]
+        assert (measured.kernelized.ops, measured.kernelized.bytes) == measured.floor
+        assert measured.kernelized.by_op()["bincount"] == 1
+    assert measured.floor[0] == 6 + 7
+
+
+def test_the_default_path_is_the_only_kernelized_variant_and_rows_are_selected_by_typed_fields(npu_kernels):
+    """One row per region kind, phase and unit, all of the default path (no packed or unpacked variant); the summary
+    and the targets select rows by their typed fields, so relabelling every row changes neither."""
+    rows = counted.counted_rows(TINY_LLAMA, [(2, 16)])
+    assert {r.variant for r in rows} == {"default"} and {r.study for r in rows} == {"layer"}
+    measurements = [(r.kind, r.phase, r.unit) for r in rows]
+    assert len(measurements) == len(set(measurements)) == 4 * 2 * 2
+    assert {kind for kind, _, _ in measurements} == {"RMSNorm", "RoPE", "SwiGLU MLP", cards.LAYER}
+    relabelled = [dataclasses.replace(r, op="?", config="?") for r in rows]
+    assert targets.evaluate(relabelled) == targets.evaluate(rows)
+    assert report.summary(relabelled, "m", "v") == report.summary(rows, "m", "v")
+    assert report.card_summary("npu-swiglu", relabelled) == report.card_summary("npu-swiglu", rows)
+
+
 def test_experts_without_a_card_say_so(built_cards):
     """Until an Experts card is registered, the kernelized column of the experts stays empty: "no card yet"."""
     register_npu_kernels(local_dir=built_cards, kernels="npu_fused_rmsnorm,npu_fused_rope,npu_fused_swiglu")
     try:
-        rows = bench.counted_rows(TINY_MOE, [(2, 16)])
+        rows = counted.counted_rows(TINY_MOE, [(2, 16)])
     finally:
         unregister_npu_kernels()
-    experts = [r for r in rows if r.op == "MoE experts"]
-    assert experts and all(r.kernelized is None and r.note == bench.NO_CARD for r in experts)
-    assert all(r.kernelized is not None for r in rows if r.op == "RMSNorm")
-    assert f"| MoE experts: kernelized op count = floor | {bench.NO_CARD} | - |" in bench.summary(rows, "m", "v")
+    experts = [r for r in rows if r.kind == "MoE experts"]
+    assert experts and all(r.kernelized is None and r.note == cards.NO_CARD for r in experts)
+    assert all(r.kernelized is not None for r in rows if r.kind == "RMSNorm")
+    assert f"| MoE experts: kernelized op count = floor (fwd and fwd+bwd) | {cards.NO_CARD} | - |" in report.summary(
+        rows, "m", "v"
+    )
+
+
+@pytest.fixture
+def peer(npu_kernels):
+    """LLaMA-Factory's NPU kernels (installed without dependencies in the dev environment)."""
+    loaded, why = load_peer()
+    if loaded is None:
+        pytest.skip(why)
+    return loaded
+
+
+def _modeling_globals() -> dict[str, object]:
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    return {
+        f"{m.__name__}.{name}": value for m in (modeling_llama, modeling_qwen3_moe) for name, value in vars(m).items()
+    }
+
+
+def test_peer_is_counted_on_its_own_layer_and_leaves_nothing_patched(peer):
+    """The peer column: LLaMA-Factory's RMSNorm casts the weight to float32 and back per call (3 ops a norm), its
+    RoPE runs npu_rotary_mul for q and for k, its split MLP concatenates gate and up per call, its Qwen3-MoE experts
+    take histc counts and casts. Its module-global patches are undone: eager and kernelized counts are the same with
+    and without the peer, and the modeling files' globals are the objects they were."""
+    before = _modeling_globals()
+    with_peer = counted.account(TINY_MOE, 2, 16, peer=peer)
+    assert _modeling_globals() == before
+    without = counted.account(TINY_MOE, 2, 16)
+    for key, m in with_peer.items():
+        assert (m.eager.by_op(), m.kernelized.by_op(), m.floor) == (
+            without[key].eager.by_op(),
+            without[key].kernelized.by_op(),
+            without[key].floor,
+        )
+        assert m.peer_patched is True
+    assert with_peer[("RMSNorm", "fwd")].peer.by_op() == {"npu_rms_norm": 4, "_to_copy": 8}
+    assert with_peer[("RoPE", "fwd")].peer.by_op() == {"npu_rotary_mul": 2}
+    experts = with_peer[("MoE experts", "fwd")].peer.by_op()
+    assert experts["histc"] == 1 and experts["npu_grouped_matmul"] == 2 and experts["_to_copy"] == 3
+    mlp = counted.account(TINY_LLAMA, 2, 16, peer=peer)[("SwiGLU MLP", "fwd")].peer.by_op()
+    assert mlp == {"mm": 3, "cat": 1, "npu_swiglu": 1}
+    mixtral = dataclasses.replace(TINY_MOE, model_type="mixtral", config=tiny_config_values("mixtral"))
+    assert counted.account(mixtral, 2, 16, peer=peer)[("MoE experts", "fwd")].peer_patched is False  # Qwen3-MoE only
+
+
+def test_peer_parity_on_tiny_families(peer):
+    """Each peer kernel alone against eager: LLaMA-Factory's RMSNorm matches Llama's but not Gemma3's zero-centred
+    norm, which it treats as a plain one; its MoE kernel leaves a dense model alone. Nothing stays patched."""
+    before = _modeling_globals()
+    rows = {(r.model, r.kind): r for r in parity_rows(peer, ("llama", "gemma3_text"))}
+    assert _modeling_globals() == before
+    assert rows[("llama", "RMSNorm")].outcome == "matches" and rows[("llama", "RMSNorm")].peer <= PARITY_TOLERANCE
+    assert rows[("gemma3_text", "RMSNorm")].outcome == "differs"
+    assert rows[("llama", "RoPE")].outcome == "matches"
+    assert rows[("llama", "MoE experts")].outcome == "not patched"
+    text = report.summary(list(rows.values()), "m", "v", peer=peer.name)
+    assert "| npu_fused_rmsnorm | llama | gemma3_text (" in text
+    relabelled = [dataclasses.replace(r, op="?", config="?", note="?") for r in rows.values()]
+    assert report.summary(relabelled, "m", "v", peer=peer.name) == text  # grouped by typed fields
 
 
 def test_readme_section_is_rewritten_between_the_markers_only(tmp_path):
     readme = tmp_path / "README.md"
     before, after = "# Title\n\nintro\n\n", "\n\n## Next\n\ntext\n"
-    readme.write_text(f"{before}{bench.README_BEGIN}\nold figures\n{bench.README_END}{after}")
-    bench.update_readme(readme, "new figures\n")
-    expected = f"{before}{bench.README_BEGIN}\nnew figures\n{bench.README_END}{after}"
+    readme.write_text(f"{before}{report.README_BEGIN}\nold figures\n{report.README_END}{after}")
+    report.update_readme(readme, "new figures\n")
+    expected = f"{before}{report.README_BEGIN}\nnew figures\n{report.README_END}{after}"
     assert readme.read_text() == expected
-    bench.update_readme(readme, "new figures")
+    report.update_readme(readme, "new figures")
     assert readme.read_text() == expected
     plain = tmp_path / "PLAIN.md"
     plain.write_text("no markers\n")
     with pytest.raises(SystemExit, match="markers"):
-        bench.update_readme(plain, "x")
+        report.update_readme(plain, "x")
     assert plain.read_text() == "no markers\n"
 
 
@@ -223,23 +354,26 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     """The command end to end: --quick, one model, device timing forced on the emulation (labelled, kept out of the
     README), the README section rewritten from summary.md."""
     out, readme = tmp_path / "out", tmp_path / "README.md"
-    readme.write_text(f"# x\n{bench.README_BEGIN}\n{bench.README_END}\nend\n")
-    command = [sys.executable, "scripts/bench.py", "--quick", "--configs", "llama-3-8b", "--device-timing", "on"]
+    readme.write_text(f"# x\n{report.README_BEGIN}\n{report.README_END}\nend\n")
+    command = [sys.executable, "scripts/bench", "--quick", "--configs", "llama-3-8b", "--device-timing", "on"]
     command += ["--build", str(built_cards), "--out", str(out), "--readme", str(readme), "--org", "bench-test"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "counted Llama-3-8B, batch 1, seq 512" in done.stdout  # progress
     with (out / "bench.csv").open() as f:
         table = list(csv.DictReader(f))
-    assert list(table[0]) == bench.CSV_COLUMNS
-    assert {r["mode"] for r in table} == {"counted", "timed"}
-    emulated = [r for r in table if r["note"] == bench.EMULATED]
-    assert {r["op"] for r in emulated} >= {"decoder layer (packed MLP)", "RMSNorm", "training step (AdamW)"}
+    assert list(table[0]) == CSV_COLUMNS
+    assert {r["mode"] for r in table} == {"counted", "timed", "parity"}
+    emulated = [r for r in table if r["note"] == EMULATED]
+    assert {r["op"] for r in emulated} >= {"decoder layer", "RMSNorm", "training step (AdamW)"}
+    assert not any("packed" in r["op"] for r in table)  # the default path only
     counted = [r for r in table if r["mode"] == "counted" and r["config"] == "Llama-3-8B"]
     assert {r["phase"] for r in counted} == {"fwd", "fwd+bwd"} and {r["unit"] for r in counted} == {"ops", "bytes"}
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
-    assert readme.read_text() == f"# x\n{bench.README_BEGIN}\n{summary}{bench.README_END}\nend\n"
-    assert bench.EMULATED not in summary.replace("emulated ones are only in bench.csv", "")
+    assert readme.read_text() == f"# x\n{report.README_BEGIN}\n{summary}{report.README_END}\nend\n"
+    assert EMULATED not in summary.replace("emulated ones are only in bench.csv", "")
     for target in ("kernelize of 32 layers", "per-call overhead", "torch-universal fallback", "RMSNorm: kernelized"):
         assert target in summary
+    assert "**Peer**: LLaMA-Factory" in summary and "| peer kernel | matches |" in summary  # the peer column ran
+    assert all(r["peer"] for r in counted)

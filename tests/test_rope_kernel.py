@@ -274,7 +274,7 @@ def projected_qk(batch=2, q_heads=8, kv_heads=2, seq=5, head_dim=64, dtype=torch
 def test_transposed_projections_are_rotated_on_their_own_memory_without_copies(card):
     """Training (grad on): npu_rotary_mul runs on the BSND memory q/k already have, once for q and once for k,
     and nothing else runs: no copies of q/k, no copies of cos/sin. The results keep q/k's layout."""
-    from npu_hub_kernels.accounting import count_device_ops
+    from bench.accounting import count_device_ops
 
     q, k, cos, sin = projected_qk()
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()

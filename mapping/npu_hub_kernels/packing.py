@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 from torch import nn
 
-from .report import card_layer_of
+from .report import card_layer_of, card_package
 
 
 def pack_gate_up(model: nn.Module) -> int:
@@ -22,6 +20,5 @@ def pack_gate_up(model: nn.Module) -> int:
     for module in model.modules():
         build, layer = card_layer_of(module) or (None, None)
         if build is not None and (build.CARD, layer) == ("npu-swiglu", "SwiGLUMLP"):
-            card = sys.modules[build.__name__.rpartition(".")[0]]
-            packed += card.pack_gate_up(module.gate_proj, module.up_proj)
+            packed += card_package(module).pack_gate_up(module.gate_proj, module.up_proj)
     return packed

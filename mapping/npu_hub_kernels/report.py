@@ -111,6 +111,14 @@ def card_layer_of(module: nn.Module) -> tuple[ModuleType, str] | None:
     return None if build is None else (build, _layer_name_of(forward.__func__))
 
 
+def card_package(module: nn.Module) -> ModuleType | None:
+    """The card package (e.g. the loaded `npu_swiglu`) whose layer kernelize gave `module` (or a function-module
+    such as a swapped `apply_rotary_pos_emb`), for calling the card's functions directly; None when `module`
+    runs no card layer."""
+    build, _ = card_layer_of(module) or (None, None)
+    return None if build is None else sys.modules[build.__name__.rpartition(".")[0]]
+
+
 def _layer_name_of(function) -> str:
     """The name of the card layer whose forward `function` is (looked up in the card's layers module)."""
     layers = vars(sys.modules[function.__module__])

@@ -8,14 +8,19 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 VOCAB = 96
 
-_TINY = dict(
+TINY_WIDTHS = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=96,
-    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
+)
+"""The widths every tiny model shares (the family overrides of TINY_CONFIGS come on top)."""
+
+_TINY = dict(
+    TINY_WIDTHS,
+    num_hidden_layers=2,
     max_position_embeddings=64,
     pad_token_id=0,
     bos_token_id=1,
@@ -84,6 +89,12 @@ IMAGE_TEXT_TO_TEXT = {"qwen2_5_vl"}
 """Model types built with AutoModelForImageTextToText (their language model alone is not a causal LM class)."""
 
 
+def tiny_config_values(model_type: str, **overrides) -> dict:
+    """The config values of a tiny `model_type` model (a key of TINY_CONFIGS), with `overrides` on top:
+    what `tiny_causal_lm` passes to `AutoConfig.for_model`."""
+    return {**_TINY, **TINY_CONFIGS[model_type], **overrides}
+
+
 def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> PreTrainedModel:
     """A 2-layer causal LM (logits from token ids) in eval mode; norm weights randomised so that they matter.
 
@@ -96,7 +107,7 @@ def tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, seed: in
     Returns:
         The model, on the host.
     """
-    config = AutoConfig.for_model(model_type, **{**_TINY, **TINY_CONFIGS[model_type], **overrides})
+    config = AutoConfig.for_model(model_type, **tiny_config_values(model_type, **overrides))
     torch.manual_seed(seed)
     auto_class = AutoModelForImageTextToText if model_type in IMAGE_TEXT_TO_TEXT else AutoModelForCausalLM
     model = auto_class.from_config(config, dtype=dtype)

@@ -53,12 +53,32 @@ _NOT_EMULATED_OPS = ("npu_fusion_attention",)
 """Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated."""
 _state = {"cann_version": DEFAULT_CANN_VERSION}
 
-__all__ = ["DEFAULT_CANN_VERSION", "NpuTensor", "count_op_calls", "install", "is_installed", "set_cann_version"]
+__all__ = [
+    "DEFAULT_CANN_VERSION",
+    "NpuTensor",
+    "count_op_calls",
+    "install",
+    "is_installed",
+    "real_npu",
+    "set_cann_version",
+]
 
 
 def is_installed() -> bool:
     module = sys.modules.get("torch_npu")
     return module is not None and getattr(module, "__emulated__", False)
+
+
+def real_npu() -> bool:
+    """An Ascend host: a real torch_npu (not this emulation) with a device. Decide with it whether to `install()`.
+
+    Imports torch_npu only when a real one is installed (never on a host where the emulation runs).
+    """
+    if is_installed() or importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401
+
+    return torch.npu.is_available()
 
 
 def install(cann_version: str = DEFAULT_CANN_VERSION) -> ModuleType:

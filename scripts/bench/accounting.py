@@ -1,14 +1,20 @@
 """Count the device operations of a forward (and backward) and the bytes each one reads and writes.
 
-Used by `scripts/bench.py` to set eager transformers against the kernelized model and against a floor,
-for full-size decoder layers, without computing anything: the model runs on fake tensors
+Used by `make bench` to set eager transformers against the kernelized model and against a floor, for
+full-size decoder layers, without computing anything: the model runs on fake tensors
 (`torch._subclasses.FakeTensorMode`) that carry shapes, dtypes, strides and the "npu" device of the
-emulation, but no data.
+emulation, but no data. It lives with the bench, not in the installed package: it relies on private
+torch APIs (dispatch keys, the fake-tensor memo, `torch.library` internals), and only the bench and
+its tests use it.
 
 What counts as one device operation:
 - every aten op that reaches the dispatcher below autograd and would launch a kernel on a device:
   not views and metadata (`view`, `transpose`, `expand`, `detach`, `_unsafe_view`, ...), not bare
-  allocations (`empty*`, `new_empty*`); `_local_scalar_dense` (a device-to-host read, e.g. `bool(t)`) counts;
+  allocations (`empty*`, `new_empty*`); `_local_scalar_dense` (a device-to-host read, e.g. `bool(t)`) counts.
+  Composite ops (CompositeImplicitAutograd: `linear`, `reshape`, `contiguous`, `to`, ...) are counted as
+  the ops they decompose into, as autograd decomposes them; in `torch.inference_mode()`, where autograd
+  is skipped and they would reach the count whole (a `reshape` that copies would pass for a view), they
+  are decomposed here;
 - every fused op (the torch_npu ops of the emulation, and `F.scaled_dot_product_attention`, which an
   Ascend device runs as one flash-attention kernel) counts ONCE forward and ONCE backward. Their
   internals are never run here: `count_device_ops` swaps each for a stand-in that makes outputs of the
@@ -177,6 +183,22 @@ class BalancedRouting:
         return False, None
 
 
+_BACKEND_KEYS = {"cpu": "CPU", "npu": "PrivateUse1", "meta": "Meta"}
+"""The dispatch key of a device's kernels (the emulated npu device is PrivateUse1)."""
+
+
+def _decomposes(func, args: tuple, kwargs: dict) -> bool:
+    """Whether autograd would decompose `func` before any kernel runs: a CompositeImplicitAutograd op without a
+    kernel of its own for its tensors' devices. Outside inference mode such ops never reach the count whole."""
+    name = func.name()
+    if func.namespace != "aten":
+        return False
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd"):
+        return False
+    keys = {_BACKEND_KEYS.get(t.device.type, "CPU") for t in _tensors((args, kwargs))}
+    return not any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in keys)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, tally: Tally, routing: BalancedRouting | None) -> None:
         super().__init__()
@@ -185,6 +207,11 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _decomposes(func, args, kwargs):  # only in inference mode: count the ops it is made of
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         answered, out = self.routing.answer(func, args, kwargs) if self.routing else (False, None)
         if not answered:
             out = func(*args, **kwargs)
@@ -398,11 +425,24 @@ def _release_native_kernels() -> None:
         _native["library"] = None
 
 
+def fake_tensor_mode() -> FakeTensorMode:
+    """A FakeTensorMode whose memo of the fake tensors it makes holds them strongly, for counting modules.
+
+    torch's memo holds them by weak reference, and `torch.utils.swap_tensors` refuses weakly referenced
+    tensors, which would keep a card that rewrites its parameters in place on its first call (npu-swiglu
+    packs gate/up into one buffer) from doing so on fake tensors: npu-swiglu would then run its eager path,
+    as it does for weights a fake-tensor cache holds. The memo lives as long as the mode.
+    """
+    mode = FakeTensorMode()
+    mode.fake_tensor_converter.meta_converter.tensor_memo = {}
+    return mode
+
+
 def fake_module(module: nn.Module, fake_mode: FakeTensorMode, device: str | torch.device) -> nn.Module:
     """Give a module built on the meta device fake parameters and buffers on `device`, in place.
 
-    The fake tensors are made directly (not through `fake_mode.from_tensor`, which memoizes them by weak
-    reference), so that `torch.utils.swap_tensors`, which `pack_gate_up` uses, still works on them.
+    The fake tensors are made directly (not through `fake_mode.from_tensor`); with a mode from
+    `fake_tensor_mode()` none of them is weakly referenced, so `torch.utils.swap_tensors` works on them.
     """
     device = torch.device(device)
     if device.index is None and device.type != "cpu":

@@ -1,0 +1,41 @@
+"""`make bench`: what the cards save (counted on fake tensors) and what they cost (timed), against a floor.
+
+    python scripts/bench [--out .cache/bench] [--build build] [--readme README.md] [--cards-dir kernel-cards] [--quick]
+    cd scripts && python -m bench ...       # the same
+
+Counted (mode "counted", not timed, the same on every host): for one full-size decoder layer of
+Llama-3-8B, Qwen3-8B, Qwen3-30B-A3B and Mixtral-8x7B (random weights, nothing downloaded), forward
+(in `torch.inference_mode()`: it stands for inference) and forward+backward (with grad), batch 1 and 8,
+sequence 512 and 4096, bfloat16: the device operations and the bytes they read and write, for eager
+transformers and for the kernelized layer under the torch_npu emulation, set against a floor. The
+kernelized layer is the default path, what users get from kernelize alone (no other call): npu-swiglu's
+split MLPs pack gate/up into one buffer on their first fused call, so one uncounted warm-up forward of
+the kernelized layer runs first; packing is a one-time cost, not a per-step one. The layers run on fake
+tensors (shapes, no data, no compute), so full sizes cost next to nothing; `accounting` says what counts
+as an operation and how the emulation's internals are kept out. Rows per fused region kind (summed over
+the layer's instances) and per layer; the floors and the targets are defined in `floors` and `targets`.
+Gradients are taken with `torch.autograd.grad` (w.r.t. the inputs and parameters), so accumulation into
+`.grad` is not counted. MoE layers use transformers' eager experts loop (experts_implementation
+"eager"); the experts sweep also shows transformers' default, grouped_mm.
+
+Timed (mode "timed", medians of repeats after warm-up), host side on this machine: kernelize of a
+32-layer model, per-call overhead of a kernelized module over its card function, cold (fresh process)
+and warm get_kernel of every card from an offline Hub cache, the torch-universal fallback against
+eager on CPU tensors. Device side, on an Ascend host: per region and per decoder layer, eager against
+kernelized, forward and forward+backward, synchronised, peak memory, and a short training loop. Off an
+Ascend host the device part runs only with `--device-timing on`, on the emulation at small shapes,
+labelled "emulated (not a device measurement)" and kept out of the summary.
+
+Peer (the `peer` column): LLaMA-Factory's in-tree NPU kernels counted on the same layers, and their output
+checked against eager on the tiny model families (`peer`); `--peer off` leaves them out.
+
+Writes bench.csv (one row per measurement), bench.png and summary.md to --out; --readme PATH rewrites
+the part of PATH between `<!-- bench:begin -->` and `<!-- bench:end -->` with the summary; --cards-dir
+writes each card's benchmark.md (its share of the summary, which the build adds to its Hub README).
+
+Modules: `configs` (the models and shapes), `cards` (region kinds by card, and the card functions the
+bench calls directly), `regions` (a decoder layer's fused regions and how they are run), `floors` (one
+floor per region kind), `targets`, `accounting` (ops and bytes on fake tensors), `counted`, `timed`,
+`peer` (LLaMA-Factory's kernels), `rows` (a measurement, bench.csv), `report` (summary, README section,
+card sections), `chart` (bench.png), `__main__` (the command).
+"""

@@ -1,0 +1,156 @@
+"""bench.png: the decoder layer's ops, bytes per region against the floor, the experts sweep, the host-side targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .cards import KINDS, LAYER, NO_CARD
+from .report import largest_shape
+from .rows import Row
+from .targets import (
+    COUNTED_TARGETS,
+    FALLBACK_TOLERANCE,
+    KERNELIZE_TARGET_MS,
+    OVERHEAD_TARGET_US,
+)
+
+
+def write_chart(rows: list[Row], path: Path, machine: str) -> str | None:
+    """Draw bench.png; returns why no chart was drawn, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no bench.png: matplotlib is not installed (it is a dev requirement: requirements-dev.txt)"
+    fig, axes = plt.subplots(2, 2, figsize=(16, 10))
+    _chart_layer_ops(axes[0][0], rows)
+    _chart_bytes(axes[0][1], rows)
+    _chart_sweep(axes[1][0], rows)
+    _chart_host(axes[1][1], rows)
+    fig.suptitle(f"npu-hub-kernels: counted on fake tensors (emulated torch_npu), timed on {machine}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def _not_run(ax, title: str) -> None:
+    ax.set_title(title)
+    ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def _chart_layer_ops(ax, rows: list[Row]) -> None:
+    title = "Device ops of one decoder layer, fwd+bwd (log scale)"
+    layers = [r for r in rows if r.study == "layer" and r.kind == LAYER and r.unit == "ops" and r.phase == "fwd+bwd"]
+    layers = list({r.model: r for r in layers}.values())
+    if not layers:
+        return _not_run(ax, title)
+    series = [
+        ("eager transformers", [r.eager for r in layers]),
+        ("kernelized (default path: kernelize only)", [r.kernelized for r in layers]),
+        ("peer: LLaMA-Factory NPU kernels", [r.peer for r in layers]),
+        ("floor", [r.floor for r in layers]),
+    ]
+    series = [(label, values) for label, values in series if None not in values]
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series):
+        bars = ax.bar([x - 0.4 + (i + 0.5) * width for x in range(len(layers))], values, width, label=label)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(range(len(layers)), [r.model for r in layers])
+    ax.set_yscale("log")
+    ax.set_ylabel("device ops")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
+def _chart_bytes(ax, rows: list[Row]) -> None:
+    counted = [r for r in rows if r.study == "layer" and r.unit == "bytes" and r.phase == "fwd+bwd"]
+    kinds = [k for k in (*KINDS.values(), LAYER) if any(r.kind == k for r in counted)]
+    if not kinds:
+        return _not_run(ax, "Bytes moved / floor")
+    batch, seq = largest_shape(counted)
+    chosen = [r for r in counted if (r.batch, r.seq) == (batch, seq)]
+    models = list(dict.fromkeys(r.model for r in chosen))
+    width = 0.8 / len(models)
+    peer_label = {"x": "peer (LLaMA-Factory)", "1": "peer: not patched (eager)"}
+    for i, model in enumerate(models):
+        label = model
+        for j, kind in enumerate(kinds):
+            row = next((r for r in chosen if (r.model, r.kind) == (model, kind)), None)
+            if row is None:
+                continue
+            x = j - 0.4 + (i + 0.5) * width
+            ax.bar(x, row.eager / row.floor, width, color=f"C{i}", alpha=0.3)
+            if row.kernelized is None:
+                ax.text(x, 1, NO_CARD, rotation=90, ha="center", va="bottom", fontsize=7)
+            else:
+                ax.bar(x, row.ratio, width * 0.6, color=f"C{i}", label=label)
+                label = None
+            if row.peer is not None:
+                marker = "x" if row.peer_patched is not False else "1"
+                ax.plot(x, row.peer / row.floor, marker, color="k", markersize=8, label=peer_label[marker])
+                peer_label[marker] = None
+    label = "target (x floor)"
+    for j, kind in enumerate(kinds):
+        bound = next((t.bound for t in COUNTED_TARGETS if (t.kind, t.unit) == (kind, "bytes")), None)
+        if bound is not None:
+            ax.hlines(bound, j - 0.45, j + 0.45, color="k", linestyle="--", linewidth=0.8, label=label)
+            label = None
+    ax.axhline(1.0, color="k", linewidth=0.6, label="floor")
+    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_yscale("log")
+    ax.set_ylim(0.5, max(r.eager / r.floor for r in chosen) * 20)  # kernelized bars visible; the legend above
+    ax.set_ylabel("bytes / floor (pale: eager, solid: kernelized, x: peer)")
+    ax.set_title(f"Bytes / floor per region and layer, fwd+bwd, batch {batch} x seq {seq} (log scale)")
+    ax.legend(fontsize=7, ncol=3, loc="upper left")
+
+
+def _chart_sweep(ax, rows: list[Row]) -> None:
+    sweep = [r for r in rows if r.study == "experts sweep" and r.unit == "ops" and r.phase == "fwd+bwd"]
+    model = sweep[0].model if sweep else "Qwen3-30B-A3B"
+    title = f"MoE experts ({model} layer, top-8): ops by number of experts, fwd+bwd"
+    if not sweep:
+        return _not_run(ax, title)
+    loop = [r for r in sweep if r.path == "eager"]
+    grouped = [r for r in sweep if r.path == "grouped_mm"]
+    experts = [r.experts for r in loop]
+    ax.plot(experts, [r.eager for r in loop], "o-", label="transformers eager loop")
+    ax.plot(experts, [r.eager for r in grouped], "s-", label="transformers grouped_mm")
+    if all(r.kernelized is not None for r in loop):
+        ax.plot(experts, [r.kernelized for r in loop], "^-", label="npu-moe")
+    else:
+        ax.text(0.5, 0.1, f"npu-moe: {NO_CARD}", transform=ax.transAxes, ha="center")
+    if all(r.peer is not None for r in loop):
+        ax.plot(experts, [r.peer for r in loop], "x-", label="peer: LLaMA-Factory")
+    ax.plot(experts, [r.floor for r in loop], "k--", label="floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("experts")
+    ax.set_ylabel("device ops")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
+def _chart_host(ax, rows: list[Row]) -> None:
+    title = "Host side, measured / target (left of the dashed line: target met)"
+    bars = []
+    for r in rows:
+        if r.mode != "timed" or r.emulated:
+            continue
+        if r.study == "kernelize":
+            bars.append((f"kernelize, 32 layers: {r.kernelized:.1f} ms", r.kernelized / KERNELIZE_TARGET_MS))
+        elif r.study == "call overhead":
+            us = r.kernelized - r.eager
+            bars.append((f"{r.kind} module call overhead: {us:.2f} us", max(us, 0) / OVERHEAD_TARGET_US))
+        elif r.study == "fallback":
+            bars.append((f"{r.kind} fallback: {r.ratio:.2f} x eager", r.ratio / FALLBACK_TOLERANCE))
+    if not bars:
+        return _not_run(ax, title)
+    ax.barh(range(len(bars)), [v for _, v in bars], color=["C2" if v <= 1 else "C3" for _, v in bars])
+    ax.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    ax.axvline(1.0, color="k", linestyle="--", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_title(title)

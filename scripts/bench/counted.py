@@ -1,0 +1,270 @@
+"""Counted: the device ops and bytes of full-size decoder layers and their fused regions, on fake tensors.
+
+Per model and shape: the eager layer (transformers' forwards), the kernelized layer (the default path:
+kernelize alone, after one uncounted warm-up forward), the peer (LLaMA-Factory's NPU kernels applied to a
+layer of its own, `peer`) and the floor (`floors`), per region kind and for the whole layer, forward in
+inference mode and forward+backward with grad. Also the experts sweep: one MoE layer with more and more
+experts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from .accounting import Tally, count_device_ops, fake_module, fake_tensor_mode
+from .cards import KINDS, LAYER, NO_CARD
+from .configs import CONFIGS, DTYPE, PHASES, SWEEP_MODEL, ModelSpec, experts_key
+from .floors import floor_of
+from .peer import Patches, Peer
+from .regions import Region, capture, find_regions, forward_backward, layer_inputs, resolve, set_variant
+from .rows import Row, log
+from .targets import counted_target
+
+
+@dataclass
+class Measured:
+    """Tallies of one region kind (or the layer) per variant, and its floor as (ops, bytes)."""
+
+    eager: Tally
+    kernelized: Tally | None  # None: no card fuses this region (yet)
+    floor: tuple[int, int]
+    peer: Tally | None = None  # None: no peer column
+    peer_patched: bool | None = None  # False: the peer leaves the region to transformers
+
+
+PEER_LAYER = "model.layers.0."
+"""The measured layer's name in its model (what the peer's patches are named by)."""
+
+
+def build_model(spec: ModelSpec, experts: int | None = None) -> nn.Module:
+    """The model with one decoder layer on the meta device: bfloat16, sdpa attention, transformers' eager experts
+    loop (the one npu-moe replaces); `experts` overrides the model's number of experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = dict(spec.config, num_hidden_layers=1)
+    if experts is not None:
+        overrides[experts_key(spec)] = experts
+    config = AutoConfig.for_model(spec.model_type, **overrides)
+    options = {"experts_implementation": "eager"} if spec.experts else {}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPE, **options)
+
+
+def build_layer(spec: ModelSpec, fake_mode: FakeTensorMode, experts: int | None = None) -> nn.Module:
+    """Decoder layer 0 of the model, with fake weights on the npu device. Make `fake_mode` with
+    `fake_tensor_mode()`, so that the kernelized layer can pack its MLP on its first call."""
+    return fake_module(build_model(spec, experts).model.layers[0], fake_mode, "npu")
+
+
+def fresh(value: Any) -> Any:
+    """New empty tensors with the layouts (sizes, strides, dtypes, devices, requires_grad) of those in `value`."""
+
+    def make(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return new.requires_grad_(t.requires_grad and t.is_floating_point())
+
+    return tree_map(make, value)
+
+
+def count_run(fn: Callable, args: tuple, kwargs: dict, params: Iterable, phase: str, experts: int | None) -> Tally:
+    """The device ops of fn on fresh fake inputs with the layouts of args/kwargs, forward or forward+backward."""
+    args, kwargs = fresh((args, kwargs))
+    with count_device_ops(experts=experts) as tally:
+        forward_backward(fn, args, kwargs, params, phase, torch.empty_like)
+    return tally
+
+
+def warm_up(layer: nn.Module, args: tuple, kwargs: dict, experts: int | None) -> None:
+    """One uncounted forward of the kernelized layer: what a card does once, on its first call (npu-swiglu packs
+    the gate/up weights of split MLPs into one buffer), is not a per-step cost."""
+    set_variant(layer, "kernelized")
+    count_run(layer, args, kwargs, (), "fwd", experts)  # the tally is dropped
+
+
+def peer_layer(spec: ModelSpec, fake_mode: FakeTensorMode, peer: Peer, experts: int | None = None):
+    """(decoder layer 0 of a model of its own with the peer's kernels applied, with fake weights on the npu
+    device; the peer's patches)."""
+    model = build_model(spec, experts)
+    patches = peer.apply(model)
+    return fake_module(model.model.layers[0], fake_mode, "npu"), patches
+
+
+def account(
+    spec: ModelSpec, batch: int, seq: int, experts: int | None = None, peer: Peer | None = None
+) -> dict[tuple[str, str], Measured]:
+    """Tallies per (region kind or "decoder layer", phase): eager, kernelized (the default path, after one
+    uncounted warm-up forward), the peer's (when given) and the floor. On fake tensors of a fresh fake mode;
+    `experts` overrides the model's."""
+    experts = experts or spec.experts
+    fake_mode = fake_tensor_mode()
+    layer = build_layer(spec, fake_mode, experts)  # eager and kernelized: the same layer, its forwards swapped
+    regions = find_regions(layer)
+    peered = peer_layer(spec, fake_mode, peer, experts) if peer is not None else None
+    patched: dict[str, bool] = {}
+    results: dict[tuple[str, str], Measured] = {}
+    with fake_mode:
+        args, kwargs = layer_inputs(spec, batch, seq, torch.empty)
+        warm_up(layer, args, kwargs, experts)
+        set_variant(layer, "eager")
+        capture(layer, regions, args, kwargs, count_device_ops(experts=experts))
+        for phase in PHASES:
+            tallies: dict[tuple[str, str], Tally | None] = {}
+            for variant in ("eager", "kernelized"):
+                set_variant(layer, variant)
+                tallies[(LAYER, variant)] = count_run(layer, args, kwargs, layer.parameters(), phase, experts)
+                for region in regions:
+                    if variant != "eager" and region.card is None:
+                        tallies[(region.name, variant)] = None
+                        continue
+                    module = resolve(layer, region.name)
+                    run = count_run(module, region.args, region.kwargs, module.parameters(), phase, experts)
+                    tallies[(region.name, variant)] = run
+            if peered is not None:
+                set_variant(layer, "eager")  # what the peer leaves alone runs transformers' forwards
+                patched = _count_peer(peered, regions, args, kwargs, phase, experts, tallies)
+            results.update(_combine(regions, layer, tallies, phase, patched))
+        set_variant(layer, "eager")  # leave the shared rotary function-modules as they were
+    return results
+
+
+def _count_peer(
+    peered: tuple[nn.Module, Patches], regions: list[Region], args, kwargs, phase: str, experts, tallies: dict
+) -> dict[str, bool]:
+    """Count the peer's layer and regions into `tallies` (variant "peer"); returns whether it patched each region."""
+    layer, patches = peered
+    patched = {}
+    with patches.active():
+        tallies[(LAYER, "peer")] = count_run(layer, args, kwargs, layer.parameters(), phase, experts)
+        for region in regions:
+            fn, params, patched[region.name] = patches.region(layer, region, PEER_LAYER)
+            tallies[(region.name, "peer")] = count_run(fn, region.args, region.kwargs, params, phase, experts)
+    return patched
+
+
+def _combine(
+    regions: list[Region], layer: nn.Module, tallies: dict, phase: str, patched: dict[str, bool]
+) -> dict[tuple[str, str], Measured]:
+    """Sum the regions of each kind; the layer's floor is what runs outside the regions plus each region's floor
+    (the peer plays no part in the floor)."""
+    out = {}
+    floors = {r.name: floor_of(r, resolve(layer, r.name), phase) for r in regions}
+    for kind in (k for k in KINDS.values() if any(r.kind == k for r in regions)):
+        names = [r.name for r in regions if r.kind == kind]
+        out[(kind, phase)] = Measured(
+            eager=_sum([tallies[(n, "eager")] for n in names]),
+            kernelized=_sum([tallies[(n, "kernelized")] for n in names]),
+            floor=(sum(floors[n][0] for n in names), sum(floors[n][1] for n in names)),
+            peer=_sum([tallies.get((n, "peer")) for n in names]),
+            peer_patched=any(patched[n] for n in names) if patched else None,
+        )
+    rests = []  # what runs outside the regions, per variant with every region measured
+    for variant in ("eager", "kernelized"):
+        layer_run, in_regions = tallies.get((LAYER, variant)), _sum([tallies.get((r.name, variant)) for r in regions])
+        if layer_run is not None and in_regions is not None:
+            rests.append((layer_run.ops - in_regions.ops, layer_run.bytes - in_regions.bytes))
+    rest = min(rests)  # eager regions can hand gradients on in layouts that cost a copy outside them
+    out[(LAYER, phase)] = Measured(
+        eager=tallies[(LAYER, "eager")],
+        kernelized=tallies[(LAYER, "kernelized")],
+        floor=(rest[0] + sum(f[0] for f in floors.values()), rest[1] + sum(f[1] for f in floors.values())),
+        peer=tallies.get((LAYER, "peer")),
+        peer_patched=any(patched.values()) if patched else None,
+    )
+    return out
+
+
+def _sum(tallies: list[Tally | None]) -> Tally | None:
+    if any(t is None for t in tallies):
+        return None
+    return Tally([record for t in tallies for record in t.records])
+
+
+def _value(tally: Tally | None, unit: str) -> int | None:
+    return None if tally is None else tally.ops if unit == "ops" else tally.bytes
+
+
+def _note(kernelized: Tally | None, peer_patched: bool | None) -> str:
+    notes = [NO_CARD] if kernelized is None else []
+    notes += [PEER_NOT_PATCHED] if peer_patched is False else []
+    return "; ".join(notes)
+
+
+PEER_NOT_PATCHED = "peer: not patched (left to transformers)"
+
+
+def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]], peer: Peer | None = None) -> list[Row]:
+    """bench.csv rows of one model: ops and bytes per region kind and per decoder layer, per shape and phase."""
+    rows = []
+    for batch, seq in shapes:
+        started = time.perf_counter()
+        for (kind, phase), m in account(spec, batch, seq, peer=peer).items():
+            for unit, floor in (("ops", m.floor[0]), ("bytes", m.floor[1])):
+                row = Row(
+                    "counted", spec.name, kind, phase, batch, seq,
+                    eager=_value(m.eager, unit), kernelized=_value(m.kernelized, unit), floor=floor,
+                    peer=_value(m.peer, unit), unit=unit, note=_note(m.kernelized, m.peer_patched),
+                    study="layer", kind=kind, model=spec.name, experts=spec.experts, peer_patched=m.peer_patched,
+                )  # fmt: skip
+                row.target = counted_target(row)
+                rows.append(row)
+        log(f"  counted {spec.name}, batch {batch}, seq {seq}: {time.perf_counter() - started:.1f} s")
+    return rows
+
+
+def experts_sweep_rows(
+    experts_counts: Iterable[int], batch: int = 1, seq: int = 512, peer: Peer | None = None
+) -> list[Row]:
+    """The MoE experts of Qwen3-30B-A3B's layer with other numbers of experts: transformers' eager loop and its
+    default grouped_mm, against npu-moe, the peer and the floor (ops and bytes, forward and forward+backward)."""
+    base = CONFIGS[SWEEP_MODEL]
+    rows = []
+    for experts in experts_counts:
+        fake_mode = fake_tensor_mode()
+        layer = build_layer(base, fake_mode, experts)
+        region = next(r for r in find_regions(layer) if r.kind == "MoE experts")
+        module = resolve(layer, region.name)
+        peered = peer_layer(base, fake_mode, peer, experts) if peer is not None else None
+        with fake_mode:
+            set_variant(layer, "eager")
+            capture(layer, [region], *layer_inputs(base, batch, seq, torch.empty), count_device_ops(experts=experts))
+            for phase in PHASES:
+                floor = floor_of(region, module, phase)
+                kernelized = None
+                if region.card is not None:
+                    set_variant(layer, "kernelized")
+                    kernelized = count_run(module, region.args, region.kwargs, module.parameters(), phase, experts)
+                set_variant(layer, "eager")
+                peer_run, peer_patched = None, None
+                if peered is not None:
+                    with peered[1].active():
+                        fn, params, peer_patched = peered[1].region(peered[0], region, PEER_LAYER)
+                        peer_run = count_run(fn, region.args, region.kwargs, params, phase, experts)
+                for implementation in ("eager", "grouped_mm"):
+                    module.config._experts_implementation = implementation
+                    eager = count_run(module, region.args, region.kwargs, module.parameters(), phase, experts)
+                    for unit, index in (("ops", 0), ("bytes", 1)):
+                        rows.append(
+                            Row(
+                                "counted", f"{base.name}, {experts} experts",
+                                f"MoE experts (transformers {implementation})", phase, batch, seq,
+                                eager=_value(eager, unit), kernelized=_value(kernelized, unit), floor=floor[index],
+                                peer=_value(peer_run, unit), unit=unit,
+                                target="independent of #experts" if unit == "ops" else "",
+                                note=_note(kernelized, peer_patched),
+                                study="experts sweep", kind="MoE experts", path=implementation, model=base.name,
+                                experts=experts, peer_patched=peer_patched,
+                            )
+                        )  # fmt: skip
+                module.config._experts_implementation = "eager"
+        log(f"  counted experts sweep, {experts} experts")
+    return rows

@@ -1,0 +1,101 @@
+"""The fused regions of a decoder layer, found and run the same way by the counted and the device-timed modes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from .cards import KINDS
+from .configs import DTYPE, ModelSpec
+
+
+@dataclass
+class Region:
+    """A fused region of a decoder layer: a module (or function-module) a card swaps, and its call."""
+
+    kind: str
+    name: str
+    card: str | None  # None: no card swaps it (yet)
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+def set_variant(layer: nn.Module, variant: str) -> None:
+    """Give the layer the forwards of a variant: the classes' own ("eager") or the cards' layers for npu
+    ("kernelized": kernelize only, the default path). Called before every run: the rotary function-modules
+    are shared by the process."""
+    from kernels import Mode, kernelize
+
+    kernelize(layer, mode=Mode.TRAINING, device="cpu" if variant == "eager" else "npu")
+
+
+def find_regions(layer: nn.Module) -> list[Region]:
+    """The layer's fused regions: what the cards swap in, plus Experts modules that no card swaps."""
+    from npu_hub_kernels import swapped_modules
+
+    set_variant(layer, "kernelized")
+    regions = {swap.module: Region(KINDS[swap.card], swap.module, swap.card) for swap in swapped_modules(layer)}
+    for name, module in layer.named_modules():
+        weight = getattr(module, "gate_up_proj", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 3 and name not in regions:
+            regions[name] = Region(KINDS["npu-moe"], name, None)
+    return list(regions.values())
+
+
+def resolve(layer: nn.Module, name: str) -> nn.Module:
+    """A module of the layer by qualified name; function-modules are found in their caller's `_kernel_funcs`."""
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        parent, _, function = name.rpartition(".")
+        return layer.get_submodule(parent)._kernel_funcs[function]
+
+
+def capture(
+    layer: nn.Module, regions: list[Region], args: tuple, kwargs: dict, context: contextlib.AbstractContextManager
+) -> None:
+    """Keep each region's call (its arguments) from one forward of the layer run inside `context`."""
+    captured: dict[str, tuple] = {}
+    hooks = []
+    for region in regions:
+
+        def hook(module, call_args, call_kwargs, name=region.name):
+            captured.setdefault(name, (call_args, call_kwargs))
+
+        hooks.append(resolve(layer, region.name).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with context:
+            layer(*args, **kwargs)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    for region in regions:
+        region.args, region.kwargs = captured[region.name]
+
+
+def layer_inputs(spec: ModelSpec, batch: int, seq: int, make: Callable) -> tuple[tuple, dict]:
+    """A decoder layer's inputs as the model passes them: hidden states, cos/sin, no mask (causal sdpa)."""
+    hidden = make(batch, seq, spec.config["hidden_size"], dtype=DTYPE, device="npu").requires_grad_()
+    cos, sin = (make(batch, seq, spec.config["head_dim"], dtype=DTYPE, device="npu") for _ in range(2))
+    return (hidden,), {"attention_mask": None, "position_embeddings": (cos, sin)}
+
+
+def _differentiable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+def forward_backward(fn: Callable, args: tuple, kwargs: dict, params: Iterable, phase: str, make_grad) -> None:
+    """Run fn forward in inference mode ("fwd": it stands for inference), or forward and the gradients w.r.t. its
+    tensor inputs and parameters ("fwd+bwd")."""
+    if phase == "fwd":
+        with torch.inference_mode():
+            fn(*args, **kwargs)
+        return
+    outs = [t for t in tree_leaves(fn(*args, **kwargs)) if _differentiable(t)]
+    wrt = [t for t in tree_leaves((args, kwargs)) if _differentiable(t)] + [p for p in params if p.requires_grad]
+    torch.autograd.grad(outs, wrt, [make_grad(t) for t in outs], allow_unused=True)

@@ -1,0 +1,261 @@
+"""The markdown the bench writes: summary.md, the README section between the bench markers, and each card's
+benchmark.md. One table renderer (`table`), and one renderer of the counted table (`counted_table`) for all three.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .cards import KINDS, NO_CARD
+from .configs import PREFILL_DECODE
+from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
+from .rows import Row
+from .targets import evaluate
+
+README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
+FLOOR_TEXT = (
+    "each fused region as the fewest kernels that compute it, each reading its inputs and writing its outputs once"
+)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def number(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return human_bytes(value) if unit == "bytes" else f"{value:.0f}" if unit == "ops" else f"{value:.3g}"
+
+
+def table(header: list[str], body: list[list[str]]) -> list[str]:
+    """A markdown table: the header, its rule, one line per row."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(cells) + " |" for cells in body),
+    ]
+
+
+def _pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
+    """(ops row, bytes row) of each measurement, in the rows' order."""
+    size = {_measured(r): r for r in rows if r.unit == "bytes"}
+    return [(r, size[_measured(r)]) for r in rows if r.unit == "ops"]
+
+
+def _measured(r: Row) -> tuple:
+    """What a row measures, whatever its unit."""
+    return r.study, r.model, r.kind, r.phase, r.batch, r.seq, r.path, r.experts
+
+
+def largest_shape(rows: list[Row]) -> tuple[int, int]:
+    """The (batch, seq) of the most tokens among the rows."""
+    _, batch, seq = max((r.batch * r.seq, r.batch, r.seq) for r in rows)
+    return batch, seq
+
+
+NOT_PATCHED_MARK = " †"
+NOT_PATCHED_LEGEND = "† not patched by the peer: it leaves the region to transformers, so its figure is eager's."
+
+
+def _peer(row: Row, unit: str) -> str:
+    """A peer cell: the figure, marked when the peer leaves the region to transformers."""
+    return number(row.peer, unit) + (NOT_PATCHED_MARK if row.peer_patched is False else "")
+
+
+def _ratio(value: float | None, floor: float | None) -> str:
+    return "-" if value is None or not floor else f"{value / floor:.2f}"
+
+
+def counted_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list[str]:
+    """The counted table of the largest shape, forward+backward: per model and region kind (all of them, or
+    `kinds`), ops and bytes eager, kernelized, the peer's (when measured) and at the floor, and bytes / floor."""
+    counted = [r for r in rows if r.study == "layer" and (kinds is None or r.kind in kinds)]
+    if not counted:
+        return []
+    batch, seq = largest_shape(counted)
+    chosen = [r for r in counted if r.phase == "fwd+bwd" and (r.batch, r.seq) == (batch, seq)]
+    peer = any(r.peer is not None for r in chosen)
+    body = []
+    for ops, size in _pairs(chosen):
+        cells = [ops.model, ops.kind, number(ops.eager, "ops")]
+        cells += [NO_CARD if ops.kernelized is None else number(ops.kernelized, "ops")]
+        cells += [_peer(ops, "ops")] if peer else []
+        cells += [number(ops.floor, "ops"), human_bytes(size.eager), human_bytes(size.kernelized)]
+        cells += [_peer(size, "bytes")] if peer else []
+        cells += [human_bytes(size.floor), _ratio(size.kernelized, size.floor)]
+        cells += [_ratio(size.peer, size.floor)] if peer else []
+        body.append(cells)
+    header = ["model", "region", "ops eager", "kernelized", *(["peer"] if peer else []), "floor"]
+    header += ["bytes eager", "kernelized", *(["peer"] if peer else []), "floor", "ratio"]
+    header += ["peer ratio"] if peer else []
+    title = f"Counted, forward+backward, batch {batch}, sequence {seq}, bfloat16 (ratio: kernelized bytes / floor "
+    title += "bytes; peer ratio: the peer's bytes / floor bytes):" if peer else "bytes):"
+    legend = ["", NOT_PATCHED_LEGEND] if any(r.peer_patched is False for r in chosen) else []
+    return ["", title, "", *table(header, body), *legend]
+
+
+def _mlp_prefill_decode_table(rows: list[Row]) -> list[str]:
+    """Forward ops and bytes of one SwiGLU MLP call, eager and kernelized: prefill (1 x 4096), decode (1 x 1)."""
+    mlp = [
+        r for r in rows
+        if r.study == "layer" and r.kind == "SwiGLU MLP" and r.phase == "fwd" and (r.batch, r.seq) in PREFILL_DECODE
+    ]  # fmt: skip
+    if not mlp:
+        return []
+    peer = any(r.peer is not None for r in mlp)
+    body = []
+    for ops, size in sorted(_pairs(mlp), key=lambda pair: (pair[0].model, -int(pair[0].seq))):
+        cells = [ops.model, str(ops.seq), number(ops.eager, "ops"), number(ops.kernelized, "ops")]
+        cells += [_peer(ops, "ops")] if peer else []
+        cells += [human_bytes(size.eager), human_bytes(size.kernelized)]
+        cells += [_peer(size, "bytes")] if peer else []
+        body.append(cells)
+    title = "Counted, one SwiGLU MLP call, forward (inference mode), prefill (batch 1, 4096 tokens) and decode "
+    title += "(batch 1, 1 token):"
+    header = ["model", "tokens", "ops eager", "kernelized", *(["peer"] if peer else [])]
+    header += ["bytes eager", "kernelized", *(["peer"] if peer else [])]
+    return ["", title, "", *table(header, body)]
+
+
+def _sweep_table(rows: list[Row]) -> list[str]:
+    sweep = [r for r in rows if r.study == "experts sweep" and r.phase == "fwd+bwd" and r.unit == "ops"]
+    if not sweep:
+        return []
+    peer = any(r.peer is not None for r in sweep)
+    grouped = {r.experts: r for r in sweep if r.path == "grouped_mm"}
+    body = []
+    for loop in (r for r in sweep if r.path == "eager"):
+        cells = [str(loop.experts), number(loop.eager, "ops"), number(grouped[loop.experts].eager, "ops")]
+        cells += [NO_CARD if loop.kernelized is None else number(loop.kernelized, "ops")]
+        cells += [_peer(loop, "ops")] if peer else []
+        body.append([*cells, number(loop.floor, "ops")])
+    model = sweep[0].model
+    title = f"Counted, the MoE experts of a {model} layer with E experts (top-8, batch 1, sequence 512), "
+    title += "forward+backward ops:"
+    header = ["experts", "transformers eager loop", "transformers grouped_mm", "npu-moe", *(["peer"] if peer else [])]
+    return ["", title, "", *table([*header, "floor"], body)]
+
+
+def _parity_table(rows: list[Row]) -> list[str]:
+    """Per peer kernel: the tiny model families where its output matches eager's, differs, and the others."""
+    parity = [r for r in rows if r.study == "peer parity"]
+    if not parity:
+        return []
+    by_kernel: dict[str, dict[str, list[str]]] = {}
+    for r in parity:
+        found = by_kernel.setdefault(kernel_of(r.kind), {outcome: [] for outcome in OUTCOMES})
+        found[r.outcome].append(f"{r.model} ({r.peer:.1g})" if r.outcome == "differs" else r.model)
+    body = [[kernel, *(", ".join(found[o]) or "-" for o in OUTCOMES)] for kernel, found in by_kernel.items()]
+    families = len({r.model for r in parity})
+    title = f"Peer parity: each peer kernel alone on the {families} tiny model families of "
+    title += "`npu_hub_kernels.tiny_models` (float32, emulated npu device), logits against eager's; matches: "
+    title += f"max |diff| <= {PARITY_TOLERANCE:g} (in parentheses when it differs):"
+    return ["", title, "", *table(["peer kernel", *OUTCOMES], body)]
+
+
+def _targets_table(rows: list[Row], kinds: tuple[str, ...] | None, met_text: dict) -> list[str]:
+    results = [r for r in evaluate(rows) if kinds is None or r.kind in kinds]
+    return table(["target", "measured", "met"], [[r.target, r.measured, met_text[r.met]] for r in results])
+
+
+def peer_text(peer: str | None, absent: str = "") -> str:
+    """The summary's line about the peer column: what it is, or why it is left out."""
+    if peer is None:
+        return f"- Peer: not run here ({absent}), so no peer column." if absent else ""
+    return (
+        f"- **Peer**: {peer}'s in-tree NPU kernels (`llamafactory.v1.plugins.model_plugins.kernels`, "
+        '`apply_default_kernels(model, "auto")`), counted on a layer of its own built like the others '
+        "(its module-global patches set only while it runs): RMSNorm by class name, its SwiGLU MLPs by class list "
+        "(gate and up concatenated per call), npu_rotary_mul for q and k, and grouped-matmul experts for Qwen3-MoE "
+        "only (`config.architectures` set as a Hub checkpoint's). It is not part of any floor or target."
+    )
+
+
+def summary(
+    rows: list[Row],
+    machine: str,
+    versions: str,
+    table_path: str = ".cache/bench/bench.csv",
+    peer: str | None = None,
+    peer_absent: str = "",
+) -> str:
+    """The markdown summary (summary.md and the README section): counted and timed figures, no emulated timing.
+    `peer`: the peer's name when it ran, else `peer_absent` says why it did not."""
+    lines = [
+        f"`make bench` (`scripts/bench/`) on {machine}; {versions}. Every figure: `{table_path}`.",
+        "",
+        "- **Counted**, not timed: device operations (kernel launches: aten ops that are not views, and each fused "
+        "op once) and the bytes each one reads and writes, for one decoder layer in bfloat16, on fake tensors under "
+        "the torch_npu emulation. They do not depend on the machine. Floor: "
+        f"{FLOOR_TEXT} (defined in `scripts/bench/floors.py`).",
+        "- Kernelized: the default path, `kernelize` and nothing else. Split MLPs pack gate/up into one buffer on "
+        "their first call, a one-time cost: one uncounted warm-up forward runs first. fwd runs in "
+        "`torch.inference_mode()` (inference), fwd+bwd with grad (training).",
+        *([peer_text(peer, peer_absent)] if peer or peer_absent else []),
+        "- **Timed**: medians of repeats after warm-up, on the machine above.",
+    ]
+    real_device = [r for r in rows if r.study in ("device", "training") and not r.emulated]
+    if not real_device:
+        lines.append("- No Ascend device here, so no device timings (emulated ones are only in bench.csv, labelled).")
+    lines += ["", *_targets_table(rows, None, {True: "yes", False: "**no**", None: "-"})]
+    lines += counted_table(rows)
+    lines += _mlp_prefill_decode_table(rows)
+    lines += _sweep_table(rows)
+    lines += _parity_table(rows)
+    host = [r for r in rows if r.study in ("kernelize", "call overhead", "get_kernel", "fallback")]
+    if host:
+        body = [
+            [f"{r.op} ({r.config})", number(r.eager, r.unit), number(r.kernelized, r.unit), r.unit, r.note]
+            for r in host
+        ]
+        header = ["measurement", "eager or direct", "kernelized", "unit", "note"]
+        lines += ["", "Timed on this machine, host side:", "", *table(header, body)]
+    if real_device:
+        body = [
+            [
+                r.config,
+                r.op,
+                r.phase,
+                f"{r.batch} x {r.seq}",
+                number(r.eager, r.unit),
+                number(r.kernelized, r.unit),
+                r.unit,
+            ]
+            for r in real_device
+        ]
+        header = ["model", "op", "phase", "batch x seq", "eager", "kernelized", "unit"]
+        lines += ["", "Timed on the Ascend device:", "", *table(header, body)]
+    return "\n".join(lines) + "\n"
+
+
+def card_summary(card: str, rows: list[Row]) -> str:
+    """A card's share of the summary, for its Hub README: its targets and its region kind's counted figures (with
+    the peer's, when measured)."""
+    kinds = (KINDS[card],)
+    peer = any(r.peer is not None for r in rows if r.study == "layer")
+    lines = [
+        "Counted by npu-hub-kernels' `make bench`: device operations and bytes on fake tensors under the torch_npu "
+        "emulation, which do not depend on the machine (floor: each fused region as the fewest kernels, each reading "
+        "its inputs and writing its outputs once). Kernelized: the default path, `kernelize` alone; forward in "
+        "inference mode, forward+backward with grad."
+        + (" Peer: LLaMA-Factory's in-tree NPU kernels on the same layers." if peer else ""),
+        "",
+        *_targets_table(rows, kinds, {True: "yes", False: "no", None: "not measured"}),
+        *counted_table(rows, kinds),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(path: Path, text: str) -> None:
+    """Replace what lies between the bench markers of `path` with `text`; nothing else changes."""
+    content = path.read_text()
+    begin, end = content.find(README_BEGIN), content.find(README_END)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"{path}: no {README_BEGIN} ... {README_END} markers; add them where the bench summary goes")
+    path.write_text(content[: begin + len(README_BEGIN)] + "\n" + text.strip() + "\n" + content[end:])

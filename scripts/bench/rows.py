@@ -1,0 +1,85 @@
+"""One measurement (a line of bench.csv), with typed fields to select rows by, and the CSV."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+EMULATED = "emulated (not a device measurement)"
+"""The note of device timings taken on the emulation."""
+
+
+@dataclass
+class Row:
+    """One measurement: a line of bench.csv.
+
+    `config`, `op` and `note` are labels for people; select rows by the typed fields below them, never by
+    label text.
+    """
+
+    mode: str  # counted | timed | parity
+    config: str
+    op: str
+    phase: str  # fwd | fwd+bwd | host
+    batch: int | str = ""
+    seq: int | str = ""
+    eager: float | None = None
+    kernelized: float | None = None
+    floor: float | None = None
+    peer: float | None = None
+    """The peer (LLaMA-Factory's NPU kernels) on the same layer or region; None: no peer column."""
+    unit: str = ""
+    target: str = ""
+    note: str = ""
+    machine: str = ""
+    versions: str = ""
+    study: str = ""
+    """What the row belongs to. Counted: "layer" (a decoder layer and its regions), "experts sweep".
+    Timed: "kernelize", "call overhead", "get_kernel", "fallback" (torch-universal on CPU), "device", "training".
+    Parity: "peer parity" (a peer kernel's output against eager on a tiny model family)."""
+    kind: str = ""
+    """The region kind ("RMSNorm", "RoPE", "SwiGLU MLP", "MoE experts") or "decoder layer"; "" for none."""
+    variant: str = "default"
+    """The kernelized column's variant: "default", kernelize alone (what users get)."""
+    path: str = ""
+    """The eager column's transformers path where there are several: the experts implementation ("eager", the
+    per-expert loop, or "grouped_mm") in the experts sweep."""
+    model: str = ""
+    """The model's name (ModelSpec.name)."""
+    experts: int | None = None
+    """The number of experts of an MoE layer."""
+    emulated: bool = False
+    """A device timing taken on the emulation (not a device measurement)."""
+    peer_patched: bool | None = None
+    """Whether the peer patched the region (False: it leaves it to transformers, and the peer column is eager's)."""
+    outcome: str = ""
+    """Peer parity: what the check found (`peer.OUTCOMES`)."""
+
+    @property
+    def ratio(self) -> float | None:
+        """Counted rows: kernelized / floor. Timed rows: kernelized / eager (below 1: faster)."""
+        base = self.floor if self.mode == "counted" else self.eager
+        return None if not base or self.kernelized is None else self.kernelized / base
+
+
+CSV_COLUMNS = ["machine", "versions", "mode", "config", "op", "phase", "batch", "seq"]
+CSV_COLUMNS += ["eager", "kernelized", "floor", "peer", "ratio", "unit", "target", "note"]
+CSV_COLUMNS += ["study", "kind", "variant", "path", "model", "experts", "emulated", "peer_patched", "outcome"]
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CSV_COLUMNS)
+        for row in rows:
+            values = {**asdict(row), "ratio": row.ratio}
+            writer.writerow(["" if values[c] is None else _csv_value(values[c]) for c in CSV_COLUMNS])
+
+
+def _csv_value(value) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def log(message: str) -> None:
+    print(message, flush=True)

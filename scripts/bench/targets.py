@@ -1,0 +1,144 @@
+"""What the cards are held to: counted targets (kernelized against the floor) and host-side ones (timed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cards import LAYER, NO_CARD
+from .configs import PHASES
+from .rows import Row
+
+BYTES_TOLERANCE = 1.05
+"""Kernelized bytes of RMSNorm, RoPE and SwiGLU MLP within 5% of the floor."""
+MOE_BYTES_TOLERANCE = 1.01
+"""Kernelized bytes of the MoE experts within 1% of the floor."""
+LAYER_BYTES_TOLERANCE = 1.03
+LAYER_TARGET_SHAPE = (8, 4096)
+"""The kernelized decoder layer within 3% of the floor's bytes, forward+backward at batch 8 x sequence 4096."""
+ROPE_OPS_PER_DIRECTION = 2
+"""RoPE with grad runs at most 2 ops each way (npu_rotary_mul for q and for k); in inference, the floor's 1."""
+KERNELIZE_TARGET_MS = 100.0
+OVERHEAD_TARGET_US = 10.0
+FALLBACK_TOLERANCE = 1.05
+"""The fallback counts as not slower than eager when its median is within 5% (timing noise) of eager's."""
+
+
+@dataclass(frozen=True)
+class CountedTarget:
+    """A target for the kernelized column of a decoder layer's counted rows: kernelized <= bound x floor (bound 1:
+    = floor), in these phases, and only at `shape` when given (then one target per model)."""
+
+    kind: str
+    unit: str
+    phases: tuple[str, ...]
+    bound: float
+    shape: tuple[int, int] | None = None
+
+    @property
+    def text(self) -> str:
+        what = "op count" if self.unit == "ops" else "bytes"
+        limit = "= floor" if self.bound == 1 else f"<= {self.bound:g} x floor"
+        return f"kernelized {what} {limit}"
+
+    def applies(self, row: Row) -> bool:
+        shape = self.shape is None or (row.batch, row.seq) == self.shape
+        return (row.study, row.kind, row.unit) == ("layer", self.kind, self.unit) and row.phase in self.phases and shape
+
+    def met(self, row: Row) -> bool:
+        return row.kernelized == row.floor if self.bound == 1 else row.kernelized <= self.bound * row.floor
+
+
+COUNTED_TARGETS = (
+    CountedTarget("RMSNorm", "ops", PHASES, 1),
+    CountedTarget("RMSNorm", "bytes", PHASES, BYTES_TOLERANCE),
+    CountedTarget("RoPE", "ops", ("fwd",), 1),  # in inference: one npu_apply_rotary_pos_emb for q and k
+    CountedTarget("RoPE", "ops", ("fwd+bwd",), ROPE_OPS_PER_DIRECTION),
+    CountedTarget("RoPE", "bytes", PHASES, BYTES_TOLERANCE),
+    CountedTarget("SwiGLU MLP", "ops", PHASES, 1),
+    CountedTarget("SwiGLU MLP", "bytes", PHASES, BYTES_TOLERANCE),
+    CountedTarget("MoE experts", "ops", PHASES, 1),
+    CountedTarget("MoE experts", "bytes", PHASES, MOE_BYTES_TOLERANCE),
+    CountedTarget(LAYER, "bytes", ("fwd+bwd",), LAYER_BYTES_TOLERANCE, LAYER_TARGET_SHAPE),
+)
+
+
+def counted_target(row: Row) -> str:
+    """The target a counted row is held to, as the CSV states it ("" for none)."""
+    return next((t.text.removeprefix("kernelized ") for t in COUNTED_TARGETS if t.applies(row)), "")
+
+
+@dataclass(frozen=True)
+class Result:
+    """A target and what was measured: met True or False, or None when there is nothing to measure yet."""
+
+    kind: str  # the region kind it is about, "decoder layer", or "" (host-side)
+    target: str
+    measured: str
+    met: bool | None
+
+
+def evaluate(rows: list[Row]) -> list[Result]:
+    """Every target the rows measure, in the order of the summary."""
+    out = []
+    layer = [r for r in rows if r.study == "layer"]
+    for target in COUNTED_TARGETS:
+        held = [r for r in layer if target.applies(r)]
+        if not held:
+            continue
+        phases = " and ".join(target.phases)
+        if target.shape is not None:  # one target per model
+            for r in held:
+                label = f"{r.model} {target.kind}: {target.text} ({phases}, batch {r.batch} x seq {r.seq})"
+                out.append(Result(target.kind, label, f"{r.ratio:.3f} x floor", target.met(r)))
+            continue
+        label = f"{target.kind}: {target.text} ({phases})"
+        if any(r.kernelized is None for r in held):
+            out.append(Result(target.kind, label, NO_CARD, None))
+            continue
+        if target.unit == "ops":
+            worst = [max((r for r in held if r.phase == p), key=lambda r: r.ratio) for p in target.phases]
+            text = ", ".join(f"{r.kernelized:.0f} vs {r.floor:.0f} ({r.phase}, {r.model})" for r in worst)
+        else:
+            worst_bytes = max(held, key=lambda r: r.ratio)
+            text = f"up to {worst_bytes.ratio:.3f} x floor ({worst_bytes.phase}, {worst_bytes.model})"
+        out.append(Result(target.kind, label, text, all(target.met(r) for r in held)))
+    out += _experts_sweep(rows)
+    out += _host(rows)
+    return out
+
+
+def _experts_sweep(rows: list[Row]) -> list[Result]:
+    label = "MoE experts: op count independent of #experts"
+    loop = [
+        r for r in rows
+        if r.study == "experts sweep" and r.path == "eager" and r.unit == "ops" and r.phase == "fwd+bwd"
+    ]  # fmt: skip
+    if not loop:
+        return []
+    experts = "/".join(str(r.experts) for r in loop)
+    eager = "/".join(f"{r.eager:.0f}" for r in loop)
+    if any(r.kernelized is None for r in loop):
+        return [Result("MoE experts", label, f"{NO_CARD}; eager loop {eager}", None)]
+    counts = sorted({int(r.kernelized) for r in loop})
+    text = f"npu-moe {'/'.join(map(str, counts))} ops for {experts} experts, fwd+bwd (eager loop: {eager})"
+    return [Result("MoE experts", label, text, len(counts) == 1)]
+
+
+def _host(rows: list[Row]) -> list[Result]:
+    out = []
+    timed = [r for r in rows if r.mode == "timed" and not r.emulated]
+    for r in (r for r in timed if r.study == "kernelize"):
+        met = r.kernelized < KERNELIZE_TARGET_MS
+        out.append(Result("", f"kernelize of 32 layers < {KERNELIZE_TARGET_MS:g} ms", f"{r.kernelized:.1f} ms", met))
+    overheads = [(r.kind, r.kernelized - r.eager) for r in timed if r.study == "call overhead"]
+    if overheads:
+        text = ", ".join(f"{kind} {us:.2f} us" for kind, us in overheads)
+        met = all(us < OVERHEAD_TARGET_US for _, us in overheads)
+        out.append(Result("", f"per-call overhead < {OVERHEAD_TARGET_US:g} us", text, met))
+    fallbacks = [(r.kind, r.ratio) for r in timed if r.study == "fallback"]
+    if fallbacks:
+        text = ", ".join(f"{kind} {ratio:.2f} x eager" for kind, ratio in fallbacks)
+        met = all(ratio <= FALLBACK_TOLERANCE for _, ratio in fallbacks)
+        label = f"torch-universal fallback not slower than eager (<= {FALLBACK_TOLERANCE:g} x)"
+        out.append(Result("", label, text, met))
+    return out

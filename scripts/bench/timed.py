@@ -1,0 +1,353 @@
+"""Timed: host-side costs on this machine, and the device (an Ascend host; the emulation with --device-timing on)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from npu_hub_kernels.report import card_package
+from npu_hub_kernels.tiny_models import TINY_WIDTHS, tiny_causal_lm
+
+from .cards import CARD_OF, KINDS, LAYER, direct_call
+from .configs import CONFIGS, DTYPE, PHASES, ROOT, TINY_SPECS, ModelSpec
+from .regions import Region, capture, find_regions, forward_backward, layer_inputs, resolve, set_variant
+from .rows import EMULATED, Row, log
+from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US
+
+
+def median_time(fn: Callable, repeats: int, number: int = 1, warmup: int = 1, sync: Callable = lambda: None) -> float:
+    """Median seconds per call of fn over `repeats` samples of `number` calls each, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples)
+
+
+def paired_medians(a: Callable, b: Callable, repeats: int, number: int) -> tuple[float, float]:
+    """Median seconds per call of a and of b, sampled alternately so that drift hits both alike."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    a(), b()
+    for _ in range(repeats):
+        for fn, out in ((a, samples[0]), (b, samples[1])):
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            out.append((time.perf_counter() - start) / number)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
+def _card_of(module: nn.Module) -> ModuleType:
+    package = card_package(module)
+    if package is None:
+        raise RuntimeError(f"{type(module).__name__} runs no card layer: is it kernelized for npu?")
+    return package
+
+
+def kernelize_rows(repeats: int) -> list[Row]:
+    """kernelize of a 32-layer model, its cards already loaded (loading them is get_kernel's row)."""
+    from kernels import Mode, kernelize
+
+    from npu_hub_kernels import swapped_modules
+
+    model = tiny_causal_lm("llama", num_hidden_layers=32)
+    seconds = median_time(lambda: kernelize(model, mode=Mode.INFERENCE, device="npu"), repeats)
+    note = f"{len(swapped_modules(model))} modules swapped; median of {repeats}"
+    kernelize(model, mode=Mode.INFERENCE, device="cpu")  # the rotary function-modules are shared by the process
+    return [
+        Row(
+            "timed", "Llama, tiny widths, 32 layers", "kernelize", "host",
+            kernelized=seconds * 1e3, unit="ms", target=f"< {KERNELIZE_TARGET_MS:g} ms", note=note,
+            study="kernelize",
+        )
+    ]  # fmt: skip
+
+
+def overhead_rows(device: str, repeats: int, number: int) -> list[Row]:
+    """Per-call cost of a kernelized module (eager column: calling its card function directly), tiny tensors."""
+    from kernels import Mode, kernelize
+    from transformers.models.llama import modeling_llama
+
+    model = tiny_causal_lm("llama", num_hidden_layers=1).to(device)
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    layer, rope = model.model.layers[0], modeling_llama.apply_rotary_pos_emb
+    norm, mlp = layer.input_layernorm, layer.mlp
+    heads, kv_heads, head_dim = (TINY_WIDTHS[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+    x = torch.randn(1, 8, TINY_WIDTHS["hidden_size"], device=device)
+    q, k = torch.randn(1, heads, 8, head_dim, device=device), torch.randn(1, kv_heads, 8, head_dim, device=device)
+    cos, sin = torch.randn(1, 8, head_dim, device=device), torch.randn(1, 8, head_dim, device=device)
+    rms, rotary, swiglu = (
+        direct_call(kind, _card_of(module), state)
+        for kind, module, state in (("RMSNorm", norm, norm), ("RoPE", rope, None), ("SwiGLU MLP", mlp, mlp))
+    )
+    pairs = {
+        "RMSNorm": (lambda: norm(x), lambda: rms(x)),
+        "RoPE": (lambda: rope(q, k, cos, sin), lambda: rotary(q, k, cos, sin)),
+        "SwiGLU MLP": (lambda: mlp(x), lambda: swiglu(x)),
+    }
+    rows = []
+    with torch.no_grad():
+        for kind, (module_call, function_call) in pairs.items():
+            module_s, direct_s = paired_medians(module_call, function_call, repeats, number)
+            rows.append(
+                Row(
+                    "timed", "tiny", f"{kind}: kernelized module vs its function", "host", 1, 8,
+                    eager=direct_s * 1e6, kernelized=module_s * 1e6, unit="us",
+                    target=f"module - function < {OVERHEAD_TARGET_US:g} us",
+                    note=f"overhead {(module_s - direct_s) * 1e6:.2f} us per call; tensors on {device}",
+                    study="call overhead", kind=kind,
+                )
+            )  # fmt: skip
+    kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    return rows
+
+
+def get_kernel_rows(build: Path, org: str, cold_repeats: int, warm_repeats: int, emulated: bool) -> list[Row]:
+    """get_kernel of every built card from an offline Hub cache: cold (in a fresh process) and warm (loaded)."""
+    from kernels import get_kernel
+
+    from npu_hub_kernels.offline import card_version, default_cache_dir, seed_offline_cache
+
+    versions = {repo: card_version(build / repo.split("/")[1]) for repo in seed_offline_cache(build, org)}
+    code = "\n".join(
+        [
+            "import time",
+            "from npu_hub_kernels import emulation; emulation.install()" if emulated else "",
+            "from kernels import get_kernel",
+            "start = time.perf_counter()",
+            f"for repo, version in {versions!r}.items(): get_kernel(repo, version=version, trust_remote_code=True)",
+            "print(time.perf_counter() - start)",
+        ]
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(default_cache_dir()), "HF_HUB_OFFLINE": "1"}
+    cold, process = [], []
+    for _ in range(cold_repeats):
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+        process.append(time.perf_counter() - start)
+        if done.returncode != 0:
+            raise RuntimeError(f"cold get_kernel failed:\n{done.stderr}")
+        cold.append(float(done.stdout.split()[-1]))
+
+    def load_all() -> None:
+        for repo, version in versions.items():
+            get_kernel(repo, version=version, trust_remote_code=True)
+
+    warm = median_time(load_all, warm_repeats)
+    config = f"{len(versions)} cards, offline Hub cache"
+    note = "every card, imports of torch and kernels not included; median of {}"
+    whole = f"; the whole fresh process (Python, imports, get_kernel): {statistics.median(process) * 1e3:.0f} ms"
+    return [
+        Row("timed", config, "get_kernel, cold (fresh process)", "host", kernelized=statistics.median(cold) * 1e3,
+            unit="ms", note=note.format(cold_repeats) + whole, study="get_kernel"),
+        Row("timed", config, "get_kernel, warm (loaded)", "host", kernelized=warm * 1e3, unit="ms",
+            note=note.format(warm_repeats), study="get_kernel"),
+    ]  # fmt: skip
+
+
+def load_variant(card_dir: Path, variant: str) -> ModuleType:
+    """Import one build variant of a built card as a package of its own (not through the kernels loader)."""
+    variant_dir = card_dir / "build" / variant
+    package_dir = next(p for p in sorted(variant_dir.iterdir()) if (p / "__init__.py").is_file())
+    name = f"_bench_{variant.replace('-', '_')}_{package_dir.name}"
+    spec = importlib.util.spec_from_file_location(
+        name, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def fallback_rows(build: Path, repeats: int, quick: bool) -> list[Row]:
+    """The torch-universal build on CPU tensors against transformers' eager forward (float32, no module call
+    overhead on either side: the class forward against the card function)."""
+    from transformers import AutoConfig
+    from transformers.models.llama import modeling_llama as llama
+
+    universal = {
+        kind: load_variant(build / CARD_OF[kind], "torch-universal") for kind in ("RMSNorm", "RoPE", "SwiGLU MLP")
+    }
+    batch, seq, hidden, heads, inner = (2, 64, 256, 4, 512) if quick else (4, 512, 2048, 32, 5632)
+    norm = llama.LlamaRMSNorm(hidden)
+    mlp = llama.LlamaMLP(AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=inner))
+    rope = llama.apply_rotary_pos_emb
+    x = torch.randn(batch, seq, hidden)
+    q, k = torch.randn(batch, heads, seq, 128), torch.randn(batch, max(heads // 4, 1), seq, 128)
+    cos, sin = torch.randn(batch, seq, 128), torch.randn(batch, seq, 128)
+    rms, rotary, swiglu = (
+        direct_call(kind, universal[kind], state)
+        for kind, state in (("RMSNorm", norm), ("RoPE", None), ("SwiGLU MLP", mlp))
+    )
+    pairs = {
+        "RMSNorm": (lambda: llama.LlamaRMSNorm.forward(norm, x), lambda: rms(x), f"x {tuple(x.shape)}"),
+        "RoPE": (
+            lambda: type(rope).forward(rope, q, k, cos, sin),
+            lambda: rotary(q, k, cos, sin),
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}",
+        ),
+        "SwiGLU MLP": (
+            lambda: llama.LlamaMLP.forward(mlp, x),
+            lambda: swiglu(x),
+            f"x {tuple(x.shape)}, intermediate {inner}",
+        ),
+    }
+    rows = []
+    with torch.no_grad():
+        for kind, (eager, fallback, shapes) in pairs.items():
+            eager_s, fallback_s = paired_medians(eager, fallback, repeats, 1)
+            rows.append(
+                Row(
+                    "timed", "CPU, float32", f"{kind}: torch-universal vs eager", "fwd", batch, seq,
+                    eager=eager_s * 1e3, kernelized=fallback_s * 1e3, unit="ms",
+                    target=f"<= {FALLBACK_TOLERANCE:g} x eager", note=f"{shapes}; median of {repeats}",
+                    study="fallback", kind=kind,
+                )
+            )  # fmt: skip
+    return rows
+
+
+def device_rows(
+    specs: Iterable[ModelSpec], shapes: Iterable[tuple[int, int]], device: str, emulated: bool, repeats: int
+) -> list[Row]:
+    """Per region kind and per decoder layer, eager against kernelized (the default path; the warm-up call of each
+    median packs split MLPs once), forward and forward+backward, synchronised medians, and the decoder layer's
+    peak memory where the device reports it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rows = []
+    for spec in specs:
+        for batch, seq in shapes:
+            config = AutoConfig.for_model(spec.model_type, **dict(spec.config, num_hidden_layers=1, vocab_size=1024))
+            options = {"experts_implementation": "eager"} if spec.experts else {}
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPE, **options)
+            layer = model.model.layers[0]
+            regions = find_regions(layer)
+            args, kwargs = layer_inputs(spec, batch, seq, torch.randn)
+            set_variant(layer, "eager")
+            capture(layer, regions, args, kwargs, contextlib.nullcontext())
+            timings: dict[tuple[str, str, str], tuple[float, int | None]] = {}
+            for variant in ("eager", "kernelized"):
+                set_variant(layer, variant)
+                for phase in PHASES:
+                    timings[(LAYER, variant, phase)] = time_run(layer, args, kwargs, phase, repeats, emulated)
+                    for region in regions:
+                        module = resolve(layer, region.name)
+                        run = time_run(module, region.args, region.kwargs, phase, repeats, emulated)
+                        timings[(region.name, variant, phase)] = run
+            set_variant(layer, "eager")
+            rows += _device_rows(spec, batch, seq, regions, timings, emulated)
+            log(f"  timed device{' (emulated)' if emulated else ''}: {spec.name}, batch {batch}, seq {seq}")
+    return rows
+
+
+def time_run(
+    fn: Callable, args: tuple, kwargs: dict, phase: str, repeats: int, emulated: bool
+) -> tuple[float, int | None]:
+    """(median seconds, peak bytes or None) of fn forward, or forward and the gradients of its inputs and parameters."""
+    args, kwargs = tree_map(_copy, (args, kwargs))
+    params = list(fn.parameters()) if isinstance(fn, nn.Module) else []
+    stats = None if emulated else torch.npu  # the emulated device keeps no allocator statistics
+    if stats is not None:
+        stats.reset_peak_memory_stats()
+    seconds = median_time(
+        lambda: forward_backward(fn, args, kwargs, params, phase, torch.ones_like),
+        repeats,
+        sync=torch.npu.synchronize,
+    )
+    return seconds, None if stats is None else stats.max_memory_allocated()
+
+
+def _copy(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.detach().clone().requires_grad_(t.requires_grad and t.is_floating_point())
+
+
+def _device_rows(
+    spec: ModelSpec, batch: int, seq: int, regions: list[Region], timings: dict, emulated: bool
+) -> list[Row]:
+    names = {kind: [r.name for r in regions if r.kind == kind] for kind in KINDS.values()}
+    names = {kind: members for kind, members in names.items() if members}
+    names[LAYER] = [LAYER]
+    note = EMULATED if emulated else ""
+    rows = []
+    for kind, members in names.items():
+        for phase in PHASES:
+
+            def ms(variant: str, members=members, phase=phase) -> float:
+                return sum(timings[(n, variant, phase)][0] for n in members) * 1e3
+
+            common = dict(
+                mode="timed", config=spec.name, phase=phase, batch=batch, seq=seq, study="device", kind=kind,
+                model=spec.name, experts=spec.experts, emulated=emulated,
+            )  # fmt: skip
+            rows.append(Row(op=kind, eager=ms("eager"), kernelized=ms("kernelized"), unit="ms", note=note, **common))
+            if kind == LAYER:
+                peaks = [timings[(LAYER, v, phase)][1] for v in ("eager", "kernelized")]
+                peak_note = note or ("" if None not in peaks else "the device reports no peak memory")
+                op = f"{kind} peak memory"
+                rows.append(Row(op=op, eager=peaks[0], kernelized=peaks[1], unit="bytes", note=peak_note, **common))
+    return rows
+
+
+def training_rows(device: str, emulated: bool, steps: int) -> list[Row]:
+    """Median time of a training step (forward, backward, AdamW) of a small model: eager, then kernelized (the
+    default path: the warm-up step packs split MLPs once)."""
+    from kernels import Mode, kernelize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if emulated:
+        spec, overrides, batch, seq = TINY_SPECS[0], dict(num_hidden_layers=2), 2, 32
+    else:  # two of Llama-3-8B's layers, a smaller vocabulary
+        spec, overrides, batch, seq = CONFIGS["llama-3-8b"], dict(num_hidden_layers=2, vocab_size=32000), 1, 2048
+    config = AutoConfig.for_model(spec.model_type, **dict(spec.config, **overrides))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPE).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+
+    def step_time() -> float:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+        def step() -> None:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return median_time(step, steps, sync=torch.npu.synchronize)
+
+    eager = step_time()
+    kernelize(model, mode=Mode.TRAINING, device="npu")
+    kernelized = step_time()
+    kernelize(model, mode=Mode.TRAINING, device="cpu")
+    log(f"  timed training step{' (emulated)' if emulated else ''}")
+    return [
+        Row(
+            "timed", f"{spec.name}, {config.num_hidden_layers} layers, vocab {config.vocab_size}",
+            "training step (AdamW)", "fwd+bwd", batch, seq, eager=eager * 1e3, kernelized=kernelized * 1e3,
+            unit="ms", note=EMULATED if emulated else f"median of {steps} steps", study="training",
+            model=spec.name, emulated=emulated,
+        )
+    ]  # fmt: skip
