@@ -13,6 +13,10 @@ so `kernels` resolves the `torch<XY>-cxx11-cann<XY>-<arch>-linux` build variants
     assert calls["npu_rms_norm"] == expected
 
 The emulated ops follow the contracts in docs/torch-npu-ops.md (one section per op, with sources).
+What lives where: `device.py` (the "npu" device: tensors, factories, module conversions),
+`checks.py` (input checks and the call counter), and one file per op family: `rms_norm.py`,
+`rotary_mul.py` (npu_rotary_mul, npu_apply_rotary_pos_emb), `swiglu.py`, `moe.py` (token
+permute/unpermute, grouped matmul).
 
 Never use it on a real Ascend host: `install()` refuses when a real torch_npu is installed.
 The install is for the life of the process (torch allows one PrivateUse1 rename).
