@@ -12,6 +12,7 @@ import functools
 import itertools
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
@@ -127,8 +128,55 @@ def _check_same_device(func, args, kwargs) -> None:
             )
 
 
+class _EmulatedNpuRandom:
+    """`torch.npu.random`: the state of the generator npu random numbers come from.
+
+    The emulated device draws its random numbers from the host's default generator (the ops run on the
+    host data), so its state is that generator's state: what transformers' Trainer saves in a checkpoint
+    (`rng_state.pth`, key "npu") and sets back on resume, as it does with torch_npu.
+    """
+
+    @staticmethod
+    def get_rng_state(device="npu") -> torch.Tensor:
+        return torch.random.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device="npu") -> None:
+        torch.random.set_rng_state(new_state)
+
+    @staticmethod
+    def get_rng_state_all() -> list[torch.Tensor]:
+        return [torch.random.get_rng_state()]
+
+    @staticmethod
+    def set_rng_state_all(new_states) -> None:
+        for state in new_states:
+            torch.random.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        """Random numbers for npu tensors come from the CPU generator, which torch.manual_seed seeds."""
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        """As manual_seed (torch.manual_seed calls this for the custom device)."""
+
+    @staticmethod
+    def initial_seed() -> int:
+        return torch.random.initial_seed()
+
+
 class EmulatedNpuModule:
     """What `torch.npu` offers that transformers, accelerate and kernels ask of it."""
+
+    random = _EmulatedNpuRandom()
+    get_rng_state = staticmethod(_EmulatedNpuRandom.get_rng_state)
+    set_rng_state = staticmethod(_EmulatedNpuRandom.set_rng_state)
+    get_rng_state_all = staticmethod(_EmulatedNpuRandom.get_rng_state_all)
+    set_rng_state_all = staticmethod(_EmulatedNpuRandom.set_rng_state_all)
+    manual_seed = staticmethod(_EmulatedNpuRandom.manual_seed)
+    manual_seed_all = staticmethod(_EmulatedNpuRandom.manual_seed_all)
+    initial_seed = staticmethod(_EmulatedNpuRandom.initial_seed)
 
     @staticmethod
     def is_available() -> bool:
@@ -156,12 +204,9 @@ class EmulatedNpuModule:
         """The emulated device runs synchronously on the host."""
 
     @staticmethod
-    def manual_seed(seed: int) -> None:
-        """Random numbers for npu tensors come from the CPU generator, which torch.manual_seed seeds."""
-
-    @staticmethod
-    def manual_seed_all(seed: int) -> None:
-        """As manual_seed (torch.manual_seed calls this for the custom device)."""
+    def is_bf16_supported() -> bool:
+        """Atlas A2/A3 compute in bfloat16 (transformers asks before `TrainingArguments(bf16=True)`)."""
+        return True
 
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -200,6 +245,41 @@ def _register_factories(lib: torch.library.Library) -> None:
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
     lib.impl("empty.memory_format", empty_memory_format, "PrivateUse1")
     lib.impl("empty_strided", empty_strided, "PrivateUse1")
+
+
+_PINNED: dict[int, StorageWeakRef] = {}
+"""Address of each live host buffer `pin_memory` made -> a weak reference to its storage."""
+
+
+def _register_pinned_host_memory(lib: torch.library.Library) -> None:
+    """`Tensor.pin_memory()` and `is_pinned()` on a host whose accelerator is the npu (a DataLoader with
+    `pin_memory=True`, the Trainer's default): torch_npu gives pinned (page-locked) host buffers; a Python
+    backend cannot register the pinned allocator, so these CPU kernels stand in for it. `pin_memory` copies
+    into a new host buffer of the same sizes and strides (what `_pin_memory` does with the pinned
+    allocator), and `is_pinned` is True exactly for the buffers it made, while they live."""
+
+    def pin_memory(self, device=None):
+        _check_pinning_device(device)
+        pinned = torch.empty_strided(self.size(), self.stride(), dtype=self.dtype)
+        pinned.copy_(self)
+        for address in [a for a, ref in _PINNED.items() if ref.expired()]:  # forget freed buffers
+            del _PINNED[address]
+        storage = pinned.untyped_storage()
+        _PINNED[storage.data_ptr()] = StorageWeakRef(storage)
+        return pinned
+
+    def is_pinned(self, device=None):
+        _check_pinning_device(device)
+        ref = _PINNED.get(self.untyped_storage().data_ptr())
+        return ref is not None and not ref.expired()  # a freed buffer's address may be reused by another
+
+    lib.impl("_pin_memory", pin_memory, "CPU")
+    lib.impl("is_pinned", is_pinned, "CPU")
+
+
+def _check_pinning_device(device) -> None:
+    if device is not None and torch.device(device).type != "npu":
+        raise RuntimeError(f"emulated npu host: host memory is pinned for the npu, not for {device}")
 
 
 _MODULE_CONVERSIONS = {
@@ -276,3 +356,4 @@ def install_device() -> None:
     torch.autograd.set_multithreading_enabled(False)
     _LIBRARY = torch.library.Library("aten", "IMPL")
     _register_factories(_LIBRARY)
+    _register_pinned_host_memory(_LIBRARY)

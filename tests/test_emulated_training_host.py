@@ -1,0 +1,42 @@
+"""The emulated Ascend host under what training stacks do to a device, as torch_npu does it: transformers'
+Trainer pins its batches, saves and restores the npu RNG state and the optimizer states of a checkpoint, asks
+whether bf16 is supported; TRL deep-copies the model for its reference; mixed precision runs under
+`torch.autocast("npu")`. Each of these failed on the emulation before (tests/test_training_stacks.py runs them
+end to end)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def test_pin_memory_gives_a_pinned_host_copy():
+    """A DataLoader with pin_memory=True (the Trainer's default) pins its batches for the accelerator, the npu."""
+    x = torch.randn(3, 4)
+    assert not x.is_pinned()
+    pinned = x.pin_memory()
+    assert pinned.device.type == "cpu" and pinned.is_pinned() and pinned[1:].is_pinned()
+    assert torch.equal(pinned, x) and pinned.stride() == x.stride() and pinned.data_ptr() != x.data_ptr()
+    assert pinned.pin_memory() is pinned  # already pinned: no second copy
+    on_npu = pinned.to("npu", non_blocking=True)
+    assert not on_npu.is_pinned() and torch.equal(on_npu.cpu(), x)  # device memory is never "pinned"
+    strided = torch.randn(4, 6)[:, ::2]
+    assert torch.equal(strided.pin_memory(), strided)
+    loader = DataLoader(TensorDataset(torch.arange(8.0).view(4, 2)), batch_size=2, pin_memory=True)
+    batches = [batch for (batch,) in loader]
+    assert all(batch.is_pinned() for batch in batches)
+    assert torch.equal(torch.cat(batches), torch.arange(8.0).view(4, 2))
+
+
+def test_npu_rng_state_is_the_state_npu_random_numbers_come_from():
+    """What the Trainer saves as rng_state.pth["npu"] and sets back on resume."""
+    state = torch.npu.random.get_rng_state()
+    assert state.dtype == torch.uint8 and state.device.type == "cpu"
+    first = torch.randn(5, device="npu").cpu()
+    assert not torch.equal(torch.randn(5, device="npu").cpu(), first)
+    torch.npu.random.set_rng_state(state)
+    assert torch.equal(torch.randn(5, device="npu").cpu(), first)
+    torch.npu.set_rng_state_all(torch.npu.get_rng_state_all())
+    torch.npu.set_rng_state(state)
+    assert torch.equal(torch.randn(5, device="npu").cpu(), first)
+    assert torch.npu.is_bf16_supported()
