@@ -6,6 +6,8 @@ end to end)."""
 
 from __future__ import annotations
 
+import io
+
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -40,3 +42,18 @@ def test_npu_rng_state_is_the_state_npu_random_numbers_come_from():
     torch.npu.set_rng_state(state)
     assert torch.equal(torch.randn(5, device="npu").cpu(), first)
     assert torch.npu.is_bf16_supported()
+
+
+def test_npu_tensors_pickle_as_device_tensors():
+    """torch.save of npu tensors (a Trainer checkpoint's optimizer states) loads with weights_only=True, on the npu
+    or where map_location says; Parameters stay Parameters."""
+    x = torch.randn(3, 4).to("npu")
+    saved = {"x": x, "view": x[1:], "ints": torch.arange(3).to("npu"), "param": torch.nn.Parameter(x.clone())}
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    for location, device in ((None, "npu"), ("cpu", "cpu")):
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True, map_location=location)
+        assert {k: v.device.type for k, v in loaded.items()} == dict.fromkeys(saved, device)
+        assert all(torch.equal(loaded[k].cpu(), v.cpu()) and loaded[k].dtype == v.dtype for k, v in saved.items())
+        assert isinstance(loaded["param"], torch.nn.Parameter) and not isinstance(loaded["x"], torch.nn.Parameter)

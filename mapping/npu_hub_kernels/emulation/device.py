@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections import OrderedDict
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -63,6 +64,16 @@ class NpuTensor(torch.Tensor):
 
     def data_ptr(self) -> int:  # type: ignore[override]
         return self._cpu.data_ptr()
+
+    def __reduce_ex__(self, proto):
+        """Pickle (torch.save) as a device tensor, not as this Python class: its values as a host tensor
+        rebuilt on the device at load (`torch._utils._rebuild_device_tensor_from_cpu_tensor`, which follows
+        `map_location`), which `torch.load(weights_only=True)` accepts, as it accepts a real npu tensor
+        (optimizer states in a Trainer checkpoint). A Parameter stays a Parameter."""
+        if isinstance(self, torch.nn.Parameter):
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+        args = (self._cpu, self.dtype, str(self.device), self.requires_grad)
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor, args)
 
     def tolist(self):  # type: ignore[override]
         """A device-to-host read, as `.tolist()` of a device tensor is (tensor subclasses lack it)."""
