@@ -6,10 +6,14 @@ end to end)."""
 
 from __future__ import annotations
 
+import copy
 import io
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
 
 
 def test_pin_memory_gives_a_pinned_host_copy():
@@ -57,3 +61,27 @@ def test_npu_tensors_pickle_as_device_tensors():
         assert {k: v.device.type for k, v in loaded.items()} == dict.fromkeys(saved, device)
         assert all(torch.equal(loaded[k].cpu(), v.cpu()) and loaded[k].dtype == v.dtype for k, v in saved.items())
         assert isinstance(loaded["param"], torch.nn.Parameter) and not isinstance(loaded["x"], torch.nn.Parameter)
+
+
+def test_deepcopy_of_npu_tensors_and_models():
+    """A TRL reference model is `copy.deepcopy(model)`: the same shapes and values in new device memory, tensors that
+    shared a buffer (views, tied weights, packed gate/up) still share one in the copy."""
+    x = torch.randn(3, 4).to("npu").requires_grad_()
+    x.grad = torch.ones(3, 4).to("npu")
+    y = copy.deepcopy(x)
+    assert y.shape == x.shape and y.device == x.device and torch.equal(y.detach().cpu(), x.detach().cpu())
+    assert y.data_ptr() != x.data_ptr() and y.requires_grad and torch.equal(y.grad.cpu(), x.grad.cpu())
+    buffer = torch.randn(4, 3).to("npu")
+    first, second = copy.deepcopy([buffer[:2], buffer[2:]])
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr() and second.storage_offset() == 6
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(x * 2)
+
+    model = tiny_causal_lm("llama", tie_word_embeddings=True).to("npu")
+    reference = copy.deepcopy(model)
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert isinstance(q, torch.nn.Parameter) and q.shape == p.shape, name
+        assert q.data_ptr() != p.data_ptr() and torch.equal(q.detach().cpu(), p.detach().cpu()), name
+    with torch.no_grad():
+        torch.testing.assert_close(reference(token_ids().to("npu")).logits, model(token_ids().to("npu")).logits)

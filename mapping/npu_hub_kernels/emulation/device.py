@@ -8,6 +8,7 @@ with non-scalar CPU tensors raises, as on real hardware, so device bugs are not 
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 from collections import OrderedDict
@@ -64,6 +65,26 @@ class NpuTensor(torch.Tensor):
 
     def data_ptr(self) -> int:  # type: ignore[override]
         return self._cpu.data_ptr()
+
+    def __deepcopy__(self, memo):
+        """A copy in new device memory: the same values, sizes, strides and storage offset, and what the
+        tensor carries (requires_grad, grad, Parameter flag, attributes). Tensors that shared a buffer share
+        the copy's buffer, as torch's deepcopy keeps views of one storage together (the inner host tensors
+        are deep-copied with the same memo). torch's own `Tensor.__deepcopy__` would restore the storage
+        onto a 0-d wrapper and leave it 0-d."""
+        if not self.is_leaf:
+            return super().__deepcopy__(memo)  # raises torch's error for non-leaf tensors
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = NpuTensor(copy.deepcopy(self._cpu, memo))
+            if self.requires_grad:
+                new.requires_grad_()
+            if self.grad is not None:
+                new.grad = copy.deepcopy(self.grad, memo)
+            new.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_cpu"}, memo))
+        memo[id(self)] = new
+        return new
 
     def __reduce_ex__(self, proto):
         """Pickle (torch.save) as a device tensor, not as this Python class: its values as a host tensor
