@@ -11,8 +11,10 @@ import io
 
 import pytest
 import torch
+import torch_npu
 from torch.utils.data import DataLoader, TensorDataset
 
+from npu_hub_kernels import emulation
 from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
 
 
@@ -85,3 +87,42 @@ def test_deepcopy_of_npu_tensors_and_models():
         assert q.data_ptr() != p.data_ptr() and torch.equal(q.detach().cpu(), p.detach().cpu()), name
     with torch.no_grad():
         torch.testing.assert_close(reference(token_ids().to("npu")).logits, model(token_ids().to("npu")).logits)
+
+
+def test_autocast_on_the_npu_follows_torch_npus_cast_policy():
+    a, w = torch.randn(4, 8).to("npu"), torch.randn(3, 8).to("npu")
+    embedding = torch.nn.Embedding(5, 8).to("npu")
+    with torch.autocast("npu", dtype=torch.bfloat16):
+        assert torch.nn.functional.linear(a, w).dtype == torch.bfloat16  # lower precision
+        assert (a @ w.t()).dtype == torch.bfloat16
+        assert a.double().matmul(a.double().t()).dtype == torch.float64  # float64 is never cast
+        assert a.bfloat16().exp().dtype == torch.float32  # float32
+        assert torch.softmax(a.bfloat16(), -1).dtype == torch.float32  # float32 output dtype, unless given
+        assert torch.softmax(a.bfloat16(), -1, dtype=torch.bfloat16).dtype == torch.bfloat16
+        assert a.bfloat16().sum().dtype == torch.float32
+        assert torch.addcmul(a, a.bfloat16(), a.bfloat16()).dtype == torch.float32  # promote to the widest
+        assert (a.bfloat16() + 1).dtype == torch.bfloat16  # no policy: the op's own dtypes
+        assert embedding(torch.tensor([1, 2]).to("npu")).dtype == torch.float32
+        y, rstd = torch_npu.npu_rms_norm(a, torch.ones(8).to("npu"))  # torch_npu ops are not cast
+        assert y.dtype == torch.float32 and rstd.dtype == torch.float32
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            torch.nn.functional.binary_cross_entropy(torch.rand(3).to("npu"), torch.rand(3).to("npu"))
+        host = torch.randn(2, 2)
+        assert (host @ host).dtype == torch.float32  # autocast("npu") leaves host tensors alone
+    assert torch.nn.functional.linear(a, w).dtype == torch.float32  # outside autocast nothing is cast
+
+
+def test_autocast_linear_matches_an_explicit_cast_forward_and_backward():
+    """The lower-precision policy computes what casting by hand computes, gradients included."""
+    x, w = torch.randn(6, 8), torch.randn(5, 8)
+    leaves = [t.to("npu").requires_grad_() for t in (x, w)]
+    with torch.autocast("npu", dtype=torch.bfloat16), emulation.count_op_calls() as calls:
+        out = torch.nn.functional.linear(*leaves)
+    out.float().pow(2).sum().backward()
+    manual = [t.clone().requires_grad_() for t in (x, w)]
+    expected = torch.nn.functional.linear(manual[0].bfloat16(), manual[1].bfloat16())
+    expected.float().pow(2).sum().backward()
+    assert calls == {} and out.dtype == torch.bfloat16
+    assert torch.equal(out.cpu(), expected)
+    for leaf, reference in zip(leaves, manual, strict=True):
+        assert leaf.grad.dtype == torch.float32 and torch.equal(leaf.grad.cpu(), reference.grad)

@@ -18,6 +18,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+from .autocast import install_autocast
+
 # Ops that legitimately take tensors from two devices (copies between host and device).
 _CROSS_DEVICE_OPS = {
     torch.ops.aten.copy_.default,
@@ -389,3 +391,4 @@ def install_device() -> None:
     _LIBRARY = torch.library.Library("aten", "IMPL")
     _register_factories(_LIBRARY)
     _register_pinned_host_memory(_LIBRARY)
+    install_autocast()
