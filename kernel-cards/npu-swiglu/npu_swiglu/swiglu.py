@@ -187,9 +187,14 @@ def _pack_pair(gate: nn.Parameter, up: nn.Parameter) -> None:
 
 
 class _PackedGateUp(torch.autograd.Function):
-    """`[gate(x) | up(x)]` from one matmul against the packed weight; gradients go to both Parameters."""
+    """`[gate(x) | up(x)]` from one matmul against the packed weight; gradients go to both Parameters.
+
+    Under `torch.autocast("npu")` the matmul runs in the autocast dtype, as `gate_proj(x)` does; the
+    backward runs under the same autocast state (custom_fwd/custom_bwd), so its matmuls take the
+    low-precision gradient with the float32 weight and input as eager's linear backward does."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="npu")
     def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias, packed, packed_bias):
         # The four parameters are inputs so that autograd routes their gradients; packed* are their data.
         ctx.save_for_backward(x, packed)
@@ -197,6 +202,7 @@ class _PackedGateUp(torch.autograd.Function):
         return F.linear(x, packed, packed_bias)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="npu")
     def backward(ctx, grad):
         x, packed = ctx.saved_tensors
         rows = packed.shape[0] // 2
