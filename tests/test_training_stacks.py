@@ -19,10 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 from kernels import Mode, kernelize
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from npu_hub_kernels import emulation
-from npu_hub_kernels.tiny_models import norm_module_count, token_ids
+from npu_hub_kernels.tiny_models import VOCAB, norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 
 
@@ -74,6 +75,7 @@ AUTOCAST_CALLS = {
 
 
 def autocast_loss_and_gradients(model, ids, *, autocast: bool = True):
+    """(loss, logits, gradients) of one training forward and backward; logits and gradients as float64 on the host."""
     model.train()
     device = next(model.parameters()).device
     ids = ids.to(device)
@@ -81,7 +83,7 @@ def autocast_loss_and_gradients(model, ids, *, autocast: bool = True):
         out = model(ids, labels=ids)
     out.loss.backward()
     grads = {name: p.grad.double().cpu() for name, p in model.named_parameters() if p.grad is not None}
-    return out.loss.double().item(), grads, out.logits.dtype
+    return out.loss.double().item(), out.logits, grads
 
 
 @pytest.mark.parametrize("model_type", list(AUTOCAST_CALLS))
@@ -89,18 +91,22 @@ def test_autocast_forward_and_backward_within_the_eager_idiom(npu_kernels, model
     """float32 weights under torch.autocast("npu", bfloat16): what fuses is what every path can compute right
     (AUTOCAST_CALLS), the rest falls back; loss and every gradient within twice eager autocast's error."""
     ids = token_ids()
-    ref_loss, ref_grads, _ = autocast_loss_and_gradients(host_reference(model_type), ids, autocast=False)
+    ref_loss, ref_logits, ref_grads = autocast_loss_and_gradients(host_reference(model_type), ids, autocast=False)
     with emulation.count_op_calls() as eager_calls:
-        eager_loss, eager_grads, eager_dtype = autocast_loss_and_gradients(tiny_model(model_type).to("npu"), ids)
+        eager_loss, eager_logits, eager_grads = autocast_loss_and_gradients(tiny_model(model_type).to("npu"), ids)
     # The eager model is not kernelized: nothing fuses, except the family's shared rotary function-module that
     # an earlier kernelize in this process may have switched (exact in float32, README).
     assert set(eager_calls) <= {"npu_rotary_mul"}
     model = kernelize(tiny_model(model_type).to("npu"), mode=Mode.TRAINING, device="npu")
     with emulation.count_op_calls() as calls:
-        loss, grads, dtype = autocast_loss_and_gradients(model, ids)
+        loss, logits, grads = autocast_loss_and_gradients(model, ids)
     assert dict(calls) == AUTOCAST_CALLS[model_type]
-    assert dtype == eager_dtype == torch.bfloat16
-    assert abs(loss - ref_loss) <= 2 * abs(eager_loss - ref_loss) + 1e-4, (loss, eager_loss, ref_loss)
+    assert logits.dtype == eager_logits.dtype == torch.bfloat16
+    eager_error = relative_error(eager_logits.cpu(), ref_logits)
+    assert relative_error(logits.cpu(), ref_logits) <= 2 * eager_error, eager_error
+    # The loss averages the logits' rounding errors: one random draw (measured 1e-5 to 1.5e-4 for either run
+    # over four batches); 1e-3 is far below what a wrong norm, rotation or activation shifts it by.
+    assert abs(loss - ref_loss) <= 2 * abs(eager_loss - ref_loss) + 1e-3, (loss, eager_loss, ref_loss)
     assert set(grads) == set(eager_grads) == set(ref_grads)
     for name, grad in grads.items():
         eager_error = relative_error(eager_grads[name], ref_grads[name])
@@ -162,3 +168,193 @@ def test_norms_under_autocast_fall_back_where_eager_promotes(npu_kernels):
         hook.remove()
     assert norm_inputs == {"q_norm": torch.bfloat16, "input_layernorm": torch.float32}
     assert calls["npu_rms_norm"] == norm_module_count(model) - 2 * layer_count(model)  # all but the q/k norms
+
+
+# --- transformers' Trainer -----------------------------------------------------------------------------------
+
+STEPS = 4
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Causal-LM examples of random token ids (ids 0-2 are pad/bos/eos)."""
+
+    def __init__(self, examples: int = 4 * STEPS, seq: int = 8, seed: int = 0) -> None:
+        self.ids = torch.randint(3, VOCAB, (examples, seq), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def training_args(output_dir, **overrides) -> TrainingArguments:
+    """A few logged AdamW steps with gradient checkpointing and a checkpoint every 2 steps; the device is the
+    accelerator accelerate finds (the npu) unless use_cpu is given."""
+    settings = dict(
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=2,
+        gradient_checkpointing=True,
+        seed=0,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    return TrainingArguments(output_dir=str(output_dir), **{**settings, **overrides})
+
+
+def logged_losses(trainer: Trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def per_step_calls(model, *, checkpointing: bool = True) -> dict[str, int]:
+    """Fused calls of one training step (forward and backward) of a kernelized float32 model. Gradient
+    checkpointing runs every decoder layer's forward again in backward (the final norm runs once)."""
+    forwards = 2 if checkpointing else 1
+    experts = experts_count(model)
+    calls = {
+        "npu_rms_norm": (norm_module_count(model) - 1) * forwards + 1,
+        "npu_rotary_mul": 2 * layer_count(model) * forwards,
+        "npu_swiglu": (split_mlp_count(model) + experts) * forwards,
+        "npu_moe_token_permute": experts * forwards,
+        "npu_grouped_matmul": experts * (2 * forwards + 4),  # dx and dW of both grouped linears in backward
+        "npu_moe_token_unpermute": experts * forwards,
+    }
+    return {op: n for op, n in calls.items() if n}
+
+
+def times(calls: dict[str, int], n: int) -> dict[str, int]:
+    return {op: count * n for op, count in calls.items()}
+
+
+def state_on_host(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_trainer_fine_tunes_saves_and_resumes_like_eager(npu_kernels, tmp_path, model_type):
+    """`from_pretrained(device_map="npu", use_kernels=True)` fine-tuned by transformers' Trainer on the npu (with
+    gradient checkpointing, pinned batches, fused AdamW, checkpoints every 2 steps), then resumed from the
+    step-2 checkpoint: the losses and updates of the same Trainer run without kernels on the host, every fused
+    op of every step (forward, checkpointing's recompute, backward) counted, and a resumed run that continues
+    the uninterrupted one exactly (dense model: see the MoE test below for why not Qwen3-MoE)."""
+    tiny_model(model_type).save_pretrained(tmp_path / "source")
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path / "source")
+    initial = state_on_host(eager)
+    eager_trainer = Trainer(eager, training_args(tmp_path / "eager", use_cpu=True), train_dataset=RandomTokens())
+    with emulation.count_op_calls() as eager_calls:
+        eager_trainer.train()
+    assert eager_calls == {} and eager_trainer.args.device.type == "cpu"
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu", use_kernels=True)
+    trainer = Trainer(model, training_args(tmp_path / "npu"), train_dataset=RandomTokens())
+    assert trainer.args.device.type == "npu" and model.device.type == "npu"
+    with emulation.count_op_calls() as calls:
+        trainer.train()
+    assert model.is_gradient_checkpointing
+    assert dict(calls) == times(per_step_calls(model), STEPS)
+    losses = logged_losses(trainer)
+    assert len(losses) == STEPS
+    torch.testing.assert_close(losses, logged_losses(eager_trainer), rtol=1e-4, atol=1e-5)
+    final, eager_final = state_on_host(model), state_on_host(eager)
+    moved = {name: relative_error(final[name] - initial[name], eager_final[name] - initial[name]) for name in initial}
+    assert max(moved.values()) <= 1e-3, max(moved.items(), key=lambda item: item[1])
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "npu" / f"checkpoint-{STEPS}").state_dict()
+    assert saved.keys() == model.state_dict().keys()
+    assert all(torch.equal(saved[name], value.cpu()) for name, value in model.state_dict().items())
+    if experts_count(model):
+        return
+
+    resumed_model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu", use_kernels=True)
+    resumed = Trainer(resumed_model, training_args(tmp_path / "npu"), train_dataset=RandomTokens())
+    with emulation.count_op_calls() as resumed_calls:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "npu" / "checkpoint-2"))
+    assert dict(resumed_calls) == times(per_step_calls(resumed_model), STEPS - 2)
+    torch.testing.assert_close(logged_losses(resumed), losses)  # steps 1-2 from the checkpoint, 3-4 run again
+    resumed_final = state_on_host(resumed_model)
+    for name, value in final.items():
+        torch.testing.assert_close(resumed_final[name], value, msg=name)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="transformers 5.22.2: Trainer resume loads model.safetensors with load_state_dict(strict=False), without "
+    "the weight conversion from_pretrained applies; MoE checkpoints hold the experts per expert "
+    "(experts.0.gate_proj.weight, ...), so the fused experts keep their initial weights (a warning lists the keys)",
+)
+def test_trainer_resume_restores_moe_experts_without_kernels(tmp_path):
+    """Why the resume above is checked on a dense model: on the host, with no kernels at all, resuming a
+    Qwen3-MoE run does not continue it. (strict xfail: passes once transformers restores the experts.)"""
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "source")
+    args = training_args(tmp_path / "run", use_cpu=True, gradient_checkpointing=False)
+    trainer = Trainer(AutoModelForCausalLM.from_pretrained(tmp_path / "source"), args, train_dataset=RandomTokens())
+    trainer.train()
+    resumed = Trainer(AutoModelForCausalLM.from_pretrained(tmp_path / "source"), args, train_dataset=RandomTokens())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    torch.testing.assert_close(logged_losses(resumed), logged_losses(trainer))
+
+
+def test_trainer_without_use_kernels_fuses_no_norm_or_mlp(npu_kernels, tmp_path):
+    """Negative control: the same npu Trainer run on a model loaded without use_kernels (cards registered) runs no
+    fused norm or MLP; the counts above come from the kernels. (Its rotary calls may fuse: the family's shared
+    rotary function-module follows the last kernelize of the family, exact in float32, README.)"""
+    tiny_model("llama").save_pretrained(tmp_path / "source")
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path / "source")
+    eager_trainer = Trainer(eager, training_args(tmp_path / "eager", use_cpu=True), train_dataset=RandomTokens())
+    eager_trainer.train()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu")
+    trainer = Trainer(model, training_args(tmp_path / "npu"), train_dataset=RandomTokens())
+    with emulation.count_op_calls() as calls:
+        trainer.train()
+    assert set(calls) <= {"npu_rotary_mul"}
+    torch.testing.assert_close(logged_losses(trainer), logged_losses(eager_trainer), rtol=1e-4, atol=1e-5)
+
+
+def flat_update(model, initial: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every parameter's update, as one vector."""
+    return torch.cat(
+        [(p.detach().double().cpu() - initial[name].double()).flatten() for name, p in model.named_parameters()]
+    )
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_trainer_bf16_mixed_precision_within_the_eager_idiom(npu_kernels, tmp_path, model_type):
+    """TrainingArguments(bf16=True): accelerate runs each forward under torch.autocast("npu", bfloat16) on float32
+    weights. Against the float32 run on the host, the kernelized run's whole update (all parameters, relative L2)
+    is at most twice as far off as the same bf16 run's without kernels; what fuses is what fuses under autocast
+    (AUTOCAST_CALLS, per step, with checkpointing's recompute).
+
+    Why the whole update and not each step's loss: AdamW's first steps move every weight by about lr times the
+    sign of its gradient, and bfloat16 rounding flips the sign of the near-zero ones, so each bf16 run's later
+    losses are one random draw around the float32 trajectory (measured over 6 data seeds: mean loss errors
+    0.001 to 0.007 for both runs, in either order), while the whole update's error is steady (kernelized over
+    eager 0.87 to 1.10). Losses are checked against that band."""
+    tiny_model(model_type).save_pretrained(tmp_path / "source")
+    initial = state_on_host(AutoModelForCausalLM.from_pretrained(tmp_path / "source"))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "source")
+    reference_trainer = Trainer(reference, training_args(tmp_path / "fp32", use_cpu=True), train_dataset=RandomTokens())
+    reference_trainer.train()
+    runs = {}
+    for kernels in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu", use_kernels=kernels)
+        trainer = Trainer(model, training_args(tmp_path / f"bf16-{kernels}", bf16=True), train_dataset=RandomTokens())
+        with emulation.count_op_calls() as calls:
+            trainer.train()
+        runs[kernels] = logged_losses(trainer), flat_update(model, initial), dict(calls)
+    (eager_losses, eager_update, eager_calls), (losses, update, calls) = runs[False], runs[True]
+    assert set(eager_calls) <= {"npu_rotary_mul"}  # the shared rotary function-module, as above
+    expected = per_step_calls(model)
+    expected.pop("npu_rotary_mul")  # Llama: float32 cos/sin with bfloat16 q/k
+    expected["npu_rms_norm"] = (norm_module_count(model) - 1) * 2 + 1
+    if model_type == "qwen3_moe":  # q/k norms take bfloat16 input: they fall back; the rotary after them fuses
+        expected["npu_rms_norm"] -= 2 * layer_count(model) * 2
+        expected["npu_rotary_mul"] = 2 * layer_count(model) * 2
+    assert calls == times(expected, STEPS)
+    reference_update = flat_update(reference, initial)
+    eager_error = relative_error(eager_update, reference_update)
+    assert relative_error(update, reference_update) <= 2 * eager_error, eager_error
+    target = logged_losses(reference_trainer)
+    band = 2 * max(abs(e - t) for e, t in zip(eager_losses, target, strict=True)) + 5e-3
+    assert all(abs(loss - t) <= band for loss, t in zip(losses, target, strict=True)), (losses, eager_losses, target)
