@@ -16,13 +16,18 @@ What each run is compared with:
 
 from __future__ import annotations
 
+import copy
+from collections import Counter
+
 import pytest
 import torch
 from kernels import Mode, kernelize
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import Linear as LoraLinear
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from npu_hub_kernels import emulation
+from npu_hub_kernels import emulation, swapped_modules
 from npu_hub_kernels.tiny_models import VOCAB, norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
 
@@ -358,3 +363,163 @@ def test_trainer_bf16_mixed_precision_within_the_eager_idiom(npu_kernels, tmp_pa
     target = logged_losses(reference_trainer)
     band = 2 * max(abs(e - t) for e, t in zip(eager_losses, target, strict=True)) + 5e-3
     assert all(abs(loss - t) <= band for loss, t in zip(losses, target, strict=True)), (losses, eager_losses, target)
+
+
+# --- PEFT LoRA on all linear layers ----------------------------------------------------------------------------
+
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+LORA_ORDERS = ["kernelize, then LoRA", "LoRA, then kernelize"]
+
+
+def lora_pair(model_type: str, order: str):
+    """The same LoRA model twice (the same seed draws the same adapters): on the host without kernels, and on the
+    npu kernelized before or after PEFT wraps it."""
+    host, npu = tiny_model(model_type), tiny_model(model_type).to("npu")
+    if order == LORA_ORDERS[0]:
+        kernelize(npu, mode=Mode.TRAINING, device="npu")
+    torch.manual_seed(0)
+    eager = get_peft_model(host, LORA)
+    torch.manual_seed(0)
+    model = get_peft_model(npu, LORA)
+    if order == LORA_ORDERS[1]:
+        kernelize(model, mode=Mode.TRAINING, device="npu")
+    return eager, model
+
+
+def loss_and_gradients(model, ids):
+    model.train()
+    device = next(model.parameters()).device
+    out = model(ids.to(device), labels=ids.to(device))
+    out.loss.backward()
+    grads = {name: p.grad.cpu() for name, p in model.named_parameters() if p.grad is not None}
+    return out.loss.item(), out.logits.detach().cpu(), grads
+
+
+def forward_calls(model, *, backward: bool = False, mlps: bool = True) -> dict[str, int]:
+    """Fused calls of one float32 forward (and backward) of a kernelized model (`mlps`: its split MLPs fuse)."""
+    experts = experts_count(model)
+    calls = {
+        "npu_rms_norm": norm_module_count(model),
+        "npu_rotary_mul": 2 * layer_count(model),
+        "npu_swiglu": (split_mlp_count(model) if mlps else 0) + experts,
+        "npu_moe_token_permute": experts,
+        "npu_grouped_matmul": (6 if backward else 2) * experts,
+        "npu_moe_token_unpermute": experts,
+    }
+    return {op: n for op, n in calls.items() if n}
+
+
+@pytest.mark.parametrize("order", LORA_ORDERS)
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_lora_all_linear_dense_mlps_take_the_eager_path(npu_kernels, model_type, order):
+    """LoRA wraps gate/up/down (and q/k/v/o): those MLPs run the card's layer, which must not fuse or repack
+    LoRA-wrapped projections: npu_swiglu 0 and the eager numbers. Norms and RoPE still fuse. The loss and every
+    LoRA gradient equal the same LoRA model's without kernels; base weights stay frozen."""
+    eager, model = lora_pair(model_type, order)
+    for mlp in (m for m in model.modules() if hasattr(m, "gate_proj")):
+        assert all(isinstance(getattr(mlp, p), LoraLinear) for p in ("gate_proj", "up_proj", "down_proj"))
+    ids = token_ids()
+    eager_loss, eager_logits, eager_grads = loss_and_gradients(eager, ids)
+    with emulation.count_op_calls() as calls:
+        loss, logits, grads = loss_and_gradients(model, ids)
+    assert dict(calls) == forward_calls(model, backward=True, mlps=False)
+    assert calls["npu_rms_norm"] and calls["npu_rotary_mul"] and not calls["npu_swiglu"]
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(eager_grads) and all("lora_" in name for name in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    listed = swapped_modules(model)
+    assert {s.card for s in listed} == {"npu-rms-norm", "npu-rope", "npu-swiglu"}
+    assert len([s for s in listed if s.card == "npu-rms-norm"]) == calls["npu_rms_norm"]
+    assert 2 * len([s for s in listed if s.card == "npu-rope"]) == calls["npu_rotary_mul"]
+
+
+@pytest.mark.parametrize("order", LORA_ORDERS)
+def test_lora_all_linear_moe_experts_still_fuse(npu_kernels, order):
+    """Qwen3-MoE: LoRA wraps the attention projections and, in peft 0.21.2, the Experts module's 3-D
+    gate_up_proj/down_proj too (ParamWrapper: the delta is added to the weight the Experts forward reads).
+    npu-moe still runs, on the adapted weights (5 device ops per Experts module forward, 4 more backward);
+    norms and RoPE fuse. The loss and every LoRA gradient, the experts' adapters included, equal eager LoRA's."""
+    eager, model = lora_pair("qwen3_moe", order)
+    experts = [name for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    assert experts and all(type(model.get_submodule(name)).__name__ == "ParamWrapper" for name in experts)
+    ids = token_ids()
+    eager_loss, eager_logits, eager_grads = loss_and_gradients(eager, ids)
+    with emulation.count_op_calls() as calls:
+        loss, logits, grads = loss_and_gradients(model, ids)
+    assert dict(calls) == forward_calls(model, backward=True)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert set(grads) == set(eager_grads) and all("lora_" in name for name in grads)
+    assert any(name.startswith(f"{e}.") for e in experts for name in grads)  # the experts' adapters learn
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    with model.disable_adapter(), torch.no_grad():  # the adapters change the output: the check above has teeth
+        base_logits = model(ids.to("npu")).logits.cpu()
+    assert not torch.allclose(base_logits, logits, rtol=1e-3, atol=1e-3)
+    listed = swapped_modules(model, card="npu-moe")
+    assert len(listed) == calls["npu_moe_token_permute"] == layer_count(model)
+
+
+# --- A deep-copied reference model beside the trained one (TRL) -----------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_a_deep_copied_reference_stays_while_the_trained_model_moves(npu_kernels, tmp_path, model_type):
+    """TRL's reference model: `ref = copy.deepcopy(model)` of the npu policy loaded with use_kernels, frozen and
+    kernelized for inference. Each step runs the reference under no_grad, then a policy step (AdamW). The
+    reference's logits stay the initial ones exactly while the policy moves; both fuse every step; what
+    swapped_modules lists for each is what runs; the policy's losses and updates are the host run's."""
+    tiny_model(model_type).save_pretrained(tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu", use_kernels=True)
+    model.train()
+    reference = copy.deepcopy(model)
+    reference.eval().requires_grad_(False)
+    kernelize(reference, mode=Mode.INFERENCE, device="npu")
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+    host = AutoModelForCausalLM.from_pretrained(tmp_path / "source")
+    host_reference = copy.deepcopy(host).eval().requires_grad_(False)
+    initial = state_on_host(host)
+    batches = [token_ids(seed=s) for s in range(3)]
+    with torch.no_grad():
+        initial_logits = host_reference(batches[0]).logits
+
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, host)]
+    losses, host_losses = [], []
+    for ids in batches:
+        for policy, ref, optimizer, record in (
+            (model, reference, optimizers[0], losses),
+            (host, host_reference, optimizers[1], host_losses),
+        ):
+            device = next(policy.parameters()).device
+            with emulation.count_op_calls() as ref_calls, torch.no_grad():
+                ref_logits = ref(batches[0].to(device)).logits.cpu()
+            with emulation.count_op_calls() as policy_calls:
+                loss = policy(ids.to(device), labels=ids.to(device)).loss
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            record.append(loss.item())
+            if device.type == "npu":
+                torch.testing.assert_close(ref_logits, initial_logits, rtol=1e-5, atol=1e-5)
+                assert dict(ref_calls) == forward_calls(reference)
+                assert dict(policy_calls) == forward_calls(model, backward=True)
+    torch.testing.assert_close(losses, host_losses, rtol=1e-4, atol=1e-5)
+    final, host_final = state_on_host(model), state_on_host(host)
+    moved = {name: relative_error(final[name] - initial[name], host_final[name] - initial[name]) for name in initial}
+    assert max(moved.values()) <= 1e-3, max(moved.items(), key=lambda item: item[1])
+    assert all(torch.equal(state_on_host(reference)[name], value) for name, value in initial.items())
+    with torch.no_grad():
+        moved_logits = model(batches[0].to("npu")).logits.cpu()
+    assert not torch.allclose(moved_logits, initial_logits, rtol=1e-3, atol=1e-3)
+
+    for m in (model, reference):  # what is listed runs: one fused call per listed norm, experts; two per rotary
+        m.eval()
+        listed = Counter(s.card for s in swapped_modules(m))
+        with emulation.count_op_calls() as calls, torch.no_grad():
+            m(batches[0].to("npu"))
+        assert listed["npu-rms-norm"] == calls["npu_rms_norm"]
+        assert 2 * listed["npu-rope"] == calls["npu_rotary_mul"]
+        assert listed["npu-moe"] == calls["npu_moe_token_permute"]
+        assert listed["npu-swiglu"] + listed["npu-moe"] == calls["npu_swiglu"]
