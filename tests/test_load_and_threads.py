@@ -149,11 +149,37 @@ def test_kernelize_and_unregister_100_models_leaves_no_state(built_cards):
         assert state_sizes() != after and class_tags() != tags
     finally:
         unregister_npu_kernels()
-    model = tiny_model("llama").to("npu")
-    kernelize(model, mode=Mode.INFERENCE, device="npu", use_fallback=True)
+    for model_type in FAMILIES:
+        assert_nothing_runs_fused(tiny_model(model_type).to("npu"))
+
+
+def assert_nothing_runs_fused(model) -> None:
     with emulation.count_op_calls() as calls, torch.no_grad():
         model(token_ids().to("npu"))
     assert calls == {} and swapped_modules(model) == []
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
+def test_unregister_releases_the_rotary_function_of_the_family(built_cards, model_type):
+    """Regression: kernelize binds the card's rotary forward on the function-module every model of the family calls
+    (a module global: transformers' own for Llama, the registry's for DeepseekV3). unregister_npu_kernels restored
+    the registry's, but left transformers' one bound: after unregistering, a Llama never kernelized still ran
+    npu_rotary_mul and swapped_modules listed it. Registering again fuses again."""
+    register_npu_kernels(local_dir=built_cards)
+    try:
+        kernelize(tiny_model(model_type).to("npu"), mode=Mode.INFERENCE, device="npu")
+    finally:
+        unregister_npu_kernels()
+    fresh = tiny_model(model_type).to("npu")
+    assert_nothing_runs_fused(fresh)
+    register_npu_kernels(local_dir=built_cards)
+    try:
+        kernelize(fresh, mode=Mode.INFERENCE, device="npu")
+        with emulation.count_op_calls() as calls, torch.no_grad():
+            fresh(token_ids().to("npu"))
+        assert calls["npu_rotary_mul"] == 2 * fresh.config.num_hidden_layers
+    finally:
+        unregister_npu_kernels()
 
 
 def test_the_measurements_see_a_leaked_model(built_cards):

@@ -149,7 +149,8 @@ def register_npu_kernels(
 
 
 def unregister_npu_kernels() -> None:
-    """Undo the retagging, wrapping and attaching (the mapping entries stay, unused)."""
+    """Undo the retagging, wrapping and attaching, and release the card forward kernelize bound on the rotary
+    function-modules a family's models share (the mapping entries stay, unused)."""
     for cls, (name, condition) in _original_tags.items():
         _restore(cls, "kernel_layer_name", name)
         _restore(cls, "kernel_condition", condition)
@@ -161,6 +162,11 @@ def unregister_npu_kernels() -> None:
     for function_module, (name, deepcopy) in _original_function_module_attrs.items():
         _restore(function_module, "__name__", name)
         _restore(type(function_module), "__deepcopy__", deepcopy)
+    for function_module in _function_modules.values():
+        # kernelize bound a card layer's forward on this function-module, which every model of the family calls
+        # (a module global): back to the function itself, or the card keeps running for models never kernelized.
+        if _card_layer_of(function_module) is not None:
+            del function_module.forward
     _original_tags.clear()
     _original_kernel_funcs.clear()
     _original_globals.clear()
