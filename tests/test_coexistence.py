@@ -279,7 +279,7 @@ def test_a_deep_copy_fuses_as_the_original_does(register, model_type, case):
     register()
     ids = token_ids()
     eager = forward(tiny_model(model_type), ids)
-    base = tiny_model(model_type)  # copied on the host: the emulated device's tensors do not deepcopy
+    base = tiny_model(model_type)  # copied on the host (test_training_stacks.py copies npu models)
     if case != DEEPCOPY_CASES[0]:
         kernelize(base, mode=Mode.INFERENCE, device="npu")
     model = copy.deepcopy(base).to("npu")

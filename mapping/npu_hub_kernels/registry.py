@@ -104,7 +104,8 @@ def register_npu_kernels(
 
 
 def unregister_npu_kernels() -> None:
-    """Undo the retagging, wrapping and attaching (the mapping entries stay, unused)."""
+    """Undo the retagging, wrapping and attaching, and release the card forward kernelize bound on the rotary
+    function-modules a family's models share (the mapping entries stay, unused)."""
     retag.restore()
 
 

@@ -74,6 +74,8 @@ def tag_when_imported(rule: ClassRule, mapping_name: str) -> None:
 
 def restore() -> None:
     """Undo the retagging, wrapping and attaching: every class, global and function-module as it was."""
+    from .report import card_layer_of  # report reads this module's names: imported here, not at the top
+
     for cls, (name, condition) in _original_tags.items():
         _restore(cls, "kernel_layer_name", name)
         _restore(cls, "kernel_condition", condition)
@@ -85,6 +87,11 @@ def restore() -> None:
     for function_module, (name, deepcopy) in _original_function_module_attrs.items():
         _restore(function_module, "__name__", name)
         _restore(type(function_module), "__deepcopy__", deepcopy)
+    for function_module in _function_modules.values():
+        # kernelize bound a card layer's forward on this function-module, which every model of the family calls
+        # (a module global): back to the function itself, or the card keeps running for models never kernelized.
+        if card_layer_of(function_module) is not None:
+            del function_module.forward
     _original_tags.clear()
     _original_kernel_funcs.clear()
     _original_globals.clear()

@@ -31,7 +31,8 @@ from ._activations import is_silu
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 _PACKING = threading.Lock()
-"""Held while a pair of weights is packed, so two threads never pack the same MLP twice."""
+"""Held while a pair of weights is packed or read for a call, so two threads never pack the same MLP twice and
+never read a pair another thread is packing."""
 
 
 def activation_of(mlp: nn.Module) -> Callable | None:
@@ -153,14 +154,18 @@ def pack_gate_up(gate_proj: nn.Linear, up_proj: nn.Linear) -> bool:
         True when the two are now packed (or already were); False when `pack_gate_up_unavailable_reason` forbids it.
     """
     with _PACKING:
-        if _packed_views(gate_proj, up_proj) is not None:
-            return True
-        if pack_gate_up_unavailable_reason(gate_proj, up_proj) is not None:
-            return False
-        _pack_pair(gate_proj.weight, up_proj.weight)
-        if gate_proj.bias is not None:
-            _pack_pair(gate_proj.bias, up_proj.bias)
+        return _pack_locked(gate_proj, up_proj)
+
+
+def _pack_locked(gate_proj: nn.Module, up_proj: nn.Module) -> bool:
+    """pack_gate_up, with `_PACKING` held by the caller."""
+    if _packed_views(gate_proj, up_proj) is not None:
         return True
+    if pack_gate_up_unavailable_reason(gate_proj, up_proj) is not None:
+        return False
+    if not _pack_pair(gate_proj.weight, up_proj.weight):
+        return False
+    return gate_proj.bias is None or _pack_pair(gate_proj.bias, up_proj.bias)
 
 
 def _packed_views(gate_proj: nn.Module, up_proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -174,7 +179,10 @@ def _packed_views(gate_proj: nn.Module, up_proj: nn.Module) -> tuple[torch.Tenso
     return None if bias is None else (weight, bias)
 
 
-def _pack_pair(gate: nn.Parameter, up: nn.Parameter) -> None:
+def _pack_pair(gate: nn.Parameter, up: nn.Parameter) -> bool:
+    """Re-point gate and up at the two halves of one new buffer; False when swap_tensors refuses one of them
+    because something else holds it at that moment (an op of another thread in flight). The values are the same
+    either way: a refused pair (or a pair with only gate moved) is just not packed, and packs on a later call."""
     # Plain tensors even inside inference_mode: an inference tensor could never be trained again.
     with torch.inference_mode(False), torch.no_grad():
         buffer = torch.cat((gate, up))
@@ -183,13 +191,24 @@ def _pack_pair(gate: nn.Parameter, up: nn.Parameter) -> None:
             replacement = nn.Parameter(half, requires_grad=param.requires_grad)
             replacement.grad = param.grad  # gradients live with the tensor swap_tensors replaces: keep them
             # swap_tensors re-points the existing Parameter object at its half of the buffer.
-            torch.utils.swap_tensors(param, replacement)
+            try:
+                torch.utils.swap_tensors(param, replacement)
+            except RuntimeError as error:
+                if "use_count" not in str(error):
+                    raise
+                return False
+    return True
 
 
 class _PackedGateUp(torch.autograd.Function):
-    """`[gate(x) | up(x)]` from one matmul against the packed weight; gradients go to both Parameters."""
+    """`[gate(x) | up(x)]` from one matmul against the packed weight; gradients go to both Parameters.
+
+    Under `torch.autocast("npu")` the matmul runs in the autocast dtype, as `gate_proj(x)` does; the
+    backward runs under the same autocast state (custom_fwd/custom_bwd), so its matmuls take the
+    low-precision gradient with the float32 weight and input as eager's linear backward does."""
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="npu")
     def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias, packed, packed_bias):
         # The four parameters are inputs so that autograd routes their gradients; packed* are their data.
         ctx.save_for_backward(x, packed)
@@ -197,6 +216,7 @@ class _PackedGateUp(torch.autograd.Function):
         return F.linear(x, packed, packed_bias)
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="npu")
     def backward(ctx, grad):
         x, packed = ctx.saved_tensors
         rows = packed.shape[0] // 2
@@ -241,15 +261,18 @@ def _split_plan(
     reason = _npu_swiglu_unavailable_reason(x, act_fn)
     if reason is not None:
         return reason, None
-    packed = _packed_views(gate_proj, up_proj)
-    if packed is None:
-        reason = pack_gate_up_unavailable_reason(gate_proj, up_proj)
-        if reason is not None or not pack:
-            return reason, None
-        pack_gate_up(gate_proj, up_proj)
+    # Under the lock: another thread calling this MLP never reads the weights while they are being swapped (its
+    # reference would make swap_tensors refuse), and waits for the packing instead of running eager.
+    with _PACKING:
         packed = _packed_views(gate_proj, up_proj)
-        if packed is None:  # something took hold of the weights meanwhile (another thread): eager this time
-            return pack_gate_up_unavailable_reason(gate_proj, up_proj) or "the weights could not be packed", None
+        if packed is None:
+            reason = pack_gate_up_unavailable_reason(gate_proj, up_proj)
+            if reason is not None or not pack:
+                return reason, None
+            _pack_locked(gate_proj, up_proj)
+            packed = _packed_views(gate_proj, up_proj)
+            if packed is None:  # something else held the weights at the swap: eager this time, packed later
+                return pack_gate_up_unavailable_reason(gate_proj, up_proj) or "the weights could not be packed", None
     if packed[0].dtype != x.dtype:
         return f"weight dtype {packed[0].dtype} differs from input dtype {x.dtype}", None
     return None, packed

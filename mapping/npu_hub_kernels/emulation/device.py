@@ -8,12 +8,17 @@ with non-scalar CPU tensors raises, as on real hardware, so device bugs are not 
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
+from collections import OrderedDict
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+from .autocast import install_autocast
 
 # Ops that legitimately take tensors from two devices (copies between host and device).
 _CROSS_DEVICE_OPS = {
@@ -62,6 +67,36 @@ class NpuTensor(torch.Tensor):
 
     def data_ptr(self) -> int:  # type: ignore[override]
         return self._cpu.data_ptr()
+
+    def __deepcopy__(self, memo):
+        """A copy in new device memory: the same values, sizes, strides and storage offset, and what the
+        tensor carries (requires_grad, grad, Parameter flag, attributes). Tensors that shared a buffer share
+        the copy's buffer, as torch's deepcopy keeps views of one storage together (the inner host tensors
+        are deep-copied with the same memo). torch's own `Tensor.__deepcopy__` would restore the storage
+        onto a 0-d wrapper and leave it 0-d."""
+        if not self.is_leaf:
+            return super().__deepcopy__(memo)  # raises torch's error for non-leaf tensors
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = NpuTensor(copy.deepcopy(self._cpu, memo))
+            if self.requires_grad:
+                new.requires_grad_()
+            if self.grad is not None:
+                new.grad = copy.deepcopy(self.grad, memo)
+            new.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_cpu"}, memo))
+        memo[id(self)] = new
+        return new
+
+    def __reduce_ex__(self, proto):
+        """Pickle (torch.save) as a device tensor, not as this Python class: its values as a host tensor
+        rebuilt on the device at load (`torch._utils._rebuild_device_tensor_from_cpu_tensor`, which follows
+        `map_location`), which `torch.load(weights_only=True)` accepts, as it accepts a real npu tensor
+        (optimizer states in a Trainer checkpoint). A Parameter stays a Parameter."""
+        if isinstance(self, torch.nn.Parameter):
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+        args = (self._cpu, self.dtype, str(self.device), self.requires_grad)
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor, args)
 
     def tolist(self):  # type: ignore[override]
         """A device-to-host read, as `.tolist()` of a device tensor is (tensor subclasses lack it)."""
@@ -127,8 +162,55 @@ def _check_same_device(func, args, kwargs) -> None:
             )
 
 
+class _EmulatedNpuRandom:
+    """`torch.npu.random`: the state of the generator npu random numbers come from.
+
+    The emulated device draws its random numbers from the host's default generator (the ops run on the
+    host data), so its state is that generator's state: what transformers' Trainer saves in a checkpoint
+    (`rng_state.pth`, key "npu") and sets back on resume, as it does with torch_npu.
+    """
+
+    @staticmethod
+    def get_rng_state(device="npu") -> torch.Tensor:
+        return torch.random.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device="npu") -> None:
+        torch.random.set_rng_state(new_state)
+
+    @staticmethod
+    def get_rng_state_all() -> list[torch.Tensor]:
+        return [torch.random.get_rng_state()]
+
+    @staticmethod
+    def set_rng_state_all(new_states) -> None:
+        for state in new_states:
+            torch.random.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        """Random numbers for npu tensors come from the CPU generator, which torch.manual_seed seeds."""
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        """As manual_seed (torch.manual_seed calls this for the custom device)."""
+
+    @staticmethod
+    def initial_seed() -> int:
+        return torch.random.initial_seed()
+
+
 class EmulatedNpuModule:
     """What `torch.npu` offers that transformers, accelerate and kernels ask of it."""
+
+    random = _EmulatedNpuRandom()
+    get_rng_state = staticmethod(_EmulatedNpuRandom.get_rng_state)
+    set_rng_state = staticmethod(_EmulatedNpuRandom.set_rng_state)
+    get_rng_state_all = staticmethod(_EmulatedNpuRandom.get_rng_state_all)
+    set_rng_state_all = staticmethod(_EmulatedNpuRandom.set_rng_state_all)
+    manual_seed = staticmethod(_EmulatedNpuRandom.manual_seed)
+    manual_seed_all = staticmethod(_EmulatedNpuRandom.manual_seed_all)
+    initial_seed = staticmethod(_EmulatedNpuRandom.initial_seed)
 
     @staticmethod
     def is_available() -> bool:
@@ -156,12 +238,9 @@ class EmulatedNpuModule:
         """The emulated device runs synchronously on the host."""
 
     @staticmethod
-    def manual_seed(seed: int) -> None:
-        """Random numbers for npu tensors come from the CPU generator, which torch.manual_seed seeds."""
-
-    @staticmethod
-    def manual_seed_all(seed: int) -> None:
-        """As manual_seed (torch.manual_seed calls this for the custom device)."""
+    def is_bf16_supported() -> bool:
+        """Atlas A2/A3 compute in bfloat16 (transformers asks before `TrainingArguments(bf16=True)`)."""
+        return True
 
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -200,6 +279,41 @@ def _register_factories(lib: torch.library.Library) -> None:
     lib.impl("_copy_from_and_resize", copy_from_and_resize, "PrivateUse1")
     lib.impl("empty.memory_format", empty_memory_format, "PrivateUse1")
     lib.impl("empty_strided", empty_strided, "PrivateUse1")
+
+
+_PINNED: dict[int, StorageWeakRef] = {}
+"""Address of each live host buffer `pin_memory` made -> a weak reference to its storage."""
+
+
+def _register_pinned_host_memory(lib: torch.library.Library) -> None:
+    """`Tensor.pin_memory()` and `is_pinned()` on a host whose accelerator is the npu (a DataLoader with
+    `pin_memory=True`, the Trainer's default): torch_npu gives pinned (page-locked) host buffers; a Python
+    backend cannot register the pinned allocator, so these CPU kernels stand in for it. `pin_memory` copies
+    into a new host buffer of the same sizes and strides (what `_pin_memory` does with the pinned
+    allocator), and `is_pinned` is True exactly for the buffers it made, while they live."""
+
+    def pin_memory(self, device=None):
+        _check_pinning_device(device)
+        pinned = torch.empty_strided(self.size(), self.stride(), dtype=self.dtype)
+        pinned.copy_(self)
+        for address in [a for a, ref in _PINNED.items() if ref.expired()]:  # forget freed buffers
+            del _PINNED[address]
+        storage = pinned.untyped_storage()
+        _PINNED[storage.data_ptr()] = StorageWeakRef(storage)
+        return pinned
+
+    def is_pinned(self, device=None):
+        _check_pinning_device(device)
+        ref = _PINNED.get(self.untyped_storage().data_ptr())
+        return ref is not None and not ref.expired()  # a freed buffer's address may be reused by another
+
+    lib.impl("_pin_memory", pin_memory, "CPU")
+    lib.impl("is_pinned", is_pinned, "CPU")
+
+
+def _check_pinning_device(device) -> None:
+    if device is not None and torch.device(device).type != "npu":
+        raise RuntimeError(f"emulated npu host: host memory is pinned for the npu, not for {device}")
 
 
 _MODULE_CONVERSIONS = {
@@ -276,3 +390,5 @@ def install_device() -> None:
     torch.autograd.set_multithreading_enabled(False)
     _LIBRARY = torch.library.Library("aten", "IMPL")
     _register_factories(_LIBRARY)
+    _register_pinned_host_memory(_LIBRARY)
+    install_autocast()
