@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import max_error, relative_error, train_steps
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -33,10 +34,6 @@ def logits(model, ids=None):
     ids = token_ids() if ids is None else ids
     with torch.no_grad():
         return model(ids.to(next(model.parameters()).device)).logits.float().cpu()
-
-
-def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
 
 
 @pytest.mark.parametrize("model_type", SPLIT_MLP_FAMILIES)
@@ -87,27 +84,8 @@ def test_save_pretrained_round_trips_a_packed_model(npu_kernels, tmp_path, model
     assert all(torch.equal(v, state[k].cpu()) for k, v in reloaded.state_dict().items())
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _train(model, batches, *, checkpointing: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """AdamW steps (the optimizer is made before the first forward, as trainers do); losses and each
-    parameter's update."""
-    initial = {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    device = next(model.parameters()).device
-    losses = []
-    for ids in batches:
-        loss = model(ids.to(device), labels=ids.to(device)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: p.detach().float().cpu() - initial[name] for name, p in model.named_parameters()}
+def _train(model, batches, *, checkpointing: bool = False):
+    return train_steps(model, batches, lambda params: torch.optim.AdamW(params, lr=1e-2), checkpointing=checkpointing)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient checkpointing"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import run_python
 from kernels import Mode, kernelize, use_kernel_mapping
+from numerics import max_error, relative_error, train_steps
 from transformers import AutoModelForCausalLM
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -119,10 +120,6 @@ def forward(model, ids, embeds=None):
         return model(ids.to(device)).logits.float().cpu()
 
 
-def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
-
-
 def kernelized(model_type: str, dtype=torch.float32, mode=Mode.INFERENCE):
     """A tiny model on npu, kernelized for npu (nothing else: the path users get)."""
     return kernelize(tiny_model(model_type, dtype=dtype).to("npu"), mode=mode, device="npu")
@@ -188,10 +185,6 @@ def test_bf16_forward_error_at_most_twice_eager(npu_kernels, model_type):
         fused = forward(model, ids)
     assert dict(calls) == expected_calls(model_type, model)
     assert max_error(fused, reference) <= 2 * eager_error + 1e-3, (max_error(fused, reference), eager_error)
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _gradients(model, embeds):
@@ -401,20 +394,9 @@ def test_moe_training_converges_like_eager(npu_kernels, model_type):
     """The convergence idiom: a few optimizer steps give the same losses as eager, and every parameter
     moves the same way: its update differs from eager's by at most 0.1% (relative L2)."""
     batches = [token_ids(seed=s) for s in range(4)]
-    initial = {name: p.detach().clone() for name, p in tiny_model(model_type).named_parameters()}
 
     def train(model):
-        model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        device = next(model.parameters()).device
-        losses = []
-        for ids in batches:
-            loss = model(ids.to(device), labels=ids.to(device)).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return losses, {name: p.detach().cpu() - initial[name] for name, p in model.named_parameters()}
+        return train_steps(model, batches, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
 
     eager_losses, eager_updates = train(tiny_model(model_type))
     with emulation.count_op_calls() as calls:

@@ -22,6 +22,7 @@ from collections import Counter
 import pytest
 import torch
 from kernels import Mode, kernelize
+from numerics import relative_error
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -30,10 +31,6 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from npu_hub_kernels import emulation, swapped_modules
 from npu_hub_kernels.tiny_models import VOCAB, norm_module_count, token_ids
 from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def layer_count(model) -> int:
