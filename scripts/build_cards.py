@@ -169,7 +169,7 @@ def write_variant(card: Card, variant: Variant, variant_dir: Path) -> None:
 
 
 def render_models(card: Card) -> str:
-    """The transformers classes the npu_hub_kernels mapping swaps this card into, by layer (from models.py)."""
+    """The transformers classes the mapping swaps this card into, by layer (npu_hub_kernels.models)."""
     rules = MODEL_CLASSES.get(card.kernel_id, [])
     lines = [
         "## Supported transformers classes",

@@ -68,7 +68,8 @@ from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils.sha import git_hash
 from kernels import Metadata
 
-from npu_hub_kernels._kernels_compat import Digest, DigestValidationError, validate_layer
+from npu_hub_kernels._kernels_compat import validate_layer
+from npu_hub_kernels.integrity import VariantFilesError, check_variant_files
 
 SCRIPTS_DIR = Path(__file__).resolve().parent
 REPO_TYPE = "kernel"
@@ -115,10 +116,9 @@ def check_metadata(card: build_cards.Card, card_dir: Path) -> None:
     for variant_dir in sorted((card_dir / "build").iterdir()):
         try:
             metadata = Metadata.read_from_file(variant_dir / "metadata.json")
-            if metadata.digest is None:
+            if check_variant_files(variant_dir, metadata) is None:  # the loader's own check; a build has a digest
                 raise ValueError("no digest")
-            metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, variant_dir))
-        except (OSError, ValueError, DigestValidationError) as error:
+        except (OSError, ValueError, VariantFilesError) as error:
             raise PublishError(f"{card.name}: build/{variant_dir.name}/metadata.json: {error}") from None
         if (str(metadata.name), metadata.version) != (card.name, card.version):
             raise PublishError(

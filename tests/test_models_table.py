@@ -1,4 +1,4 @@
-"""models.py, the class table: every listed class is swapped and computes what its own forward computes;
+"""npu_hub_kernels.models, the class tables: every listed class is swapped and computes what its own forward computes;
 every RMSNorm-like class of transformers is either listed or left out with a reason."""
 
 from __future__ import annotations
