@@ -117,79 +117,72 @@ def _autocast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
+def _save_rows(ctx, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:
+    """x as [T, H] rows, saved with the two weights (the Parameters themselves: no copy) for backward."""
+    rows = x.reshape(-1, x.shape[-1])
+    ctx.save_for_backward(rows, gate_weight, up_weight)
+    ctx.input_shape = x.shape
+    return rows
+
+
+def _gate_up_gradients(ctx, grad_gate: torch.Tensor, grad_up: torch.Tensor, grad_rows: Callable) -> tuple:
+    """The gradients of (x, gate weight, up weight, gate bias, up bias) from those of gate_proj(x) and up_proj(x):
+    dx from `grad_rows(gate_weight, up_weight)`, each weight's from its own matmul, into a tensor of its own."""
+    rows, gate_weight, up_weight = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    return (
+        grad_rows(gate_weight, up_weight).reshape(ctx.input_shape) if needs[0] else None,
+        grad_gate.t().mm(rows) if needs[1] else None,
+        grad_up.t().mm(rows) if needs[2] else None,
+        grad_gate.sum(0) if needs[3] else None,
+        grad_up.sum(0) if needs[4] else None,
+    )
+
+
 class _GateUpHalves(torch.autograd.Function):
     """`[gate_proj(x); up_proj(x)]` as the two halves of one `[2, T, I]` buffer, each written by its own matmul.
 
-    Reads the weights where they are (no copy, no new layout). Backward: dx from one mm and one addmm, and
-    each weight's gradient from its own matmul, written to a tensor of its own."""
+    Reads the weights where they are (no copy, no new layout); backward: dx from one mm and one addmm."""
 
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias):
-        rows = x.reshape(-1, x.shape[-1])
+        rows = _save_rows(ctx, x, gate_weight, up_weight)
         halves = rows.new_empty((2, rows.shape[0], gate_weight.shape[0]))
         for half, weight, bias in ((halves[0], gate_weight, gate_bias), (halves[1], up_weight, up_bias)):
             if bias is None:
                 torch.mm(rows, weight.t(), out=half)
             else:
                 torch.addmm(bias, rows, weight.t(), out=half)
-        ctx.save_for_backward(rows, gate_weight, up_weight)
-        ctx.input_shape = x.shape
         return halves
 
     @staticmethod
     def backward(ctx, grad_halves):
-        rows, gate_weight, up_weight = ctx.saved_tensors
         grad_gate, grad_up = grad_halves[0], grad_halves[1]
-        grad_x = grad_gate_weight = grad_up_weight = grad_gate_bias = grad_up_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.addmm(torch.mm(grad_gate, gate_weight), grad_up, up_weight).reshape(ctx.input_shape)
-        if ctx.needs_input_grad[1]:
-            grad_gate_weight = grad_gate.t().mm(rows)
-        if ctx.needs_input_grad[2]:
-            grad_up_weight = grad_up.t().mm(rows)
-        if ctx.needs_input_grad[3]:
-            grad_gate_bias = grad_gate.sum(0)
-        if ctx.needs_input_grad[4]:
-            grad_up_bias = grad_up.sum(0)
-        return grad_x, grad_gate_weight, grad_up_weight, grad_gate_bias, grad_up_bias
+        return _gate_up_gradients(
+            ctx, grad_gate, grad_up, lambda gate_weight, up_weight: grad_up.mm(up_weight).addmm_(grad_gate, gate_weight)
+        )
 
 
 class _GateUpConcatenated(torch.autograd.Function):
     """`[gate_proj(x) | up_proj(x)]` as one `[T, 2I]` matmul against the two weights concatenated for this call.
 
-    The concatenation is a transient copy, never kept: backward concatenates again for dx (one mm) and takes
-    each weight's gradient from its own column half of the output gradient."""
+    The concatenation is a transient copy, never kept: backward concatenates again for dx (one mm)."""
 
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias):
-        rows = x.reshape(-1, x.shape[-1])
-        weight = torch.cat((gate_weight, up_weight))
-        both = (
-            torch.mm(rows, weight.t())
-            if gate_bias is None
-            else torch.addmm(torch.cat((gate_bias, up_bias)), rows, weight.t())
-        )
-        ctx.save_for_backward(rows, gate_weight, up_weight)
-        ctx.input_shape = x.shape
-        return both
+        rows = _save_rows(ctx, x, gate_weight, up_weight)
+        weight = torch.cat((gate_weight, up_weight)).t()
+        return rows.mm(weight) if gate_bias is None else torch.addmm(torch.cat((gate_bias, up_bias)), rows, weight)
 
     @staticmethod
     def backward(ctx, grad_both):
-        rows, gate_weight, up_weight = ctx.saved_tensors
-        inner = gate_weight.shape[0]
-        grad_gate, grad_up = grad_both[:, :inner], grad_both[:, inner:]
-        grad_x = grad_gate_weight = grad_up_weight = grad_gate_bias = grad_up_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(grad_both, torch.cat((gate_weight, up_weight))).reshape(ctx.input_shape)
-        if ctx.needs_input_grad[1]:
-            grad_gate_weight = grad_gate.t().mm(rows)
-        if ctx.needs_input_grad[2]:
-            grad_up_weight = grad_up.t().mm(rows)
-        if ctx.needs_input_grad[3]:
-            grad_gate_bias = grad_gate.sum(0)
-        if ctx.needs_input_grad[4]:
-            grad_up_bias = grad_up.sum(0)
-        return grad_x, grad_gate_weight, grad_up_weight, grad_gate_bias, grad_up_bias
+        inner = grad_both.shape[-1] // 2
+        return _gate_up_gradients(
+            ctx,
+            grad_both[:, :inner],
+            grad_both[:, inner:],
+            lambda gate_weight, up_weight: grad_both.mm(torch.cat((gate_weight, up_weight))),
+        )
 
 
 def concatenates_weights(tokens: int, inner: int, backward: bool) -> bool:
