@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ._activations import is_silu
-from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+from ._npu import FUSED_DTYPES, is_dtensor, npu_unavailable_reason, torch_npu
 
 
 def activation_of(mlp: nn.Module) -> Callable | None:
@@ -73,7 +73,7 @@ def _projection_unavailable_reason(name: str, proj: nn.Module) -> str | None:
     for tensor in (proj.weight, proj.bias):
         if tensor is None:
             continue
-        if type(tensor).__name__ == "DTensor" or hasattr(tensor, "_local_tensor"):
+        if is_dtensor(tensor):
             return f"{name} holds a DTensor (tensor parallel, or FSDP2 outside its forward): eager math"
         if tensor.is_meta or tensor.numel() == 0:
             return f"{name} holds no data here (meta or empty: offloaded or partitioned): eager math"
