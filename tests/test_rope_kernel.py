@@ -341,6 +341,38 @@ def test_outside_its_limits_the_one_call_op_is_not_used_and_the_reason_is_given(
         torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
 
 
+def _views_of_one_buffer(k_offset: int):
+    """q and k as transformers passes them ([B, H, S, D] transposes of BSND memory), k starting `k_offset`
+    elements after q in one buffer; and the angles."""
+    q, _, cos, sin = projected_qk()
+    bsnd = q.transpose(1, 2).shape
+    with torch.inference_mode():
+        buffer = torch.randn(q.numel() + k_offset).to("npu")
+        q_view, k_view = (buffer[start : start + q.numel()].view(bsnd).transpose(1, 2) for start in (0, k_offset))
+    return q_view, k_view, cos, sin
+
+
+@pytest.mark.parametrize("k_offset", [0, 64, 2 * 5 * 8 * 64])  # the same, overlapping, side by side
+def test_in_place_op_is_not_used_when_q_and_k_share_memory(card, k_offset):
+    """apply_rotary_pos_emb(x, x, ...) and overlapping q/k: the in-place op would rotate the shared elements twice;
+    they take the out-of-place path and give eager's result. q and k side by side in one buffer (no overlap) still
+    take the one-call op."""
+    q, k, cos, sin = _views_of_one_buffer(k_offset)
+    overlap = k_offset < q.numel()
+    with torch.inference_mode():
+        expected = card.apply_rotary_pos_emb_eager(q.clone(), k.clone(), cos, sin)
+        reason = card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin, in_place=True)
+        with emulation.count_op_calls() as calls:
+            fused = card.apply_rotary_pos_emb(q, k, cos, sin)
+    if overlap:
+        assert "share memory" in reason
+        assert dict(calls) == {"npu_rotary_mul": 2}
+    else:
+        assert reason is None and dict(calls) == {"npu_apply_rotary_pos_emb": 1}
+    for got, want in zip(fused, expected, strict=True):
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
+
+
 def test_the_one_call_op_is_never_used_with_grad_or_for_other_styles(card):
     q, k, cos, sin = projected_qk()
     reason = card.apply_rotary_pos_emb_unavailable_reason

@@ -164,7 +164,18 @@ def _in_place_unavailable_reason(
         return "empty input"
     if cos.shape[:2] != q_bsnd.shape[:2] or k_bsnd.shape[:2] != q_bsnd.shape[:2]:
         return f"cos {tuple(cos.shape)} must give every batch row its own angles (no broadcast over the batch)"
+    if _share_memory(q_bsnd, k_bsnd):
+        return "q and k share memory (the in-place op would rotate it twice)"
     return None
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors have bytes in common (the same tensor, or overlapping views of one storage)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end, b_end = a_start + a.numel() * a.element_size(), b_start + b.numel() * b.element_size()
+    return a_start < b_end and b_start < a_end
 
 
 def apply_rotary_pos_emb(
