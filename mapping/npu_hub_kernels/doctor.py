@@ -45,13 +45,12 @@ import torch
 from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import IncompleteSnapshotError
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 from kernels import Metadata, VariantAccepted, get_kernel_variants
 from kernels import __version__ as KERNELS_VERSION
 from packaging.version import Version
 
 from . import _kernels_compat as compat
-from .cards import CARDS, ORG_ENV, Card, resolve_org
+from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_problem
 from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
 
@@ -550,18 +549,6 @@ def _rejections(card: CardReport, shown: dict[str, str]) -> list[str]:
     return lines
 
 
-def org_name_problem(org: str) -> str | None:
-    """Why `org` cannot name a Hub organisation (huggingface_hub's own repo id rule), or None."""
-    try:
-        validate_repo_id(f"{org}/{next(iter(CARDS.values())).repo_name}")
-    except HFValidationError as error:
-        return (
-            f"{org!r} is not a Hub organisation name: it takes letters, digits, '-', '_' and '.', neither starts nor "
-            f"ends with '-' or '.', and has no '/', '--' or '..' (huggingface_hub: {error})"
-        )
-    return None
-
-
 def _org_argument(text: str) -> str:
     problem = org_name_problem(text)
     if problem:
@@ -573,11 +560,10 @@ def _version_argument(text: str) -> int:
     try:
         version = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a card version: a whole number from 1 (the Hub branch v<N>)"
-        ) from None
-    if version < 1:
-        raise argparse.ArgumentTypeError(f"{version} is not a card version: versions start at 1 (the Hub branch v1)")
+        version = text
+    problem = version_problem(version)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return version
 
 

@@ -21,7 +21,7 @@ from kernels import Mode, kernelize, register_kernel_mapping, use_kernel_mapping
 from torch import nn
 
 from . import retag
-from .cards import CARDS, Card, resolve_org
+from .cards import CARDS, Card, resolve_org, version_problem
 from .integrity import CheckedLayerRepository, CheckedLocalLayerRepository
 from .models import MODEL_CLASSES
 
@@ -86,9 +86,15 @@ def register_npu_kernels(
 
     Returns:
         The kernel ids registered.
+
+    Raises:
+        ValueError: a malformed `org` (an empty one included) or `version`, with the doctor's rules.
     """
     cards = select_kernels(kernels)
     org = resolve_org(org)
+    problem = version_problem(version)
+    if problem:
+        raise ValueError(f"version={problem}")
     if trust_remote_code is None:
         trust_remote_code = [card.repo_id(org) for card in cards]
     mapping = {}
