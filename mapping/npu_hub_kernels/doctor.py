@@ -549,7 +549,8 @@ def _rejections(card: CardReport, shown: dict[str, str]) -> list[str]:
     return lines
 
 
-def _org_argument(text: str) -> str:
+def org_argument(text: str) -> str:
+    """argparse type of an organisation option (the doctor's, publish's): the name, or the rule it breaks."""
     problem = org_name_problem(text)
     if problem:
         raise argparse.ArgumentTypeError(problem)
@@ -571,7 +572,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The doctor's command-line options, for `python -m npu_hub_kernels doctor`."""
     parser.add_argument(
         "--org",
-        type=_org_argument,
+        type=org_argument,
         help="Hub organisation of the cards (default: $NPU_HUB_KERNELS_ORG, else npu-hub-kernels)",
     )
     parser.add_argument(
