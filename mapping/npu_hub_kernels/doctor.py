@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -290,7 +291,7 @@ def _resolve(report: CardReport, org: str, version: int) -> None:
 def _from_local_folder(report: CardReport, folder: Path, version: int) -> Path:
     """The variant kernels' RepoPathsResolver takes from a LOCAL_KERNELS folder."""
     report.source = f"LOCAL_KERNELS: {folder}"
-    location = _loader(lambda: compat.resolve_local_kernel(folder, backend=None), version)
+    location = _loader(lambda: compat.resolve_local_kernel(folder, backend=None), version, report, folder)
     _record_decisions(report, compat.get_variants_local(location.variant_path.parent))
     return location.variant_path
 
@@ -309,6 +310,8 @@ def _from_cache(report: CardReport, snapshot: Path, org: str, version: int) -> P
             compat.get_hf_api(), report.repo_id, revision=report.revision, backend=None
         ),
         version,
+        report,
+        snapshot,
     )
     report.cached = True
     return location.variant_path
@@ -348,7 +351,7 @@ def _local_kernels_path(repo_id: str) -> Path | None:
 def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: Path | None) -> str:
     """The commit branch v<version> names: in the cache's refs/ when offline, on the Hub otherwise."""
     try:
-        return compat.resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
+        commit = compat.resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
     except ValueError as error:
         cached = sorted(compat.get_available_versions(repo_id, local_files_only=True)) if offline else []
         if cached:  # the cache holds this card, at other versions: whether v<version> exists is unknowable offline
@@ -363,6 +366,12 @@ def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: 
         raise _Refusal(str(error), "pass one of the published versions with --version") from None
     except Exception as error:  # online: the Hub's error, or why it could not be reached
         raise _hub_refusal(error) from None
+    if not re.fullmatch("[0-9a-f]{40}", commit or ""):  # a damaged cache: refs/v<N> emptied or overwritten
+        raise _Refusal(
+            f"the cache's refs/v{version} of {repo_id} holds {commit!r}, not a commit id",
+            NOT_CACHED_HINT.format(version=version, org=org),
+        )
+    return commit
 
 
 def _ask_hub(call: Callable[[], _T]) -> _T:
@@ -377,16 +386,35 @@ def _hub_refusal(error: Exception) -> _Refusal:
     return _Refusal(f"the Hub did not answer: {_one_line(error)}", hint)
 
 
-def _loader(call: Callable[[], _T], version: int) -> _T:
-    """Run one of kernels' resolvers; its refusal becomes ours, with the cause huggingface_hub gave."""
+def _loader(call: Callable[[], _T], version: int, report: CardReport, copy: Path) -> _T:
+    """Run one of kernels' resolvers; its refusal becomes ours, with the cause huggingface_hub gave. A variant
+    whose metadata.json the resolver cannot read (missing, unparsable, an empty folder) is a damaged `copy`."""
     try:
         return call()
-    except FileNotFoundError as error:
+    except FileNotFoundError as error:  # kernels: no variant fits; huggingface_hub: an incomplete snapshot
         if isinstance(error.__cause__, IncompleteSnapshotError):
             raise _Refusal(
                 f"kernels refuses the cached snapshot: {error.__cause__}", INCOMPLETE_HINT.format(version=version)
             ) from None
         raise _Refusal(str(error).splitlines()[0], "see the rejected variants") from None
+    except (OSError, ValueError) as error:  # kernels could not open or parse the variant's metadata.json
+        raise _damaged(report, copy, error) from None
+
+
+def _damaged(report: CardReport, copy: Path, error: Exception) -> _Refusal:
+    """The refusal for a variant folder whose files cannot be read: what is wrong, and to replace the copy."""
+    variant = report.variant or "the chosen variant"
+    variant_dir = copy / "build" / variant
+    dangling = sorted(p.relative_to(variant_dir).as_posix() for p in variant_dir.rglob("*") if not p.exists())
+    if dangling:  # Path.exists follows symlinks: these link to files (Hub cache blobs) that are gone
+        problem = f"build/{variant} has links to missing files (blobs the cache no longer holds): {', '.join(dangling)}"
+    elif report.variant and not (variant_dir / "metadata.json").is_file():
+        problem = f"build/{variant}/ has no metadata.json (the folder is empty or partial)"
+    elif isinstance(error, ValueError):
+        problem = f"build/{variant}/metadata.json does not parse: {_one_line(error)}"
+    else:
+        problem = f"the files of build/{variant} cannot be read: {_one_line(error)}"
+    return _Refusal(problem, DIGEST_HINT.format(variant=variant, copy=copy))
 
 
 def _record_decisions(report: CardReport, variants: list[compat.Variant]) -> None:
@@ -430,6 +458,8 @@ def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
             f"build/{report.variant}/metadata.json does not parse: {_one_line(error)}",
             DIGEST_HINT.format(variant=report.variant, copy=copy),
         ) from None
+    except OSError as error:
+        raise _damaged(report, copy, error) from None
     try:
         checked = check_variant_files(variant_dir, metadata)
     except VariantFilesError as error:
@@ -438,6 +468,9 @@ def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
             f"the files of build/{report.variant} differ from its metadata.json digest: {error.summary}",
             DIGEST_HINT.format(variant=report.variant, copy=copy),
         ) from None
+    except OSError as error:  # e.g. a symlink to a blob the cache no longer has
+        report.files = f"cannot be read: {_one_line(error)}"
+        raise _damaged(report, copy, error) from None
     if checked is None:
         report.files = "not checked: metadata.json has no digest"
         return metadata
