@@ -194,10 +194,23 @@ def test_backward_reaches_q_k_cos_and_sin(card, style):
         torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_a_batch_the_op_reads_as_sbnd_is_fused(card):
+    """Per-batch cos on BSND memory, [B, S, 1, D], is also npu_rotary_mul's SBND form (S=B): with a batch of 1000 or
+    more and a short sequence the device takes it within SBND's limits, so the card does not fall back."""
+    q, k, cos, sin = projected_qk(batch=1000, q_heads=2, kv_heads=2, seq=3, head_dim=8)
+    assert card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin) is None
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(q, k, cos, sin)
+    assert dict(calls) == {"npu_rotary_mul": 2}
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
+
+
 def _fallback_cases():
     return {
         "head dim >= 896": (rotary_inputs(1, 2, 2, 3, 896, torch.float32), "below 896"),
-        "batch >= 1000": (rotary_inputs(1000, 1, 1, 1, 8, torch.float32), "below 1000"),
+        # cos shared by the batch: read as BNSD or BSND, B=1000 in both (per-batch cos would also read as SBND)
+        "batch >= 1000": (rotary_inputs(1000, 2, 2, 3, 8, torch.float32, cos_batch=1), "below 1000"),
         "heads >= 1000": (rotary_inputs(1, 1000, 1000, 1, 8, torch.float32), "below 1000"),
         "empty sequence": (rotary_inputs(2, 4, 2, 0, 64, torch.float32), "empty input"),
         "float64": (rotary_inputs(2, 4, 2, 5, 64, torch.float64), "float64"),
