@@ -337,6 +337,28 @@ def test_apply_npu_kernels(built_cards, caplog):
         unregister_npu_kernels()
 
 
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_selection_applies_to_the_model_whatever_was_registered_before(built_cards, family):
+    """After an "auto" registration, apply_npu_kernels(model, "npu_fused_rmsnorm") fuses the norms only, in a
+    family never kernelized before; "auto" on the same model then fuses everything (the negative control)."""
+    register_npu_kernels(local_dir=built_cards)
+    try:
+        model = tiny_model(family).to("npu")
+        eager = forward(model, token_ids())
+        apply_npu_kernels(model, kernels="npu_fused_rmsnorm", local_dir=built_cards)
+        assert {swap.card for swap in swapped_modules(model)} == {"npu-rms-norm"}
+        with emulation.count_op_calls() as calls:
+            torch.testing.assert_close(forward(model, token_ids()), eager, rtol=1e-5, atol=1e-5)
+        assert set(calls) == {"npu_rms_norm"}
+        apply_npu_kernels(model, kernels="auto", local_dir=built_cards)
+        assert {swap.card for swap in swapped_modules(model)} == {"npu-rms-norm", "npu-rope", "npu-swiglu"}
+        with emulation.count_op_calls() as calls:
+            forward(model, token_ids())
+        assert {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu"} <= set(calls)
+    finally:
+        unregister_npu_kernels()
+
+
 def test_rotary_function_is_shared_by_all_models_of_a_family(npu_kernels):
     """transformers keeps one apply_rotary_pos_emb function-module per modeling file: kernelizing one
     Llama switches it for every Llama in the process. The switched function is fused only on npu
