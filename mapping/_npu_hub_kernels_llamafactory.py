@@ -25,8 +25,8 @@ INTERFACE_MODULE = "llamafactory.v1.plugins.model_plugins.kernels.interface"
 DISABLE_ENV = "NPU_HUB_KERNELS_LLAMAFACTORY"
 """Set to "0" to leave LLaMA-Factory without the `npu_hub` plugin."""
 
-_registered_in: list[ModuleType] = []
-"""The interface modules the plugin was registered in (once each)."""
+_attempted: list[ModuleType] = []
+"""The interface modules the plugin was registered in, or failed to be (once each)."""
 
 
 def install() -> None:
@@ -42,8 +42,9 @@ def install() -> None:
 
 def register(interface: ModuleType) -> None:
     """Register the `npu_hub` plugin in this imported kernel interface, once; log (never raise) a failure."""
-    if any(module is interface for module in _registered_in):
+    if any(module is interface for module in _attempted):
         return
+    _attempted.append(interface)  # first: importing npu_hub_kernels below runs install() again
     try:
         from npu_hub_kernels.llamafactory import register_plugin
 
@@ -58,8 +59,6 @@ def register(interface: ModuleType) -> None:
             type(error).__name__,
             error,
         )
-        return
-    _registered_in.append(interface)
 
 
 class _RegisterOnImport:

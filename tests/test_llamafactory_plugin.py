@@ -169,6 +169,7 @@ def test_a_host_without_an_npu_gets_the_model_back_as_it_is_with_a_log_line(tmp_
         assert "npu_hub_kernels" not in sys.modules and "torch" not in sys.modules  # the .pth line is cheap
         import logging
         logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("llamafactory").addHandler(logging.StreamHandler(sys.stdout))
         from llamafactory.v1.plugins.model_plugins.kernels.interface import KernelPlugin
         import torch
         from npu_hub_kernels import registration, swapped_modules
@@ -186,6 +187,7 @@ def test_a_host_without_an_npu_gets_the_model_back_as_it_is_with_a_log_line(tmp_
     out = run_python(code)
     assert "npu_hub_kernels.llamafactory: npu_hub: no NPU on this host (torch_npu does not import" in out
     assert "the model is left as it is" in out and out.rstrip().endswith("unchanged")
+    assert "already registered" not in out  # registered once, though registering imports npu_hub_kernels
 
 
 @pytest.mark.slow
