@@ -10,8 +10,9 @@ ORG ?=
 setup: $(STAMP)
 
 # torch goes first and exact (the local CPU wheel): an unpinned torch would pull GBs of CUDA packages.
-# llamafactory goes last and without its dependencies: tests run its NPU kernels next to ours (coexistence).
-$(STAMP): pyproject.toml requirements-dev.txt
+# llamafactory goes last and without its dependencies: tests run its NPU kernels next to ours (coexistence)
+# and its v1 ModelEngine with our plugin (omegaconf, a dev extra, is the one dependency that needs).
+$(STAMP): pyproject.toml setup.py requirements-dev.txt
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=/path/to/python3.11"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -18,18 +18,25 @@ What lives where:
 - `_kernels_compat`: every private `kernels` API the project uses, in one place;
 - `doctor`, `offline`, `tiny_models`: `python -m npu_hub_kernels doctor`, the offline Hub cache,
   tiny models for tests and demos;
-- `emulation/`: the CPU emulation of torch_npu and the "npu" device (docs/torch-npu-ops.md).
+- `emulation/`: the CPU emulation of torch_npu and the "npu" device (docs/torch-npu-ops.md);
+- `llamafactory`: the `npu_hub` kernel plugin of LLaMA-Factory v1, registered by the top-level
+  `_npu_hub_kernels_llamafactory` when LLaMA-Factory's kernel interface is imported (at once if it is).
 """
+
+import _npu_hub_kernels_llamafactory
 
 from .cards import CARDS, DEFAULT_ORG, ORG_ENV
 from .registry import (
     apply_npu_kernels,
     available_kernels,
     register_npu_kernels,
+    registration,
     select_kernels,
     unregister_npu_kernels,
 )
 from .report import Swap, swapped_modules
+
+_npu_hub_kernels_llamafactory.install()
 
 __all__ = [
     "CARDS",
@@ -39,6 +46,7 @@ __all__ = [
     "apply_npu_kernels",
     "available_kernels",
     "register_npu_kernels",
+    "registration",
     "select_kernels",
     "swapped_modules",
     "unregister_npu_kernels",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from kernels import Mode, kernelize, register_kernel_mapping, use_kernel_mapping
 from torch import nn
@@ -28,6 +29,9 @@ from .models import MODEL_CLASSES
 logger = logging.getLogger(__name__)
 
 KernelSelection = str | bool | Iterable[str] | None
+
+_registration: dict[str, Any] | None = None
+"""Where the process's last `register_npu_kernels` call loads the cards from (None: no cards registered)."""
 
 
 def available_kernels() -> list[str]:
@@ -90,28 +94,41 @@ def register_npu_kernels(
     Raises:
         ValueError: a malformed `org` (an empty one included) or `version`, with the doctor's rules.
     """
+    global _registration
     cards = select_kernels(kernels)
     org = resolve_org(org)
     problem = version_problem(version)
     if problem:
         raise ValueError(f"version={problem}")
-    if trust_remote_code is None:
-        trust_remote_code = [card.repo_id(org) for card in cards]
+    trust = [card.repo_id(org) for card in cards] if trust_remote_code is None else trust_remote_code
     mapping = {}
     for card in cards:
         for layer in card.layers:
-            repo = _repository(card, layer, org=org, version=version, local_dir=local_dir, trust=trust_remote_code)
+            repo = _repository(card, layer, org=org, version=version, local_dir=local_dir, trust=trust)
             mapping[card.mapping_name(layer)] = {"npu": {Mode.INFERENCE: repo, Mode.TRAINING: repo}}
     register_kernel_mapping(mapping)
     for card in cards:
         for rule in MODEL_CLASSES[card.kernel_id]:
             retag.tag_when_imported(rule, card.mapping_name(rule.layer))
+    if cards:
+        _registration = dict(org=org, version=version, local_dir=local_dir, trust_remote_code=trust_remote_code)
     return [card.kernel_id for card in cards]
+
+
+def registration() -> dict[str, Any] | None:
+    """The source arguments (org, version, local_dir, trust_remote_code) of the process's last
+    `register_npu_kernels` call that registered cards; None if none did, or since `unregister_npu_kernels()`.
+
+    Pass them to `register_npu_kernels` or `apply_npu_kernels` to load more cards from the same place.
+    """
+    return None if _registration is None else dict(_registration)
 
 
 def unregister_npu_kernels() -> None:
     """Undo the retagging, wrapping and attaching, and release the card forward kernelize bound on the rotary
     function-modules a family's models share (the mapping entries stay, unused)."""
+    global _registration
+    _registration = None
     retag.restore()
 
 

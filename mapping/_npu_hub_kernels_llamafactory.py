@@ -1,0 +1,91 @@
+"""Registers npu-hub-kernels' `npu_hub` kernel plugin in LLaMA-Factory as soon as LLaMA-Factory's kernel interface
+is imported, with no change to LLaMA-Factory and no cost until then.
+
+`install()` runs at interpreter startup (the `npu_hub_kernels_llamafactory.pth` file the package installs into
+site-packages) and at `import npu_hub_kernels`. It registers the plugin at once if LLaMA-Factory's kernel interface
+is imported already, else when it is imported (an import hook on that one module). This module imports only the
+standard library, and `npu_hub_kernels` (torch, kernels, transformers) only once LLaMA-Factory has imported its
+kernel interface, which imports them itself: a Python process that never imports LLaMA-Factory's kernels pays one
+small import. Nothing here raises: a failure is logged and LLaMA-Factory runs without the plugin.
+`NPU_HUB_KERNELS_LLAMAFACTORY=0` turns the registration off.
+
+It lives outside the `npu_hub_kernels` package because importing anything inside the package imports the package
+(torch included), which a `.pth` line must not do to every Python process of the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib.machinery import PathFinder
+from types import ModuleType
+
+INTERFACE_MODULE = "llamafactory.v1.plugins.model_plugins.kernels.interface"
+"""LLaMA-Factory v1's kernel interface: where `KernelPlugin` is importable from (0.9.5 and newer)."""
+DISABLE_ENV = "NPU_HUB_KERNELS_LLAMAFACTORY"
+"""Set to "0" to leave LLaMA-Factory without the `npu_hub` plugin."""
+
+_attempted: list[ModuleType] = []
+"""The interface modules the plugin was registered in, or failed to be (once each)."""
+
+
+def install() -> None:
+    """Register the `npu_hub` plugin now if LLaMA-Factory's kernel interface is imported, else when it is."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return
+    interface = sys.modules.get(INTERFACE_MODULE)
+    if interface is not None:
+        register(interface)
+    elif not any(isinstance(finder, _RegisterOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
+
+
+def register(interface: ModuleType) -> None:
+    """Register the `npu_hub` plugin in this imported kernel interface, once; log (never raise) a failure."""
+    if any(module is interface for module in _attempted):
+        return
+    _attempted.append(interface)  # first: importing npu_hub_kernels below runs install() again
+    try:
+        from npu_hub_kernels.llamafactory import register_plugin
+
+        register_plugin(interface)
+    except Exception as error:
+        import logging
+
+        logging.getLogger("npu_hub_kernels.llamafactory").warning(
+            "npu-hub-kernels could not register its LLaMA-Factory kernel plugin 'npu_hub' (%s: %s); LLaMA-Factory "
+            "runs without it. Check that npu-hub-kernels and its dependencies import: python -c 'import "
+            "npu_hub_kernels'.",
+            type(error).__name__,
+            error,
+        )
+
+
+class _RegisterOnImport:
+    """Import hook: registers the plugin right after LLaMA-Factory's kernel interface module runs."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != INTERFACE_MODULE:
+            return None
+        spec = PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _RegisteringLoader(spec.loader)
+        return spec
+
+
+class _RegisteringLoader:
+    """The interface module's own loader, registering the plugin after it executes the module."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+
+    def __getattr__(self, name: str):
+        return getattr(self._loader, name)  # get_source, get_filename, ...: the loader's own
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        register(module)
