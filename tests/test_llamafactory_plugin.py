@@ -6,8 +6,8 @@ ModelEngine calls `KernelPlugin(kernel_config.name)(model=model, include_kernels
 config parsing. The newer class registry of LLaMA-Factory (`BaseKernel` with `check_device`/`_apply`) is not
 released: small stand-ins of it stand in here.
 
-In one process the registry keeps every card it registered: a selection is honoured per process, so the test of
-"a selection fuses only what it names" runs in a fresh process.
+A selection applies to the model it is given, whatever the process registered before (in process, below); the
+Hub path (no registration yet, `$NPU_HUB_KERNELS_ORG`) is tested in a fresh process.
 """
 
 from __future__ import annotations
@@ -126,6 +126,21 @@ def test_model_engine_loads_a_checkpoint_on_the_npu_and_kernelizes_it(npu_kernel
     with emulation.count_op_calls() as calls:
         out = forward(model, token_ids())
     assert dict(calls) == expected_calls(model_type, model)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_selection_fuses_only_what_it_names_after_an_auto_registration(npu_kernels):
+    """After every card was registered ("auto"), the plugin asked for the norms alone fuses the norms alone in the
+    model it is given: no MLP, no rotary call (the family's shared rotary function gets its own forward back)."""
+    ids = token_ids()
+    eager = forward(tiny_model("qwen3"), ids)
+    model_engine_call(tiny_model("qwen3").to("npu"), {"name": PLUGIN_NAME, "include_kernels": "auto"})
+    model = tiny_model("qwen3").to("npu")
+    model_engine_call(model, {"name": PLUGIN_NAME, "include_kernels": "npu_fused_rmsnorm"})
+    with emulation.count_op_calls() as calls:
+        out = forward(model, ids)
+    assert dict(calls) == {"npu_rms_norm": norm_module_count(model)}
+    assert {s.card for s in swapped_modules(model)} == {"npu-rms-norm"}
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
 
 
