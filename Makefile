@@ -34,7 +34,7 @@ bench: build
 # make publish ORG=<Hub organisation> [CARDS=npu-rope,...] [DRY_RUN=1]
 publish: build
 	@test -n "$(ORG)" || { echo "error: make publish needs ORG=<Hub organisation>"; exit 1; }
-	$(PY) scripts/publish_cards.py --org $(ORG) $(if $(CARDS),--cards $(CARDS)) $(if $(DRY_RUN),--dry-run)
+	$(PY) scripts/publish_cards.py --org '$(ORG)' $(if $(CARDS),--cards $(CARDS)) $(if $(DRY_RUN),--dry-run)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -19,6 +19,7 @@ commit, so publishing again is safe and a rerun after a failure completes the pu
 applies whole or not at all, and names the commit its plan was made against, so a branch is never
 half-published, nor overwritten when someone else published in between.
 
+A malformed `--org` is refused before anything else with exit status 2, as the doctor refuses it.
 Refused before anything is written (exit 1, the reason on stderr, never a traceback):
 - a stale build: each card is built again into a temporary folder and must be byte-identical to
   `--build` (bytecode caches aside);
@@ -69,6 +70,7 @@ from huggingface_hub.utils.sha import git_hash
 from kernels import Metadata
 
 from npu_hub_kernels._kernels_compat import validate_layer
+from npu_hub_kernels.doctor import org_argument
 from npu_hub_kernels.integrity import VariantFilesError, check_variant_files
 
 SCRIPTS_DIR = Path(__file__).resolve().parent
@@ -408,13 +410,20 @@ def hub_errors(action: str, org: str, *, commit: str | None = None, dry_run: boo
     `dry_run`: the step belongs to a dry run, which writes nothing and whose rerun only plans again.
     """
     if dry_run:
-        outcome = "Nothing was written: this is a dry run."
+        outcome = lost = "Nothing was written: this is a dry run."
         rerun = "Run the same command again to see the plan."
     else:
         outcome = (
             f"The commit was not applied: {commit} is as it was (a commit applies whole or not at all)."
             if commit
             else "Nothing was written by this step."
+        )
+        # No answer came back: the Hub may have done the work before the connection was lost.
+        lost = (
+            f"Whether the Hub applied the commit to {commit} is unknown: the answer was lost (a commit applies whole "
+            "or not at all, so it is either all there or not at all)."
+            if commit
+            else "Whether this step wrote anything on the Hub is unknown: the answer was lost."
         )
         rerun = "Run the same command again: it publishes what is missing and skips what is already on the Hub."
     try:
@@ -443,7 +452,7 @@ def hub_errors(action: str, org: str, *, commit: str | None = None, dry_run: boo
             ) from None
         raise PublishError(f"{action} failed ({status}: {detail}). {outcome} {rerun}") from None
     except httpx2.TransportError as error:
-        raise PublishError(f"{action} failed: the Hub could not be reached ({error}). {outcome} {rerun}") from None
+        raise PublishError(f"{action} failed: no answer from the Hub ({error}). {lost} {rerun}") from None
 
 
 def authenticate(api: HfApi, org: str) -> str:
@@ -523,7 +532,12 @@ def publish(org: str, card_names: list[str] | None, build_dir: Path, dry_run: bo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--org", required=True, help="Hub organisation (or user) that holds the kernel repositories")
+    parser.add_argument(
+        "--org",
+        required=True,
+        type=org_argument,
+        help="Hub organisation (or user) that holds the kernel repositories",
+    )
     parser.add_argument("--cards", default="", help="comma-separated card names (default: all)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan, file by file, and write nothing")
     parser.add_argument("--build", type=Path, default=build_cards.ROOT / "build", help="built cards (default: build/)")

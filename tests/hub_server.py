@@ -42,7 +42,8 @@ repos may only be created in an org approved for them (`add_org(..., kernels_app
 otherwise 403 with the reason in the JSON body.
 
 For tests: `fail_next(endpoint)` makes the next request to an endpoint fail without touching any
-state, `request_count`, `commit_count`, `head` and `commit` tell what happened, `unrouted` lists
+state, `drop_answer_next(endpoint)` runs it and closes the connection without answering,
+`request_count`, `commit_count`, `head` and `commit` tell what happened, `unrouted` lists
 requests no endpoint matched (a client calling something this server does not implement) and
 `errors` the tracebacks of requests this server failed on (answered 500).
 
@@ -238,6 +239,7 @@ class _Response:
     status: int
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
+    dropped: bool = False  # close the connection without answering (the request's effect stays)
 
 
 def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> _Response:
@@ -310,6 +312,7 @@ class LoopbackHub:
         self._orgs: dict[str, _Org] = {}
         self._requests: Counter[tuple[str, str | None]] = Counter()
         self._failures: dict[str, deque[int]] = {}
+        self._dropped_answers: Counter[str] = Counter()
 
     # Lifecycle
 
@@ -404,6 +407,14 @@ class LoopbackHub:
         with self._lock:
             self._failures.setdefault(endpoint, deque()).extend([status] * times)
 
+    def drop_answer_next(self, endpoint: str) -> None:
+        """Run the next request to `endpoint` (its effect stays), then close the connection without answering:
+        a connection lost after the Hub did the work."""
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"unknown endpoint {endpoint!r}; one of {sorted(ENDPOINTS)}")
+        with self._lock:
+            self._dropped_answers[endpoint] += 1
+
     def request_count(self, endpoint: str, repo_id: str | None = None) -> int:
         """How many requests reached `endpoint` (for `repo_id` only, if given), failed ones included."""
         if endpoint not in ENDPOINTS:
@@ -443,7 +454,11 @@ class LoopbackHub:
                 failures = self._failures.get(endpoint)
                 if failures:
                     return HubError(failures.popleft(), f"Injected failure of {endpoint}").response()
-                return action(request, self._authenticate(request.headers))
+                response = action(request, self._authenticate(request.headers))
+                if self._dropped_answers[endpoint]:
+                    self._dropped_answers[endpoint] -= 1
+                    response.dropped = True
+                return response
         except HubError as error:
             return error.response()
         except Exception as error:  # a bug of this server: answer 500 and keep the traceback for the test
@@ -784,6 +799,9 @@ class _Handler(BaseHTTPRequestHandler):
             body=self.rfile.read(length) if length else b"",
         )
         response = self.server.hub.handle(request)
+        if response.dropped:
+            self.close_connection = True
+            return
         self.send_response(response.status)
         for name, value in response.headers.items():
             self.send_header(name, value)

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -144,6 +145,76 @@ def test_a_damaged_cached_variant_fails_with_what_differs(built_cards, tmp_path)
         f"the copy of build/torch-universal is damaged or partial: replace {snapshot}"
     )
     assert [name for name, card in cards.items() if card["problem"]] == ["npu-rope"]
+
+
+def _damage(snapshot: Path, damage: str) -> None:
+    """Damage the cached npu-rope snapshot the way a broken copy, download or cleanup would."""
+    variant = snapshot / "build" / "torch-universal"
+    if damage == "missing metadata.json":
+        (variant / "metadata.json").unlink()
+    elif damage == "corrupt metadata.json":
+        (variant / "metadata.json").write_text("{not json")
+    elif damage == "empty variant folder":
+        shutil.rmtree(variant)
+        variant.mkdir()
+    elif damage == "dangling blob symlink":  # the Hub cache links snapshot files to blobs/
+        (variant / "npu_rope" / "layers.py").unlink()
+        (variant / "npu_rope" / "layers.py").symlink_to(snapshot.parent.parent / "blobs" / "0123abcd")
+    elif damage == "empty refs/v1":
+        (snapshot.parent.parent / "refs" / "v1").write_text("")
+
+
+DAMAGES = {  # damage -> (the problem the doctor names, its hint)
+    "missing metadata.json": ("build/torch-universal/ has no metadata.json", "damaged or partial: replace"),
+    "corrupt metadata.json": ("build/torch-universal/metadata.json does not parse", "damaged or partial: replace"),
+    "empty variant folder": ("build/torch-universal/ has no metadata.json", "damaged or partial: replace"),
+    "dangling blob symlink": (
+        "links to missing files (blobs the cache no longer holds): npu_rope/layers.py",
+        "damaged or partial: replace",
+    ),
+    "empty refs/v1": (
+        "refs/v1 of damaged-4/npu-rope holds '', not a commit id",
+        "seed_offline_cache('build', 'damaged-4')",
+    ),
+}
+
+
+@pytest.mark.slow
+def test_a_damaged_cache_is_diagnosed_with_a_hint_and_exit_1(built_cards, tmp_path):
+    """Each damage in the npu-rope card of its own org (one CPU-host process runs the doctor on each org):
+    a report naming it, with a hint, exit status 1, no traceback; the other cards load."""
+    cache = tmp_path / "cache"
+    orgs = {f"damaged-{index}": damage for index, damage in enumerate(DAMAGES)}
+    for org, damage in orgs.items():
+        _damage(seed_offline_cache(built_cards, org, cache)[f"{org}/npu-rope"], damage)
+    code = (
+        "import contextlib, io, json\n"
+        "from npu_hub_kernels.__main__ import main\n"
+        f"for org in {list(orgs)!r}:\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        status = main(['doctor', '--org', org, '--json'])\n"
+        "    print(json.dumps([org, status, json.loads(out.getvalue())]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "HF_HUB_CACHE": str(cache)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    for line in result.stdout.splitlines():
+        org, status, report = json.loads(line)
+        problem, hint = DAMAGES[orgs[org]]
+        cards = cards_of(report)
+        assert status == 1, org
+        assert problem in cards["npu-rope"]["problem"], (orgs[org], cards["npu-rope"]["problem"])
+        assert hint in cards["npu-rope"]["hint"], (orgs[org], cards["npu-rope"]["hint"])
+        assert [name for name, card in cards.items() if card["problem"]] == ["npu-rope"]
+    assert len(result.stdout.splitlines()) == len(orgs)
 
 
 def test_local_kernels_folder_is_where_its_card_comes_from(offline_hub, built_cards, monkeypatch, capsys):

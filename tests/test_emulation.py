@@ -356,3 +356,25 @@ def test_assigning_data_of_an_npu_tensor_moves_its_values_too():
     assert torch.equal(param.detach().cpu(), new.cpu()) and torch.equal((param * 2).cpu(), new.cpu() * 2)
     with pytest.raises(RuntimeError):
         param.data = torch.zeros(3, 2)  # a host tensor: the emulation cannot move a device tensor's storage
+
+
+def test_accelerate_moves_npu_parameters_and_loads_a_checkpoint_split_between_npu_and_cpu(tmp_path):
+    """set_module_tensor_to_device remakes a parameter with `type(param)(value, requires_grad=...)`; a
+    device_map split between npu and cpu and load_checkpoint_in_model go through it."""
+    from accelerate.utils import load_checkpoint_in_model, set_module_tensor_to_device
+    from safetensors.torch import save_file
+
+    layer = torch.nn.Linear(4, 3).to("npu")
+    set_module_tensor_to_device(layer, "weight", "npu", value=torch.ones(3, 4))
+    assert layer.weight.device.type == "npu" and torch.equal(layer.weight.cpu(), torch.ones(3, 4))
+    set_module_tensor_to_device(layer, "bias", "cpu", value=torch.full((3,), 2.0))
+    assert layer.bias.device.type == "cpu" and layer.bias.requires_grad
+
+    source = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    save_file(source.state_dict(), tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    load_checkpoint_in_model(model, str(tmp_path / "model.safetensors"), device_map={"0": "npu", "1": "cpu"})
+    assert [p.device.type for p in model.parameters()] == ["npu", "npu", "cpu", "cpu"]
+    for got, want in zip(model.state_dict().values(), source.state_dict().values(), strict=True):
+        assert torch.equal(got.cpu(), want)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import re
 import shutil
 
 import pytest
@@ -100,6 +101,34 @@ def test_org_comes_from_argument_then_environment_then_default(monkeypatch):
     monkeypatch.setenv(ORG_ENV, "my-org")
     assert resolve_org(None) == "my-org"
     assert resolve_org("arg-org") == "arg-org"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"org": ""}, "org='' is not a Hub organisation name"),
+        ({"org": "bad org"}, "org='bad org' is not a Hub organisation name"),
+        ({"org": "a/b"}, "org='a/b' is not a Hub organisation name"),
+        ({"org": "../x"}, "org='../x' is not a Hub organisation name"),
+        ({"org": "x" * 97}, "is not a Hub organisation name"),
+        ({"version": 0}, "version=0 is not a card version: versions start at 1"),
+        ({"version": -1}, "version=-1 is not a card version: versions start at 1"),
+        ({"version": 1.5}, "version=1.5 is not a card version: a whole number from 1"),
+        ({"version": "1"}, "version='1' is not a card version: a whole number from 1"),
+        ({"version": True}, "version=True is not a card version: a whole number from 1"),
+    ],
+)
+def test_register_refuses_a_malformed_org_or_version_at_the_call(offline_hub, kwargs, message):
+    """With the doctor's rules and messages, before anything is registered or looked up."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        register_npu_kernels(**{"org": offline_hub, **kwargs})
+    assert swapped_modules(kernelize(tiny_model("llama").to("npu"), mode=Mode.INFERENCE, device="npu")) == []
+
+
+def test_a_malformed_org_from_the_environment_is_refused_by_register(monkeypatch):
+    monkeypatch.setenv(ORG_ENV, "my org")
+    with pytest.raises(ValueError, match=re.escape(f"{ORG_ENV}='my org' is not a Hub organisation name")):
+        register_npu_kernels()
 
 
 def test_org_from_environment_is_used_for_loading(offline_hub, monkeypatch):

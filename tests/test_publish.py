@@ -277,3 +277,29 @@ def test_a_failed_dry_run_does_not_promise_to_publish(hub, built_cards, tmp_path
     assert "Run the same command again to see the plan" in result.stderr
     for endpoint in ("create_repo", "create_branch", "preupload", "commit"):
         assert hub.request_count(endpoint) == 0, endpoint
+
+
+@pytest.mark.parametrize("org", ["bad org", "a/b", "../x", "", "my-org ", "x" * 97, "orgé", "x--y"])
+def test_a_malformed_org_is_refused_up_front_with_exit_2(built_cards, org, capsys):
+    """As the doctor refuses it: before the build is checked or the Hub is asked."""
+    with pytest.raises(SystemExit) as exit_:
+        publish_cards.main(["--org", org, "--build", str(built_cards), "--cards", "npu-rope"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert f"argument --org: {org!r} is not a Hub organisation name" in captured.err and captured.out == ""
+
+
+@pytest.mark.slow
+def test_an_answer_lost_after_the_commit_applied_says_the_outcome_is_unknown(hub, built_cards, tmp_path):
+    """The connection drops after the Hub applied the commit: publish does not claim it was not applied, and the
+    rerun it asks for finds the branch complete and commits nothing."""
+    hub.drop_answer_next("commit")
+    lost = publish(hub, tmp_path, "--org", ORG, "--build", str(built_cards), "--cards", "npu-rope")
+    assert lost.returncode == 1 and "Traceback" not in lost.stderr
+    assert "no answer from the Hub" in lost.stderr
+    assert "Whether the Hub applied the commit to branch v1 is unknown" in lost.stderr
+    assert "not applied" not in lost.stderr and "Run the same command again" in lost.stderr
+    assert hub.commit_count(f"{ORG}/npu-rope", "v1") == 1  # it was applied
+    rerun = publish(hub, tmp_path, "--org", ORG, "--build", str(built_cards), "--cards", "npu-rope")
+    assert rerun.returncode == 0, rerun.stderr
+    assert hub.commit_count(f"{ORG}/npu-rope", "v1") == 1 and hub.commit_count(f"{ORG}/npu-rope", "main") == 1

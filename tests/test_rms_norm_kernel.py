@@ -132,3 +132,14 @@ def test_layers_follow_the_kernels_layer_rules(card):
         layer = getattr(card.layers, name)
         assert layer.__init__ is torch.nn.Module.__init__
         assert layer.has_backward is True and layer.can_torch_compile is False
+
+
+@pytest.mark.parametrize("scaling", ["zero-centered", "gemma", None, "Plain", ""])
+@pytest.mark.parametrize("device", ["cpu", "npu"])
+def test_unknown_scaling_is_refused_naming_the_accepted_ones(card, scaling, device):
+    x, weight = torch.randn(2, 8).to(device), torch.ones(8).to(device)
+    for call in (card.rms_norm, card.rms_norm_eager):
+        with pytest.raises(ValueError, match="pass one of 'plain', 'zero_centered', 'float32_scale'"):
+            call(x, weight, 1e-6, scaling)
+    with pytest.raises(ValueError, match=f"scaling={scaling!r}"):
+        card.rms_norm_unavailable_reason(x, weight, scaling)

@@ -194,10 +194,23 @@ def test_backward_reaches_q_k_cos_and_sin(card, style):
         torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_a_batch_the_op_reads_as_sbnd_is_fused(card):
+    """Per-batch cos on BSND memory, [B, S, 1, D], is also npu_rotary_mul's SBND form (S=B): with a batch of 1000 or
+    more and a short sequence the device takes it within SBND's limits, so the card does not fall back."""
+    q, k, cos, sin = projected_qk(batch=1000, q_heads=2, kv_heads=2, seq=3, head_dim=8)
+    assert card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin) is None
+    with emulation.count_op_calls() as calls:
+        fused = card.apply_rotary_pos_emb(q, k, cos, sin)
+    assert dict(calls) == {"npu_rotary_mul": 2}
+    for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
+
+
 def _fallback_cases():
     return {
         "head dim >= 896": (rotary_inputs(1, 2, 2, 3, 896, torch.float32), "below 896"),
-        "batch >= 1000": (rotary_inputs(1000, 1, 1, 1, 8, torch.float32), "below 1000"),
+        # cos shared by the batch: read as BNSD or BSND, B=1000 in both (per-batch cos would also read as SBND)
+        "batch >= 1000": (rotary_inputs(1000, 2, 2, 3, 8, torch.float32, cos_batch=1), "below 1000"),
         "heads >= 1000": (rotary_inputs(1, 1000, 1000, 1, 8, torch.float32), "below 1000"),
         "empty sequence": (rotary_inputs(2, 4, 2, 0, 64, torch.float32), "empty input"),
         "float64": (rotary_inputs(2, 4, 2, 5, 64, torch.float64), "float64"),
@@ -338,6 +351,38 @@ def test_outside_its_limits_the_one_call_op_is_not_used_and_the_reason_is_given(
     assert calls["npu_apply_rotary_pos_emb"] == 0
     assert calls["npu_rotary_mul"] == (2 if "float32 cos" not in case else 0)
     for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
+
+
+def _views_of_one_buffer(k_offset: int):
+    """q and k as transformers passes them ([B, H, S, D] transposes of BSND memory), k starting `k_offset`
+    elements after q in one buffer; and the angles."""
+    q, _, cos, sin = projected_qk()
+    bsnd = q.transpose(1, 2).shape
+    with torch.inference_mode():
+        buffer = torch.randn(q.numel() + k_offset).to("npu")
+        q_view, k_view = (buffer[start : start + q.numel()].view(bsnd).transpose(1, 2) for start in (0, k_offset))
+    return q_view, k_view, cos, sin
+
+
+@pytest.mark.parametrize("k_offset", [0, 64, 2 * 5 * 8 * 64])  # the same, overlapping, side by side
+def test_in_place_op_is_not_used_when_q_and_k_share_memory(card, k_offset):
+    """apply_rotary_pos_emb(x, x, ...) and overlapping q/k: the in-place op would rotate the shared elements twice;
+    they take the out-of-place path and give eager's result. q and k side by side in one buffer (no overlap) still
+    take the one-call op."""
+    q, k, cos, sin = _views_of_one_buffer(k_offset)
+    overlap = k_offset < q.numel()
+    with torch.inference_mode():
+        expected = card.apply_rotary_pos_emb_eager(q.clone(), k.clone(), cos, sin)
+        reason = card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin, in_place=True)
+        with emulation.count_op_calls() as calls:
+            fused = card.apply_rotary_pos_emb(q, k, cos, sin)
+    if overlap:
+        assert "share memory" in reason
+        assert dict(calls) == {"npu_rotary_mul": 2}
+    else:
+        assert reason is None and dict(calls) == {"npu_apply_rotary_pos_emb": 1}
+    for got, want in zip(fused, expected, strict=True):
         torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
 
 

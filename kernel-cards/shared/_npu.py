@@ -30,11 +30,21 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The floating-point dtypes the fused torch_npu ops of the cards take."""
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """A DTensor (tensor parallel, or FSDP2's sharded parameter outside its forward), without importing it."""
+    return type(t).__module__.startswith("torch.distributed.tensor")
+
+
 def npu_unavailable_reason(*tensors: torch.Tensor) -> str | None:
     """Why the fused torch_npu op cannot run on these tensors, or None when it can."""
     if torch_npu is None:
         return "torch_npu is not installed (torch-universal build on a host without an NPU)"
     for t in tensors:
+        if is_dtensor(t):
+            return (
+                f"a DTensor ({', '.join(map(str, t.placements))}): the fused op has no sharding rule, so the "
+                "eager math runs on the DTensor (tensor parallel)"
+            )
         if t.device.type != "npu":
             return f"tensor on {t.device.type}, not on an npu device"
     return None

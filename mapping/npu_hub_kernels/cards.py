@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
 DEFAULT_ORG = "npu-hub-kernels"
 ORG_ENV = "NPU_HUB_KERNELS_ORG"
 """Environment variable naming the Hub organisation the cards are loaded from."""
@@ -86,5 +88,40 @@ CARDS: dict[str, Card] = _load_cards()
 
 
 def resolve_org(org: str | None) -> str:
-    """The argument, else $NPU_HUB_KERNELS_ORG, else the default organisation."""
-    return org or os.environ.get(ORG_ENV) or DEFAULT_ORG
+    """The argument, else $NPU_HUB_KERNELS_ORG (when set and not empty), else the default organisation.
+
+    Raises ValueError, saying what a Hub organisation name takes, for a malformed one (an empty argument
+    included: it does not mean the default).
+    """
+    if org is None:
+        org = os.environ.get(ORG_ENV) or DEFAULT_ORG
+        source = f"{ORG_ENV}=" if org != DEFAULT_ORG else ""
+    else:
+        source = "org="
+    problem = org_name_problem(org)
+    if problem:
+        raise ValueError(source + problem)
+    return org
+
+
+def org_name_problem(org: object) -> str | None:
+    """Why `org` cannot name a Hub organisation (huggingface_hub's own repo id rule), or None."""
+    if not isinstance(org, str):
+        return f"{org!r} is not a Hub organisation name: pass a string"
+    try:
+        validate_repo_id(f"{org}/{next(iter(CARDS.values())).repo_name}")
+    except HFValidationError as error:
+        return (
+            f"{org!r} is not a Hub organisation name: it takes letters, digits, '-', '_' and '.', neither starts nor "
+            f"ends with '-' or '.', and has no '/', '--' or '..' (huggingface_hub: {error})"
+        )
+    return None
+
+
+def version_problem(version: object) -> str | None:
+    """Why `version` is not a card API version (a whole number from 1, the Hub branch v<N>), or None."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        return f"{version!r} is not a card version: a whole number from 1 (the Hub branch v<N>)"
+    if version < 1:
+        return f"{version} is not a card version: versions start at 1 (the Hub branch v1)"
+    return None

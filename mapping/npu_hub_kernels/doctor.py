@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -45,13 +46,12 @@ import torch
 from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.errors import IncompleteSnapshotError
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 from kernels import Metadata, VariantAccepted, get_kernel_variants
 from kernels import __version__ as KERNELS_VERSION
 from packaging.version import Version
 
 from . import _kernels_compat as compat
-from .cards import CARDS, ORG_ENV, Card, resolve_org
+from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_problem
 from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
 
@@ -291,7 +291,7 @@ def _resolve(report: CardReport, org: str, version: int) -> None:
 def _from_local_folder(report: CardReport, folder: Path, version: int) -> Path:
     """The variant kernels' RepoPathsResolver takes from a LOCAL_KERNELS folder."""
     report.source = f"LOCAL_KERNELS: {folder}"
-    location = _loader(lambda: compat.resolve_local_kernel(folder, backend=None), version)
+    location = _loader(lambda: compat.resolve_local_kernel(folder, backend=None), version, report, folder)
     _record_decisions(report, compat.get_variants_local(location.variant_path.parent))
     return location.variant_path
 
@@ -310,6 +310,8 @@ def _from_cache(report: CardReport, snapshot: Path, org: str, version: int) -> P
             compat.get_hf_api(), report.repo_id, revision=report.revision, backend=None
         ),
         version,
+        report,
+        snapshot,
     )
     report.cached = True
     return location.variant_path
@@ -349,7 +351,7 @@ def _local_kernels_path(repo_id: str) -> Path | None:
 def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: Path | None) -> str:
     """The commit branch v<version> names: in the cache's refs/ when offline, on the Hub otherwise."""
     try:
-        return compat.resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
+        commit = compat.resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
     except ValueError as error:
         cached = sorted(compat.get_available_versions(repo_id, local_files_only=True)) if offline else []
         if cached:  # the cache holds this card, at other versions: whether v<version> exists is unknowable offline
@@ -364,6 +366,12 @@ def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: 
         raise _Refusal(str(error), "pass one of the published versions with --version") from None
     except Exception as error:  # online: the Hub's error, or why it could not be reached
         raise _hub_refusal(error) from None
+    if not re.fullmatch("[0-9a-f]{40}", commit or ""):  # a damaged cache: refs/v<N> emptied or overwritten
+        raise _Refusal(
+            f"the cache's refs/v{version} of {repo_id} holds {commit!r}, not a commit id",
+            NOT_CACHED_HINT.format(version=version, org=org),
+        )
+    return commit
 
 
 def _ask_hub(call: Callable[[], _T]) -> _T:
@@ -378,16 +386,35 @@ def _hub_refusal(error: Exception) -> _Refusal:
     return _Refusal(f"the Hub did not answer: {_one_line(error)}", hint)
 
 
-def _loader(call: Callable[[], _T], version: int) -> _T:
-    """Run one of kernels' resolvers; its refusal becomes ours, with the cause huggingface_hub gave."""
+def _loader(call: Callable[[], _T], version: int, report: CardReport, copy: Path) -> _T:
+    """Run one of kernels' resolvers; its refusal becomes ours, with the cause huggingface_hub gave. A variant
+    whose metadata.json the resolver cannot read (missing, unparsable, an empty folder) is a damaged `copy`."""
     try:
         return call()
-    except FileNotFoundError as error:
+    except FileNotFoundError as error:  # kernels: no variant fits; huggingface_hub: an incomplete snapshot
         if isinstance(error.__cause__, IncompleteSnapshotError):
             raise _Refusal(
                 f"kernels refuses the cached snapshot: {error.__cause__}", INCOMPLETE_HINT.format(version=version)
             ) from None
         raise _Refusal(str(error).splitlines()[0], "see the rejected variants") from None
+    except (OSError, ValueError) as error:  # kernels could not open or parse the variant's metadata.json
+        raise _damaged(report, copy, error) from None
+
+
+def _damaged(report: CardReport, copy: Path, error: Exception) -> _Refusal:
+    """The refusal for a variant folder whose files cannot be read: what is wrong, and to replace the copy."""
+    variant = report.variant or "the chosen variant"
+    variant_dir = copy / "build" / variant
+    dangling = sorted(p.relative_to(variant_dir).as_posix() for p in variant_dir.rglob("*") if not p.exists())
+    if dangling:  # Path.exists follows symlinks: these link to files (Hub cache blobs) that are gone
+        problem = f"build/{variant} has links to missing files (blobs the cache no longer holds): {', '.join(dangling)}"
+    elif report.variant and not (variant_dir / "metadata.json").is_file():
+        problem = f"build/{variant}/ has no metadata.json (the folder is empty or partial)"
+    elif isinstance(error, ValueError):
+        problem = f"build/{variant}/metadata.json does not parse: {_one_line(error)}"
+    else:
+        problem = f"the files of build/{variant} cannot be read: {_one_line(error)}"
+    return _Refusal(problem, DIGEST_HINT.format(variant=variant, copy=copy))
 
 
 def _record_decisions(report: CardReport, variants: list[compat.Variant]) -> None:
@@ -431,6 +458,8 @@ def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
             f"build/{report.variant}/metadata.json does not parse: {_one_line(error)}",
             DIGEST_HINT.format(variant=report.variant, copy=copy),
         ) from None
+    except OSError as error:
+        raise _damaged(report, copy, error) from None
     try:
         checked = check_variant_files(variant_dir, metadata)
     except VariantFilesError as error:
@@ -439,6 +468,9 @@ def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
             f"the files of build/{report.variant} differ from its metadata.json digest: {error.summary}",
             DIGEST_HINT.format(variant=report.variant, copy=copy),
         ) from None
+    except OSError as error:  # e.g. a symlink to a blob the cache no longer has
+        report.files = f"cannot be read: {_one_line(error)}"
+        raise _damaged(report, copy, error) from None
     if checked is None:
         report.files = "not checked: metadata.json has no digest"
         return metadata
@@ -550,19 +582,8 @@ def _rejections(card: CardReport, shown: dict[str, str]) -> list[str]:
     return lines
 
 
-def org_name_problem(org: str) -> str | None:
-    """Why `org` cannot name a Hub organisation (huggingface_hub's own repo id rule), or None."""
-    try:
-        validate_repo_id(f"{org}/{next(iter(CARDS.values())).repo_name}")
-    except HFValidationError as error:
-        return (
-            f"{org!r} is not a Hub organisation name: it takes letters, digits, '-', '_' and '.', neither starts nor "
-            f"ends with '-' or '.', and has no '/', '--' or '..' (huggingface_hub: {error})"
-        )
-    return None
-
-
-def _org_argument(text: str) -> str:
+def org_argument(text: str) -> str:
+    """argparse type of an organisation option (the doctor's, publish's): the name, or the rule it breaks."""
     problem = org_name_problem(text)
     if problem:
         raise argparse.ArgumentTypeError(problem)
@@ -573,11 +594,10 @@ def _version_argument(text: str) -> int:
     try:
         version = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a card version: a whole number from 1 (the Hub branch v<N>)"
-        ) from None
-    if version < 1:
-        raise argparse.ArgumentTypeError(f"{version} is not a card version: versions start at 1 (the Hub branch v1)")
+        version = text
+    problem = version_problem(version)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return version
 
 
@@ -585,7 +605,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The doctor's command-line options, for `python -m npu_hub_kernels doctor`."""
     parser.add_argument(
         "--org",
-        type=_org_argument,
+        type=org_argument,
         help="Hub organisation of the cards (default: $NPU_HUB_KERNELS_ORG, else npu-hub-kernels)",
     )
     parser.add_argument(

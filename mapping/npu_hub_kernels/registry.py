@@ -17,11 +17,11 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
-from kernels import Mode, kernelize, register_kernel_mapping
+from kernels import Mode, kernelize, register_kernel_mapping, use_kernel_mapping
 from torch import nn
 
 from . import retag
-from .cards import CARDS, Card, resolve_org
+from .cards import CARDS, Card, resolve_org, version_problem
 from .integrity import CheckedLayerRepository, CheckedLocalLayerRepository
 from .models import MODEL_CLASSES
 
@@ -86,9 +86,15 @@ def register_npu_kernels(
 
     Returns:
         The kernel ids registered.
+
+    Raises:
+        ValueError: a malformed `org` (an empty one included) or `version`, with the doctor's rules.
     """
     cards = select_kernels(kernels)
     org = resolve_org(org)
+    problem = version_problem(version)
+    if problem:
+        raise ValueError(f"version={problem}")
     if trust_remote_code is None:
         trust_remote_code = [card.repo_id(org) for card in cards]
     mapping = {}
@@ -115,12 +121,17 @@ def apply_npu_kernels(
     mode: Mode | None = None,
     **register_kwargs,
 ) -> nn.Module:
-    """Register the selected cards and kernelize `model` for "npu" (LLaMA-Factory's `apply_default_kernels`).
+    """Register the selected cards and kernelize `model` for "npu" with those cards only (LLaMA-Factory's
+    `apply_default_kernels`).
 
+    The selection applies to `model` whatever was registered before: the layers of cards registered
+    earlier but not selected now keep (or get back) their original forward in `model`. The rotary
+    function-modules are shared by every model of a family (README), so for those the last call wins.
     `mode` defaults to TRAINING or INFERENCE after `model.training`. Other keyword arguments go to
     `register_npu_kernels`. With kernels=None or False the model is returned untouched.
     """
-    if not register_npu_kernels(kernels=kernels, **register_kwargs):
+    selected = register_npu_kernels(kernels=kernels, **register_kwargs)
+    if not selected:
         return model
     first = next(model.parameters(), None)
     if first is not None and first.device.type != "npu":
@@ -131,7 +142,16 @@ def apply_npu_kernels(
         )
     if mode is None:
         mode = Mode.TRAINING if model.training else Mode.INFERENCE
-    return kernelize(model, mode=mode, device="npu")
+    # For this call only, the cards not selected have no "npu" entry: kernelize gives their layers the original
+    # forward. Every other entry (the selected cards', other libraries') stays as registered.
+    unselected = {
+        card.mapping_name(layer): {"npu": {}}
+        for card in CARDS.values()
+        if card.kernel_id not in selected
+        for layer in card.layers
+    }
+    with use_kernel_mapping(unselected):
+        return kernelize(model, mode=mode, device="npu")
 
 
 def _repository(card: Card, layer: str, *, org: str, version: int, local_dir, trust):

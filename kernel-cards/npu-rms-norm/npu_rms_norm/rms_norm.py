@@ -11,7 +11,7 @@ transformers' RMSNorm classes scale the normalised input in one of three ways; `
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -19,6 +19,17 @@ from torch import nn
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 Scaling = Literal["plain", "zero_centered", "float32_scale"]
+SCALINGS: tuple[str, ...] = get_args(Scaling)
+"""The accepted values of `scaling`."""
+
+
+def check_scaling(scaling: object) -> None:
+    """Raise ValueError naming the accepted values unless `scaling` is one of SCALINGS."""
+    if scaling not in SCALINGS:
+        raise ValueError(
+            f"scaling={scaling!r} is not a way transformers scales an RMSNorm; pass one of "
+            f"{', '.join(map(repr, SCALINGS))} (Llama's weight * x, Gemma's (1 + weight) * x, Olmo2's float32 weight)"
+        )
 
 
 def epsilon_of(module: nn.Module) -> float:
@@ -29,6 +40,7 @@ def epsilon_of(module: nn.Module) -> float:
 
 def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling = "plain") -> str | None:
     """Why `npu_rms_norm` will not run for these inputs (the eager math runs instead), or None."""
+    check_scaling(scaling)
     reason = npu_unavailable_reason(x, weight)
     if reason is not None:
         return reason
@@ -57,6 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
     """The forward of transformers' LlamaRMSNorm, Gemma3RMSNorm or Olmo2RMSNorm, operation for operation."""
+    check_scaling(scaling)
     input_dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

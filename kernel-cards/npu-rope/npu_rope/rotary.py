@@ -69,10 +69,8 @@ Style = str
 """A key of STYLES."""
 
 
-def _rotary_mul_unavailable_reason(
-    x: torch.Tensor, cos: torch.Tensor, heads_axis: int, rotation: Rotation = "half"
-) -> str | None:
-    """Why `npu_rotary_mul` will not rotate x (4-D, heads on `heads_axis`) by cos/sin, or None."""
+def _rotary_mul_unavailable_reason(x: torch.Tensor, cos: torch.Tensor, rotation: Rotation = "half") -> str | None:
+    """Why `npu_rotary_mul` will not rotate 4-D x by cos/sin, or None."""
     reason = npu_unavailable_reason(x, cos)
     if reason is not None:
         return reason
@@ -93,13 +91,36 @@ def _rotary_mul_unavailable_reason(
         broadcast = None
     if broadcast != x.shape:
         return f"cos {tuple(cos.shape)} does not broadcast to {tuple(x.shape)}"
-    batch, heads = x.shape[0], x.shape[heads_axis]
-    if rotation == "interleave":
-        if batch * heads >= 1000:
-            return f"batch x heads = {batch * heads} must be below 1000 in interleave mode"
-        if cos.shape[0] != 1:
-            return f"cos/sin carry a batch dim ({cos.shape[0]}); interleave mode takes them without one"
-    elif batch >= 1000 or heads >= 1000:
+    x_op, cos_op, _, _ = _operands(x, cos, cos)
+    reasons = [_limits_reason(x_op, cos, batch, heads, rotation) for batch, heads in _layouts(x_op, cos_op, rotation)]
+    if not reasons:
+        return (
+            f"cos {tuple(cos.shape)} is not a form npu_rotary_mul takes for x {tuple(x.shape)} in {rotation!r} mode "
+            "(cos keeps the sequence and last axes, the batch axis too or all four; interleave mode takes cos/sin "
+            "without a batch dim)"
+        )
+    return None if None in reasons else reasons[0]
+
+
+def _layouts(x: torch.Tensor, cos: torch.Tensor, rotation: Rotation) -> list[tuple[int, int]]:
+    """(batch, heads) sizes of each layout (BNSD, BSND, SBND) npu_rotary_mul can read 4-D x and cos as: cos keeps
+    the sequence and last axes, the batch axis too, or all four, and is 1 on the others ('interleave' takes the
+    first form only). A shape can fit several: x [2048, 4, 32, 64] with cos [2048, 4, 1, 64] is BSND and SBND."""
+    found = []
+    for batch_axis, heads_axis in ((0, 1), (0, 2), (1, 2)):
+        seq_axis = 3 - batch_axis - heads_axis
+        forms = ({seq_axis, 3}, {batch_axis, seq_axis, 3}, {0, 1, 2, 3})
+        for kept in forms[:1] if rotation == "interleave" else forms:
+            if tuple(cos.shape) == tuple(x.shape[axis] if axis in kept else 1 for axis in range(4)):
+                found.append((x.shape[batch_axis], x.shape[heads_axis]))
+    return found
+
+
+def _limits_reason(x: torch.Tensor, cos: torch.Tensor, batch: int, heads: int, rotation: Rotation) -> str | None:
+    """Why npu_rotary_mul refuses x read with these batch and heads sizes, or None."""
+    if rotation == "interleave" and batch * heads >= 1000:
+        return f"batch x heads = {batch * heads} must be below 1000 in interleave mode"
+    if rotation == "half" and (batch >= 1000 or heads >= 1000):
         return f"batch {batch} and heads {heads} must both be below 1000"
     if cos.requires_grad and batch * heads > 1024:
         return f"batch x heads = {batch * heads} above 1024 with cos/sin requiring gradients"
@@ -119,22 +140,31 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int, rotation: Rotation = "half", fused=True
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation = "half", fused: bool = True
 ) -> torch.Tensor:
     """`x * cos + rotation(x) * sin`, fused on npu tensors (unless `fused` is False); cos/sin broadcast to x."""
-    if fused and _rotary_mul_unavailable_reason(x, cos, heads_axis, rotation) is None:
+    if fused and _rotary_mul_unavailable_reason(x, cos, rotation) is None:
         return _rotary_mul(x, cos, sin, rotation)
     return (x * cos) + ((rotate_half(x) if rotation == "half" else rotate_pairs(x)) * sin)
 
 
 def _rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation) -> torch.Tensor:
-    """npu_rotary_mul on the layout x's memory has: x itself when contiguous, else its BNSD <-> BSND transpose
-    when that is contiguous (the output goes back through the same transpose), else a contiguous copy."""
+    """npu_rotary_mul on the layout x's memory has (see `_operands`)."""
+    x_op, cos_op, sin_op, swapped = _operands(x, cos, sin)
+    out = torch_npu.npu_rotary_mul(x_op.contiguous(), cos_op.contiguous(), sin_op.contiguous(), rotary_mode=rotation)
+    return out.transpose(1, 2) if swapped else out
+
+
+def _operands(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """What npu_rotary_mul is given: x itself when contiguous, else its BNSD <-> BSND transpose when that is
+    contiguous (True: the output goes back through the same transpose; cos/sin follow, their size-1 axes
+    copy nothing), else x as it is, which the caller makes contiguous (a copy)."""
     swapped = x.transpose(1, 2)
     if not x.is_contiguous() and swapped.is_contiguous():
-        angles = (cos.transpose(1, 2).contiguous(), sin.transpose(1, 2).contiguous())  # size-1 axes: no copy
-        return torch_npu.npu_rotary_mul(swapped, *angles, rotary_mode=rotation).transpose(1, 2)
-    return torch_npu.npu_rotary_mul(x.contiguous(), cos.contiguous(), sin.contiguous(), rotary_mode=rotation)
+        return swapped, cos.transpose(1, 2), sin.transpose(1, 2), True
+    return x, cos, sin, False
 
 
 def _in_place_unavailable_reason(
@@ -164,7 +194,18 @@ def _in_place_unavailable_reason(
         return "empty input"
     if cos.shape[:2] != q_bsnd.shape[:2] or k_bsnd.shape[:2] != q_bsnd.shape[:2]:
         return f"cos {tuple(cos.shape)} must give every batch row its own angles (no broadcast over the batch)"
+    if _share_memory(q_bsnd, k_bsnd):
+        return "q and k share memory (the in-place op would rotate it twice)"
     return None
+
+
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors have bytes in common (the same tensor, or overlapping views of one storage)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end, b_end = a_start + a.numel() * a.element_size(), b_start + b.numel() * b.element_size()
+    return a_start < b_end and b_start < a_end
 
 
 def apply_rotary_pos_emb(
@@ -195,7 +236,7 @@ def apply_rotary_pos_emb(
         return q, k
     rotary_style = STYLES[style]
     cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
-    return tuple(_apply(x, cos, sin, unsqueeze_dim, rotary_style, fused) for x in (q, k))
+    return tuple(_apply(x, cos, sin, rotary_style, fused) for x in (q, k))
 
 
 def apply_rotary_pos_emb_eager(
@@ -232,7 +273,7 @@ def apply_rotary_pos_emb_unavailable_reason(
     cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
     for name, x in (("q", q), ("k", k)):
         x_rot, cos_rot, _, _ = _prepared(x, cos, sin, rotary_style)
-        reason = _rotary_mul_unavailable_reason(x_rot, cos_rot, unsqueeze_dim, rotary_style.rotation)
+        reason = _rotary_mul_unavailable_reason(x_rot, cos_rot, rotary_style.rotation)
         if reason is not None:
             return f"{name}: {reason}"
     return None
@@ -269,11 +310,9 @@ def _prepared(
     return x_rot, cos, sin, compute
 
 
-def _apply(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_axis: int, style: RotaryStyle, fused: bool
-) -> torch.Tensor:
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RotaryStyle, fused: bool) -> torch.Tensor:
     x_rot, cos, sin, compute = _prepared(x, cos, sin, style)
-    rotated = rotate(x_rot, cos, sin, heads_axis, style.rotation, fused)
+    rotated = rotate(x_rot, cos, sin, style.rotation, fused)
     if compute is not None:
         rotated = rotated.to(x.dtype)
     rotary_dim = x_rot.shape[-1]

@@ -46,7 +46,11 @@ class NpuTensor(torch.Tensor):
     _cpu: torch.Tensor
 
     @staticmethod
-    def __new__(cls, cpu: torch.Tensor) -> NpuTensor:
+    def __new__(cls, cpu: torch.Tensor, requires_grad: bool | None = None) -> NpuTensor:
+        if requires_grad is not None:
+            # `type(param)(value, requires_grad=...)`, how accelerate's set_module_tensor_to_device remakes a
+            # parameter of its class: on a device that class is Parameter's.
+            return torch.nn.Parameter(cpu, requires_grad)
         wrapper = torch.Tensor._make_wrapper_subclass(
             cls,
             cpu.shape,

@@ -5,7 +5,8 @@
 float32 and one cast back. 'half' rotates like transformers' `rotate_half` (`cat(-x2, x1)`);
 'interleave' turns each pair (x[2i], x[2i+1]) into (-x[2i+1], x[2i]). The layout (BNSD, BSND, SBND,
 or TND for 3-D x) is read from which axes of r1 are 1, as the kernel does; r1 must be one of the
-layout's broadcast forms, and the batch/heads limits apply to that layout's axes. The output is a new
+layout's broadcast forms, and the batch/heads limits apply to that layout's axes. A shape that is a
+form of several layouts is taken when it is within the limits of one of them (the math is the same). The output is a new
 tensor of x's shape, in x's layout (row-major), whatever x's strides.
 
 `npu_apply_rotary_pos_emb`: 'half' RoPE of q and k with one cos/sin, written into q and k in place
@@ -110,24 +111,35 @@ def _check(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> No
         if tuple(r1.shape) not in forms:
             raise RuntimeError(f"npu_rotary_mul: TND x {tuple(x.shape)} takes r1 of {forms}, got {tuple(r1.shape)}")
         return
-    layout = _layout(x, r1, mode)
+    reasons = [_limits_reason(x, r1, r2, mode, layout) for layout in _layouts(x, r1, mode)]
+    if None not in reasons:  # a shape several layouts read is taken when it is within the limits of one of them
+        raise RuntimeError(reasons[0])
+
+
+def _limits_reason(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str, layout: str) -> str | None:
+    """Why x is outside `layout`'s batch/heads limits in `mode`, or None."""
     batch_axis, heads_axis, _ = _LAYOUT_FORMS[layout]
     batch, heads = x.shape[batch_axis], x.shape[heads_axis]
     if mode == "half" and (batch >= 1000 or heads >= 1000):
-        raise RuntimeError(f"npu_rotary_mul: 'half' needs B and N < 1000 ({layout}), got B={batch}, N={heads}")
+        return f"npu_rotary_mul: 'half' needs B and N < 1000 ({layout}), got B={batch}, N={heads}"
     if mode == "interleave" and batch * heads >= 1000:
-        raise RuntimeError(f"npu_rotary_mul: 'interleave' needs B*N < 1000 ({layout}), got B={batch}, N={heads}")
+        return f"npu_rotary_mul: 'interleave' needs B*N < 1000 ({layout}), got B={batch}, N={heads}"
     if (r1.requires_grad or r2.requires_grad) and torch.is_grad_enabled() and batch * heads > 1024:
-        raise RuntimeError(f"npu_rotary_mul: B*N must be <= 1024 when r1/r2 require grad, got {batch * heads}")
+        return f"npu_rotary_mul: B*N must be <= 1024 when r1/r2 require grad ({layout}), got {batch * heads}"
+    return None
 
 
-def _layout(x: torch.Tensor, r1: torch.Tensor, mode: str) -> str:
-    """The layout whose r1 form r1's shape is: the axes of x it keeps, 1 on the others."""
-    for layout, (_, _, forms) in _LAYOUT_FORMS.items():
-        for kept in forms[:1] if mode == "interleave" else forms:
-            form = tuple(x.shape[axis] if axis in kept else 1 for axis in range(4))
-            if tuple(r1.shape) == form:
-                return layout
+def _layouts(x: torch.Tensor, r1: torch.Tensor, mode: str) -> list[str]:
+    """The layouts of which r1's shape is an r1 form (the axes of x it keeps, 1 on the others): one or several
+    (x [2048, 4, 32, 64] with r1 [2048, 4, 1, 64] is BSND with B=2048 and SBND with S=2048)."""
+    layouts = [
+        layout
+        for layout, (_, _, forms) in _LAYOUT_FORMS.items()
+        for kept in (forms[:1] if mode == "interleave" else forms)
+        if tuple(r1.shape) == tuple(x.shape[axis] if axis in kept else 1 for axis in range(4))
+    ]
+    if layouts:
+        return list(dict.fromkeys(layouts))
     allowed = "the first form" if mode == "interleave" else "one of the forms"
     raise RuntimeError(
         f"npu_rotary_mul: r1 {tuple(r1.shape)} is not {allowed} of a layout for x {tuple(x.shape)} in {mode!r} mode "
