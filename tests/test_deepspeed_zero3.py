@@ -199,6 +199,21 @@ def test_zero3_two_ranks_train_exactly_as_eager(zero3_ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="npu-swiglu refuses every ZeRO-3 parameter (hasattr(weight, 'ds_id'), swiglu.py "
+    "_projection_unavailable_reason), even one its leaf MLP's hooks have gathered, on a hook-free Linear",
+)
+def test_zero3_leaf_split_mlps_fuse(zero3_ranks):
+    """With the split MLPs as ZeRO-3 leaves, every call of each fuses (npu_swiglu once per MLP call, per rank)."""
+    for rank, results in enumerate(zero3_ranks):
+        for family in ("llama", "qwen3"):
+            fused = results[family, "kernels+leaves"]
+            assert [call["reason"] for call in fused["seen"]] == [None] * STEPS * 2, (rank, family, fused["seen"][0])
+            assert fused["calls"]["npu_swiglu"] == STEPS * 2, (rank, family, fused["calls"])
+
+
+@pytest.mark.slow
 def test_zero3_split_mlp_without_leaves_sees_partitioned_weights(zero3_ranks):
     """The control: kernelized but not marked, each split MLP finds gate_proj/up_proj carrying ZeRO-3 hooks, so the
     card takes the eager path with a reason and npu_swiglu never runs; the numbers are eager's. (The weight read
