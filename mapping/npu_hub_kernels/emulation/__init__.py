@@ -14,7 +14,8 @@ so `kernels` resolves the `torch<XY>-cxx11-cann<XY>-<arch>-linux` build variants
 
 The emulated ops follow the contracts in docs/torch-npu-ops.md (one section per op, with sources).
 What lives where: `device.py` (the "npu" device: tensors, factories, module conversions),
-`checks.py` (input checks and the call counter), and one file per op family: `rms_norm.py`,
+`streams.py` (streams, events, allocator statistics: what DeepSpeed asks), `checks.py` (input checks
+and the call counter), and one file per op family: `rms_norm.py`,
 `rotary_mul.py` (npu_rotary_mul, npu_apply_rotary_pos_emb), `swiglu.py`, `moe.py` (token
 permute/unpermute, grouped matmul).
 
@@ -145,6 +146,7 @@ def _not_emulated(name: str):
 def _build_torch_npu_module() -> ModuleType:
     torch_npu = _new_module("torch_npu")
     torch_npu.__emulated__ = True  # type: ignore[attr-defined]
+    torch_npu.__file__ = __file__  # where it lives (DeepSpeed's NPU op builders look for its folder)
     torch_npu.__version__ = torch.__version__.split("+")[0]  # type: ignore[attr-defined]
     torch_npu.npu = torch.npu  # type: ignore[attr-defined]
     for name, op in _EMULATED_OPS.items():

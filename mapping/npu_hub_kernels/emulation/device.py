@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 from .autocast import install_autocast
+from .streams import EmulatedNpuStreams, record_stream
 
 # Ops that legitimately take tensors from two devices (copies between host and device).
 _CROSS_DEVICE_OPS = {
@@ -35,7 +36,7 @@ def _histc(x, bins=100, min=0, max=0):
     return torch.histc(x.double(), bins=bins, min=min, max=max).to(x.dtype)
 
 
-_DEVICE_KERNELS = {torch.ops.aten.histc.default: _histc}
+_DEVICE_KERNELS = {torch.ops.aten.histc.default: _histc, torch.ops.aten.record_stream.default: record_stream}
 """Ops whose npu kernel accepts inputs the CPU kernel does not: run these instead on the host data."""
 
 
@@ -204,7 +205,7 @@ class _EmulatedNpuRandom:
         return torch.random.initial_seed()
 
 
-class EmulatedNpuModule:
+class EmulatedNpuModule(EmulatedNpuStreams):
     """What `torch.npu` offers that transformers, accelerate and kernels ask of it."""
 
     random = _EmulatedNpuRandom()
