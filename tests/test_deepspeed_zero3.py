@@ -2,7 +2,8 @@
 
 Each rank runs DeepSpeed's NPU accelerator (DS_ACCELERATOR=npu, which imports the emulated torch_npu) with ZeRO-3
 partitioning every parameter over the 2 ranks, 3 AdamW steps per model, once without kernels and once kernelized in
-TRAINING mode with `mark_zero3_leaf_mlps` called before `deepspeed.initialize`. Every process is bounded in time.
+TRAINING mode by `apply_npu_kernels` (which, deepspeed being imported, marks the split MLPs as ZeRO-3 leaves) before
+`deepspeed.initialize`. Every process is bounded in time.
 
 Per rank (each is a one-NPU host: LOCAL_RANK=0, since the emulated host has one device and DeepSpeed calls
 `torch.npu.set_device(LOCAL_RANK)`), with the process group on gloo until the emulated "hccl" backend lands.
@@ -36,7 +37,8 @@ ZERO3_CONFIG = {
 }
 """ZeRO-3 with no persistent parameters: every weight, norms included, is partitioned and gathered by hooks."""
 RUNS = ("eager", "kernels+leaves")
-"""Without kernels; kernelized with `mark_zero3_leaf_mlps` (and, for Llama only, "kernels": without it)."""
+"""Without kernels; with `apply_npu_kernels`, which marks the split MLPs as ZeRO-3 leaves when deepspeed is imported
+(and, for Llama only, "kernels": `kernelize` alone, no leaves)."""
 
 
 def _free_loopback_port() -> int:
@@ -102,20 +104,21 @@ def _rank_main(built_cards: str, out_dir: str) -> None:
 def _train(family: str, run: str, built_cards: str, rank: int) -> dict:
     """STEPS ZeRO-3 AdamW steps on this rank's batches; losses, full fp32 parameters, op counts, what MLPs saw."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
-    from kernels import Mode
+    from deepspeed.utils import safe_get_full_fp32_param, z3_leaf_module
+    from kernels import Mode, kernelize
 
-    from npu_hub_kernels import apply_npu_kernels, emulation, unregister_npu_kernels
+    from npu_hub_kernels import apply_npu_kernels, emulation, register_npu_kernels, unregister_npu_kernels
     from npu_hub_kernels.tiny_models import tiny_causal_lm
     from npu_hub_kernels.zero3 import mark_zero3_leaf_mlps
 
     torch.manual_seed(0)
     model = tiny_causal_lm(family).to("npu").train()
-    leaves = []
-    if run != "eager":
+    if run == "kernels+leaves":  # deepspeed is imported: apply_npu_kernels marks the split MLPs as leaves itself
         apply_npu_kernels(model, mode=Mode.TRAINING, local_dir=built_cards)
-    if run == "kernels+leaves":
-        leaves = mark_zero3_leaf_mlps(model)
+    elif run == "kernels":  # kernelize alone marks nothing
+        register_npu_kernels(local_dir=built_cards)
+        kernelize(model, mode=Mode.TRAINING, device="npu")
+    leaves = [name for name, module in model.named_modules() if z3_leaf_module(module)]
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=ZERO3_CONFIG
     )
@@ -199,11 +202,6 @@ def test_zero3_two_ranks_train_exactly_as_eager(zero3_ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="npu-swiglu refuses every ZeRO-3 parameter (hasattr(weight, 'ds_id'), swiglu.py "
-    "_projection_unavailable_reason), even one its leaf MLP's hooks have gathered, on a hook-free Linear",
-)
 def test_zero3_leaf_split_mlps_fuse(zero3_ranks):
     """With the split MLPs as ZeRO-3 leaves, every call of each fuses (npu_swiglu once per MLP call, per rank)."""
     for rank, results in enumerate(zero3_ranks):

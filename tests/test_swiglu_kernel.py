@@ -315,11 +315,25 @@ def test_weights_held_or_laid_out_by_another_system_fuse_as_they_are(card, case)
         torch.testing.assert_close(got.grad.cpu(), want.grad.cpu(), rtol=1e-6, atol=1e-6, msg=name)
 
 
+def test_a_gathered_zero3_weight_of_a_hook_free_projection_fuses(card):
+    """Under a ZeRO-3 leaf MLP (npu_hub_kernels.zero3) its projections carry no hooks and hold their gathered
+    weights (shape == ds_shape) for the whole forward and backward: the card reads them and fuses."""
+    mlp = make("split", 16, 24, torch.float32).to("npu")
+    for linear in (mlp.gate_proj, mlp.up_proj):
+        linear.weight.ds_id, linear.weight.ds_shape = id(linear), linear.weight.shape
+    x = torch.randn(3, 16).to("npu")
+    assert card.swiglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn) is None
+    mlp.up_proj.weight.ds_shape = torch.Size([48, 16])  # partitioned, not gathered here
+    assert "DeepSpeed ZeRO-3" in card.swiglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn)
+
+
 def _read_elsewhere(mlp, case):
     """Give mlp's projections an owner that the card cannot read around; returns the reason's key words."""
     if case == "DeepSpeed ZeRO-3":
         mlp.gate_proj.weight.ds_id = 7  # what ZeRO-3 sets on the parameters it partitions
-        return "DeepSpeed ZeRO-3"
+        mlp.gate_proj.weight.ds_shape = torch.Size([24, 16])
+        mlp.gate_proj.register_forward_pre_hook(lambda module, args: None)  # its hook gathers it when called
+        return "mark_zero3_leaf_mlps"
     if case == "hooked projection (as adapters are)":
         mlp.up_proj.register_forward_hook(lambda module, args, out: out * 2)
         return "not a plain nn.Linear"

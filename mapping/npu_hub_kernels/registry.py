@@ -14,6 +14,7 @@ to restore the classes.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from . import retag
 from .cards import CARDS, Card, resolve_org, version_problem
 from .integrity import CheckedLayerRepository, CheckedLocalLayerRepository
 from .models import MODEL_CLASSES
+from .zero3 import mark_zero3_leaf_mlps
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +147,9 @@ def apply_npu_kernels(
     earlier but not selected now keep (or get back) their original forward in `model`. The rotary
     function-modules are shared by every model of a family (README), so for those the last call wins.
     `mode` defaults to TRAINING or INFERENCE after `model.training`. Other keyword arguments go to
-    `register_npu_kernels`. With kernels=None or False the model is returned untouched.
+    `register_npu_kernels`. With kernels=None or False the model is returned untouched. When deepspeed is
+    imported (a ZeRO-3 run is likely), the split MLPs the cards swapped become ZeRO-3 leaf modules so that they
+    fuse under ZeRO-3 too (`zero3.mark_zero3_leaf_mlps`); that changes nothing outside ZeRO-3.
     """
     selected = register_npu_kernels(kernels=kernels, **register_kwargs)
     if not selected:
@@ -168,7 +172,10 @@ def apply_npu_kernels(
         for layer in card.layers
     }
     with use_kernel_mapping(unselected):
-        return kernelize(model, mode=mode, device="npu")
+        kernelize(model, mode=mode, device="npu")
+    if "deepspeed" in sys.modules:
+        mark_zero3_leaf_mlps(model)
+    return model
 
 
 def _repository(card: Card, layer: str, *, org: str, version: int, local_dir, trust):

@@ -60,11 +60,14 @@ def _npu_swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> 
 def _projection_unavailable_reason(name: str, proj: nn.Module) -> str | None:
     """Why the card cannot read this projection's weight and bias directly, or None."""
     weight = getattr(proj, "weight", None)
-    if weight is not None and (hasattr(weight, "ds_id") or hasattr(weight, "ds_status")):
-        return (
-            f"{name} is partitioned by DeepSpeed ZeRO-3, which gathers its weight only when {name} itself is "
-            "called: the MLP runs its eager math"
-        )
+    if weight is not None and hasattr(weight, "ds_id"):  # DeepSpeed ZeRO-3 partitions it
+        gathered = tuple(weight.shape) == tuple(getattr(weight, "ds_shape", ()))
+        if not (gathered and is_plain_linear(proj)):
+            return (
+                f"{name} is partitioned by DeepSpeed ZeRO-3 and gathered only when {name} itself is called: the MLP "
+                "runs its eager math (npu_hub_kernels.zero3.mark_zero3_leaf_mlps(model) before deepspeed.initialize "
+                "makes the MLP gather its projections itself, and fuse)"
+            )
     if not is_plain_linear(proj):
         return (
             f"{name} is {type(proj).__name__}{' with hooks' if type(proj) is nn.Linear else ''}, not a plain "
