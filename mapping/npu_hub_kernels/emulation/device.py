@@ -36,7 +36,12 @@ def _histc(x, bins=100, min=0, max=0):
 
 
 _DEVICE_KERNELS = {torch.ops.aten.histc.default: _histc}
-"""Ops whose npu kernel accepts inputs the CPU kernel does not: run these instead on the host data."""
+"""Ops whose npu kernel differs from the host's: run these instead on the host data (the npu tensors' `_cpu`)."""
+
+
+def register_device_kernel(op: torch._ops.OpOverload, kernel) -> None:
+    """Run `kernel` instead of `op` on the host data when `op` gets npu tensors (e.g. collectives on the hccl group)."""
+    _DEVICE_KERNELS[op] = kernel
 
 
 class NpuTensor(torch.Tensor):
