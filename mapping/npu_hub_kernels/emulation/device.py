@@ -8,9 +8,12 @@ with non-scalar CPU tensors raises, as on real hardware, so device bugs are not 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
+import threading
+import time
 from collections import OrderedDict
 
 import torch
@@ -61,6 +64,7 @@ class NpuTensor(torch.Tensor):
             requires_grad=False,
         )
         wrapper._cpu = cpu
+        _track_storage(cpu)
         return wrapper
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -205,8 +209,120 @@ class _EmulatedNpuRandom:
         return torch.random.initial_seed()
 
 
+_LIVE_STORAGES: dict[int, StorageWeakRef] = {}
+"""Each host storage an npu tensor has been made on (by StorageImpl address) -> a weak reference to it."""
+_PRUNE_EVERY = 4096
+_registrations = itertools.count(1)
+
+
+def _track_storage(cpu: torch.Tensor) -> None:
+    storage = cpu.untyped_storage()
+    if storage._cdata not in _LIVE_STORAGES:
+        _LIVE_STORAGES[storage._cdata] = StorageWeakRef(storage)
+        if next(_registrations) % _PRUNE_EVERY == 0:
+            _prune_storages()
+
+
+def _prune_storages() -> None:
+    for key in [key for key, ref in _LIVE_STORAGES.items() if ref.expired()]:
+        del _LIVE_STORAGES[key]
+
+
+def npu_memory_allocated() -> int:
+    """Bytes of npu memory in use: the distinct host storages behind live npu tensors, each at its current size.
+
+    Views of one buffer count once; a buffer freed by `untyped_storage().resize_(0)` (what FSDP2 does to its
+    unsharded parameters after a forward) counts 0 while it is empty. Unlike an allocator's count, there is no
+    rounding to blocks and no cache: this is what the tensors alive at the call hold.
+    """
+    _prune_storages()
+    return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() for ref in _LIVE_STORAGES.values())
+
+
+class _EmulatedEvent:
+    """`torch.npu.Event`: the emulated device completes every op before the next starts, so an event is complete
+    as soon as it is recorded; waits return at once. With `enable_timing`, `elapsed_time` is host wall time."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self._recorded_at: float | None = None
+
+    def record(self, stream: _EmulatedStream | None = None) -> None:
+        self._recorded_at = time.perf_counter()
+
+    def wait(self, stream: _EmulatedStream | None = None) -> None:
+        """Nothing to wait for: the work before the record is done."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def elapsed_time(self, end_event: _EmulatedEvent) -> float:
+        """Milliseconds between the two records (host wall time)."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with enable_timing=True to measure elapsed time")
+        if self._recorded_at is None or end_event._recorded_at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time")
+        return (end_event._recorded_at - self._recorded_at) * 1000.0
+
+
+class _EmulatedStream:
+    """`torch.npu.Stream`: an ordering of device work. The emulated device runs each op to completion on the
+    calling thread, so every stream is already in order with every other: waits return at once."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
+        self.priority = priority
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("npu", 0)
+
+    def wait_stream(self, stream: _EmulatedStream) -> None:
+        """Nothing to wait for: the other stream's work is done."""
+
+    def wait_event(self, event: _EmulatedEvent) -> None:
+        """Nothing to wait for: the event is complete."""
+
+    def record_event(self, event: _EmulatedEvent | None = None) -> _EmulatedEvent:
+        event = event or _EmulatedEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def __enter__(self) -> _EmulatedStream:
+        self._outer = [*getattr(self, "_outer", []), EmulatedNpuModule.current_stream()]
+        EmulatedNpuModule.set_stream(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        EmulatedNpuModule.set_stream(self._outer.pop())
+
+
+_DEFAULT_STREAM = _EmulatedStream()
+_current_stream = threading.local()
+
+
 class EmulatedNpuModule:
-    """What `torch.npu` offers that transformers, accelerate and kernels ask of it."""
+    """What `torch.npu` offers that transformers, accelerate, kernels, DDP and FSDP2 ask of it.
+
+    Streams and events (FSDP2 overlaps its all-gathers and reduce-scatters on streams of their own) are
+    synchronous on the host: the emulated device runs every op to completion in issue order.
+    """
+
+    Stream = _EmulatedStream
+    Event = _EmulatedEvent
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        """`npu_memory_allocated()`: bytes held by the live npu tensors' buffers."""
+        return npu_memory_allocated()
 
     random = _EmulatedNpuRandom()
     get_rng_state = staticmethod(_EmulatedNpuRandom.get_rng_state)
@@ -259,6 +375,23 @@ class EmulatedNpuModule:
     @staticmethod
     def empty_cache() -> None:
         """Host memory: nothing to release."""
+
+    @staticmethod
+    def current_stream(device=None) -> _EmulatedStream:
+        return getattr(_current_stream, "stream", _DEFAULT_STREAM)
+
+    @staticmethod
+    def default_stream(device=None) -> _EmulatedStream:
+        return _DEFAULT_STREAM
+
+    @staticmethod
+    def set_stream(stream: _EmulatedStream) -> None:
+        _current_stream.stream = stream
+
+    @staticmethod
+    def stream(stream: _EmulatedStream | None) -> contextlib.AbstractContextManager:
+        """`with torch.npu.stream(s):` makes `s` the current stream inside the block (None: leaves it)."""
+        return contextlib.nullcontext() if stream is None else stream
 
 
 def _register_factories(lib: torch.library.Library) -> None:
