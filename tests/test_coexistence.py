@@ -23,7 +23,6 @@ from test_mapping import EXPECTED, expected_calls, forward, layer_count
 from npu_hub_kernels import (
     apply_npu_kernels,
     emulation,
-    pack_gate_up,
     register_npu_kernels,
     swapped_modules,
     unregister_npu_kernels,
@@ -127,7 +126,6 @@ def test_llamafactory_npu_kernels_applied_first_are_left_alone(register, caplog,
     with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
         register()
         kernelize(model, mode=Mode.INFERENCE, device="npu")
-    pack_gate_up(model)
     assert getattr(module, ROTARY) is theirs
     assert f"{module.__name__}.{ROTARY} alone" in caplog.text
     assert f"{theirs.__module__}.{theirs.__qualname__}" in caplog.text
@@ -172,7 +170,6 @@ def test_a_rotary_function_another_library_replaced_is_left_alone(register, monk
     with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
         register()
         model = kernelize(tiny_model(model_type).to("npu"), mode=Mode.INFERENCE, device="npu")
-    pack_gate_up(model)
     assert f"{module.__name__}.{ROTARY} alone" in caplog.text and replacement in caplog.text
     with emulation.count_op_calls() as calls:
         out = forward(model, ids)
@@ -239,7 +236,7 @@ def ops_inside(model, names: set[str]) -> dict[str, Counter]:
 
 
 def assert_each_listed_swap_runs(model_type: str, model) -> None:
-    """Every swap listed ran, and nothing fused that is not listed (split MLPs packed): each listed module
+    """Every swap listed ran, and nothing fused that is not listed: each listed module
     made its card's fused op call; each caller of rotary function-modules made ops per call times the functions listed
     under it (DeepseekV3's attention calls one of its two, by config), and one with none listed made none."""
     swaps = swapped_modules(model)
@@ -285,7 +282,6 @@ def test_a_deep_copy_fuses_as_the_original_does(register, model_type, case):
     model = copy.deepcopy(base).to("npu")
     if case != DEEPCOPY_CASES[1]:
         kernelize(model, mode=Mode.INFERENCE, device="npu")
-    pack_gate_up(model)
     with emulation.count_op_calls() as calls:
         out = forward(model, ids)
     assert dict(calls) == expected_calls(model_type, model)
@@ -304,7 +300,6 @@ def test_a_copy_made_before_registering_lists_only_what_runs(register, model_typ
     model = copy.deepcopy(base).to("npu")
     register()
     kernelize(model, mode=Mode.INFERENCE, device="npu")
-    pack_gate_up(model)  # split MLPs fuse once packed (listed either way)
     attached_by_transformers = model_type == "llama"
     expected = [] if attached_by_transformers else rope_names(model_type, model)
     assert [s.module for s in swapped_modules(model, card="npu-rope")] == expected
@@ -321,6 +316,5 @@ def test_rotary_swaps_are_named_by_function_before_and_after_registering(registe
     after = tiny_model(model_type).to("npu")
     for model in (before, after):
         kernelize(model, mode=Mode.INFERENCE, device="npu")
-        pack_gate_up(model)
         assert [s.module for s in swapped_modules(model, card="npu-rope")] == rope_names(model_type, model)
         assert_each_listed_swap_runs(model_type, model)

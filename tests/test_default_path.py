@@ -51,7 +51,7 @@ def test_split_mlps_fuse_on_the_default_path_through_casts_modes_and_training(np
     state = model.state_dict()
     assert state.keys() == saved.keys() and all(torch.equal(state[k].cpu(), v) for k, v in saved.items())
 
-    model.to(torch.bfloat16)  # a cast reallocates the weights: the next call packs them again
+    model.to(torch.bfloat16)  # a cast reallocates the weights: the next call reads them where they now are
     with emulation.count_op_calls() as calls:
         out = logits(model)
     assert calls["npu_swiglu"] == mlps
@@ -74,11 +74,11 @@ def test_split_mlps_fuse_on_the_default_path_through_casts_modes_and_training(np
 
 
 @pytest.mark.parametrize("model_type", SPLIT_MLP_FAMILIES)
-def test_save_pretrained_round_trips_a_packed_model(npu_kernels, tmp_path, model_type):
+def test_save_pretrained_round_trips_a_model_that_ran_fused(npu_kernels, tmp_path, model_type):
     _, model = load(tmp_path, model_type)
-    logits(model)  # packs every split MLP
-    model.save_pretrained(tmp_path / "packed")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
+    logits(model)
+    model.save_pretrained(tmp_path / "ran")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ran")
     state = model.state_dict()
     assert reloaded.state_dict().keys() == state.keys()
     assert all(torch.equal(v, state[k].cpu()) for k, v in reloaded.state_dict().items())

@@ -61,7 +61,7 @@ def test_real_host_is_not_emulated():
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "phi3", "glm4", "deepseek_v3"])
 def test_every_card_runs_on_the_device_in_a_tiny_model(built_cards, model_type):
-    """RoPE (half, GLM interleave, DeepSeek de-interleave), SwiGLU (split, packed on the first call, and gate_up)
+    """RoPE (half, GLM interleave, DeepSeek de-interleave), SwiGLU (split: two matmuls into one buffer; and gate_up)
     and MoE on hardware; then the one-call in-place RoPE op in inference mode (head dim 128)."""
     model = tiny_model(model_type)
     ids = token_ids()
@@ -71,7 +71,7 @@ def test_every_card_runs_on_the_device_in_a_tiny_model(built_cards, model_type):
     try:
         model = kernelize(model.npu(), mode=Mode.TRAINING, device="npu")
         fused = model(ids.npu()).logits
-        fused.float().pow(2).mean().backward()  # the grouped-matmul and packed-matmul backwards run
+        fused.float().pow(2).mean().backward()  # the grouped-matmul and gate/up-halves backwards run
     finally:
         unregister_npu_kernels()
     assert swapped_modules(model, card="npu-rope")
@@ -94,3 +94,22 @@ def test_inference_mode_rotates_q_and_k_in_one_call_on_the_device(built_cards):
     finally:
         unregister_npu_kernels()
     torch.testing.assert_close(fused, eager, rtol=1e-3, atol=1e-3)
+
+
+def test_npu_swiglu_gates_the_halves_of_dim_0_with_its_backward(built_cards):
+    """The split MLP's contract on the device: `npu_swiglu(buf, dim=0)` on a [2, T, I] buffer equals
+    `silu(buf[0]) * buf[1]`, and its backward passes dim through (docs/torch-npu-ops.md, "npu_swiglu")."""
+    import torch_npu
+
+    for dtype in (torch.float32, torch.bfloat16):
+        halves = torch.randn(2, 37, 96, dtype=dtype)
+        leaf = halves.npu().requires_grad_()
+        out = torch_npu.npu_swiglu(leaf, dim=0)
+        out.float().square().sum().backward()
+        reference = halves.double().requires_grad_()
+        expected = torch.nn.functional.silu(reference[0]) * reference[1]
+        expected.square().sum().backward()
+        assert out.shape == (1, 37, 96)
+        tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(out[0].cpu().double(), expected.detach(), **tolerance)
+        torch.testing.assert_close(leaf.grad.cpu().double(), reference.grad, **tolerance)

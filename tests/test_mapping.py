@@ -22,7 +22,6 @@ from npu_hub_kernels import (
     apply_npu_kernels,
     available_kernels,
     emulation,
-    pack_gate_up,
     register_npu_kernels,
     select_kernels,
     swapped_modules,
@@ -96,7 +95,7 @@ def experts_count(model) -> int:
 
 
 def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, int]:
-    """Fused op calls of one forward (and backward) of a kernelized, packed model: per Experts module one
+    """Fused op calls of one forward (and backward) of a kernelized model: per Experts module one
     permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute."""
     expected = EXPECTED[model_type]
     experts = experts_count(model) if expected.moe else 0
@@ -148,17 +147,19 @@ def test_kernelized_fp32_forward_matches_eager_and_every_fused_op_ran(npu_kernel
 
 
 @pytest.mark.parametrize("model_type", ["llama", "granite", "phi3"])
-def test_split_mlps_fuse_with_no_call_and_pack_gate_up_finds_them_packed(npu_kernels, model_type):
-    """Split MLPs pack their gate/up weights on their first fused call: every gated MLP fuses on the first
-    forward, and `pack_gate_up(model)` afterwards finds every split MLP already packed."""
+def test_gated_mlps_fuse_with_no_call_and_leave_every_parameter_where_it_lives(npu_kernels, model_type):
+    """Every gated MLP fuses on the first forward, with no call from the user; no parameter changes object,
+    storage or size of storage (each storage holds exactly its parameter: nothing shares a buffer)."""
     ids = token_ids()
     eager = forward(tiny_model(model_type), ids)
     model = kernelize(tiny_model(model_type).to("npu"), mode=Mode.INFERENCE, device="npu")
+    where = {n: (id(p), p.data_ptr(), p.untyped_storage().nbytes()) for n, p in model.named_parameters()}
     with emulation.count_op_calls() as calls:
         out = forward(model, ids)
     assert calls["npu_swiglu"] == gated_mlp_count(model)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
-    assert pack_gate_up(model) == (gated_mlp_count(model) if EXPECTED[model_type].mlp == "SwiGLUMLP" else 0)
+    assert {n: (id(p), p.data_ptr(), p.untyped_storage().nbytes()) for n, p in model.named_parameters()} == where
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -349,9 +350,9 @@ def test_rotary_function_is_shared_by_all_models_of_a_family(npu_kernels):
     assert calls["npu_rotary_mul"] == 0
 
 
-def test_packed_mlps_train_save_and_load_like_unpacked_ones(npu_kernels, tmp_path):
-    """pack_gate_up keeps the Parameter objects: an optimizer made before packing updates them in
-    place (and the packing survives the step); the saved checkpoint equals the packed weights."""
+def test_kernelized_mlps_train_save_and_load_like_eager(npu_kernels, tmp_path):
+    """A training step through the fused MLPs updates the parameters as eager's does, later forwards read the
+    updated weights, and the saved checkpoint holds exactly the model's weights."""
     model = kernelized("llama", mode=Mode.TRAINING)
     reference = tiny_model("llama")
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
@@ -362,7 +363,7 @@ def test_packed_mlps_train_save_and_load_like_unpacked_ones(npu_kernels, tmp_pat
         optimizer.step()
     with emulation.count_op_calls() as calls:
         forward(model, token_ids())
-    assert calls["npu_swiglu"] == gated_mlp_count(model)  # still packed after the in-place update
+    assert calls["npu_swiglu"] == gated_mlp_count(model)
     for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
     model.save_pretrained(tmp_path)
@@ -379,7 +380,6 @@ def test_a_silu_shaped_mlp_built_with_another_activation_runs_its_own_forward(np
     gelu_model.load_state_dict(model.state_dict())
     eager = forward(gelu_model, token_ids())
     kernelize(gelu_model.to("npu"), mode=Mode.INFERENCE, device="npu")
-    assert pack_gate_up(gelu_model) == gated_mlp_count(gelu_model)
     with emulation.count_op_calls() as calls:
         out = forward(gelu_model, token_ids())
     assert calls["npu_swiglu"] == 0 and calls["npu_rms_norm"] > 0

@@ -14,7 +14,7 @@ import transformers.models
 from kernels import Mode, kernelize
 from transformers.activations import ACT2FN
 
-from npu_hub_kernels import emulation, pack_gate_up, swapped_modules
+from npu_hub_kernels import emulation, swapped_modules
 from npu_hub_kernels.models import MODEL_CLASSES, ClassRule, moe, rms_norm, rope, swiglu
 
 RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
@@ -256,7 +256,6 @@ def test_every_listed_mlp_class_is_swapped_and_matches_its_own_forward(npu_kerne
                 failures.append(f"{rule.path}: its forward needs more: {error!r}")
                 continue
             holder = kernelize(torch.nn.Sequential(mlp).to("npu"), mode=Mode.INFERENCE, device="npu")
-            pack_gate_up(holder)
             with emulation.count_op_calls() as calls:
                 got = holder(x.to("npu")).cpu()
         swaps = swapped_modules(holder)

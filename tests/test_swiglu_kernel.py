@@ -70,7 +70,7 @@ def make(shape: str, hidden: int, intermediate: int, dtype, bias=False, seed=0):
 
 
 def on_npu(card, mlp):
-    """A copy of mlp on the npu device (split projections unpacked: the first fused call packs them)."""
+    """A copy of mlp on the npu device."""
     return _copy(mlp).to("npu")
 
 
@@ -135,55 +135,103 @@ def test_backward_matches_eager(card, shape):
         torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_packing_keeps_parameters_and_state_dict_entries(card):
-    mlp = make("split", 16, 24, torch.float32).to("npu")
-    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
-    before = {k: v.cpu().clone() for k, v in mlp.state_dict().items()}
-    assert card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj) is None
-    card.pack_gate_up(mlp.gate_proj, mlp.up_proj)
-    assert mlp.gate_proj.weight is gate and mlp.up_proj.weight is up
-    packed = card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj)
-    assert packed.shape == (48, 16) and torch.equal(
-        packed.cpu(), torch.cat((before["gate_proj.weight"], before["up_proj.weight"]))
-    )
-    assert all(torch.equal(v.cpu(), before[k]) for k, v in mlp.state_dict().items())
-    with torch.no_grad():  # an optimizer's in-place update keeps the packing
-        mlp.up_proj.weight.add_(1.0)
-    assert torch.equal(card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj)[24:].cpu(), before["up_proj.weight"] + 1)
-
-
 def split_output(card, mlp, x):
     with torch.no_grad(), emulation.count_op_calls() as calls:
         out = card.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
     return out, calls["npu_swiglu"]
 
 
-def test_split_mlp_packs_its_weights_on_the_first_fused_call_and_keeps_them_packed(card):
-    """No call from the user: the first fused call packs (same Parameter objects and state dict), later calls
-    find the layout in place; an optimizer made before the first call keeps training the same tensors."""
+def storage_layout(module: nn.Module) -> dict[str, tuple[int, int, int, int]]:
+    """Where each parameter's memory lives: (object id, storage address, storage bytes, storage offset)."""
+    return {
+        name: (id(p), p.untyped_storage().data_ptr(), p.untyped_storage().nbytes(), p.storage_offset())
+        for name, p in module.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward and backward"])
+@pytest.mark.parametrize("tokens", [3, 160], ids=["two matmuls", "weights concatenated for the call"])
+def test_both_ways_to_gate_and_up_match_eager(card, tokens, grad):
+    """Few tokens per weight row: two matmuls into the halves of one buffer; many (T > 4I, 3T > 8I with backward):
+    one matmul against the weights concatenated for the call. Both give eager's output and gradients."""
+    mlp = make("split", 16, 24, torch.float32, bias=True)
+    assert card.concatenates_weights(tokens, 24, grad) == (tokens == 160)
+    x = torch.randn(tokens, 16)
+    npu_mlp, leaf = on_npu(card, mlp), x.to("npu").requires_grad_(grad)
+    with torch.set_grad_enabled(grad), emulation.count_op_calls() as calls:
+        out = card.swiglu_mlp(leaf, npu_mlp.gate_proj, npu_mlp.up_proj, npu_mlp.down_proj, npu_mlp.act_fn)
+    expected_leaf = x.clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        expected = mlp(expected_leaf)
+    assert calls["npu_swiglu"] == 1
+    torch.testing.assert_close(out.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-5)
+    if grad:
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        torch.testing.assert_close(leaf.grad.cpu(), expected_leaf.grad, rtol=1e-5, atol=1e-5)
+        for (name, got), want in zip(npu_mlp.named_parameters(), mlp.parameters(), strict=True):
+            torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_split_mlp_fuses_without_touching_where_its_weights_live(card):
+    """Forward, backward and optimizer steps through the fused path: every Parameter keeps its object, its own
+    storage (no shared buffer: each storage holds exactly the parameter) and its state-dict entry; the gradients
+    and the updates are eager's."""
     mlp = make("split", 16, 24, torch.float32, bias=True).to("npu")
-    params = dict(mlp.named_parameters())
-    before = {k: v.cpu().clone() for k, v in mlp.state_dict().items()}
-    optimizer = torch.optim.AdamW(mlp.parameters(), lr=1e-2)
-    x = torch.randn(3, 16).to("npu")
-    assert card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj) is None
-    assert card.swiglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn) is None
-    out, fused = split_output(card, mlp, x)
-    assert fused == 1
-    torch.testing.assert_close(out.cpu(), _copy(mlp).cpu()(x.cpu()), rtol=1e-6, atol=1e-6)
-    assert dict(mlp.named_parameters()) == params and all(p is params[k] for k, p in mlp.named_parameters())
-    assert all(torch.equal(v.cpu(), before[k]) for k, v in mlp.state_dict().items())
-    packed = card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj)
-    address = packed.data_ptr()
-    mlp(x).sum().backward()  # the module's own forward: gradients on the packed parameters
-    card.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn).sum().backward()
-    optimizer.step()
-    assert card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj).data_ptr() == address  # updated in place
-    assert not torch.equal(mlp.up_proj.weight.cpu(), before["up_proj.weight"])
+    reference = _copy(mlp).to("npu")
+    layout = storage_layout(mlp)
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in mlp.parameters())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (mlp, reference)]
+    for step in range(3):
+        x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(step)).to("npu")
+        with emulation.count_op_calls() as calls:
+            card.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn).square().sum().backward()
+        reference(x).square().sum().backward()
+        assert calls["npu_swiglu"] == 1
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        assert storage_layout(mlp) == layout
+        for (name, got), want in zip(mlp.state_dict().items(), reference.state_dict().values(), strict=True):
+            torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_each_call_reads_the_weights_as_they_are_at_that_call(card):
+    """Regression for the packed layout that froze weights under FSDP2: whatever the owner does to the weights
+    between calls (an update in place, a new tensor behind the same Parameter as FSDP2's all-gather gives,
+    a new Parameter), the next call computes with them."""
+    mlp = make("split", 16, 24, torch.float32).to("npu")
+    x = torch.randn(3, 16)
+    owner_buffers = []  # FSDP2 keeps each unsharded Parameter as a view of its all-gather buffer
+    for linear in (mlp.gate_proj, mlp.up_proj):
+        owner_buffers.append(linear.weight.detach().flatten().clone())
+        linear.weight = nn.Parameter(owner_buffers[-1].view(24, 16))
+    assert split_output(card, mlp, x.to("npu"))[1] == 1
+
+    def owner_writes_its_buffers(m):  # what each FSDP2 all-gather does before a forward
+        for buffer in owner_buffers:
+            buffer.copy_(torch.randn(24 * 16))
+
+    def in_place(m):
+        with torch.no_grad():
+            m.up_proj.weight.mul_(-2.0)
+
+    def new_storage(m):
+        m.gate_proj.weight.data = torch.randn(24, 16).to("npu")
+
+    def new_parameter(m):
+        m.up_proj.weight = nn.Parameter(torch.randn(24, 16).to("npu"))
+
+    for change in (owner_writes_its_buffers, in_place, new_storage, new_parameter):
+        change(mlp)
+        out, fused = split_output(card, mlp, x.to("npu"))
+        assert fused == 1, change.__name__
+        with torch.no_grad():
+            torch.testing.assert_close(out.cpu(), _copy(mlp).cpu()(x), rtol=1e-6, atol=1e-6, msg=change.__name__)
 
 
 @pytest.mark.parametrize("change", ["bfloat16 cast", "half", "move to host and back", "load_state_dict(assign=True)"])
-def test_a_change_that_reallocates_the_weights_is_packed_again_on_the_next_call(card, change):
+def test_split_mlp_fuses_after_a_change_that_reallocates_the_weights(card, change):
     mlp = make("split", 16, 24, torch.float32).to("npu")
     gate = mlp.gate_proj.weight
     x = torch.randn(3, 16)
@@ -197,75 +245,101 @@ def test_a_change_that_reallocates_the_weights_is_packed_again_on_the_next_call(
     else:
         mlp.load_state_dict({k: v.clone() for k, v in mlp.state_dict().items()}, assign=True)
     dtype = mlp.gate_proj.weight.dtype
-    assert card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj) is None
     out, fused = split_output(card, mlp, x.to("npu", dtype))
-    assert fused == 1 and card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj) is not None
+    assert fused == 1
     if change != "load_state_dict(assign=True)":  # assign=True may hand in new Parameter objects: torch's choice
         assert mlp.gate_proj.weight is gate
     expected = _copy(mlp).cpu()(x.to(dtype))
     torch.testing.assert_close(out.cpu(), expected, **({} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}))
 
 
-def test_packing_inside_inference_mode_leaves_trainable_parameters(card):
+def test_a_call_inside_inference_mode_leaves_trainable_parameters(card):
     mlp = make("split", 16, 24, torch.float32).to("npu")
     x = torch.randn(3, 16).to("npu")
     with torch.inference_mode():
         card.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
-    assert (
-        not mlp.gate_proj.weight.is_inference() and card.packed_gate_up_weight(mlp.gate_proj, mlp.up_proj) is not None
-    )
+    assert not mlp.gate_proj.weight.is_inference()
     leaf = x.clone().requires_grad_()
     card.swiglu_mlp(leaf, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn).sum().backward()
     assert mlp.gate_proj.weight.grad is not None and leaf.grad is not None
 
 
-def _owned_elsewhere(mlp, case):
-    """Mark or lay out mlp's gate/up weights as a system that owns them would."""
-    if case == "DeepSpeed ZeRO-3":
-        mlp.gate_proj.weight.ds_id = 7  # what ZeRO-3 sets on the parameters it partitions
-    elif case == "view into a flat buffer":
-        flat = torch.zeros(3 * 24 * 16, device="npu")  # gate and up with a gap between them
+def test_autocast_fuses_with_the_linear_casts_and_eager_gradients(card):
+    """float32 weights under torch.autocast("npu", bfloat16): the matmuls run in bfloat16 as gate_proj(x) does
+    there, the gradients come back in float32, and both equal eager autocast's (same casts, same roundings)."""
+    mlp = make("split", 16, 24, torch.float32, bias=True).to("npu")
+    reference = _copy(mlp).to("npu")
+    x = torch.randn(2, 3, 16).to("npu")
+    with torch.autocast("npu", dtype=torch.bfloat16):
+        with emulation.count_op_calls() as calls:
+            out = card.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
+        expected = reference(x)
+    assert calls["npu_swiglu"] == 1 and out.dtype == expected.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    expected.float().square().sum().backward()
+    torch.testing.assert_close(out.cpu(), expected.cpu(), rtol=1e-2, atol=1e-2)
+    for (name, got), want in zip(mlp.named_parameters(), reference.parameters(), strict=True):
+        assert got.grad.dtype == torch.float32, name
+        torch.testing.assert_close(got.grad.cpu(), want.grad.cpu(), rtol=2e-2, atol=2e-2, msg=name)
+
+
+def _fused_although_held(mlp, case):
+    """Hold or lay out mlp's gate/up weights as other systems do; none of it stops the fused path any more."""
+    if case == "view into a flat buffer":
+        flat = torch.zeros(3 * 24 * 16, device="npu")  # gate and up with a gap between them, as a flat parameter
         for i, linear in enumerate((mlp.gate_proj, mlp.up_proj)):
             view = flat[2 * i * 384 : (2 * i + 1) * 384].view(24, 16)
             view.copy_(linear.weight.detach())
             linear.weight = nn.Parameter(view)
     elif case == "held by a live autograd graph":
         mlp._graph = mlp.gate_proj(torch.randn(2, 16, device="npu")).sum()  # keeps AccumulateGrad alive
-        torch.autograd.graph.get_gradient_edge(mlp.gate_proj.weight)
     elif case == "gradient hook":
-        mlp.up_proj.weight.register_hook(lambda grad: grad)
-    elif case == "hooked projection (as adapters are)":
-        mlp.up_proj.register_forward_hook(lambda module, args, out: out * 2)
-    return {
-        "DeepSpeed ZeRO-3": "ZeRO-3",
-        "view into a flat buffer": "view into a larger buffer",
-        "held by a live autograd graph": "live autograd graph",
-        "gradient hook": "gradient hooks",
-        "hooked projection (as adapters are)": "not two plain nn.Linear",
-    }[case]
+        mlp.up_proj.weight.register_hook(lambda grad: grad * 3)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "DeepSpeed ZeRO-3",
-        "view into a flat buffer",
-        "held by a live autograd graph",
-        "gradient hook",
-        "hooked projection (as adapters are)",
-    ],
-)
-def test_weights_another_system_owns_are_never_rewritten_and_the_reason_is_given(card, case):
+@pytest.mark.parametrize("case", ["view into a flat buffer", "held by a live autograd graph", "gradient hook"])
+def test_weights_held_or_laid_out_by_another_system_fuse_as_they_are(card, case):
     mlp = make("split", 16, 24, torch.float32).to("npu")
-    reason = _owned_elsewhere(mlp, case)
-    storages = [p.untyped_storage().data_ptr() for p in mlp.parameters()]
-    x = torch.randn(3, 16)
-    assert reason in card.swiglu_mlp_unavailable_reason(x.to("npu"), mlp.gate_proj, mlp.up_proj, mlp.act_fn)
-    assert not card.pack_gate_up(mlp.gate_proj, mlp.up_proj)
-    out, fused = split_output(card, mlp, x.to("npu"))
-    assert fused == 0 and [p.untyped_storage().data_ptr() for p in mlp.parameters()] == storages
+    _fused_although_held(mlp, case)
+    reference = _copy(mlp).to("npu")
+    if case == "gradient hook":
+        reference.up_proj.weight.register_hook(lambda grad: grad * 3)
+    layout = storage_layout(mlp)
+    x = torch.randn(3, 16).to("npu")
+    assert card.swiglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn) is None
+    with emulation.count_op_calls() as calls:
+        card.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn).sum().backward()
+    reference(x).sum().backward()
+    assert calls["npu_swiglu"] == 1 and storage_layout(mlp) == layout
+    for (name, got), want in zip(mlp.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad.cpu(), want.grad.cpu(), rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _read_elsewhere(mlp, case):
+    """Give mlp's projections an owner that the card cannot read around; returns the reason's key words."""
+    if case == "DeepSpeed ZeRO-3":
+        mlp.gate_proj.weight.ds_id = 7  # what ZeRO-3 sets on the parameters it partitions
+        return "DeepSpeed ZeRO-3"
+    if case == "hooked projection (as adapters are)":
+        mlp.up_proj.register_forward_hook(lambda module, args, out: out * 2)
+        return "not a plain nn.Linear"
+    mlp.gate_proj.weight = nn.Parameter(torch.empty(0, device="npu"))  # ZeRO-3's partitioned placeholder
+    return "holds no data"
+
+
+@pytest.mark.parametrize("case", ["DeepSpeed ZeRO-3", "hooked projection (as adapters are)", "empty placeholder"])
+def test_projections_the_card_cannot_read_directly_run_eager_with_the_reason(card, case):
+    mlp = make("split", 16, 24, torch.float32).to("npu")
+    reason = _read_elsewhere(mlp, case)
+    x = torch.randn(3, 16).to("npu")
+    assert reason in card.swiglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn)
+    if case == "empty placeholder":
+        return  # eager F.linear on the placeholder fails as it does without the card
+    layout = storage_layout(mlp)
+    out, fused = split_output(card, mlp, x)
+    assert fused == 0 and storage_layout(mlp) == layout
     with torch.no_grad():
-        torch.testing.assert_close(out.cpu(), _copy(mlp).cpu()(x) if "hooked" not in case else out.cpu())
+        torch.testing.assert_close(out, card.swiglu_mlp_eager(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn))
 
 
 class ScaledSiLU(nn.SiLU):
@@ -314,13 +388,12 @@ def test_non_contiguous_input_is_fused_and_correct(card):
     torch.testing.assert_close(got.cpu(), mlp(x), rtol=1e-6, atol=1e-6)
 
 
-def test_lora_wrapped_projection_is_not_packed(card):
-    """A projection that is not a plain Linear (here a hooked one, as adapters are) never takes the packed matmul."""
+def test_hooked_projection_runs_its_hook(card):
+    """A projection that is not a plain Linear (here a hooked one, as adapters are) is called as itself."""
     mlp = make("split", 16, 24, torch.float32)
     npu_mlp = on_npu(card, mlp)
     npu_mlp.up_proj.register_forward_hook(lambda module, args, out: out * 2)
     x = torch.randn(3, 16)
-    assert card.packed_gate_up_weight(npu_mlp.gate_proj, npu_mlp.up_proj) is None
     with torch.no_grad(), emulation.count_op_calls() as calls:
         got = kernel_output(card, npu_mlp, x.to("npu"))
     assert calls["npu_swiglu"] == 0

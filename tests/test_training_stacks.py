@@ -58,7 +58,7 @@ def host_reference(model_type: str, dtype=torch.float64):
 AUTOCAST_CALLS = {
     # Llama: every norm sees the float32 residual stream and fuses; q/k come out of bfloat16 linears while
     # cos/sin stay float32, so eager's rotary promotes to float32 and the card falls back (counted 0); the MLP
-    # input is float32 and fuses, its packed gate/up matmul autocast to bfloat16 as gate_proj(x) is.
+    # input is float32 and fuses, its gate/up matmuls autocast to bfloat16 as gate_proj(x) is.
     "llama": {"npu_rms_norm": 5, "npu_swiglu": 2},
     # Qwen3: q/k norms get bfloat16 q/k with a float32 weight: eager promotes, the card falls back (only the 5
     # layer and final norms fuse). Their float32 output meets float32 cos/sin: the rotary fuses, in float32.
@@ -115,10 +115,10 @@ def test_autocast_forward_and_backward_within_the_eager_idiom(npu_kernels, model
         assert relative_error(grad, ref_grads[name]) <= 2 * eager_error + 1e-3, (name, eager_error)
 
 
-def test_packed_split_mlp_backward_under_autocast(npu_kernels):
-    """Regression: the packed gate/up matmul autocast to bfloat16 in forward, and its backward multiplied the
-    bfloat16 gradient with the float32 weight outside autocast ("expected m1 and m2 to have the same dtype").
-    It now runs under the forward's autocast state, as eager's linear backward does."""
+def test_split_mlp_backward_under_autocast(npu_kernels):
+    """Regression: the gate/up matmuls autocast to bfloat16 in forward, and a backward that multiplied the
+    bfloat16 gradient with the float32 weight failed ("expected m1 and m2 to have the same dtype"). The
+    weights are cast as autocast casts them for a linear, and the gradients come back in float32."""
     config = tiny_model("llama").config
     torch.manual_seed(0)
     weights = LlamaMLP(config).state_dict()
@@ -409,7 +409,7 @@ def forward_calls(model, *, backward: bool = False, mlps: bool = True) -> dict[s
 @pytest.mark.parametrize("order", LORA_ORDERS)
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_lora_all_linear_dense_mlps_take_the_eager_path(npu_kernels, model_type, order):
-    """LoRA wraps gate/up/down (and q/k/v/o): those MLPs run the card's layer, which must not fuse or repack
+    """LoRA wraps gate/up/down (and q/k/v/o): those MLPs run the card's layer, which must not fuse
     LoRA-wrapped projections: npu_swiglu 0 and the eager numbers. Norms and RoPE still fuse. The loss and every
     LoRA gradient equal the same LoRA model's without kernels; base weights stay frozen."""
     eager, model = lora_pair(model_type, order)

@@ -5,14 +5,15 @@
     model = AutoModelForCausalLM.from_pretrained(path, device_map="npu", use_kernels=True)
 
 or `apply_npu_kernels(model)` on a model already built; `swapped_modules(model)` reports what runs
-where; `pack_gate_up(model)` packs split gated MLPs ahead of time (before DDP wraps the model).
+where. No card ever copies, re-points or re-lays out a parameter: DDP, FSDP2, DeepSpeed, accelerate and
+safetensors see the model's own weights.
 
 What lives where:
 - `cards`: the cards by kernel id, read from each card's card.toml;
 - `models/`: which transformers classes each card's layers replace (one module per card);
 - `registry`: selecting, registering and unregistering cards, `apply_npu_kernels`;
 - `retag`: how classes and rotary functions are made kernelizable under the cards' names;
-- `report`: `swapped_modules`, what runs where; `packing`: `pack_gate_up(model)`;
+- `report`: `swapped_modules`, what runs where;
 - `integrity`: the digest check of a build variant before it is imported (loader and doctor);
 - `_kernels_compat`: every private `kernels` API the project uses, in one place;
 - `doctor`, `offline`, `tiny_models`: `python -m npu_hub_kernels doctor`, the offline Hub cache,
@@ -21,7 +22,6 @@ What lives where:
 """
 
 from .cards import CARDS, DEFAULT_ORG, ORG_ENV
-from .packing import pack_gate_up
 from .registry import (
     apply_npu_kernels,
     available_kernels,
@@ -38,7 +38,6 @@ __all__ = [
     "Swap",
     "apply_npu_kernels",
     "available_kernels",
-    "pack_gate_up",
     "register_npu_kernels",
     "select_kernels",
     "swapped_modules",

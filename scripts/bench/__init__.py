@@ -8,9 +8,7 @@ Llama-3-8B, Qwen3-8B, Qwen3-30B-A3B and Mixtral-8x7B (random weights, nothing do
 (in `torch.inference_mode()`: it stands for inference) and forward+backward (with grad), batch 1 and 8,
 sequence 512 and 4096, bfloat16: the device operations and the bytes they read and write, for eager
 transformers and for the kernelized layer under the torch_npu emulation, set against a floor. The
-kernelized layer is the default path, what users get from kernelize alone (no other call): npu-swiglu's
-split MLPs pack gate/up into one buffer on their first fused call, so one uncounted warm-up forward of
-the kernelized layer runs first; packing is a one-time cost, not a per-step one. The layers run on fake
+kernelized layer is the default path, what users get from kernelize alone (no other call). The layers run on fake
 tensors (shapes, no data, no compute), so full sizes cost next to nothing; `accounting` says what counts
 as an operation and how the emulation's internals are kept out. Rows per fused region kind (summed over
 the layer's instances) and per layer; the floors and the targets are defined in `floors` and `targets`.

@@ -39,7 +39,6 @@ from __future__ import annotations
 import inspect
 import math
 import sys
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -388,10 +387,7 @@ def count_device_ops(*, experts: int | None = None) -> Iterator[Tally]:
         _register_native_kernels()
         for (owner, name), stand_in in stand_ins.items():
             setattr(owner, name, stand_in)
-        with warnings.catch_warnings(), _Recorder(tally, BalancedRouting(experts) if experts else None):
-            # npu-swiglu tells packed weights by their storage's data pointer: on fake tensors torch warns that the
-            # pointer is not real (all meta storages share it; the storage offsets, which are real, decide).
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        with _Recorder(tally, BalancedRouting(experts) if experts else None):
             yield tally
     finally:
         for (owner, name), original in originals.items():
@@ -425,25 +421,9 @@ def _release_native_kernels() -> None:
         _native["library"] = None
 
 
-def fake_tensor_mode() -> FakeTensorMode:
-    """A FakeTensorMode whose memo of the fake tensors it makes holds them strongly, for counting modules.
-
-    torch's memo holds them by weak reference, and `torch.utils.swap_tensors` refuses weakly referenced
-    tensors, which would keep a card that rewrites its parameters in place on its first call (npu-swiglu
-    packs gate/up into one buffer) from doing so on fake tensors: npu-swiglu would then run its eager path,
-    as it does for weights a fake-tensor cache holds. The memo lives as long as the mode.
-    """
-    mode = FakeTensorMode()
-    mode.fake_tensor_converter.meta_converter.tensor_memo = {}
-    return mode
-
-
 def fake_module(module: nn.Module, fake_mode: FakeTensorMode, device: str | torch.device) -> nn.Module:
     """Give a module built on the meta device fake parameters and buffers on `device`, in place.
-
-    The fake tensors are made directly (not through `fake_mode.from_tensor`); with a mode from
-    `fake_tensor_mode()` none of them is weakly referenced, so `torch.utils.swap_tensors` works on them.
-    """
+    The fake tensors are made directly (not through `fake_mode.from_tensor`)."""
     device = torch.device(device)
     if device.index is None and device.type != "cpu":
         device = torch.device(device.type, 0)

@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from .accounting import Tally, count_device_ops, fake_module, fake_tensor_mode
+from .accounting import Tally, count_device_ops, fake_module
 from .cards import KINDS, LAYER, NO_CARD
 from .configs import CONFIGS, DTYPE, PHASES, SWEEP_MODEL, ModelSpec, experts_key
 from .floors import floor_of
@@ -59,8 +59,7 @@ def build_model(spec: ModelSpec, experts: int | None = None) -> nn.Module:
 
 
 def build_layer(spec: ModelSpec, fake_mode: FakeTensorMode, experts: int | None = None) -> nn.Module:
-    """Decoder layer 0 of the model, with fake weights on the npu device. Make `fake_mode` with
-    `fake_tensor_mode()`, so that the kernelized layer can pack its MLP on its first call."""
+    """Decoder layer 0 of the model, with fake weights (of `fake_mode`) on the npu device."""
     return fake_module(build_model(spec, experts).model.layers[0], fake_mode, "npu")
 
 
@@ -84,13 +83,6 @@ def count_run(fn: Callable, args: tuple, kwargs: dict, params: Iterable, phase: 
     return tally
 
 
-def warm_up(layer: nn.Module, args: tuple, kwargs: dict, experts: int | None) -> None:
-    """One uncounted forward of the kernelized layer: what a card does once, on its first call (npu-swiglu packs
-    the gate/up weights of split MLPs into one buffer), is not a per-step cost."""
-    set_variant(layer, "kernelized")
-    count_run(layer, args, kwargs, (), "fwd", experts)  # the tally is dropped
-
-
 def peer_layer(spec: ModelSpec, fake_mode: FakeTensorMode, peer: Peer, experts: int | None = None):
     """(decoder layer 0 of a model of its own with the peer's kernels applied, with fake weights on the npu
     device; the peer's patches)."""
@@ -102,11 +94,11 @@ def peer_layer(spec: ModelSpec, fake_mode: FakeTensorMode, peer: Peer, experts: 
 def account(
     spec: ModelSpec, batch: int, seq: int, experts: int | None = None, peer: Peer | None = None
 ) -> dict[tuple[str, str], Measured]:
-    """Tallies per (region kind or "decoder layer", phase): eager, kernelized (the default path, after one
-    uncounted warm-up forward), the peer's (when given) and the floor. On fake tensors of a fresh fake mode;
+    """Tallies per (region kind or "decoder layer", phase): eager, kernelized (the default path), the peer's (when
+    given) and the floor. On fake tensors of a fresh fake mode;
     `experts` overrides the model's."""
     experts = experts or spec.experts
-    fake_mode = fake_tensor_mode()
+    fake_mode = FakeTensorMode()
     layer = build_layer(spec, fake_mode, experts)  # eager and kernelized: the same layer, its forwards swapped
     regions = find_regions(layer)
     peered = peer_layer(spec, fake_mode, peer, experts) if peer is not None else None
@@ -114,7 +106,6 @@ def account(
     results: dict[tuple[str, str], Measured] = {}
     with fake_mode:
         args, kwargs = layer_inputs(spec, batch, seq, torch.empty)
-        warm_up(layer, args, kwargs, experts)
         set_variant(layer, "eager")
         capture(layer, regions, args, kwargs, count_device_ops(experts=experts))
         for phase in PHASES:
@@ -229,7 +220,7 @@ def experts_sweep_rows(
     base = CONFIGS[SWEEP_MODEL]
     rows = []
     for experts in experts_counts:
-        fake_mode = fake_tensor_mode()
+        fake_mode = FakeTensorMode()
         layer = build_layer(base, fake_mode, experts)
         region = next(r for r in find_regions(layer) if r.kind == "MoE experts")
         module = resolve(layer, region.name)

@@ -5,10 +5,17 @@ once and writing its outputs once.
 - RoPE: 1 op reading q, k, cos, sin, writing q', k'. Backward: 1 op reading dq', dk', cos, sin, writing dq, dk.
   (npu_apply_rotary_pos_emb is that op in inference; with grad, npu_rotary_mul runs once for q and once for k,
   which the RoPE targets allow: at most 2 ops each way.)
-- SwiGLU MLP: its matmuls stay matmuls (no torch_npu op fuses a matmul with the activation), so 3 ops:
-  h = x @ [Wg; Wu] (reads x, Wg, Wu, writes h [T, 2I]); a = silu(h_gate) * h_up (reads h, writes
-  a [T, I]); y = a @ Wd (reads a, Wd, writes y). Backward: 5 ops: da = dy @ Wd, dWd = dy^T a,
-  dh = swiglu_backward(da, h), dx = dh @ [Wg; Wu], d[Wg; Wu] = dh^T x.
+- SwiGLU MLP, with the weights as the model stores them (gate_proj and up_proj: two tensors, never one
+  buffer; each parameter's gradient a tensor of its own, as DDP's buckets and FSDP2's reduce-scatter take
+  them). Its matmuls stay matmuls (no torch_npu op fuses a matmul with the activation): 4 ops forward, 7
+  backward, the cheaper in bytes of two ways to get gate and up (biases counted with their weights):
+  - two matmuls writing h [2, T, I] (each reads x), a = swiglu(h) along axis 0 [T, I], y = a @ Wd; backward
+    da = dy @ Wd, dWd = dy^T a, dh = swiglu_backward(da, h), dx = dh_gate @ Wg then + dh_up @ Wu (the
+    second reads the first's result), dWg = dh_gate^T x, dWu = dh_up^T x;
+  - the two weights concatenated for the call (reads and writes both), one matmul writing h [T, 2I] (reads
+    x once), the same swiglu and down matmul; backward as above, but dx either as above or as one matmul
+    against the weights concatenated again, whichever is cheaper.
+  Two matmuls are the cheaper way unless T > 4I (forward) or 3T > 8I (forward and backward).
 - MoE experts (P = tokens x top_k token copies): 6 ops: the tokens per expert (reads top_k_index, writes E
   int64 counts), permute (reads x and top_k_index, writes the P copies and their int32 order), grouped
   matmul with every expert's [Wg; Wu], swiglu, grouped matmul with Wd, unpermute (weights and sums each
@@ -54,15 +61,21 @@ def rope_floor(module: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.T
 
 
 def swiglu_mlp_floor(module: nn.Module, x: torch.Tensor, *_) -> Floor:
-    """Matmul to [gate | up], swiglu, matmul down; backward dX and dW of each matmul and the swiglu backward."""
+    """Gate/up matmuls, swiglu, matmul down, the cheaper of two ways for split weights; backward 7 ops."""
     hidden, inner = module.down_proj.weight.shape
     tokens, size = x.numel() // x.shape[-1], x.element_size()
     w_d = sum(tensor_bytes(p) for p in module.down_proj.parameters())
     w_gu = sum(tensor_bytes(p) for p in module.parameters()) - w_d
-    h, a, y, x_b = tokens * 2 * inner * size, tokens * inner * size, tokens * hidden * size, tensor_bytes(x)
-    fwd = (x_b + w_gu + h) + (h + a) + (a + w_d + y)
-    bwd = (y + w_d + a) + (y + a + w_d) + (a + h + h) + (h + w_gu + _dense(x)) + (h + x_b + w_gu)
-    return (3, fwd), (5, bwd)
+    h, a, y = tokens * 2 * inner * size, tokens * inner * size, tokens * hidden * size
+    x_b, dx = tensor_bytes(x), _dense(x)
+    rest_fwd = (h + a) + (a + w_d + y)  # swiglu, down matmul
+    rest_bwd = (y + w_d + a) + (y + a + w_d) + (a + h + h) + (h + 2 * x_b + w_gu)  # da, dWd, dh, dWg and dWu
+    dx_two_matmuls = h + w_gu + 3 * dx
+    two_matmuls = (2 * x_b + w_gu + h, dx_two_matmuls)
+    concatenated = ((2 * w_gu) + (x_b + w_gu + h), min(dx_two_matmuls, (2 * w_gu) + (h + w_gu + dx)))
+    fwd = min(two_matmuls[0], concatenated[0]) + rest_fwd
+    total = min(sum(two_matmuls), sum(concatenated)) + rest_fwd + rest_bwd
+    return (4, fwd), (7, total - fwd)
 
 
 def experts_floor(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Floor:

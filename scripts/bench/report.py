@@ -194,9 +194,8 @@ def summary(
         "op once) and the bytes each one reads and writes, for one decoder layer in bfloat16, on fake tensors under "
         "the torch_npu emulation. They do not depend on the machine. Floor: "
         f"{FLOOR_TEXT} (defined in `scripts/bench/floors.py`).",
-        "- Kernelized: the default path, `kernelize` and nothing else. Split MLPs pack gate/up into one buffer on "
-        "their first call, a one-time cost: one uncounted warm-up forward runs first. fwd runs in "
-        "`torch.inference_mode()` (inference), fwd+bwd with grad (training).",
+        "- Kernelized: the default path, `kernelize` and nothing else; no weight is copied or re-laid out. fwd runs "
+        "in `torch.inference_mode()` (inference), fwd+bwd with grad (training).",
         *([peer_text(peer, peer_absent)] if peer or peer_absent else []),
         "- **Timed**: medians of repeats after warm-up, on the machine above.",
     ]

@@ -228,9 +228,8 @@ def fallback_rows(build: Path, repeats: int, quick: bool) -> list[Row]:
 def device_rows(
     specs: Iterable[ModelSpec], shapes: Iterable[tuple[int, int]], device: str, emulated: bool, repeats: int
 ) -> list[Row]:
-    """Per region kind and per decoder layer, eager against kernelized (the default path; the warm-up call of each
-    median packs split MLPs once), forward and forward+backward, synchronised medians, and the decoder layer's
-    peak memory where the device reports it."""
+    """Per region kind and per decoder layer, eager against kernelized (the default path), forward and
+    forward+backward, synchronised medians, and the decoder layer's peak memory where the device reports it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     rows = []
@@ -313,7 +312,7 @@ def _device_rows(
 
 def training_rows(device: str, emulated: bool, steps: int) -> list[Row]:
     """Median time of a training step (forward, backward, AdamW) of a small model: eager, then kernelized (the
-    default path: the warm-up step packs split MLPs once)."""
+    default path)."""
     from kernels import Mode, kernelize
     from transformers import AutoConfig, AutoModelForCausalLM
 

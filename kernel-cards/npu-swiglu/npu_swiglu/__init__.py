@@ -2,16 +2,13 @@
 
 Per MLP shape, `<op>` (fused where it can be), `<op>_eager` (the exact fallback) and
 `<op>_unavailable_reason` (why the fallback runs): `swiglu_mlp` for split gate_proj/up_proj,
-`swiglu_gate_up_mlp` for one gate_up_proj. `pack_gate_up` lays split weights out in one buffer
-(`swiglu_mlp` does it on its first fused call).
+`swiglu_gate_up_mlp` for one gate_up_proj. No weight is ever copied or re-laid out.
 """
 
 from . import layers
 from ._build import VARIANT
 from .swiglu import (
-    pack_gate_up,
-    pack_gate_up_unavailable_reason,
-    packed_gate_up_weight,
+    concatenates_weights,
     swiglu_gate_up_mlp,
     swiglu_gate_up_mlp_eager,
     swiglu_gate_up_mlp_unavailable_reason,
@@ -22,10 +19,8 @@ from .swiglu import (
 
 __all__ = [
     "VARIANT",
+    "concatenates_weights",
     "layers",
-    "pack_gate_up",
-    "pack_gate_up_unavailable_reason",
-    "packed_gate_up_weight",
     "swiglu_gate_up_mlp",
     "swiglu_gate_up_mlp_eager",
     "swiglu_gate_up_mlp_unavailable_reason",

@@ -4,35 +4,28 @@ transformers writes the gated MLP in two shapes:
 - split: `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (Llama, Mistral, Qwen2/3, DeepseekV3, ...);
 - fused: `gate, up = gate_up_proj(x).chunk(2, -1)`, `down_proj(up * act_fn(gate))` (Phi3, Glm4, ...).
 
-npu_swiglu gates the FIRST half of its input: `silu(a) * b` for `a, b = chunk(x, 2, -1)`, which is
-what the fused shape's `gate_up_proj(x)` holds. For the split shape, concatenating `gate_proj(x)`
-and `up_proj(x)` per call would move more bytes than eager's silu and mul. Instead, the first fused
-call lays the two weights (and biases) out side by side in one buffer (`pack_gate_up`), once: the
-Parameter objects stay the same objects and the same state-dict entries, only their storage becomes
-the two halves of one [2I, H] buffer. Every call then gets `[gate | up]` from one matmul against
-that buffer and feeds npu_swiglu directly. Anything that reallocates the weights (`.to()`, a cast,
-`load_state_dict(assign=True)`) undoes the layout; the next fused call packs again. Parameters
-another system owns (DTensor/FSDP, DeepSpeed ZeRO-3, views into a flat buffer, hooked or wrapped
-Linears such as LoRA's, tensors a live autograd graph or a weak reference holds) are never
-rewritten: those MLPs run the eager math, and `swiglu_mlp_unavailable_reason` says why.
+npu_swiglu gates the FIRST half of its input along the axis `dim` names: `silu(a) * b` for
+`a, b = chunk(x, 2, dim)`. The fused shape's `gate_up_proj(x)` is that input with `dim=-1`. For the
+split shape, the two projections write their outputs straight into the two halves of one `[2, T, I]`
+buffer (two matmuls with `out=`), which npu_swiglu gates with `dim=0`: no concatenation copy, and the
+weights are read where the model keeps them. With many tokens per weight row (T > 4I forward only,
+T > 8I/3 with backward) reading x twice costs more than concatenating the two weights for the call:
+then one matmul against `cat(W_gate, W_up)` (a transient copy, made again in backward rather than kept)
+gives `[T, 2I]`, gated with `dim=-1`. No parameter is ever re-pointed or re-laid out: FSDP2, DeepSpeed,
+DDP, accelerate and safetensors own or read that storage (docs/torch-npu-ops.md, "npu_swiglu").
+Projections the card cannot read directly (LoRA or other wrapped or hooked Linears, DeepSpeed ZeRO-3
+partitions, DTensors) run the eager math, and `swiglu_mlp_unavailable_reason` says why.
 """
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ._activations import is_silu
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
-
-_PACKING = threading.Lock()
-"""Held while a pair of weights is packed or read for a call, so two threads never pack the same MLP twice and
-never read a pair another thread is packing."""
 
 
 def activation_of(mlp: nn.Module) -> Callable | None:
@@ -64,180 +57,156 @@ def _npu_swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> 
     return None
 
 
-def _side_by_side(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
-    """`cat((first, second))` as a view of the buffer they share, without a copy; None unless they are
-    two contiguous tensors of one shape laid out one right after the other in one storage."""
-    if first is None or second is None or first.shape != second.shape or first.dtype != second.dtype:
-        return None
-    if not (first.is_contiguous() and second.is_contiguous()) or first.device != second.device:
-        return None
-    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
-        return None
-    if second.storage_offset() != first.storage_offset() + first.numel():
-        return None
-    # Contiguous halves: the doubled tensor has the strides of one half.
-    return first.detach().as_strided((2 * first.shape[0], *first.shape[1:]), first.stride(), first.storage_offset())
-
-
-def packed_gate_up_weight(gate_proj: nn.Module, up_proj: nn.Module) -> torch.Tensor | None:
-    """`[gate_proj.weight; up_proj.weight]` as one [2I, H] view of their shared buffer, without a copy,
-    or None when they are not two plain Linears packed side by side (see `pack_gate_up`)."""
-    if not (is_plain_linear(gate_proj) and is_plain_linear(up_proj)):
-        return None
-    return _side_by_side(gate_proj.weight, up_proj.weight)
-
-
-def pack_gate_up_unavailable_reason(gate_proj: nn.Module, up_proj: nn.Module) -> str | None:
-    """Why `pack_gate_up` must leave these projections as they are, or None when it may pack them."""
-    if not (is_plain_linear(gate_proj) and is_plain_linear(up_proj)):
+def _projection_unavailable_reason(name: str, proj: nn.Module) -> str | None:
+    """Why the card cannot read this projection's weight and bias directly, or None."""
+    weight = getattr(proj, "weight", None)
+    if weight is not None and (hasattr(weight, "ds_id") or hasattr(weight, "ds_status")):
         return (
-            f"gate_proj/up_proj are {type(gate_proj).__name__}/{type(up_proj).__name__}, not two plain nn.Linear "
-            "(an adapter such as LoRA, a subclass or a hook computes something else): their weights stay as they are"
+            f"{name} is partitioned by DeepSpeed ZeRO-3, which gathers its weight only when {name} itself is "
+            "called: the MLP runs its eager math"
         )
+    if not is_plain_linear(proj):
+        return (
+            f"{name} is {type(proj).__name__}{' with hooks' if type(proj) is nn.Linear else ''}, not a plain "
+            "nn.Linear (an adapter such as LoRA, a subclass or a hook computes something else): eager math"
+        )
+    for tensor in (proj.weight, proj.bias):
+        if tensor is None:
+            continue
+        if type(tensor).__name__ == "DTensor" or hasattr(tensor, "_local_tensor"):
+            return f"{name} holds a DTensor (tensor parallel, or FSDP2 outside its forward): eager math"
+        if tensor.is_meta or tensor.numel() == 0:
+            return f"{name} holds no data here (meta or empty: offloaded or partitioned): eager math"
+    return None
+
+
+def _split_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn) -> str | None:
+    """Why `swiglu_mlp` takes the eager path (see `swiglu_mlp_unavailable_reason`)."""
+    reason = _npu_swiglu_unavailable_reason(x, act_fn)
+    if reason is not None:
+        return reason
+    for name, proj in (("gate_proj", gate_proj), ("up_proj", up_proj)):
+        reason = _projection_unavailable_reason(name, proj)
+        if reason is not None:
+            return reason
     gate, up = gate_proj.weight, up_proj.weight
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
-        return f"gate_proj and up_proj weights differ in shape, dtype or device ({gate.dtype}/{up.dtype})"
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != x.device or up.device != x.device:
+        return (
+            f"gate_proj and up_proj weights differ in shape, dtype or device ({tuple(gate.shape)} {gate.dtype} "
+            f"{gate.device}, {tuple(up.shape)} {up.dtype} {up.device}; input on {x.device})"
+        )
     if (gate_proj.bias is None) != (up_proj.bias is None):
         return "only one of gate_proj/up_proj has a bias"
-    for name, param in _named_params(gate_proj, up_proj):
-        reason = _owned_elsewhere_reason(param)
-        if reason is not None:
-            return f"{name}: {reason}"
+    if torch.is_autocast_enabled(x.device.type):  # autocast casts x and the weights to its dtype, as for a linear
+        if gate.dtype not in FUSED_DTYPES:
+            return f"weight dtype {gate.dtype} is not cast by autocast (float16, bfloat16, float32 are)"
+    elif gate.dtype != x.dtype:
+        return f"weight dtype {gate.dtype} differs from input dtype {x.dtype}"
     return None
 
 
-def _named_params(gate_proj: nn.Module, up_proj: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    named = [("gate_proj.weight", gate_proj.weight), ("up_proj.weight", up_proj.weight)]
-    if gate_proj.bias is not None:
-        named += [("gate_proj.bias", gate_proj.bias), ("up_proj.bias", up_proj.bias)]
-    return named
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype `gate_proj(x)` computes in: the autocast dtype under `torch.autocast("npu")`, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
-def _owned_elsewhere_reason(param: torch.Tensor) -> str | None:
-    """Why this parameter belongs to a system that lays it out itself (packing would break it), or None."""
-    if type(param).__name__ == "DTensor" or hasattr(param, "_local_tensor"):
-        return "a DTensor (FSDP2 / tensor parallel) shards it"
-    if hasattr(param, "ds_id") or hasattr(param, "ds_status"):
-        return "DeepSpeed ZeRO-3 partitions it"
-    if getattr(param, "_is_flat_param", False) or type(param).__name__ == "FlatParameter":
-        return "it is an FSDP flat parameter"
-    if param.is_meta or param.numel() == 0:
-        return "it holds no data here (meta or empty: offloaded or partitioned)"
-    own_bytes = param.numel() * param.element_size()
-    if param.untyped_storage().nbytes() not in (own_bytes, 2 * own_bytes):  # its own, or a gate/up pair's buffer
-        return "it is a view into a larger buffer another system owns (FSDP flat parameter, offloading)"
-    if not param.is_leaf:
-        return "it is not a leaf tensor"
-    if weakref.getweakrefs(param):
-        return "something holds a weak reference to it (torch.compile, a fake-tensor cache)"
-    if param._use_count() > 1:
-        return "it is held by a live autograd graph or another reference (e.g. DDP's reducer); call pack_gate_up first"
-    if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
-        return "it has gradient hooks registered"
-    return None
+def _autocast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """What autocast hands a linear: the tensor in the compute dtype (a tracked cast, as autocast's own)."""
+    return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
-def pack_gate_up(gate_proj: nn.Linear, up_proj: nn.Linear) -> bool:
-    """Lay gate_proj's and up_proj's weights (and biases) out side by side in one new buffer, in place.
-
-    The Parameter objects stay the same objects (optimizers holding them keep working), their
-    gradients stay, and they stay separate state-dict entries; only their storage becomes the two
-    halves of one buffer. The transient memory is one copy of the two weights. Split MLPs do this on
-    their first fused call; call it yourself only before something takes hold of the parameters that
-    would stop it (e.g. wrapping the model in DistributedDataParallel).
-
-    Args:
-        gate_proj: the MLP's gate projection.
-        up_proj: the MLP's up projection.
-
-    Returns:
-        True when the two are now packed (or already were); False when `pack_gate_up_unavailable_reason` forbids it.
-    """
-    with _PACKING:
-        return _pack_locked(gate_proj, up_proj)
+def _save_rows(ctx, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:
+    """x as [T, H] rows, saved with the two weights (the Parameters themselves: no copy) for backward."""
+    rows = x.reshape(-1, x.shape[-1])
+    ctx.save_for_backward(rows, gate_weight, up_weight)
+    ctx.input_shape = x.shape
+    return rows
 
 
-def _pack_locked(gate_proj: nn.Module, up_proj: nn.Module) -> bool:
-    """pack_gate_up, with `_PACKING` held by the caller."""
-    if _packed_views(gate_proj, up_proj) is not None:
-        return True
-    if pack_gate_up_unavailable_reason(gate_proj, up_proj) is not None:
-        return False
-    if not _pack_pair(gate_proj.weight, up_proj.weight):
-        return False
-    return gate_proj.bias is None or _pack_pair(gate_proj.bias, up_proj.bias)
+def _gate_up_gradients(ctx, grad_gate: torch.Tensor, grad_up: torch.Tensor, grad_rows: Callable) -> tuple:
+    """The gradients of (x, gate weight, up weight, gate bias, up bias) from those of gate_proj(x) and up_proj(x):
+    dx from `grad_rows(gate_weight, up_weight)`, each weight's from its own matmul, into a tensor of its own."""
+    rows, gate_weight, up_weight = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    return (
+        grad_rows(gate_weight, up_weight).reshape(ctx.input_shape) if needs[0] else None,
+        grad_gate.t().mm(rows) if needs[1] else None,
+        grad_up.t().mm(rows) if needs[2] else None,
+        grad_gate.sum(0) if needs[3] else None,
+        grad_up.sum(0) if needs[4] else None,
+    )
 
 
-def _packed_views(gate_proj: nn.Module, up_proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(the packed [2I, H] weight view, the packed [2I] bias view or None) when gate/up are packed, else None."""
-    weight = packed_gate_up_weight(gate_proj, up_proj)
-    if weight is None:
-        return None
-    if gate_proj.bias is None and up_proj.bias is None:
-        return weight, None
-    bias = _side_by_side(gate_proj.bias, up_proj.bias)
-    return None if bias is None else (weight, bias)
+class _GateUpHalves(torch.autograd.Function):
+    """`[gate_proj(x); up_proj(x)]` as the two halves of one `[2, T, I]` buffer, each written by its own matmul.
 
-
-def _pack_pair(gate: nn.Parameter, up: nn.Parameter) -> bool:
-    """Re-point gate and up at the two halves of one new buffer; False when swap_tensors refuses one of them
-    because something else holds it at that moment (an op of another thread in flight). The values are the same
-    either way: a refused pair (or a pair with only gate moved) is just not packed, and packs on a later call."""
-    # Plain tensors even inside inference_mode: an inference tensor could never be trained again.
-    with torch.inference_mode(False), torch.no_grad():
-        buffer = torch.cat((gate, up))
-        rows = gate.shape[0]
-        for param, half in ((gate, buffer[:rows]), (up, buffer[rows:])):
-            replacement = nn.Parameter(half, requires_grad=param.requires_grad)
-            replacement.grad = param.grad  # gradients live with the tensor swap_tensors replaces: keep them
-            # swap_tensors re-points the existing Parameter object at its half of the buffer.
-            try:
-                torch.utils.swap_tensors(param, replacement)
-            except RuntimeError as error:
-                if "use_count" not in str(error):
-                    raise
-                return False
-    return True
-
-
-class _PackedGateUp(torch.autograd.Function):
-    """`[gate(x) | up(x)]` from one matmul against the packed weight; gradients go to both Parameters.
-
-    Under `torch.autocast("npu")` the matmul runs in the autocast dtype, as `gate_proj(x)` does; the
-    backward runs under the same autocast state (custom_fwd/custom_bwd), so its matmuls take the
-    low-precision gradient with the float32 weight and input as eager's linear backward does."""
+    Reads the weights where they are (no copy, no new layout); backward: dx from one mm and one addmm."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="npu")
-    def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias, packed, packed_bias):
-        # The four parameters are inputs so that autograd routes their gradients; packed* are their data.
-        ctx.save_for_backward(x, packed)
-        ctx.has_bias = packed_bias is not None
-        return F.linear(x, packed, packed_bias)
+    def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias):
+        rows = _save_rows(ctx, x, gate_weight, up_weight)
+        halves = rows.new_empty((2, rows.shape[0], gate_weight.shape[0]))
+        for half, weight, bias in ((halves[0], gate_weight, gate_bias), (halves[1], up_weight, up_bias)):
+            if bias is None:
+                torch.mm(rows, weight.t(), out=half)
+            else:
+                torch.addmm(bias, rows, weight.t(), out=half)
+        return halves
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="npu")
-    def backward(ctx, grad):
-        x, packed = ctx.saved_tensors
-        rows = packed.shape[0] // 2
-        grad_x = grad @ packed if ctx.needs_input_grad[0] else None
-        grad_gate = grad_up = grad_gate_bias = grad_up_bias = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-            grad_gate, grad_up = grad_weight[:rows], grad_weight[rows:]
-        if ctx.has_bias and (ctx.needs_input_grad[3] or ctx.needs_input_grad[4]):
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-            grad_gate_bias, grad_up_bias = grad_bias[:rows], grad_bias[rows:]
-        return grad_x, grad_gate, grad_up, grad_gate_bias, grad_up_bias, None, None
+    def backward(ctx, grad_halves):
+        grad_gate, grad_up = grad_halves[0], grad_halves[1]
+        return _gate_up_gradients(
+            ctx, grad_gate, grad_up, lambda gate_weight, up_weight: grad_up.mm(up_weight).addmm_(grad_gate, gate_weight)
+        )
+
+
+class _GateUpConcatenated(torch.autograd.Function):
+    """`[gate_proj(x) | up_proj(x)]` as one `[T, 2I]` matmul against the two weights concatenated for this call.
+
+    The concatenation is a transient copy, never kept: backward concatenates again for dx (one mm)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias):
+        rows = _save_rows(ctx, x, gate_weight, up_weight)
+        weight = torch.cat((gate_weight, up_weight)).t()
+        return rows.mm(weight) if gate_bias is None else torch.addmm(torch.cat((gate_bias, up_bias)), rows, weight)
+
+    @staticmethod
+    def backward(ctx, grad_both):
+        inner = grad_both.shape[-1] // 2
+        return _gate_up_gradients(
+            ctx,
+            grad_both[:, :inner],
+            grad_both[:, inner:],
+            lambda gate_weight, up_weight: grad_both.mm(torch.cat((gate_weight, up_weight))),
+        )
+
+
+def concatenates_weights(tokens: int, inner: int, backward: bool) -> bool:
+    """Whether one matmul against the weights concatenated for the call moves fewer bytes than two matmuls.
+
+    Two matmuls read x (T x H) twice; the concatenation reads and writes both weights (2I x H each way), and with
+    backward once more for dx, where it saves dx's accumulation (another 2 x T x H): forward only, it pays for
+    itself when T > 4I; with backward, when 3T > 8I (scripts/bench/floors.py counts both ways)."""
+    return 3 * tokens > 8 * inner if backward else tokens > 4 * inner
 
 
 def swiglu_mlp(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
-    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused on the NPU (packing gate/up once, see module doc)."""
-    reason, packed = _split_plan(x, gate_proj, up_proj, act_fn)
-    if reason is not None:
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused on the NPU (the cheaper gate/up matmuls: module doc)."""
+    if _split_unavailable_reason(x, gate_proj, up_proj, act_fn) is not None:
         return swiglu_mlp_eager(x, gate_proj, up_proj, down_proj, act_fn)
-    gate_up = _PackedGateUp.apply(x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias, *packed)
-    return down_proj(torch_npu.npu_swiglu(gate_up))
+    dtype = _compute_dtype(x)
+    inputs = [_autocast(t, dtype) for t in (x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias)]
+    tokens, inner = x.numel() // x.shape[-1], gate_proj.weight.shape[0]
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if concatenates_weights(tokens, inner, backward):
+        gated = torch_npu.npu_swiglu(_GateUpConcatenated.apply(*inputs), dim=-1)  # [T, I]
+    else:
+        gated = torch_npu.npu_swiglu(_GateUpHalves.apply(*inputs), dim=0)  # [1, T, I]
+    return down_proj(gated.reshape(*x.shape[:-1], inner))
 
 
 def swiglu_mlp_eager(
@@ -248,34 +217,8 @@ def swiglu_mlp_eager(
 
 
 def swiglu_mlp_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn) -> str | None:
-    """Why `swiglu_mlp` takes the eager path for this input and module, or None when it fuses (packing
-    the weights on the way if they are not packed yet)."""
-    return _split_plan(x, gate_proj, up_proj, act_fn, pack=False)[0]
-
-
-def _split_plan(
-    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn, pack: bool = True
-) -> tuple[str | None, tuple[torch.Tensor, torch.Tensor | None] | None]:
-    """(why the eager path runs, or None; the packed weight and bias views when it does not). With
-    `pack`, weights that are not packed yet are packed here (once: the layout lasts)."""
-    reason = _npu_swiglu_unavailable_reason(x, act_fn)
-    if reason is not None:
-        return reason, None
-    # Under the lock: another thread calling this MLP never reads the weights while they are being swapped (its
-    # reference would make swap_tensors refuse), and waits for the packing instead of running eager.
-    with _PACKING:
-        packed = _packed_views(gate_proj, up_proj)
-        if packed is None:
-            reason = pack_gate_up_unavailable_reason(gate_proj, up_proj)
-            if reason is not None or not pack:
-                return reason, None
-            _pack_locked(gate_proj, up_proj)
-            packed = _packed_views(gate_proj, up_proj)
-            if packed is None:  # something else held the weights at the swap: eager this time, packed later
-                return pack_gate_up_unavailable_reason(gate_proj, up_proj) or "the weights could not be packed", None
-    if packed[0].dtype != x.dtype:
-        return f"weight dtype {packed[0].dtype} differs from input dtype {x.dtype}", None
-    return None, packed
+    """Why `swiglu_mlp` takes the eager path for this input and these projections, or None when it fuses."""
+    return _split_unavailable_reason(x, gate_proj, up_proj, act_fn)
 
 
 def swiglu_gate_up_mlp(x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
