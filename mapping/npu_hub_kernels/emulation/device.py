@@ -165,6 +165,12 @@ def _check_same_device(func, args, kwargs) -> None:
     tensors, _ = tree_flatten((args, kwargs))
     for t in tensors:
         if isinstance(t, torch.Tensor) and not isinstance(t, NpuTensor) and t.dim() > 0:
+            if t.device.type == "npu":  # a tensor subclass around npu tensors, e.g. a DTensor
+                raise RuntimeError(
+                    f"{func}: got a {type(t).__name__} (on {t.device}) next to plain npu tensors; a tensor subclass "
+                    "cannot be mixed with plain tensors here (a DTensor: read it inside its own module's forward, "
+                    "or call full_tensor())"
+                )
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two devices, "
                 f"npu:0 and {t.device}! (emulated npu, op {func})"
