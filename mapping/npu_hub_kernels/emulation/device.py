@@ -14,6 +14,7 @@ import functools
 import itertools
 import threading
 import time
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -215,23 +216,17 @@ class _EmulatedNpuRandom:
         return torch.random.initial_seed()
 
 
-_LIVE_STORAGES: dict[int, StorageWeakRef] = {}
-"""Each host storage an npu tensor has been made on (by StorageImpl address) -> a weak reference to it."""
-_PRUNE_EVERY = 4096
-_registrations = itertools.count(1)
+_LIVE_STORAGES: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
+"""Each live host storage an npu tensor has been made on, by StorageImpl address. A storage's Python object lives
+as long as the storage does (torch preserves it), so an entry goes when its storage is freed."""
+_STORAGES_LOCK = threading.Lock()
+"""Guards _LIVE_STORAGES: threads create npu tensors concurrently (two models trained at once)."""
 
 
 def _track_storage(cpu: torch.Tensor) -> None:
     storage = cpu.untyped_storage()
-    if storage._cdata not in _LIVE_STORAGES:
-        _LIVE_STORAGES[storage._cdata] = StorageWeakRef(storage)
-        if next(_registrations) % _PRUNE_EVERY == 0:
-            _prune_storages()
-
-
-def _prune_storages() -> None:
-    for key in [key for key, ref in _LIVE_STORAGES.items() if ref.expired()]:
-        del _LIVE_STORAGES[key]
+    with _STORAGES_LOCK:
+        _LIVE_STORAGES.setdefault(storage._cdata, storage)
 
 
 def npu_memory_allocated() -> int:
@@ -241,8 +236,9 @@ def npu_memory_allocated() -> int:
     unsharded parameters after a forward) counts 0 while it is empty. Unlike an allocator's count, there is no
     rounding to blocks and no cache: this is what the tensors alive at the call hold.
     """
-    _prune_storages()
-    return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() for ref in _LIVE_STORAGES.values())
+    with _STORAGES_LOCK:
+        storages = list(_LIVE_STORAGES.values())
+    return sum(storage.nbytes() for storage in storages)
 
 
 class _EmulatedEvent:
