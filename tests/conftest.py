@@ -15,10 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hub_env import use_offline_hub
+
 _HUB_CACHE = tempfile.mkdtemp(prefix="npu-hub-kernels-test-hub-")
-os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=_HUB_CACHE, HF_HUB_DISABLE_TELEMETRY="1")
-os.environ.pop("KERNELS_CACHE", None)
-os.environ.pop("LOCAL_KERNELS", None)
+use_offline_hub(_HUB_CACHE)
 
 import pytest  # noqa: E402
 

@@ -6,7 +6,7 @@ TRAINING mode by `apply_npu_kernels` (which, deepspeed being imported, marks the
 `deepspeed.initialize`. Every process is bounded in time.
 
 Per rank (each is a one-NPU host: LOCAL_RANK=0, since the emulated host has one device and DeepSpeed calls
-`torch.npu.set_device(LOCAL_RANK)`), with the process group on gloo until the emulated "hccl" backend lands.
+`torch.npu.set_device(LOCAL_RANK)`), over the emulated "hccl" process group, as on an Ascend host.
 ASCEND_HOME_PATH is set as CANN's set_env.sh sets it: DeepSpeed's NPU op builder reads it unguarded
 (deepspeed/ops/op_builder/npu/builder.py, `installed_cann_path`, 0.19.8: `"ASCEND_HOME_PATH" in os.environ or
 os.path.exists(os.environ["ASCEND_HOME_PATH"])` raises KeyError when it is unset).
@@ -14,14 +14,11 @@ os.path.exists(os.environ["ASCEND_HOME_PATH"])` raises KeyError when it is unset
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_distributed
 
 pytest.importorskip("deepspeed")
 
@@ -41,64 +38,22 @@ RUNS = ("eager", "kernels+leaves")
 (and, for Llama only, "kernels": `kernelize` alone, no leaves)."""
 
 
-def _free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _run_ranks(built_cards: Path, scratch: Path) -> list[dict]:
+    """Each rank's results of `_rank_main`: 2 processes of the emulated host (tests/distributed.py), each a
+    one-NPU host (LOCAL_RANK=0) running DeepSpeed's NPU accelerator."""
+    env = {"DS_ACCELERATOR": "npu", "ASCEND_HOME_PATH": str(scratch), "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
+    return run_distributed(_rank_main, str(built_cards), world_size=WORLD_SIZE, timeout=TIMEOUT, env=env)
 
 
-def _run_ranks(built_cards: Path, out_dir: Path) -> list[dict]:
-    """Run `_rank_main` in WORLD_SIZE fresh processes; return each rank's results (fail with every rank's output)."""
-    code = (
-        "import sys; from npu_hub_kernels import emulation; emulation.install(); "
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-        f"import test_deepspeed_zero3 as t; t._rank_main({str(built_cards)!r}, {str(out_dir)!r})"
-    )
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "npu",
-        "ASCEND_HOME_PATH": str(out_dir),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_loopback_port()),
-        "WORLD_SIZE": str(WORLD_SIZE),
-        "LOCAL_RANK": "0",
-        "OMP_NUM_THREADS": "1",
-    }
-    logs = [out_dir / f"rank{rank}.log" for rank in range(WORLD_SIZE)]
-    processes = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as sink:
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", code], env={**env, "RANK": str(rank)}, stdout=sink, stderr=subprocess.STDOUT
-                )
-            )
-    try:
-        for process in processes:
-            process.wait(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for process in processes:  # only the processes started here
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    if any(process.returncode != 0 for process in processes):
-        outputs = "\n".join(f"--- rank {rank} ---\n{log.read_text()[-6000:]}" for rank, log in enumerate(logs))
-        raise AssertionError(f"ZeRO-3 ranks failed or timed out ({TIMEOUT} s):\n{outputs}")
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
-
-
-def _rank_main(built_cards: str, out_dir: str) -> None:
-    """One rank: every family trained without and with kernels; results saved for the test to compare."""
+def _rank_main(built_cards: str) -> dict:
+    """One rank: every family trained without and with kernels, over the emulated "hccl" process group."""
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="hccl")
     rank = torch.distributed.get_rank()
     results = {(family, run): _train(family, run, built_cards, rank) for family in FAMILIES for run in RUNS}
     results["llama", "kernels"] = _train("llama", "kernels", built_cards, rank)  # the control: leaves matter
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    return results
 
 
 def _train(family: str, run: str, built_cards: str, rank: int) -> dict:

@@ -37,6 +37,7 @@ import torch
 
 from .checks import OP_CALLS
 from .device import NpuTensor, install_device
+from .distributed import install_hccl
 from .moe import npu_grouped_matmul, npu_moe_token_permute, npu_moe_token_unpermute
 from .rms_norm import npu_rms_norm
 from .rotary_mul import npu_apply_rotary_pos_emb, npu_rotary_mul
@@ -98,6 +99,7 @@ def install(cann_version: str = DEFAULT_CANN_VERSION) -> ModuleType:
         )
     set_cann_version(cann_version)
     install_device()
+    install_hccl()
     torch.version.cann = cann_version  # type: ignore[attr-defined]
     module = _build_torch_npu_module()
     sys.modules.update({m.__name__: m for m in (module, module.utils, module.utils.collect_env)})

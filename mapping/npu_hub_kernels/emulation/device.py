@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -37,7 +39,12 @@ def _histc(x, bins=100, min=0, max=0):
 
 
 _DEVICE_KERNELS = {torch.ops.aten.histc.default: _histc, torch.ops.aten.record_stream.default: record_stream}
-"""Ops whose npu kernel accepts inputs the CPU kernel does not: run these instead on the host data."""
+"""Ops whose npu kernel differs from the host's: run these instead on the host data (the npu tensors' `_cpu`)."""
+
+
+def register_device_kernel(op: torch._ops.OpOverload, kernel) -> None:
+    """Run `kernel` instead of `op` on the host data when `op` gets npu tensors (e.g. collectives on the hccl group)."""
+    _DEVICE_KERNELS[op] = kernel
 
 
 class NpuTensor(torch.Tensor):
@@ -61,6 +68,7 @@ class NpuTensor(torch.Tensor):
             requires_grad=False,
         )
         wrapper._cpu = cpu
+        _track_storage(cpu)
         return wrapper
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -161,6 +169,12 @@ def _check_same_device(func, args, kwargs) -> None:
     tensors, _ = tree_flatten((args, kwargs))
     for t in tensors:
         if isinstance(t, torch.Tensor) and not isinstance(t, NpuTensor) and t.dim() > 0:
+            if t.device.type == "npu":  # a tensor subclass around npu tensors, e.g. a DTensor
+                raise RuntimeError(
+                    f"{func}: got a {type(t).__name__} (on {t.device}) next to plain npu tensors; a tensor subclass "
+                    "cannot be mixed with plain tensors here (a DTensor: read it inside its own module's forward, "
+                    "or call full_tensor())"
+                )
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found at least two devices, "
                 f"npu:0 and {t.device}! (emulated npu, op {func})"
@@ -205,8 +219,39 @@ class _EmulatedNpuRandom:
         return torch.random.initial_seed()
 
 
+_LIVE_STORAGES: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
+"""Each live host storage an npu tensor has been made on, by StorageImpl address. A storage's Python object lives
+as long as the storage does (torch preserves it), so an entry goes when its storage is freed."""
+_STORAGES_LOCK = threading.Lock()
+"""Guards _LIVE_STORAGES: threads create npu tensors concurrently (two models trained at once)."""
+
+
+def _track_storage(cpu: torch.Tensor) -> None:
+    storage = cpu.untyped_storage()
+    with _STORAGES_LOCK:
+        _LIVE_STORAGES.setdefault(storage._cdata, storage)
+
+
+def npu_memory_allocated() -> int:
+    """Bytes of npu memory in use: the distinct host storages behind live npu tensors, each at its current size.
+
+    Views of one buffer count once; a buffer freed by `untyped_storage().resize_(0)` (what FSDP2 does to its
+    unsharded parameters after a forward) counts 0 while it is empty. Unlike an allocator's count, there is no
+    rounding to blocks and no cache: this is what the tensors alive at the call hold.
+    """
+    with _STORAGES_LOCK:
+        storages = list(_LIVE_STORAGES.values())
+    return sum(storage.nbytes() for storage in storages)
+
+
 class EmulatedNpuModule(EmulatedNpuStreams):
-    """What `torch.npu` offers that transformers, accelerate and kernels ask of it."""
+    """What `torch.npu` offers that transformers, accelerate, kernels, DDP, FSDP2 and DeepSpeed ask of it (streams,
+    events and allocator statistics: `streams.EmulatedNpuStreams`)."""
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        """`npu_memory_allocated()`: bytes held by the live npu tensors' buffers."""
+        return npu_memory_allocated()
 
     random = _EmulatedNpuRandom()
     get_rng_state = staticmethod(_EmulatedNpuRandom.get_rng_state)

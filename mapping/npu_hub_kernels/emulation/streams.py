@@ -1,4 +1,5 @@
-"""Streams, events and allocator statistics of the emulated npu, as DeepSpeed's NPU accelerator uses them.
+"""Streams, events and allocator statistics of the emulated npu, as DDP, FSDP2 and DeepSpeed's NPU accelerator use
+them.
 
 The emulated device runs every op synchronously on the host, in program order, on one stream. So:
 - `torch.npu.Stream()`, `current_stream()` and `default_stream()` give that one stream (a `torch.Stream` of the
@@ -96,6 +97,10 @@ class EmulatedNpuStreams:
     def stream(stream: torch.Stream | None) -> Iterator[None]:
         """Ops in the block run on `stream`: the one stream there is."""
         yield
+
+    @staticmethod
+    def set_stream(stream: torch.Stream) -> None:
+        """Make `stream` current: there is one stream, always current."""
 
     @staticmethod
     def memory_stats(device=None) -> dict[str, int]:
