@@ -14,6 +14,7 @@ What lives where:
 - `registry`: selecting, registering and unregistering cards, `apply_npu_kernels`;
 - `retag`: how classes and rotary functions are made kernelizable under the cards' names;
 - `report`: `swapped_modules`, what runs where;
+- `zero3`: split MLPs as DeepSpeed ZeRO-3 leaf modules, so that they fuse under ZeRO-3;
 - `integrity`: the digest check of a build variant before it is imported (loader and doctor);
 - `_kernels_compat`: every private `kernels` API the project uses, in one place;
 - `doctor`, `offline`, `tiny_models`: `python -m npu_hub_kernels doctor`, the offline Hub cache,

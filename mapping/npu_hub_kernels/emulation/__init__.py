@@ -14,7 +14,8 @@ so `kernels` resolves the `torch<XY>-cxx11-cann<XY>-<arch>-linux` build variants
 
 The emulated ops follow the contracts in docs/torch-npu-ops.md (one section per op, with sources).
 What lives where: `device.py` (the "npu" device: tensors, factories, module conversions),
-`streams.py` (streams, events, allocator statistics: what DeepSpeed asks), `checks.py` (input checks
+`streams.py` (streams, events, allocator statistics: what DDP, FSDP2 and DeepSpeed ask),
+`distributed.py` (the "hccl" process-group backend over gloo on host memory), `checks.py` (input checks
 and the call counter), and one file per op family: `rms_norm.py`,
 `rotary_mul.py` (npu_rotary_mul, npu_apply_rotary_pos_emb), `swiglu.py`, `moe.py` (token
 permute/unpermute, grouped matmul).
