@@ -200,10 +200,13 @@ def _in_place_unavailable_reason(
 
 
 def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors have bytes in common (the same tensor, or overlapping views of one storage)."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """Whether two contiguous tensors have bytes in common (the same tensor, or overlapping views of one storage).
+
+    Storages are compared as objects (torch keeps one Python object per storage) and positions by storage offset,
+    not by address: shape-only tensors (the bench's fake tensors) all report one address."""
+    if a.untyped_storage() is not b.untyped_storage():
         return False
-    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_start, b_start = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
     a_end, b_end = a_start + a.numel() * a.element_size(), b_start + b.numel() * b.element_size()
     return a_start < b_end and b_start < a_end
 
