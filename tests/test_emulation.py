@@ -378,3 +378,119 @@ def test_accelerate_moves_npu_parameters_and_loads_a_checkpoint_split_between_np
     assert [p.device.type for p in model.parameters()] == ["npu", "npu", "cpu", "cpu"]
     for got, want in zip(model.state_dict().values(), source.state_dict().values(), strict=True):
         assert torch.equal(got.cpu(), want)
+
+
+def _saved_for_backward(run):
+    """`run()`'s result and the tensors autograd keeps for its backward, in the order they were saved."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return run(), saved
+
+
+def _assert_saved_exactly(saved, expected):
+    """The tensors kept are these very tensors (no float32 copy, no index copy), in any order."""
+    assert len(saved) == len(expected) and all(any(s is e for s in saved) for e in expected), [
+        (t.dtype, tuple(t.shape)) for t in saved
+    ]
+
+
+def _bf16_leaf(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).bfloat16().to("npu").requires_grad_()
+
+
+def _grads_of(leaves, out):
+    """The gradients of `out` (weighted by a fixed pattern) for `leaves`, as host tensors."""
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(out.dtype).to(out.device)
+    return [g.cpu() for g in torch.autograd.grad(out, leaves, weights)]
+
+
+def _unpermute_float_math(permuted, sorted_indices, probs):
+    """What the emulation computed through autograd before it kept the op's tensors: float32 inside, one cast."""
+    top_k = probs.shape[1] if probs is not None else 1
+    gathered = permuted[sorted_indices.long()].float().unflatten(0, (-1, top_k))
+    if probs is not None:
+        gathered = gathered * probs.float().unsqueeze(-1)
+    return gathered.sum(dim=1).to(permuted.dtype)
+
+
+@pytest.fixture
+def cann_version():
+    """Set the CANN version the emulated host reports for one test, then restore it."""
+    before = torch.version.cann
+    yield emulation.set_cann_version
+    emulation.set_cann_version(before)
+
+
+@pytest.mark.parametrize(
+    ("with_probs", "cann", "keeps_tokens"),
+    [(True, "9.1.0", True), (False, "9.1.0", False), (False, "8.5.0", True)],
+    ids=["probs", "no probs, CANN 9.1", "no probs, CANN 8.5"],
+)
+def test_npu_moe_token_unpermute_keeps_what_the_op_keeps_for_backward(cann_version, with_probs, cann, keeps_tokens):
+    """op-plugin's adapter keeps sorted_indices, probs, and permuted_tokens only with probs or before CANN 9.1
+    (MoeTokenUnpermuteKernelNpuOpApi.cpp; test_unpermute_backward_saved_tensors_*), never a float32 [T, K, H]
+    copy; the gradients are those of the float32 math, bit for bit."""
+    cann_version(cann)
+    tokens, top_k = 6, 2 if with_probs else 1
+    permuted = _bf16_leaf(tokens * top_k, 16)
+    sorted_indices = torch.randperm(tokens * top_k, generator=torch.Generator().manual_seed(0)).int().to("npu")
+    probs = torch.rand(tokens, top_k).to("npu").requires_grad_() if with_probs else None
+    out, saved = _saved_for_backward(lambda: torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs=probs))
+    _assert_saved_exactly(saved, [sorted_indices] + [permuted] * keeps_tokens + ([probs] if with_probs else []))
+    leaves = [permuted] + ([probs] if with_probs else [])
+    grads = _grads_of(leaves, out)
+    expected = _grads_of(leaves, _unpermute_float_math(permuted, sorted_indices, probs))
+    assert [g.dtype for g in grads] == [torch.bfloat16] + [torch.float32] * with_probs  # each input's dtype
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+
+
+def test_npu_moe_token_permute_keeps_only_sorted_indices_for_backward():
+    """op-plugin derivatives.yaml: npu_moe_token_permute_grad_v2(grad, sorted_indices, tokens' rows and dtype);
+    each token's gradient is the float32 sum of its K copies' gradients, cast once."""
+    tokens = _bf16_leaf(5, 16)
+    indices = torch.tensor([[0, 2], [1, 0], [2, 2], [0, 1], [1, 2]]).to("npu")
+    (permuted, sorted_indices), saved = _saved_for_backward(lambda: torch_npu.npu_moe_token_permute(tokens, indices))
+    _assert_saved_exactly(saved, [sorted_indices])
+    (grad,) = _grads_of([tokens], permuted)
+    weights = torch.linspace(-1, 1, permuted.numel()).reshape(permuted.shape).bfloat16()
+    expected = weights.float()[sorted_indices.cpu().long()].unflatten(0, (5, 2)).sum(1).bfloat16()
+    assert torch.equal(grad, expected)
+
+
+def test_npu_swiglu_keeps_its_input_alone_for_backward():
+    """op-plugin derivatives.yaml: npu_swiglu_backward(grad, self, dim); gradients as autograd of the float32 math."""
+    x = _bf16_leaf(4, 3, 16)
+    out, saved = _saved_for_backward(lambda: torch_npu.npu_swiglu(x, dim=-1))
+    _assert_saved_exactly(saved, [x])
+    gate, up = x.float().chunk(2, dim=-1)
+    assert torch.equal(_grads_of([x], out)[0], _grads_of([x], (torch.nn.functional.silu(gate) * up).bfloat16())[0])
+
+
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+def test_npu_rotary_mul_keeps_x_r1_and_r2_for_backward(mode):
+    """op-plugin derivatives.yaml: npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode)."""
+    x, r1, r2 = _bf16_leaf(2, 3, 4, 8), _bf16_leaf(1, 1, 4, 8), _bf16_leaf(1, 1, 4, 8)
+    out, saved = _saved_for_backward(lambda: torch_npu.npu_rotary_mul(x, r1, r2, rotary_mode=mode))
+    _assert_saved_exactly(saved, [x, r1, r2])
+    rotate = _rotate_half if mode == "half" else _rotate_interleave
+    x32 = x.float()
+    expected = _grads_of([x, r1, r2], (x32 * r1.float() + rotate(x32) * r2.float()).bfloat16())
+    assert all(torch.equal(g, e) for g, e in zip(_grads_of([x, r1, r2], out), expected, strict=True))
+
+
+def test_npu_rms_norm_keeps_x_gamma_and_rstd_for_backward():
+    """op-plugin derivatives.yaml: npu_rms_norm_backward(grad, self, gamma, rstd); gradients within float32
+    rounding of autograd through the float32 math, in x's and gamma's dtypes."""
+    x, gamma = _bf16_leaf(3, 5, 32, scale=4.0), _bf16_leaf(32)
+    (y, rstd), saved = _saved_for_backward(lambda: torch_npu.npu_rms_norm(x, gamma))
+    _assert_saved_exactly(saved, [x, gamma, rstd])
+    x32 = x.float()
+    reference = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma.float()).bfloat16()
+    for got, want in zip(_grads_of([x, gamma], y), _grads_of([x, gamma], reference), strict=True):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)

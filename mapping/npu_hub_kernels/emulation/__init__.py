@@ -16,9 +16,9 @@ The emulated ops follow the contracts in docs/torch-npu-ops.md (one section per 
 What lives where: `device.py` (the "npu" device: tensors, factories, module conversions),
 `streams.py` (streams, events, allocator statistics: what DDP, FSDP2 and DeepSpeed ask),
 `distributed.py` (the "hccl" process-group backend over gloo on host memory), `checks.py` (input checks
-and the call counter), and one file per op family: `rms_norm.py`,
-`rotary_mul.py` (npu_rotary_mul, npu_apply_rotary_pos_emb), `swiglu.py`, `moe.py` (token
-permute/unpermute, grouped matmul).
+and the call counter), `backward.py` (autograd that keeps for backward what the op keeps), and one file
+per op family: `rms_norm.py`, `rotary_mul.py` (npu_rotary_mul, npu_apply_rotary_pos_emb), `swiglu.py`,
+`moe.py` (token permute/unpermute, grouped matmul).
 
 Never use it on a real Ascend host: `install()` refuses when a real torch_npu is installed.
 The install is for the life of the process (torch allows one PrivateUse1 rename).

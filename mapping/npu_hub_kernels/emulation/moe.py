@@ -2,9 +2,12 @@
 "npu_grouped_matmul" and "npu_moe_token_permute / npu_moe_token_unpermute".
 
 - `npu_moe_token_permute`: tokens gathered in stable expert order; `sorted_indices` is the INVERSE
-  permutation (int32): `permuted[sorted_indices[i]] == tokens[i // K]`. Autograd for tokens.
+  permutation (int32): `permuted[sorted_indices[i]] == tokens[i // K]`. Backward for tokens: each token's
+  K gradient rows summed in float32, one cast. It keeps `sorted_indices` for backward, as the op does.
 - `npu_moe_token_unpermute`: `out[t] = sum_k probs[t, k] * permuted[sorted_indices[t*K + k]]`, float32
-  inside, one cast to the tokens' dtype. Autograd for tokens and probs.
+  inside, one cast to the tokens' dtype. Backward for permuted_tokens (in their dtype) and probs (in
+  theirs). It keeps for backward what the op keeps: sorted_indices, probs, and permuted_tokens only with
+  probs (or on CANN before 9.1), never a float32 copy.
 - `npu_grouped_matmul`: `y_g = x_g @ w_g` per group, group sizes from `group_list` (cumsum or counts),
   rows split (group_type 0) or the K axis split (group_type 2, for weight gradients). Float32
   accumulation, output in x's dtype. No autograd, as on the device (no derivative there: torch_npu's
@@ -32,10 +35,29 @@ def npu_moe_token_permute(
     top_k = indices.shape[1] if indices.dim() == 2 else 1
     if top_k > 512:
         raise RuntimeError(f"npu_moe_token_permute: top-k {top_k} above 512")
-    order = indices.flatten().argsort(stable=True)
-    permuted = tokens[order // top_k]
-    sorted_indices = order.argsort().to(torch.int32)
-    return permuted, sorted_indices
+    return _Permute.apply(tokens, indices, top_k)
+
+
+class _Permute(torch.autograd.Function):
+    """npu_moe_token_permute with the op's autograd (op-plugin derivatives.yaml: `npu_moe_token_permute_grad_v2`
+    from `sorted_indices` and the tokens' row count and dtype; the tokens themselves are not kept)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, indices: torch.Tensor, top_k: int):
+        order = indices.flatten().argsort(stable=True)
+        permuted = tokens[order // top_k]
+        sorted_indices = order.argsort().to(torch.int32)
+        ctx.save_for_backward(sorted_indices)
+        ctx.top_k, ctx.tokens_dtype = top_k, tokens.dtype
+        ctx.mark_non_differentiable(sorted_indices)
+        return permuted, sorted_indices
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_permuted: torch.Tensor, _grad_sorted_indices):
+        (sorted_indices,) = ctx.saved_tensors
+        copies = grad_permuted[sorted_indices.long()].float().unflatten(0, (-1, ctx.top_k))  # [T, K, H]
+        return copies.sum(dim=1).to(ctx.tokens_dtype), None, None
 
 
 def npu_moe_token_unpermute(
@@ -51,11 +73,49 @@ def npu_moe_token_unpermute(
         raise NotImplementedError("npu_moe_token_unpermute: padded_mode is not emulated")
     if sorted_indices.dtype != torch.int32:
         raise RuntimeError(f"npu_moe_token_unpermute: sorted_indices must be int32, got {sorted_indices.dtype}")
+    return _Unpermute.apply(permuted_tokens, sorted_indices, probs)
+
+
+class _Unpermute(torch.autograd.Function):
+    """npu_moe_token_unpermute with the op's autograd (op-plugin derivatives.yaml, `_npu_moe_token_unpermute`:
+    `npu_moe_token_unpermute_grad_v2` from sorted_indices, probs, the row count and dtype of permuted_tokens, and
+    permuted_tokens themselves only when the adapter keeps them: with probs, or on CANN before 9.1)."""
+
+    @staticmethod
+    def forward(ctx, permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None):
+        keeps_tokens = probs is not None or _cann_version() < (9, 1)
+        ctx.save_for_backward(sorted_indices, probs, permuted_tokens if keeps_tokens else None)
+        ctx.rows, ctx.tokens_dtype = permuted_tokens.shape[0], permuted_tokens.dtype
+        gathered = _gathered(permuted_tokens, sorted_indices, probs)
+        if probs is not None:
+            gathered = gathered * probs.float().unsqueeze(-1)
+        return gathered.sum(dim=1).to(permuted_tokens.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        sorted_indices, probs, permuted_tokens = ctx.saved_tensors
+        grad32 = grad.float().unsqueeze(1)  # [T, 1, H]
+        grad_tokens = grad_probs = None
+        if ctx.needs_input_grad[0]:
+            rows = grad32 * probs.float().unsqueeze(-1) if probs is not None else grad32  # [T, K, H]
+            grad_tokens = grad.new_zeros(ctx.rows, grad.shape[-1], dtype=ctx.tokens_dtype)
+            grad_tokens[sorted_indices.long()] = rows.flatten(0, 1).to(ctx.tokens_dtype)
+        if probs is not None and ctx.needs_input_grad[2]:
+            grad_probs = (_gathered(permuted_tokens, sorted_indices, probs) * grad32).sum(dim=-1).to(probs.dtype)
+        return grad_tokens, None, grad_probs
+
+
+def _gathered(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """Each token's K rows of permuted_tokens, in float32: [T, K, H]."""
     top_k = probs.shape[1] if probs is not None else 1
-    gathered = permuted_tokens[sorted_indices.long()].float().unflatten(0, (-1, top_k))  # [T, K, H]
-    if probs is not None:
-        gathered = gathered * probs.float().unsqueeze(-1)
-    return gathered.sum(dim=1).to(permuted_tokens.dtype)
+    return permuted_tokens[sorted_indices.long()].float().unflatten(0, (-1, top_k))
+
+
+def _cann_version() -> tuple[int, int]:
+    """(major, minor) of the CANN the emulated host reports ("9.1.0", "8.3.RC1")."""
+    major, minor = torch.version.cann.split(".")[:2]  # type: ignore[attr-defined]
+    return int(major), int(minor)
 
 
 def npu_grouped_matmul(

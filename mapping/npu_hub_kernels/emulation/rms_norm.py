@@ -2,13 +2,14 @@
 
 Everything in fp32 with one final cast: `rstd = rsqrt(mean(x.float()**2) + eps)`,
 `y = (x.float() * rstd * gamma.float()).to(x.dtype)`; rstd is float32 with the normalised dims kept
-as size 1. Autograd through these fp32 ops gives the op's backward (dx, and dgamma in fp32 that
-autograd casts to gamma's dtype).
+as size 1. Backward as the op's `npu_rms_norm_backward(grad, x, gamma, rstd)` (dx, and dgamma in fp32 that
+autograd casts to gamma's dtype; rstd has no gradient), keeping x, gamma and rstd for it, as the op does.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .checks import FLOAT_DTYPES, require_npu
 
@@ -26,8 +27,31 @@ def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) ->
             f"npu_rms_norm: gamma shape {tuple(gamma.shape)} must equal the trailing dims of x {tuple(x.shape)}"
         )
 
-    reduce_dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
-    x32 = x.float()
-    rstd = torch.rsqrt(x32.pow(2).mean(dim=reduce_dims, keepdim=True) + epsilon)
-    y = (x32 * rstd * gamma.float()).to(x.dtype)
-    return y, rstd
+    return _RmsNorm.apply(x, gamma, epsilon)
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(dim=_normalised_dims(x, gamma), keepdim=True) + epsilon)
+        ctx.save_for_backward(x, gamma, rstd)
+        ctx.mark_non_differentiable(rstd)
+        return (x32 * rstd * gamma.float()).to(x.dtype), rstd
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: torch.Tensor, _grad_rstd):
+        """d/dx of x * rstd(x) * gamma: `rstd * (g - x * rstd^2 * mean(g * x))` with g = grad_y * gamma, and
+        dgamma the sum of `grad_y * x * rstd` over the leading dims; float32 inside."""
+        x, gamma, rstd = ctx.saved_tensors
+        dims = _normalised_dims(x, gamma)
+        x32, grad32 = x.float(), grad_y.float()
+        scaled = grad32 * gamma.float()
+        grad_x = rstd * (scaled - x32 * rstd.pow(2) * (scaled * x32).mean(dim=dims, keepdim=True))
+        grad_gamma = (grad32 * x32 * rstd).sum(dim=tuple(range(x.dim() - gamma.dim())))
+        return grad_x.to(x.dtype), grad_gamma.to(gamma.dtype), None
+
+
+def _normalised_dims(x: torch.Tensor, gamma: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(x.dim() - gamma.dim(), x.dim()))

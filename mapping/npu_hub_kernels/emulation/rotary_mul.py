@@ -7,7 +7,8 @@ float32 and one cast back. 'half' rotates like transformers' `rotate_half` (`cat
 or TND for 3-D x) is read from which axes of r1 are 1, as the kernel does; r1 must be one of the
 layout's broadcast forms, and the batch/heads limits apply to that layout's axes. A shape that is a
 form of several layouts is taken when it is within the limits of one of them (the math is the same). The output is a new
-tensor of x's shape, in x's layout (row-major), whatever x's strides.
+tensor of x's shape, in x's layout (row-major), whatever x's strides. Backward for x, r1 and r2, keeping
+x, r1 and r2 for it, as the op does (op-plugin derivatives.yaml: `npu_rotary_mul_backward(grad, self, r1, r2)`).
 
 `npu_apply_rotary_pos_emb`: 'half' RoPE of q and k with one cos/sin, written into q and k in place
 (BSND or TND, head dim 64 or 128, one dtype for all four tensors, cos/sin without broadcast over the
@@ -16,8 +17,11 @@ batch); returns q and k. No autograd.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .backward import keeping_inputs
 from .checks import FLOAT_DTYPES, require_npu
 
 _LAYOUT_FORMS = {
@@ -35,7 +39,7 @@ def npu_rotary_mul(
     """torch_npu's signature; `rotate` (a custom rotation matrix) is accepted and, as in the cards, unused."""
     require_npu("npu_rotary_mul", x=x, r1=r1, r2=r2)
     _check(x, r1, r2, rotary_mode)
-    return _rotated(x, r1, r2, rotary_mode).contiguous()
+    return keeping_inputs(functools.partial(_rotated_row_major, mode=rotary_mode), x, r1, r2)
 
 
 def npu_apply_rotary_pos_emb(
@@ -78,6 +82,10 @@ def npu_apply_rotary_pos_emb(
 
 def _shapes(tensors: dict[str, torch.Tensor]) -> str:
     return ", ".join(f"{name} {tuple(t.shape)}" for name, t in tensors.items())
+
+
+def _rotated_row_major(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> torch.Tensor:
+    return _rotated(x, r1, r2, mode).contiguous()
 
 
 def _rotated(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> torch.Tensor:
