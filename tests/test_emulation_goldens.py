@@ -2,13 +2,23 @@
 
 Restated from Ascend/op-plugin `test/test_custom_ops/` at commit 517f2e7d0f202f38b76310706cb977ca2388ad21
 (test_npu_rotary_mul.py, test_npu_rotary_mul_backward.py, test_npu_rms_norm.py, test_npu_rms_norm_backward.py,
-test_npu_swi_glu.py, test_npu_swi_glu_backward.py, test_npu_apply_rotary_pos_emb.py): the shapes, dtypes,
-layouts and what each golden computes, written here from the op semantics. Only the cases op-plugin's CI runs:
-the ones it skips there ("not supported by the CI version": 3-D rotary_mul, the `rotate` matrix, TND
-npu_apply_rotary_pos_emb) are left out as it leaves them out. Tolerances: op-plugin's assertRtolEqual
-(1e-3 for float16, 1e-4 for float32, bfloat16 compared as float32) unless a test names its own.
+test_npu_swi_glu.py, test_npu_swi_glu_backward.py, test_npu_apply_rotary_pos_emb.py,
+test_npu_moe_token_permute_and_unpermute.py, test_npu_moe_token_permute_and_unpermute_backward.py,
+test_npu_grouped_matmul.py): the layouts, dtypes, limits and what each golden computes, written here from the
+op semantics. Only the cases op-plugin's CI runs on Atlas A2 (Ascend910B): the ones it skips there ("not supported
+by the CI version": 3-D rotary_mul, the `rotate` matrix, TND npu_apply_rotary_pos_emb; Ascend 950 only) are left
+out as it leaves them out. Tolerances: op-plugin's assertRtolEqual (1e-3 for float16, 1e-4 for float32, bfloat16
+compared as float32) unless a test names its own.
 
-Not restated yet: test_npu_grouped_matmul.py and test_npu_moe_token_permute_and_unpermute*.py.
+Shapes: where op-plugin's tensors are large only to be large, the rows are fewer here (each case keeps its
+layout, dtype, last dim and the sizes its limits are about, e.g. an S or B of at least 1000); the original shape
+is in a comment next to each. The grouped-matmul cases keep op-plugin's shapes.
+
+npu_grouped_matmul forms the emulation refuses by design, because no card calls them (it raises
+NotImplementedError naming the form, never computes something else): several x or several weights (group_type
+-1, and op-plugin's "multi-multi" cases, x of more than 2 dims included), bias, act_type, every quantised form
+(scale, offset, antiquant_scale/offset, per_token_scale, int8/float8/float4 x or weight, the A16W4 and A8W4
+cases, the NZ weight format), group_list_type 2. test_npu_grouped_matmul_0_empty_x_w is such a multi-tensor case.
 """
 
 from __future__ import annotations
@@ -44,10 +54,11 @@ def rotate_golden(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str
     return r1 * x + r2 * rotated
 
 
-HALF_SHAPES = [  # x, r1 (= r2): BSND 1S1D, SBND SB11... as op-plugin lists them; the last is read as BSND or SBND
-    ((2, 8192, 5, 128), (1, 8192, 1, 128)),
-    ((8192, 2, 5, 128), (8192, 1, 1, 128)),
-    ((2048, 4, 32, 64), (2048, 4, 1, 64)),
+HALF_SHAPES = [  # x, r1 (= r2): BSND 1S1D, SBND S11D with S >= 1000 (an S the B limit would refuse), and a shape
+    # that is BSND with B >= 1000 (refused) and SBND with B=4 (taken)
+    ((2, 1024, 5, 128), (1, 1024, 1, 128)),  # op-plugin: (2, 8192, 5, 128)
+    ((1024, 2, 5, 128), (1024, 1, 1, 128)),  # op-plugin: (8192, 2, 5, 128)
+    ((1024, 4, 8, 64), (1024, 4, 1, 64)),  # op-plugin: (2048, 4, 32, 64)
 ]
 INTERLEAVE_SHAPES = [
     ((2, 2, 5, 128), (1, 2, 1, 128)),
@@ -61,7 +72,6 @@ def _rand(shape, dtype, seed):
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(("mode", "shapes"), [("half", HALF_SHAPES), ("interleave", INTERLEAVE_SHAPES)])
 def test_rotary_mul_forward(mode, shapes, dtype):
@@ -71,7 +81,6 @@ def test_rotary_mul_forward(mode, shapes, dtype):
         close(out, rotate_golden(x, r1, r2, mode), RTOL[dtype])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "shapes", "dtypes"),
     [("half", HALF_SHAPES, [torch.float32]), ("interleave", INTERLEAVE_SHAPES, [torch.float16, torch.float32])],
@@ -104,11 +113,10 @@ def rms_norm_golden(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6) -> 
     return (x32 * rstd * gamma.float()).to(x.dtype), rstd
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])  # test_rms_norm, test_rms_norm_mix_dtype
 def test_rms_norm_forward(x_dtype):
     g = torch.Generator().manual_seed(0)
-    x = (torch.rand(1024, 12288, generator=g) * 100).to(x_dtype)
+    x = (torch.rand(64, 12288, generator=g) * 100).to(x_dtype)  # op-plugin: 1024 rows
     gamma = torch.rand(12288, generator=g) * 100  # float32 in both cases
     y, rstd = torch_npu.npu_rms_norm(x.to("npu"), gamma.to("npu"))
     want_y, want_rstd = rms_norm_golden(x, gamma)
@@ -129,10 +137,9 @@ def test_rms_norm_backward():
     close(gamma_npu.grad, dgamma, 1e-4)
 
 
-SWIGLU_SHAPE = (8192, 1, 3904 * 2)
+SWIGLU_SHAPE = (512, 1, 3904 * 2)  # op-plugin: (8192, 1, 7808)
 
 
-@pytest.mark.slow
 def test_swiglu_forward_and_backward():
     """test_npu_swi_glu(_backward): bf16 [8192, 1, 7808] on the last dim; goldens in float32, cast to bf16."""
     g = torch.Generator().manual_seed(2)
@@ -148,13 +155,12 @@ def test_swiglu_forward_and_backward():
     close(x_npu.grad, torch.cat((da, db), dim=-1).bfloat16(), 1e-4)
 
 
-@pytest.mark.slow
 def test_apply_rotary_pos_emb_bsnd():
-    """test_npu_apply_rotary_pos_emb: float16 BSND q/k [4, 1024, 16, 128], cos/sin [4, 1024, 1, 128], 'half',
-    in place; op-plugin's tolerance 0.001."""
+    """test_npu_apply_rotary_pos_emb: float16 BSND q/k [4, S, 16, 128], cos/sin [4, S, 1, 128], 'half', in place;
+    op-plugin's tolerance 0.001. S is 1024 there."""
     q, k, cos, sin = (
         _rand(shape, torch.float16, seed)
-        for seed, shape in enumerate([(4, 1024, 16, 128), (4, 1024, 16, 128), (4, 1024, 1, 128), (4, 1024, 1, 128)])
+        for seed, shape in enumerate([(4, 128, 16, 128), (4, 128, 16, 128), (4, 128, 1, 128), (4, 128, 1, 128)])
     )
     q_npu, k_npu = q.to("npu"), k.to("npu")
     with torch.inference_mode():
@@ -162,3 +168,185 @@ def test_apply_rotary_pos_emb_bsnd():
     assert out[0] is q_npu and out[1] is k_npu
     for got, x in zip(out, (q, k), strict=True):
         close(got, rotate_golden(x, cos, sin, "half"), 1e-3)
+
+
+def _randn(shape, dtype, seed, std=1.0):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std).to(dtype)
+
+
+def _expert_ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(seed))
+
+
+def permute_golden(tokens: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The goldens' `permute`: rows in stable expert order, and that order (the op returns its inverse)."""
+    order = torch.argsort(indices.view(-1), stable=True)
+    return tokens.index_select(0, order // indices.shape[1]), order
+
+
+def unpermute_golden(permuted: torch.Tensor, order: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """The goldens' `unpermute`, in the tokens' dtype: rows copied back to token order, weighted, summed over K."""
+    top_k = probs.shape[1] if probs is not None else 1
+    rows = torch.zeros_like(permuted).index_copy(0, order, permuted).reshape(-1, top_k, permuted.shape[-1])
+    return (rows * probs.unsqueeze(-1) if probs is not None else rows).sum(dim=1)
+
+
+BF16_TOLERANCE = {"rtol": 2e-2, "atol": 1e-5}
+"""dtype_tols(bfloat16) of the backward test file; the forward file's TOL_MAPPING (5e-3) is within it."""
+MOE_CASES = [  # (tokens, hidden, top_k, experts): op-plugin's are tokens 1024/2048/8192, hidden 6144/8192/12288
+    pytest.param(64, 96, top_k, experts, id=f"top{top_k}-{experts}experts") for top_k in (1, 4) for experts in (4, 128)
+]
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "top_k", "experts"), MOE_CASES)
+def test_moe_token_permute_forward_and_backward(tokens, hidden, top_k, experts):
+    """test_permute: bf16 tokens, int64 expert ids; sorted_indices is the argsort of the golden's order (int32);
+    the tokens' gradient for a gradient of ones (each token receives its K copies)."""
+    x = _randn((tokens, hidden), torch.bfloat16, 0)
+    indices = _expert_ids(tokens, top_k, experts, 1)
+    golden_x = x.clone().requires_grad_()
+    want_permuted, order = permute_golden(golden_x, indices)
+    x_npu = x.to("npu").requires_grad_()
+    permuted, sorted_indices = torch_npu.npu_moe_token_permute(x_npu, indices.to("npu"))
+    assert torch.allclose(permuted.cpu(), want_permuted, **BF16_TOLERANCE)
+    assert torch.equal(sorted_indices.cpu(), torch.argsort(order, stable=True).to(torch.int32))
+    want_permuted.backward(torch.ones_like(want_permuted))
+    permuted.backward(torch.ones_like(permuted))
+    assert torch.allclose(x_npu.grad.cpu(), golden_x.grad, **BF16_TOLERANCE)
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "top_k", "experts"), MOE_CASES)
+def test_moe_token_unpermute_forward_and_backward(tokens, hidden, top_k, experts):
+    """test_unpermute: bf16 permuted rows, sorted_indices the int32 stable argsort of random expert ids (the golden
+    uses its argsort), probs 1/K in bf16 when K > 1; gradients of permuted rows and probs for a gradient of ones."""
+    permuted = _randn((tokens * top_k, hidden), torch.bfloat16, 2)
+    sorted_indices = torch.argsort(_expert_ids(tokens, top_k, experts, 3).view(-1), stable=True).to(torch.int32)
+    probs = (torch.ones(tokens, top_k) / top_k).bfloat16() if top_k > 1 else None
+    golden_permuted, npu_permuted = permuted.clone().requires_grad_(), permuted.to("npu").requires_grad_()
+    golden_probs, npu_probs = (None, None) if probs is None else (probs.clone(), probs.to("npu"))
+    golden_leaves = [t.requires_grad_() for t in (golden_permuted, golden_probs) if t is not None]
+    npu_leaves = [t.requires_grad_() for t in (npu_permuted, npu_probs) if t is not None]
+    want = unpermute_golden(golden_permuted, torch.argsort(sorted_indices, stable=True), golden_probs)
+    got = torch_npu.npu_moe_token_unpermute(npu_permuted, sorted_indices.to("npu"), probs=npu_probs)
+    assert torch.allclose(got.cpu(), want, **BF16_TOLERANCE)
+    want.backward(torch.ones_like(want))
+    got.backward(torch.ones_like(got))
+    for npu_leaf, golden_leaf in zip(npu_leaves, golden_leaves, strict=True):
+        assert torch.allclose(npu_leaf.grad.cpu(), golden_leaf.grad, **BF16_TOLERANCE)
+
+
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_moe_token_permute_then_unpermute_gives_the_tokens_back(top_k):
+    """test_npu_npu_moe_token_permute_unpermute: the op pair with probs 1/K restores the tokens (exactly for K=1)."""
+    x = _randn((64, 96), torch.bfloat16, 4)
+    permuted, sorted_indices = torch_npu.npu_moe_token_permute(x.to("npu"), _expert_ids(64, top_k, 4, 5).to("npu"))
+    probs = (torch.ones(64, top_k) / top_k).bfloat16().to("npu") if top_k > 1 else None
+    restored = torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs=probs).cpu()
+    assert torch.equal(restored, x) if top_k == 1 else torch.allclose(restored, x, **BF16_TOLERANCE)
+
+
+@pytest.mark.parametrize("probs_dtype", [torch.float32, None])
+def test_moe_token_unpermute_gradient_dtypes(probs_dtype):
+    """test_unpermute_grad_mixed_dtype (bf16 rows, float32 probs: each gradient in its input's dtype) and
+    test_unpermute_grad_probs_none (no probs: the rows' gradient in bf16). op-plugin: 1024 tokens, hidden 6144."""
+    tokens, top_k = 64, 4 if probs_dtype else 1
+    permuted = _randn((tokens * top_k, 96), torch.bfloat16, 6).to("npu").requires_grad_()
+    sorted_indices = torch.argsort(_expert_ids(tokens, top_k, 8, 7).view(-1), stable=True).to(torch.int32).to("npu")
+    probs = (torch.ones(tokens, top_k) / top_k).to(probs_dtype).to("npu").requires_grad_() if probs_dtype else None
+    out = torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, probs=probs)
+    out.backward(torch.ones_like(out))
+    assert permuted.grad.dtype == torch.bfloat16
+    assert probs is None or probs.grad.dtype == probs_dtype
+
+
+def _grouped_matmul_golden(x: torch.Tensor, weights: list[torch.Tensor], bounds: list[int], group_type: int):
+    """test_npu_grouped_matmul's supported_op_exec, split_item 3: x split at the cumsum bounds (rows, or columns
+    for group_type 2), one matmul per group, concatenated (group_type 2: stacked) into one tensor; in float64."""
+    x64 = x.double()
+    if group_type == 2:
+        return torch.stack([x64[:, a:b] @ w.double() for a, b, w in zip(bounds[:-1], bounds[1:], weights, strict=True)])
+    return torch.cat([x64[a:b] @ w.double() for a, b, w in zip(bounds[:-1], bounds[1:], weights, strict=True)])
+
+
+@pytest.mark.parametrize("group_list_type", [0, 1])  # op-plugin: cumsum; the card passes counts
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.float32], ids=["test_npu_grouped_matmul_1", "test_npu_grouped_matmul_9"]
+)
+def test_grouped_matmul_rows_split_one_3d_weight(dtype, group_list_type):
+    """x [1792, 1024] split at rows 256 and 1792 over weight [2, 1024, 256]; split_item 3 gives one [1792, 256]."""
+    x, weight = _randn((1792, 1024), dtype, 8, std=0.1), _randn((2, 1024, 256), dtype, 9, std=0.1)
+    cumsum = torch.tensor([256, 1792])
+    group_list = cumsum if group_list_type == 0 else torch.diff(cumsum, prepend=torch.zeros(1, dtype=torch.int64))
+    (out,) = torch_npu.npu_grouped_matmul(
+        [x.to("npu")],
+        [weight.to("npu")],
+        group_list=group_list.to("npu"),
+        split_item=3,
+        group_type=0,
+        group_list_type=group_list_type,
+    )
+    assert out.dtype == dtype
+    close(out, _grouped_matmul_golden(x, list(weight), [0, 256, 1792], 0), RTOL[dtype])
+
+
+@pytest.mark.parametrize("group_list_type", [0, 1])
+def test_grouped_matmul_k_split(group_list_type):
+    """test_npu_grouped_matmul_6: float16 x = x1.T (a transposed view of [1792, 1024]), weight [1792, 256], the
+    1792 axis split 256/256/512/768; split_item 3 gives [4, 1024, 256]. The card's weight gradient is this form."""
+    x1, weight = _randn((1792, 1024), torch.float16, 10, std=0.1), _randn((1792, 256), torch.float16, 11, std=0.1)
+    sizes = torch.tensor([256, 256, 512, 768])
+    group_list = sizes.cumsum(0) if group_list_type == 0 else sizes
+    (out,) = torch_npu.npu_grouped_matmul(
+        [x1.to("npu").T],
+        [weight.to("npu")],
+        group_list=group_list.to("npu"),
+        split_item=3,
+        group_type=2,
+        group_list_type=group_list_type,
+    )
+    bounds = [0, *sizes.cumsum(0).tolist()]
+    close(out, _grouped_matmul_golden(x1.T, list(weight.split(sizes.tolist())), bounds, 2), 1e-3)
+
+
+@pytest.mark.parametrize(
+    ("group_type", "message"),
+    [
+        (None, "Requires manual passing group_type"),
+        (1, "The group type must be"),
+        (3, "The group type must be"),
+        (100, "The group type must be"),
+    ],
+)
+def test_grouped_matmul_refuses_a_missing_or_invalid_group_type(group_type, message):
+    """test_npu_grouped_matmul_group_list_none and _invalid_group_type: the adapter's checks and messages."""
+    x, weight = torch.randn(1792, 256).half().to("npu"), torch.randn(1792, 256).half().to("npu")
+    with pytest.raises(RuntimeError, match=message):
+        torch_npu.npu_grouped_matmul(
+            [x],
+            [weight],
+            group_list=torch.tensor([256, 512, 1024, 1792]).to("npu"),
+            split_item=3,
+            group_type=group_type,
+        )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"x": 2}, "only one x and one weight"),
+        ({"bias": True}, "no bias"),
+        ({"scale": True}, "quantised forms"),
+        ({"antiquant_scale": True}, "quantised forms"),
+        ({"group_list_type": 2}, "group_list_type 2"),
+        ({"group_type": -1}, "group_type -1"),
+    ],
+    ids=["two x", "bias", "scale", "antiquant", "group_list_type 2", "group_type -1"],
+)
+def test_grouped_matmul_refuses_the_forms_no_card_uses(change, message):
+    """The forms listed in this module's docstring raise NotImplementedError naming what is not emulated."""
+    x, weight = torch.randn(8, 16).half().to("npu"), torch.randn(2, 16, 4).half().to("npu")
+    kwargs = {"group_list": torch.tensor([3, 8]).to("npu"), "split_item": 3, "group_type": 0}
+    kwargs.update({k: v for k, v in change.items() if k in ("group_list_type", "group_type")})
+    kwargs.update({k: [torch.ones(4).half().to("npu")] for k in ("bias", "scale", "antiquant_scale") if k in change})
+    with pytest.raises(NotImplementedError, match=message):
+        torch_npu.npu_grouped_matmul([x] * change.get("x", 1), [weight] * change.get("x", 1), **kwargs)

@@ -129,12 +129,24 @@ def npu_grouped_matmul(
     group_list_type: int = 0,
     act_type: int = 0,
     output_dtype: torch.dtype | None = None,
-    **unused,
+    tuning_config: list[int] | None = None,
+    **quantisation,
 ) -> list[torch.Tensor]:
     """The single-tensor forms the cards use: group_type 0 (x [M, K] rows split, weight [E, K, N] -> y [M, N])
-    and group_type 2 (x [K, M] with M split, weight [M, N] -> y [E, K, N])."""
+    and group_type 2 (x [K, M] with M split, weight [M, N] -> y [E, K, N]). `tuning_config` is a performance hint
+    of the device; other forms (lists, bias, activation, quantisation, group_type -1) raise NotImplementedError."""
+    if group_type is None:  # the adapter's first checks, with its messages
+        raise RuntimeError("npu_grouped_matmul: Requires manual passing group_type, current is None.")
+    if group_type not in (-1, 0, 2):
+        raise RuntimeError(f"npu_grouped_matmul: The group type must be -1, 0 or 2, but now is [{group_type}]")
     if len(x) != 1 or len(weight) != 1 or bias is not None or act_type != 0:
         raise NotImplementedError("npu_grouped_matmul: only one x and one weight, no bias/activation, are emulated")
+    if any(value is not None for value in quantisation.values()) or group_list_type not in (0, 1):
+        given = sorted(name for name, value in quantisation.items() if value is not None)
+        raise NotImplementedError(
+            f"npu_grouped_matmul: quantised forms are not emulated (no card uses them): got {given}, "
+            f"group_list_type {group_list_type} (0: cumsum and 1: counts are)"
+        )
     (a_npu,), (w_npu,) = x, weight
     require_npu("npu_grouped_matmul", x=a_npu, weight=w_npu, group_list=group_list)
     a, w = a_npu.detach().cpu(), w_npu.detach().cpu()  # the device computes on its own memory
@@ -168,7 +180,7 @@ def npu_grouped_matmul(
                 [a[:, bounds[g] : bounds[g + 1]].float() @ w[bounds[g] : bounds[g + 1]].float() for g in range(groups)]
             )
         else:
-            raise NotImplementedError(f"npu_grouped_matmul: group_type {group_type} is not emulated")
+            raise NotImplementedError("npu_grouped_matmul: group_type -1 (no split) is not emulated: no card uses it")
     out = out.to(output_dtype or a.dtype).to(a_npu.device)
     if split_item in (2, 3):
         return [out]
