@@ -39,6 +39,9 @@ TINY_CONFIGS = {
     "glm4": {"partial_rotary_factor": 0.5},
     "gpt_neox": {"rotary_pct": 0.5},
     "deepseek_v3": {
+        # Multi-head latent attention: keys and values come per query head out of kv_b_proj, so there are as many
+        # key/value heads as query heads (a smaller count makes attention repeat them: 8 key heads for 4 queries).
+        "num_key_value_heads": 4,
         "head_dim": 8,  # the rotary part of each head: qk_rope_head_dim
         "qk_rope_head_dim": 8,
         "qk_nope_head_dim": 8,
