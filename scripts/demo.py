@@ -26,10 +26,11 @@ import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from npu_hub_kernels import CARDS, emulation, register_npu_kernels, swapped_modules  # noqa: E402
+from npu_hub_kernels import CARDS, register_npu_kernels, swapped_modules  # noqa: E402
 from npu_hub_kernels.cards import resolve_org  # noqa: E402
 from npu_hub_kernels.offline import seed_offline_cache  # noqa: E402
-from npu_hub_kernels.tiny_models import TINY_CONFIGS, tiny_causal_lm, token_ids  # noqa: E402
+from npu_hub_kernels.testing import emulation  # noqa: E402
+from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, tiny_causal_lm, token_ids  # noqa: E402
 
 NOTHING_TO_SWAP = {"gpt2"}
 """Shown as negative controls: GPT-2 has LayerNorm, learned positions and a GELU MLP, so no card applies."""

@@ -181,7 +181,7 @@ def report_loads(host: str, request: str) -> None:
     The line maps each card to {"errors": [...], "apis": {variant: API fingerprint}}.
     """
     if host == "npu" and importlib.util.find_spec("torch_npu") is None:
-        from npu_hub_kernels import emulation
+        from npu_hub_kernels.testing import emulation
 
         emulation.install()
     from kernels import get_local_kernel

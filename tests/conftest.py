@@ -22,7 +22,7 @@ use_offline_hub(_HUB_CACHE)
 
 import pytest  # noqa: E402
 
-from npu_hub_kernels import emulation  # noqa: E402
+from npu_hub_kernels.testing import emulation  # noqa: E402
 
 if os.environ.get("NPU_HUB_KERNELS_REAL_NPU") != "1":  # on an Ascend host, test the real device
     emulation.install()
@@ -63,7 +63,7 @@ def npu_kernels(built_cards):
 
 def run_python(code: str, *, emulate: bool = False, env: dict[str, str] | None = None, timeout: int = 300) -> str:
     """Run code in a fresh interpreter (a plain CPU host unless `emulate`); return its stdout."""
-    prelude = "from npu_hub_kernels import emulation; emulation.install()\n" if emulate else ""
+    prelude = "from npu_hub_kernels.testing import emulation; emulation.install()\n" if emulate else ""
     result = subprocess.run(
         [sys.executable, "-c", prelude + code],
         capture_output=True,

@@ -145,7 +145,7 @@ def _rank_main(target, args, rank, world_size, port, run_dir, hub_cache, cpu_thr
         use_offline_hub(hub_cache)
         import torch
 
-        from npu_hub_kernels import emulation
+        from npu_hub_kernels.testing import emulation
 
         emulation.install()
         torch.set_num_threads(cpu_threads)

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from npu_hub_kernels import register_npu_kernels, unregister_npu_kernels
-from npu_hub_kernels.tiny_models import tiny_config_values
+from npu_hub_kernels.testing.tiny_models import tiny_config_values
 
 BF16 = torch.bfloat16
 X, X32, VAR, W = 2 * 8 * 64 * 2, 2 * 8 * 64 * 4, 2 * 8 * 4, 64 * 2

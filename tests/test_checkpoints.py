@@ -20,9 +20,9 @@ from huggingface_hub import save_torch_state_dict
 from kernels import Mode, kernelize
 from numerics import train_steps
 
-from npu_hub_kernels import emulation
-from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
-from npu_hub_kernels.tiny_models import token_ids
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels.testing.tiny_models import token_ids
 
 FAMILIES = ["llama", "qwen3"]
 BATCHES = [token_ids(seed=s) for s in range(2)]

@@ -22,13 +22,13 @@ from test_mapping import EXPECTED, expected_calls, forward, layer_count
 
 from npu_hub_kernels import (
     apply_npu_kernels,
-    emulation,
     register_npu_kernels,
     swapped_modules,
     unregister_npu_kernels,
 )
-from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
-from npu_hub_kernels.tiny_models import token_ids
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels.testing.tiny_models import token_ids
 
 FAMILIES = ["llama", "phi3", "deepseek_v3", "qwen3"]
 """transformers attaches Llama's and Qwen3's rotary function-module; the registry attaches Phi3's

@@ -62,8 +62,9 @@ def _train(family: str, run: str, built_cards: str, rank: int) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, z3_leaf_module
     from kernels import Mode, kernelize
 
-    from npu_hub_kernels import apply_npu_kernels, emulation, register_npu_kernels, unregister_npu_kernels
-    from npu_hub_kernels.tiny_models import tiny_causal_lm
+    from npu_hub_kernels import apply_npu_kernels, register_npu_kernels, unregister_npu_kernels
+    from npu_hub_kernels.testing import emulation
+    from npu_hub_kernels.testing.tiny_models import tiny_causal_lm
     from npu_hub_kernels.zero3 import mark_zero3_leaf_mlps
 
     torch.manual_seed(0)

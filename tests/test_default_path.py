@@ -12,9 +12,10 @@ from numerics import max_error, relative_error, train_steps
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from npu_hub_kernels import emulation, swapped_modules
-from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
-from npu_hub_kernels.tiny_models import token_ids
+from npu_hub_kernels import swapped_modules
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels.testing.tiny_models import token_ids
 
 SPLIT_MLP_FAMILIES = ["llama", "qwen3"]
 

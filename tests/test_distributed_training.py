@@ -41,8 +41,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from npu_hub_kernels import apply_npu_kernels, emulation
-from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
+from npu_hub_kernels import apply_npu_kernels
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
 STEPS = 3
 LEARNING_RATE = 1e-3

@@ -39,7 +39,7 @@ from kernels import Mode, get_kernel, kernelize
 
 from npu_hub_kernels import register_npu_kernels, unregister_npu_kernels
 from npu_hub_kernels.cards import CARDS
-from npu_hub_kernels.tiny_models import tiny_causal_lm
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm
 
 ORG = "npu-hub-kernels-dist"
 UNTRUSTED_ORG = "npu-hub-kernels-untrusted"
@@ -51,7 +51,7 @@ TARGET_VARIANTS = sorted([ARCH_VARIANT, "torch-npu", "torch-universal"])
 
 LOAD_AND_KERNELIZE = f"""
 from npu_hub_kernels import register_npu_kernels, swapped_modules
-from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 from kernels import Mode, kernelize
 register_npu_kernels(org="{ORG}", **register_kwargs)
 model = tiny_causal_lm("qwen3").to("npu")
@@ -106,7 +106,7 @@ def run_user(code: str, env: dict[str, str], *, emulate: bool = False) -> dict:
     """Run `code` in a fresh interpreter (an Ascend host if `emulate`); it fills the dict `result`, returned."""
     prelude = "import json\nresult = {}\n"
     if emulate:
-        prelude += "from npu_hub_kernels import emulation\nemulation.install()\n"
+        prelude += "from npu_hub_kernels.testing import emulation\nemulation.install()\n"
     process = subprocess.run(
         [sys.executable, "-c", prelude + code + "\nprint(json.dumps(result))\n"],
         env=env,

@@ -23,10 +23,10 @@ from hub_server import LoopbackHub, client_env
 from huggingface_hub import constants
 from test_distribution import publish_built_cards
 
-from npu_hub_kernels import emulation
 from npu_hub_kernels.__main__ import main
 from npu_hub_kernels.cards import CARDS
 from npu_hub_kernels.offline import seed_offline_cache
+from npu_hub_kernels.testing import emulation
 
 CARD_NAMES = [card.repo_name for card in CARDS.values()]
 MACHINE = platform.machine()
@@ -68,7 +68,7 @@ def test_emulated_ascend_host_loads_the_cann91_build_of_every_card(offline_hub, 
     assert status == 0 and report["ok"] and report["hints"] == []
     host = report["host"]
     assert (host["backend"], host["cann"]) == ("cann91", "9.1.0")
-    assert host["torch_npu"].endswith("(emulated by npu_hub_kernels.emulation)")
+    assert host["torch_npu"].endswith("(emulated by npu_hub_kernels.testing.emulation)")
     assert report["publisher_trusted"] is None and report["publisher_trust"].startswith("unknown (offline)")
     assert f"trust_remote_code={[f'{offline_hub}/{name}' for name in CARD_NAMES]}" in report["registry_trust"]
     for name, card in cards_of(report).items():

@@ -14,8 +14,8 @@ import torch
 import torch_npu
 from torch.utils.data import DataLoader, TensorDataset
 
-from npu_hub_kernels import emulation
-from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
 
 def test_pin_memory_gives_a_pinned_host_copy():

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch_npu
 
-from npu_hub_kernels import emulation
-from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
 
 def _rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch
 from kernels import Mode, kernelize
 from test_mapping import expected_calls
 
-from npu_hub_kernels import emulation
-from npu_hub_kernels.tiny_models import TINY_CONFIGS, tiny_causal_lm, token_ids
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, tiny_causal_lm, token_ids
 
 NEW_TOKENS = 3
 PAD = 0  # the tiny configs' pad_token_id

@@ -13,9 +13,10 @@ import pytest
 import torch
 from kernels import Mode, get_local_kernel, kernelize
 
-from npu_hub_kernels import emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
-from npu_hub_kernels.tiny_models import norm_module_count, token_ids
-from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels import register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 pytestmark = [
     pytest.mark.npu_hardware,

@@ -33,11 +33,12 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from npu_hub_kernels import ORG_ENV, emulation, registration, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels import ORG_ENV, registration, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.llamafactory import PLUGIN_NAME, register_plugin
 from npu_hub_kernels.report import card_layer_of
-from npu_hub_kernels.tiny_models import VOCAB, norm_module_count, token_ids
-from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import VOCAB, norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 PTH = ROOT / "mapping" / "npu_hub_kernels_llamafactory.pth"
 
@@ -153,8 +154,9 @@ def test_a_selection_fuses_only_what_it_names_loading_from_the_hub_org_of_the_en
         import json
         import torch
         from llamafactory.v1.plugins.model_plugins.kernels.interface import KernelPlugin
-        from npu_hub_kernels import emulation, registration
-        from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
+        from npu_hub_kernels import registration
+        from npu_hub_kernels.testing import emulation
+        from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
         eager = tiny_causal_lm("qwen3")(token_ids()).logits
         model = tiny_causal_lm("qwen3").to("npu")
@@ -188,7 +190,7 @@ def test_a_host_without_an_npu_gets_the_model_back_as_it_is_with_a_log_line(tmp_
         from llamafactory.v1.plugins.model_plugins.kernels.interface import KernelPlugin
         import torch
         from npu_hub_kernels import registration, swapped_modules
-        from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
+        from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
         model = tiny_causal_lm("llama")
         state = {{name: tensor.clone() for name, tensor in model.state_dict().items()}}

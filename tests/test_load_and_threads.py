@@ -20,9 +20,10 @@ import torch
 from kernels import Mode, kernelize
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-from npu_hub_kernels import emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
-from npu_hub_kernels.tiny_models import norm_module_count, token_ids
-from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels import register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3_text"]
 """All four cards and all their layer kinds between them: plain and zero-centred norms, split MLPs, experts."""

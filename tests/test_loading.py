@@ -10,14 +10,15 @@ import pytest
 from conftest import run_python
 from kernels import Mode, VariantAccepted, get_kernel, get_local_kernel, kernelize
 
-from npu_hub_kernels import CARDS, ORG_ENV, emulation, register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels import CARDS, ORG_ENV, register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels.cards import DEFAULT_ORG, resolve_org
 from npu_hub_kernels.doctor import diagnose
 from npu_hub_kernels.integrity import VariantFilesError
 from npu_hub_kernels.offline import default_cache_dir, seed_offline_cache
-from npu_hub_kernels.tiny_models import norm_module_count, token_ids
-from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 ARCH_VARIANT = f"torch213-cxx11-cann91-{platform.machine()}-linux"
 

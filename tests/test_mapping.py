@@ -21,14 +21,14 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from npu_hub_kernels import (
     apply_npu_kernels,
     available_kernels,
-    emulation,
     register_npu_kernels,
     select_kernels,
     swapped_modules,
     unregister_npu_kernels,
 )
-from npu_hub_kernels.tiny_models import TINY_CONFIGS, norm_module_count, token_ids
-from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ import transformers.models
 from kernels import Mode, kernelize
 from transformers.activations import ACT2FN
 
-from npu_hub_kernels import emulation, swapped_modules
+from npu_hub_kernels import swapped_modules
 from npu_hub_kernels.models import MODEL_CLASSES, ClassRule, moe, rms_norm, rope, swiglu
+from npu_hub_kernels.testing import emulation
 
 RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
 ROPE_RULES = MODEL_CLASSES["npu_fused_rope"]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kernels import get_local_kernel
 from transformers.activations import ACT2FN
 
-from npu_hub_kernels import emulation
+from npu_hub_kernels.testing import emulation
 
 SILU = ACT2FN["silu"]
 

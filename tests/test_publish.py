@@ -118,11 +118,11 @@ def test_publish_then_load_from_the_hub_then_nothing_to_republish(hub, built_car
 
     code = f"""
 import json
-from npu_hub_kernels import emulation
+from npu_hub_kernels.testing import emulation
 emulation.install()
 from kernels import Mode, get_kernel, kernelize
 from npu_hub_kernels import register_npu_kernels, swapped_modules
-from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 rope = get_kernel("{ORG}/npu-rope", version=1, trust_remote_code=True)
 register_npu_kernels(org="{ORG}")
 model = tiny_causal_lm("qwen3").to("npu")

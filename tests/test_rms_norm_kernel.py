@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernels import get_local_kernel
 
-from npu_hub_kernels import emulation
+from npu_hub_kernels.testing import emulation
 
 SCALINGS = ["plain", "zero_centered", "float32_scale"]
 

@@ -15,7 +15,7 @@ from kernels import get_local_kernel
 from torch import nn
 from transformers.activations import ACT2FN
 
-from npu_hub_kernels import emulation
+from npu_hub_kernels.testing import emulation
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,10 @@ import torch.distributed as dist
 from distributed import run_distributed
 from kernels import Mode
 
-from npu_hub_kernels import apply_npu_kernels, emulation
+from npu_hub_kernels import apply_npu_kernels
 from npu_hub_kernels.report import card_package
-from npu_hub_kernels.tiny_models import tiny_causal_lm, token_ids
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
 
 def tensor_parallel_rank(built_cards: str) -> dict:

@@ -28,9 +28,10 @@ from peft.tuners.lora import Linear as LoraLinear
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from npu_hub_kernels import emulation, swapped_modules
-from npu_hub_kernels.tiny_models import VOCAB, norm_module_count, token_ids
-from npu_hub_kernels.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels import swapped_modules
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import VOCAB, norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 
 def layer_count(model) -> int:

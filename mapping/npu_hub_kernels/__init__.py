@@ -17,9 +17,9 @@ What lives where:
 - `zero3`: split MLPs as DeepSpeed ZeRO-3 leaf modules, so that they fuse under ZeRO-3;
 - `integrity`: the digest check of a build variant before it is imported (loader and doctor);
 - `_kernels_compat`: every private `kernels` API the project uses, in one place;
-- `doctor`, `offline`, `tiny_models`: `python -m npu_hub_kernels doctor`, the offline Hub cache,
-  tiny models for tests and demos;
-- `emulation/`: the CPU emulation of torch_npu and the "npu" device (docs/torch-npu-ops.md);
+- `doctor`, `offline`: `python -m npu_hub_kernels doctor`, the offline Hub cache;
+- `testing/`: test-only helpers, never imported here: the CPU emulation of torch_npu and the "npu"
+  device (docs/torch-npu-ops.md) and tiny models for tests, the demo and the bench;
 - `llamafactory`: the `npu_hub` kernel plugin of LLaMA-Factory v1, registered by the top-level
   `_npu_hub_kernels_llamafactory` when LLaMA-Factory's kernel interface is imported (at once if it is).
 """

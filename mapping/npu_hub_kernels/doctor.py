@@ -213,7 +213,7 @@ def _torch_npu_and_cann() -> tuple[str, str]:
             return f"installed, but importing it fails: {_one_line(error)}", "unknown"
     version = str(getattr(module, "__version__", "unknown"))
     if getattr(module, "__emulated__", False):
-        version += " (emulated by npu_hub_kernels.emulation)"
+        version += " (emulated by npu_hub_kernels.testing.emulation)"
     try:
         from torch_npu.utils.collect_env import get_cann_version
 

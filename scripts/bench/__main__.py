@@ -28,9 +28,9 @@ import platform
 
 import torch
 
-from npu_hub_kernels import emulation
 from npu_hub_kernels.cards import resolve_org
-from npu_hub_kernels.tiny_models import TINY_CONFIGS
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS
 
 from . import __doc__ as package_doc
 from .cards import KINDS

@@ -353,14 +353,16 @@ def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tall
 
 
 def _emulated_ops() -> dict[str, Callable]:
-    """The emulated ops of the `torch_npu` module (defined in npu_hub_kernels.emulation's op files)."""
+    """The emulated ops of the `torch_npu` module (defined in npu_hub_kernels.testing.emulation's op files)."""
     torch_npu = sys.modules.get("torch_npu")
     if torch_npu is None or not getattr(torch_npu, "__emulated__", False):
-        raise RuntimeError("count_device_ops needs the torch_npu emulation: call npu_hub_kernels.emulation.install()")
+        raise RuntimeError(
+            "count_device_ops needs the torch_npu emulation: call npu_hub_kernels.testing.emulation.install()"
+        )
     return {
         name: fn
         for name, fn in vars(torch_npu).items()
-        if callable(fn) and getattr(fn, "__module__", "").startswith("npu_hub_kernels.emulation.")
+        if callable(fn) and getattr(fn, "__module__", "").startswith("npu_hub_kernels.testing.emulation.")
     }
 
 

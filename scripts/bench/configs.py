@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from npu_hub_kernels.tiny_models import tiny_config_values
+from npu_hub_kernels.testing.tiny_models import tiny_config_values
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository."""
@@ -108,8 +108,8 @@ TINY_SPECS = (
     ModelSpec("tiny Llama", "llama", tiny_config_values("llama")),
     ModelSpec("tiny Qwen3-MoE", "qwen3_moe", tiny_config_values("qwen3_moe"), 4),
 )
-"""The test suite's tiny models (npu_hub_kernels.tiny_models): device timing on the emulation runs at small shapes,
-so that the code path runs (and cannot rot) off an Ascend host; host-side costs do not depend on widths."""
+"""The test suite's tiny models (npu_hub_kernels.testing.tiny_models): device timing on the emulation runs at small
+shapes, so that the code path runs (and cannot rot) off an Ascend host; host-side costs do not depend on widths."""
 
 
 def experts_key(spec: ModelSpec) -> str:

@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from npu_hub_kernels import CARDS, emulation
-from npu_hub_kernels.tiny_models import TINY_CONFIGS, tiny_causal_lm, token_ids
+from npu_hub_kernels import CARDS
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, tiny_causal_lm, token_ids
 
 from .cards import KINDS
 from .regions import Region, resolve

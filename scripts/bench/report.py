@@ -154,7 +154,7 @@ def _parity_table(rows: list[Row]) -> list[str]:
     body = [[kernel, *(", ".join(found[o]) or "-" for o in OUTCOMES)] for kernel, found in by_kernel.items()]
     families = len({r.model for r in parity})
     title = f"Peer parity: each peer kernel alone on the {families} tiny model families of "
-    title += "`npu_hub_kernels.tiny_models` (float32, emulated npu device), logits against eager's; matches: "
+    title += "`npu_hub_kernels.testing.tiny_models` (float32, emulated npu device), logits against eager's; matches: "
     title += f"max |diff| <= {PARITY_TOLERANCE:g} (in parentheses when it differs):"
     return ["", title, "", *table(["peer kernel", *OUTCOMES], body)]
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from npu_hub_kernels.report import card_package
-from npu_hub_kernels.tiny_models import TINY_WIDTHS, tiny_causal_lm
+from npu_hub_kernels.testing.tiny_models import TINY_WIDTHS, tiny_causal_lm
 
 from .cards import CARD_OF, KINDS, LAYER, direct_call
 from .configs import CONFIGS, DTYPE, PHASES, ROOT, TINY_SPECS, ModelSpec
@@ -130,7 +130,7 @@ def get_kernel_rows(build: Path, org: str, cold_repeats: int, warm_repeats: int,
     code = "\n".join(
         [
             "import time",
-            "from npu_hub_kernels import emulation; emulation.install()" if emulated else "",
+            "from npu_hub_kernels.testing import emulation; emulation.install()" if emulated else "",
             "from kernels import get_kernel",
             "start = time.perf_counter()",
             f"for repo, version in {versions!r}.items(): get_kernel(repo, version=version, trust_remote_code=True)",

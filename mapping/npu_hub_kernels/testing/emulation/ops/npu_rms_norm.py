@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .checks import FLOAT_DTYPES, require_npu
+from ..checks import FLOAT_DTYPES, require_npu
+
+__all__ = ["npu_rms_norm"]
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:

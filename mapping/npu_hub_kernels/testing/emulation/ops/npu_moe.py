@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .checks import require_npu
+from ..checks import require_npu
+
+__all__ = ["npu_grouped_matmul", "npu_moe_token_permute", "npu_moe_token_unpermute"]
 
 _MAX_GROUPS = 1024
 _MAX_INNER = 65536

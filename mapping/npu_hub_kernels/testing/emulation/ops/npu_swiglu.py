@@ -11,8 +11,10 @@ import functools
 
 import torch
 
-from .backward import keeping_inputs
-from .checks import FLOAT_DTYPES, require_npu
+from ..backward import keeping_inputs
+from ..checks import FLOAT_DTYPES, require_npu
+
+__all__ = ["npu_swiglu"]
 
 
 def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -21,8 +21,10 @@ import functools
 
 import torch
 
-from .backward import keeping_inputs
-from .checks import FLOAT_DTYPES, require_npu
+from ..backward import keeping_inputs
+from ..checks import FLOAT_DTYPES, require_npu
+
+__all__ = ["npu_apply_rotary_pos_emb", "npu_rotary_mul"]
 
 _LAYOUT_FORMS = {
     # layout: (the batch axis, the heads axis, the r1 forms as "which x axes r1 keeps" (others are 1))

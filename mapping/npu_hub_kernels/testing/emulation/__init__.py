@@ -6,7 +6,7 @@ returns an emulation whose fused ops compute what the real ones compute (fp32 in
 tuples and dtypes), and `torch_npu.utils.collect_env.get_cann_version()` reports a CANN version,
 so `kernels` resolves the `torch<XY>-cxx11-cann<XY>-<arch>-linux` build variants.
 
-    from npu_hub_kernels import emulation
+    from npu_hub_kernels.testing import emulation
     emulation.install(cann_version="9.1.0")
     with emulation.count_op_calls() as calls:
         model(inputs)
@@ -17,8 +17,8 @@ What lives where: `device.py` (the "npu" device: tensors, factories, module conv
 `streams.py` (streams, events, allocator statistics: what DDP, FSDP2 and DeepSpeed ask),
 `distributed.py` (the "hccl" process-group backend over gloo on host memory), `checks.py` (input checks
 and the call counter), `backward.py` (autograd that keeps for backward what the op keeps), and one file
-per op family: `rms_norm.py`, `rotary_mul.py` (npu_rotary_mul, npu_apply_rotary_pos_emb), `swiglu.py`,
-`moe.py` (token permute/unpermute, grouped matmul).
+per card, named after its package: `ops/<card>.py` emulates the torch_npu ops that card calls (its `__all__`;
+an op two cards call, such as npu_swiglu, lives with one of them).
 
 Never use it on a real Ascend host: `install()` refuses when a real torch_npu is installed.
 The install is for the life of the process (torch allows one PrivateUse1 rename).
@@ -26,37 +26,43 @@ The install is for the life of the process (torch allows one PrivateUse1 rename)
 
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import importlib.util
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
+from typing import Any
 
 import torch
 
+from ...cards import CARDS
 from .checks import OP_CALLS
 from .device import NpuTensor, install_device
 from .distributed import install_hccl
-from .moe import npu_grouped_matmul, npu_moe_token_permute, npu_moe_token_unpermute
-from .rms_norm import npu_rms_norm
-from .rotary_mul import npu_apply_rotary_pos_emb, npu_rotary_mul
-from .swiglu import npu_swiglu
 
 DEFAULT_CANN_VERSION = "9.1.0"
 """CANN that Ascend's CI pairs with torch 2.13 (Ascend/pytorch .ci/docker/common/install_cann.sh)."""
 
-_EMULATED_OPS = {
-    "npu_rms_norm": npu_rms_norm,
-    "npu_rotary_mul": npu_rotary_mul,
-    "npu_apply_rotary_pos_emb": npu_apply_rotary_pos_emb,
-    "npu_swiglu": npu_swiglu,
-    "npu_moe_token_permute": npu_moe_token_permute,
-    "npu_moe_token_unpermute": npu_moe_token_unpermute,
-    "npu_grouped_matmul": npu_grouped_matmul,
+
+def emulated_ops_of(card_python_name: str) -> dict[str, Callable[..., Any]]:
+    """The torch_npu ops that `ops/<card_python_name>.py` emulates (its `__all__`), by name; {} without that file."""
+    try:
+        module = importlib.import_module(f"{__name__}.ops.{card_python_name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.ops.{card_python_name}":
+            raise
+        return {}
+    return {name: getattr(module, name) for name in module.__all__}
+
+
+EMULATED_OPS: dict[str, Callable[..., Any]] = {
+    name: op for card in CARDS.values() for name, op in emulated_ops_of(card.python_name).items()
 }
-_NOT_EMULATED_OPS = ("npu_fusion_attention",)
+"""Every emulated torch_npu op, by name, gathered from the cards' `ops/<card>.py` files."""
+_NOTEMULATED_OPS = ("npu_fusion_attention",)
 """Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated."""
 _state = {"cann_version": DEFAULT_CANN_VERSION}
 
@@ -139,7 +145,7 @@ def _not_emulated(name: str):
     def op(*args, **kwargs):
         raise NotImplementedError(
             f"torch_npu.{name} is not emulated: the emulation covers the ops of the npu-hub-kernels cards "
-            f"({', '.join(_EMULATED_OPS)}). Run this on an Ascend host."
+            f"({', '.join(EMULATED_OPS)}). Run this on an Ascend host."
         )
 
     op.__name__ = name
@@ -152,9 +158,9 @@ def _build_torch_npu_module() -> ModuleType:
     torch_npu.__file__ = __file__  # where it lives (DeepSpeed's NPU op builders look for its folder)
     torch_npu.__version__ = torch.__version__.split("+")[0]  # type: ignore[attr-defined]
     torch_npu.npu = torch.npu  # type: ignore[attr-defined]
-    for name, op in _EMULATED_OPS.items():
+    for name, op in EMULATED_OPS.items():
         setattr(torch_npu, name, op)
-    for name in _NOT_EMULATED_OPS:
+    for name in _NOTEMULATED_OPS:
         setattr(torch_npu, name, _not_emulated(name))
     torch_npu.utils = _new_module("torch_npu.utils")  # type: ignore[attr-defined]
     collect_env = _new_module("torch_npu.utils.collect_env")
