@@ -15,7 +15,11 @@ from kernels import Mode, kernelize
 from transformers.activations import ACT2FN
 
 from npu_hub_kernels import swapped_modules
-from npu_hub_kernels.models import MODEL_CLASSES, ClassRule, moe, rms_norm, rope, swiglu
+from npu_hub_kernels.models import MODEL_CLASSES, ClassRule
+from npu_hub_kernels.models import npu_moe as moe
+from npu_hub_kernels.models import npu_rms_norm as rms_norm
+from npu_hub_kernels.models import npu_rope as rope
+from npu_hub_kernels.models import npu_swiglu as swiglu
 from npu_hub_kernels.testing import emulation
 
 RULES = MODEL_CLASSES["npu_fused_rmsnorm"]

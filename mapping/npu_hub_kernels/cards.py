@@ -2,9 +2,11 @@
 
 card.toml is the one place a card is declared: its Hub repository name, kernel id (after LLaMA-Factory's
 NPU kernel plugins: `npu_fused_rmsnorm`, ...), API version, layers, the region of a decoder layer it
-fuses (as `make bench` names it) and the files of `kernel-cards/shared/` its package imports. The
-build, the mapping, the publisher and the bench all read it from here. Installed, the card.toml files
-are the package data of `npu_hub_kernels.card_configs` (see pyproject.toml).
+fuses (as `make bench` names it), the torch_npu ops its package calls, the layers that DeepSpeed
+ZeRO-3 must treat as leaf modules and the files of `kernel-cards/shared/` its package imports. The
+build, the mapping, the publisher and the bench all read it from here; the card's other pieces are
+found by its package name (CONTRIBUTING.md lists them, tests/test_card_pieces.py holds every card to
+them). Installed, the card.toml files are the package data of `npu_hub_kernels.card_configs` (see pyproject.toml).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ ORG_ENV = "NPU_HUB_KERNELS_ORG"
 """Environment variable naming the Hub organisation the cards are loaded from."""
 
 
+REQUIRED_KEYS = frozenset(
+    {"name", "kernel_id", "version", "license", "description", "layers", "region", "fused_ops", "tags"}
+)
+OPTIONAL_KEYS = frozenset({"shared", "zero3_leaf_layers"})
+
+
 @dataclass(frozen=True)
 class Card:
     """One card, as its card.toml declares it."""
@@ -31,28 +39,38 @@ class Card:
     repo_name: str
     layers: tuple[str, ...]
     region: str
+    fused_ops: tuple[str, ...]
     shared: tuple[str, ...]
     version: int
     license: str
     description: str
     tags: tuple[str, ...]
+    zero3_leaf_layers: tuple[str, ...]
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "card.toml") -> Card:
         """Parse a card.toml's contents; `source` names it in errors."""
-        missing = {"name", "kernel_id", "version", "license", "description", "layers", "region", "tags"} - set(config)
+        missing = REQUIRED_KEYS - set(config)
         if missing:
             raise ValueError(f"{source} misses {', '.join(sorted(missing))}")
+        unknown = set(config) - REQUIRED_KEYS - OPTIONAL_KEYS
+        if unknown:
+            raise ValueError(f"{source} has unknown keys {', '.join(sorted(unknown))} (misspelt?)")
+        stray = set(config.get("zero3_leaf_layers", ())) - set(config["layers"])
+        if stray:
+            raise ValueError(f"{source}: zero3_leaf_layers names {', '.join(sorted(stray))}, not among its layers")
         return cls(
             kernel_id=config["kernel_id"],
             repo_name=config["name"],
             layers=tuple(config["layers"]),
             region=config["region"],
+            fused_ops=tuple(config["fused_ops"]),
             shared=tuple(config.get("shared", ())),
             version=int(config["version"]),
             license=config["license"],
             description=config["description"],
             tags=tuple(config["tags"]),
+            zero3_leaf_layers=tuple(config.get("zero3_leaf_layers", ())),
         )
 
     @classmethod

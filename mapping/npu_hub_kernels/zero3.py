@@ -19,10 +19,11 @@ import importlib.util
 
 from torch import nn
 
+from .cards import CARDS
 from .report import card_layer_of
 
-SPLIT_MLP = ("npu-swiglu", "SwiGLUMLP")
-"""(card, layer) of the split-MLP forward that reads gate_proj/up_proj weights directly."""
+LEAF_LAYERS = frozenset((card.repo_name, layer) for card in CARDS.values() for layer in card.zero3_leaf_layers)
+"""(card, layer) of the forwards that read their children's parameters directly (card.toml `zero3_leaf_layers`)."""
 
 
 def mark_zero3_leaf_mlps(model: nn.Module) -> list[str]:
@@ -55,4 +56,4 @@ def mark_zero3_leaf_mlps(model: nn.Module) -> list[str]:
 
 def _runs_split_mlp(module: nn.Module) -> bool:
     build, layer = card_layer_of(module) or (None, None)
-    return build is not None and (build.CARD, layer) == SPLIT_MLP
+    return build is not None and (build.CARD, layer) in LEAF_LAYERS

@@ -1,6 +1,7 @@
 """Which transformers classes each card's layers replace: the one place that knows models by class.
 
-One module per card, each exporting the same two tables:
+One module per card, named after the card's package (`models/<card package>.py`, e.g. `npu_swiglu.py`),
+each exporting the same two tables:
 - `SWAPPED`: layer -> the class paths (or, for npu-rope, the rotary function paths) it replaces,
   each listed only because the layer computes exactly what that forward computes;
 - `LEFT_OUT`: path -> why no layer reproduces it (it is never swapped).
@@ -12,17 +13,33 @@ that every candidate class of transformers is decided (listed or left out).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import moe, rms_norm, rope, swiglu
+from ..cards import CARDS, Card
 
-BY_KERNEL_ID: dict[str, ModuleType] = {
-    "npu_fused_rmsnorm": rms_norm,
-    "npu_fused_rope": rope,
-    "npu_fused_swiglu": swiglu,
-    "npu_fused_moe": moe,
-}
+
+def table_of(card: Card) -> ModuleType:
+    """The module of a card's tables, `models/<card package>.py`.
+
+    Raises:
+        ModuleNotFoundError: the card has no table module yet, saying which file to add.
+    """
+    name = f"{__name__}.{card.python_name}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+        raise ModuleNotFoundError(
+            f"card {card.repo_name} has no model table: add mapping/npu_hub_kernels/models/{card.python_name}.py "
+            "with SWAPPED and LEFT_OUT (CONTRIBUTING.md)",
+            name=name,
+        ) from None
+
+
+BY_KERNEL_ID: dict[str, ModuleType] = {kernel_id: table_of(card) for kernel_id, card in CARDS.items()}
 """Kernel id -> the module of its tables."""
 
 
