@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch_npu
@@ -119,6 +122,21 @@ def test_host_reports_cann_and_kernels_sees_it():
         emulation.set_cann_version(emulation.DEFAULT_CANN_VERSION)
     with pytest.raises(ValueError, match="CANN versions look like"):
         emulation.set_cann_version("9")
+
+
+@pytest.mark.parametrize("torch_version", ["2.12.1", "2.14.0+cpu"])
+def test_install_refuses_a_torch_it_is_not_tested_with(torch_version):
+    code = (
+        f"import torch; torch.__version__ = {torch_version!r}\n"
+        "from npu_hub_kernels.testing import emulation\n"
+        "emulation.install()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"tested with torch 2.13 only (it uses private torch hooks) and torch {torch_version} is installed" in (
+        result.stderr
+    )
+    assert "install torch==2.13.0" in result.stderr
 
 
 def test_ops_transformers_imports_but_no_card_uses_say_so():

@@ -43,6 +43,8 @@ from .checks import OP_CALLS
 from .device import NpuTensor, install_device
 from .distributed import install_hccl
 
+TESTED_TORCH = "2.13"
+"""The torch minor release the emulation is written and tested against: it relies on private torch hooks."""
 DEFAULT_CANN_VERSION = "9.1.0"
 """CANN that Ascend's CI pairs with torch 2.13 (Ascend/pytorch .ci/docker/common/install_cann.sh)."""
 
@@ -103,6 +105,13 @@ def install(cann_version: str = DEFAULT_CANN_VERSION) -> ModuleType:
         raise RuntimeError(
             "A real torch_npu is installed: run on the real device, not the emulation. "
             "(The emulation is for machines without an NPU, where torch_npu must not be installed.)"
+        )
+    torch_release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if torch_release != TESTED_TORCH:
+        raise RuntimeError(
+            f"The npu emulation is tested with torch {TESTED_TORCH} only (it uses private torch hooks) and torch "
+            f"{torch.__version__} is installed: install torch=={TESTED_TORCH}.0 (the project's requirements-dev.txt) "
+            "to run the tests, the demo or the bench."
         )
     set_cann_version(cann_version)
     install_device()
