@@ -4,7 +4,7 @@ run against the same run without kernels.
 Per model family, one 2-process run (tests/distributed.py) trains every engine configuration of ENGINES, first all
 without kernels, then all with the cards registered from the local build and applied with `apply_npu_kernels` in
 TRAINING mode (after PEFT, before wrapping, as LLaMA-Factory v1 does). The runs without kernels go first because a
-kernelize switches the family's rotary function for the whole process (README). Each rank trains on its own fixed
+kernelize switches the family's rotary function process-wide (docs/models.md). Each rank trains on its own fixed
 batches, AdamW, STEPS steps. What each kernelized run must show, per rank:
 
 - numbers: float32 runs give eager's losses and final full parameters (gathered with `full_tensor()`) to 1e-5. The

@@ -5,7 +5,7 @@ What each run is compared with:
 - float32: the same run without kernels, on the host. The emulated npu computes every op that is not fused
   with the host's own kernels, so an eager run on the host gives the numbers an eager run on the npu gives;
   and a host run cannot pick up the rotary function-module that any kernelize of the family switches for the
-  whole process (README, "How the functions are reached"). Losses within rtol 1e-4, gradients within
+  whole process (docs/models.md, "How the rotary functions are reached"). Losses within rtol 1e-4, gradients within
   rtol 1e-4 / atol 1e-5, optimizer updates within 0.1% (whole-update relative L2, as tests/test_default_path.py).
 - mixed precision (float32 weights under `torch.autocast("npu", torch.bfloat16)`): the flash-attention idiom.
   Against a float64 host reference, the kernelized run's error is at most twice the error of the same run

@@ -6,7 +6,7 @@ and rotary functions of `npu_hub_kernels.models` with them; `kernels.kernelize` 
 `use_kernels=True`) then swaps the layers in. Each build variant is digest-checked before import
 (`npu_hub_kernels.integrity`).
 
-Trade-off, documented in the README: a retagged class looks up only the npu-hub-kernels entry, so
+Trade-off, documented in docs/models.md: a retagged class looks up only the npu-hub-kernels entry, so
 on other devices (cuda, rocm, ...) it keeps its original forward. Call `unregister_npu_kernels()`
 to restore the classes.
 """
@@ -145,7 +145,7 @@ def apply_npu_kernels(
 
     The selection applies to `model` whatever was registered before: the layers of cards registered
     earlier but not selected now keep (or get back) their original forward in `model`. The rotary
-    function-modules are shared by every model of a family (README), so for those the last call wins.
+    function-modules are shared by every model of a family (docs/models.md), so for those the last call wins.
     `mode` defaults to TRAINING or INFERENCE after `model.training`. Other keyword arguments go to
     `register_npu_kernels`. With kernels=None or False the model is returned untouched. When deepspeed is
     imported (a ZeRO-3 run is likely), the split MLPs the cards swapped become ZeRO-3 leaf modules so that they
