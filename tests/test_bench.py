@@ -12,8 +12,9 @@ import sys
 
 import pytest
 import torch
-from bench import cards, configs, counted, floors, regions, report, targets
-from bench.accounting import FUSED_OPS, count_device_ops, fake_module
+from bench import cards, configs, counted, regions, report, targets
+from bench.accounting import count_device_ops, fake_module, fused_ops
+from bench.cards import npu_rms_norm, npu_rope
 from bench.peer import PARITY_TOLERANCE, load_peer, parity_rows
 from bench.rows import CSV_COLUMNS, EMULATED
 from conftest import ROOT
@@ -76,7 +77,7 @@ def test_kernelized_rms_norm_is_one_op_reading_its_inputs_and_writing_its_output
     assert records(run_norm(norm, fake_mode, "fwd+bwd")) == [forward, ("npu_rms_norm_backward", X + X + W + VAR, X + W)]
     with fake_mode:
         x = torch.empty(2, 8, 64, dtype=BF16, device="npu")
-    assert floors.rms_norm_floor(norm, x) == ((1, X + W + X), (1, X + X + W + X + W))
+    assert npu_rms_norm.floor(norm, x) == ((1, X + W + X), (1, X + X + W + X + W))
 
 
 def test_inference_mode_counts_the_ops_composites_decompose_into():
@@ -124,7 +125,7 @@ def test_fused_op_rules_give_the_emulated_ops_shapes():
         bound = inspect.signature(op).bind(*args, **kwargs)
         bound.apply_defaults()
         expected = [(tuple(t.shape), t.dtype) for t in tree_leaves(op(*args, **kwargs))]
-        assert [(tuple(t.shape), t.dtype) for t in tree_leaves(FUSED_OPS[name].outputs(bound.arguments))] == expected
+        assert [(tuple(t.shape), t.dtype) for t in tree_leaves(fused_ops()[name].outputs(bound.arguments))] == expected
 
 
 def tiny_layer_records(real: bool) -> dict[tuple[str, str], list]:
@@ -237,7 +238,7 @@ def test_rope_in_inference_is_one_op_at_the_floor_with_grad_two_each_way(npu_ker
     assert (inference.kernelized.ops, inference.kernelized.bytes) == inference.floor == (1, inference.floor[1])
     training = results[("RoPE", "fwd+bwd")]
     assert training.kernelized.by_op() == {"npu_rotary_mul": 2, "npu_rotary_mul_backward": 2}
-    assert training.kernelized.ops == targets.ROPE_OPS_PER_DIRECTION * training.floor[0]
+    assert training.kernelized.ops == npu_rope.OPS_PER_DIRECTION * training.floor[0]
     rows = [r for r in counted.counted_rows(spec, [(2, 16)]) if r.kind == "RoPE" and r.phase == "fwd"]
     met = {r.target: r.met for r in targets.evaluate(rows) if r.kind == "RoPE"}
     assert met == {
