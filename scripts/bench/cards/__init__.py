@@ -86,8 +86,17 @@ def spec_name(card: Card) -> str:
 
 
 def spec(card: Card) -> ModuleType:
-    """The card's bench spec, `scripts/bench/cards/<py>.py` (ModuleNotFoundError without one)."""
-    return importlib.import_module(spec_name(card))
+    """The card's bench spec, `scripts/bench/cards/<py>.py` (ModuleNotFoundError, saying what to add, without one)."""
+    try:
+        return importlib.import_module(spec_name(card))
+    except ModuleNotFoundError as error:
+        if error.name != spec_name(card):
+            raise
+        raise ModuleNotFoundError(
+            f"{card.repo_name} has no bench spec: add scripts/bench/cards/{card.python_name}.py (the contract: "
+            "scripts/bench/cards/__init__.py)",
+            name=error.name,
+        ) from error
 
 
 def specs() -> list[tuple[Card, ModuleType]]:
