@@ -3,17 +3,21 @@ and the bench (scripts/bench/) end to end on a quick run (counted, host-timed an
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import csv
 import dataclasses
 import inspect
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
-from bench import cards, configs, counted, floors, regions, report, targets
-from bench.accounting import FUSED_OPS, count_device_ops, fake_module
+from bench import cards, configs, counted, regions, report, targets
+from bench.accounting import count_device_ops, fake_module, fused_ops
+from bench.cards import npu_rms_norm, npu_rope
 from bench.peer import PARITY_TOLERANCE, load_peer, parity_rows
 from bench.rows import CSV_COLUMNS, EMULATED
 from conftest import ROOT
@@ -22,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from npu_hub_kernels import register_npu_kernels, unregister_npu_kernels
+from npu_hub_kernels import CARDS, register_npu_kernels, unregister_npu_kernels
 from npu_hub_kernels.testing.tiny_models import tiny_config_values
 
 BF16 = torch.bfloat16
@@ -76,7 +80,7 @@ def test_kernelized_rms_norm_is_one_op_reading_its_inputs_and_writing_its_output
     assert records(run_norm(norm, fake_mode, "fwd+bwd")) == [forward, ("npu_rms_norm_backward", X + X + W + VAR, X + W)]
     with fake_mode:
         x = torch.empty(2, 8, 64, dtype=BF16, device="npu")
-    assert floors.rms_norm_floor(norm, x) == ((1, X + W + X), (1, X + X + W + X + W))
+    assert npu_rms_norm.floor(norm, x) == ((1, X + W + X), (1, X + X + W + X + W))
 
 
 def test_inference_mode_counts_the_ops_composites_decompose_into():
@@ -124,7 +128,7 @@ def test_fused_op_rules_give_the_emulated_ops_shapes():
         bound = inspect.signature(op).bind(*args, **kwargs)
         bound.apply_defaults()
         expected = [(tuple(t.shape), t.dtype) for t in tree_leaves(op(*args, **kwargs))]
-        assert [(tuple(t.shape), t.dtype) for t in tree_leaves(FUSED_OPS[name].outputs(bound.arguments))] == expected
+        assert [(tuple(t.shape), t.dtype) for t in tree_leaves(fused_ops()[name].outputs(bound.arguments))] == expected
 
 
 def tiny_layer_records(real: bool) -> dict[tuple[str, str], list]:
@@ -237,7 +241,7 @@ def test_rope_in_inference_is_one_op_at_the_floor_with_grad_two_each_way(npu_ker
     assert (inference.kernelized.ops, inference.kernelized.bytes) == inference.floor == (1, inference.floor[1])
     training = results[("RoPE", "fwd+bwd")]
     assert training.kernelized.by_op() == {"npu_rotary_mul": 2, "npu_rotary_mul_backward": 2}
-    assert training.kernelized.ops == targets.ROPE_OPS_PER_DIRECTION * training.floor[0]
+    assert training.kernelized.ops == npu_rope.OPS_PER_DIRECTION * training.floor[0]
     rows = [r for r in counted.counted_rows(spec, [(2, 16)]) if r.kind == "RoPE" and r.phase == "fwd"]
     met = {r.target: r.met for r in targets.evaluate(rows) if r.kind == "RoPE"}
     assert met == {
@@ -388,3 +392,70 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
         assert target in summary
     assert "**Peer**: LLaMA-Factory" in summary and "| peer kernel | matches |" in summary  # the peer column ran
     assert all(r["peer"] for r in counted)
+
+
+def test_every_card_has_a_complete_bench_spec():
+    """Each card's bench spec (scripts/bench/cards/<py>.py) has every piece of the contract; a card without a spec,
+    and a spec missing pieces or with an accounting rule for an op its emulation module does not bring, are named."""
+    for card in CARDS.values():
+        assert cards.missing_pieces(card) == [], card.repo_name
+    nameless = dataclasses.replace(next(iter(CARDS.values())), repo_name="npu-nowhere")
+    assert cards.missing_pieces(nameless) == [
+        "npu-nowhere: no bench spec scripts/bench/cards/npu_nowhere.py (see scripts/bench/cards/__init__.py)"
+    ]
+
+
+def test_a_spec_missing_pieces_is_named_piece_by_piece(monkeypatch):
+    """A spec that lacks a floor and the host timing, gives a counted target its kind, and brings a rule for an op
+    the card's emulation module does not bring: each problem in its own sentence."""
+    swiglu = CARDS["npu_fused_swiglu"]
+    partial = types.ModuleType(cards.spec_name(swiglu))
+    partial.COUNTED_TARGETS = (targets.CountedTarget("ops", configs.PHASES, 1, kind=swiglu.region),)
+    partial.FUSED_OPS = {"npu_rms_norm": fused_ops()["npu_rms_norm"]}
+    monkeypatch.setitem(sys.modules, cards.spec_name(swiglu), partial)
+    where = "npu-swiglu: scripts/bench/cards/npu_swiglu.py"
+    source = "npu_hub_kernels/testing/emulation/ops/npu_swiglu.py"
+    assert cards.missing_pieces(swiglu) == [
+        f"{where} defines no floor",
+        f"{where} defines no HOST_TIMING",
+        f"{where}: a counted target sets its kind (card.toml's region is it)",
+        f"{where}: FUSED_OPS has no accounting rule for torch_npu.npu_swiglu ({source} brings it)",
+        f"{where}: FUSED_OPS has a rule for npu_rms_norm, which {source} does not bring",
+    ]
+
+
+PEER_DESCRIPTION = "RMSNorm by class name"
+"""The one region name a generic bench module writes: report.peer_text describes LLaMA-Factory's kernels, whose
+RMSNorm kernel matches modules by class name (its own rule, not a card's region)."""
+
+
+def card_literals(source: str) -> list[str]:
+    """The string literals (docstrings aside) of Python source that name a card (its repo name) or a card's region
+    (as a word: "RMSNorm", not "LlamaRMSNorm")."""
+    tree = ast.parse(source)
+    docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}  # and attribute docs
+    names = [card.repo_name for card in CARDS.values()] + [card.region for card in CARDS.values()]
+    pattern = re.compile("|".join(rf"(?<![\w-]){re.escape(name)}(?![\w-])" for name in names))
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+        and pattern.search(node.value.replace(PEER_DESCRIPTION, ""))
+    ]  # fmt: skip
+
+
+def test_generic_bench_modules_name_no_card_and_no_region():
+    """Region names are written once, in card.toml, and per-card facts live in scripts/bench/cards/<py>.py: the
+    generic bench modules spell no card's repo name and no region name outside their docstrings."""
+    generic = sorted((ROOT / "scripts" / "bench").glob("*.py"))
+    assert {path.name for path in generic} >= {"counted.py", "report.py", "timed.py", "targets.py", "chart.py"}
+    found = {path.name: card_literals(path.read_text()) for path in generic}
+    assert {name: literals for name, literals in found.items() if literals} == {}
+    planted = '''"""Docstrings may say RMSNorm and npu-moe."""
+kind = "SwiGLU MLP"
+"""So may attribute docs: RoPE."""
+label = f"MoE experts (transformers {kind})"
+card = "npu-rope"
+fine = ("LlamaRMSNorm", "npu-hub-kernels", "RMSNorm by class name")
+'''
+    assert sorted(card_literals(planted)) == ["MoE experts (transformers ", "SwiGLU MLP", "npu-rope"]

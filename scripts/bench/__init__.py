@@ -11,7 +11,8 @@ transformers and for the kernelized layer under the torch_npu emulation, set aga
 kernelized layer is the default path, what users get from kernelize alone (no other call). The layers run on fake
 tensors (shapes, no data, no compute), so full sizes cost next to nothing; `accounting` says what counts
 as an operation and how the emulation's internals are kept out. Rows per fused region kind (summed over
-the layer's instances) and per layer; the floors and the targets are defined in `floors` and `targets`.
+the layer's instances) and per layer; each card's floor and targets are defined in its bench spec
+(`cards`), the decoder layer's in `floors` and `targets`.
 Gradients are taken with `torch.autograd.grad` (w.r.t. the inputs and parameters), so accumulation into
 `.grad` is not counted. MoE layers use transformers' eager experts loop (experts_implementation
 "eager"); the experts sweep also shows transformers' default, grouped_mm.
@@ -31,9 +32,11 @@ Writes bench.csv (one row per measurement), bench.png and summary.md to --out; -
 the part of PATH between `<!-- bench:begin -->` and `<!-- bench:end -->` with the summary; --cards-dir
 writes each card's benchmark.md (its share of the summary, which the build adds to its Hub README).
 
-Modules: `configs` (the models and shapes), `cards` (region kinds by card, and the card functions the
-bench calls directly), `regions` (a decoder layer's fused regions and how they are run), `floors` (one
-floor per region kind), `targets`, `accounting` (ops and bytes on fake tensors), `counted`, `timed`,
-`peer` (LLaMA-Factory's kernels), `rows` (a measurement, bench.csv), `report` (summary, README section,
-card sections), `chart` (bench.png), `__main__` (the command).
+Modules: `cards` (a package: one bench spec per card, `cards/<card package>.py`, holding everything the bench
+knows about that card: its floor, targets, accounting rules, direct call and studies; the contract is its
+docstring), `configs` (the models and shapes), `regions` (a decoder layer's fused regions and how they are
+run), `floors` (the floor of a region and of the layer), `targets`, `accounting` (ops and bytes on fake
+tensors), `counted`, `timed`, `peer` (LLaMA-Factory's kernels), `rows` (a measurement, bench.csv), `report`
+(summary, README section, card sections), `chart` (bench.png), `__main__` (the command). The modules
+other than the specs name no card and no region: they iterate over `npu_hub_kernels.CARDS` and the specs.
 """

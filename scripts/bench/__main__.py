@@ -28,14 +28,14 @@ import platform
 
 import torch
 
-from npu_hub_kernels.cards import resolve_org
+from npu_hub_kernels.cards import CARDS, resolve_org
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS
 
 from . import __doc__ as package_doc
-from .cards import KINDS
+from .cards import with_piece
 from .chart import write_chart
-from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, SWEEP_EXPERTS, TINY_SPECS
+from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, TINY_SPECS
 from .counted import counted_rows, experts_sweep_rows
 from .peer import load_peer, parity_rows
 from .report import card_summary, summary, update_readme
@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"counted: fusion accounting on fake tensors; peer: {peer.name if peer else peer_absent}")
                 for spec in specs:
                     rows += counted_rows(spec, QUICK_SHAPES if quick else SHAPES, peer)
-                rows += experts_sweep_rows((8, 128) if quick else SWEEP_EXPERTS, peer=peer)
+                for card, sweep in with_piece("EXPERTS_SWEEP"):
+                    rows += experts_sweep_rows(card, sweep.model, sweep.quick if quick else sweep.experts, peer=peer)
                 if peer is not None:
                     rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)
             else:
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = write_chart(rows, args.out / "bench.png", machine)
     if args.readme:
         update_readme(args.readme, text)
-    for card in KINDS if args.cards_dir else ():
-        (args.cards_dir / card / "benchmark.md").write_text(card_summary(card, rows))
+    for card in CARDS.values() if args.cards_dir else ():
+        (args.cards_dir / card.repo_name / "benchmark.md").write_text(card_summary(card.repo_name, rows))
     log(problem or f"wrote {args.out}: bench.csv ({len(rows)} rows), bench.png, summary.md")
     print(text)
     return 0

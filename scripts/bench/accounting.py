@@ -18,7 +18,8 @@ What counts as one device operation:
 - every fused op (the torch_npu ops of the emulation, and `F.scaled_dot_product_attention`, which an
   Ascend device runs as one flash-attention kernel) counts ONCE forward and ONCE backward. Their
   internals are never run here: `count_device_ops` swaps each for a stand-in that makes outputs of the
-  right shape (`FUSED_OPS`), records one op, and, when autograd needs it, one `<op>_backward` op.
+  right shape (`fused_ops()`: the rules of each card's bench spec, and sdpa's), records one op, and, when
+  autograd needs it, one `<op>_backward` op.
 
 Bytes of an op: the distinct bytes of each tensor it reads plus each tensor it writes (a broadcast
 dimension, stride 0, is read once). Gathers (`index`, `index_select`, `gather`, `embedding`) read only
@@ -36,6 +37,7 @@ never answered: their routing is real.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import sys
@@ -220,7 +222,8 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _empty(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+def empty_of(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty tensor on like's device, of like's shape and dtype unless given (a fused op's output)."""
     return torch.empty(like.shape if shape is None else shape, dtype=dtype or like.dtype, device=like.device)
 
 
@@ -241,73 +244,27 @@ class FusedOp:
     backward_reads: Callable[[dict[str, Any], Any], list] = lambda args, out: []
 
 
-def _rms_norm_outputs(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    x, gamma = a["x"], a["gamma"]
-    rstd_shape = (*x.shape[: x.dim() - gamma.dim()], *([1] * gamma.dim()))
-    return _empty(x, x.shape), _empty(x, rstd_shape, torch.float32)
-
-
-def _swiglu_outputs(a: dict[str, Any]) -> torch.Tensor:
-    x, dim = a["x"], a["dim"]
-    shape = list(x.shape)
-    shape[dim] //= 2
-    return _empty(x, shape)
-
-
-def _permute_outputs(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, indices = a["tokens"], a["indices"]
-    return _empty(tokens, (indices.numel(), tokens.shape[-1])), _empty(indices, (indices.numel(),), torch.int32)
-
-
-def _unpermute_outputs(a: dict[str, Any]) -> torch.Tensor:
-    permuted, probs = a["permuted_tokens"], a["probs"]
-    top_k = probs.shape[1] if probs is not None else 1
-    return _empty(permuted, (a["sorted_indices"].numel() // top_k, permuted.shape[-1]))
-
-
-def _grouped_matmul_outputs(a: dict[str, Any]) -> list[torch.Tensor]:
-    (x,), (w,) = a["x"], a["weight"]
-    dtype = a["output_dtype"] or x.dtype
-    if a["group_type"] == 2:  # x [K, M] split along M into groups, weight [M, N] -> [groups, K, N]
-        out = _empty(x, (a["group_list"].numel(), x.shape[0], w.shape[1]), dtype)
-        return [out] if a["split_item"] in (2, 3) else list(out.unbind(0))
-    if a["split_item"] not in (2, 3):
-        raise NotImplementedError("accounting: npu_grouped_matmul split by group sizes depends on data")
-    return [_empty(x, (x.shape[0], w.shape[2]), dtype)]  # x [M, K], weight [E, K, N] -> [M, N]
-
-
 def _sdpa_outputs(a: dict[str, Any]) -> torch.Tensor:
     q = a["query"]
-    return _empty(q, (*q.shape[:-1], a["value"].shape[-1]))
+    return empty_of(q, (*q.shape[:-1], a["value"].shape[-1]))
 
 
 def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """The signature of F.scaled_dot_product_attention (a builtin, which inspect cannot read)."""
 
 
-FUSED_OPS: dict[str, FusedOp] = {
-    "npu_rms_norm": FusedOp(_rms_norm_outputs, ("x", "gamma"), lambda a, out: [a["x"], a["gamma"], out[1]]),
-    # The backward kernel reads x only when r1/r2 need gradients (docs/torch-npu-ops.md, npu_rotary_mul).
-    "npu_rotary_mul": FusedOp(
-        lambda a: _empty(a["x"]),
-        ("x", "r1", "r2"),
-        lambda a, out: [a["r1"], a["r2"]] + ([a["x"]] if a["r1"].requires_grad or a["r2"].requires_grad else []),
-    ),
-    # In place: writes q and k, returns them; no autograd.
-    "npu_apply_rotary_pos_emb": FusedOp(lambda a: (a["query"], a["key"])),
-    "npu_swiglu": FusedOp(_swiglu_outputs, ("x",), lambda a, out: [a["x"]]),
-    "npu_moe_token_permute": FusedOp(_permute_outputs, ("tokens",), lambda a, out: [out[1]]),
-    "npu_moe_token_unpermute": FusedOp(
-        _unpermute_outputs,
-        ("permuted_tokens", "probs"),
-        lambda a, out: [a["permuted_tokens"], a["sorted_indices"], a["probs"]],
-    ),
-    "npu_grouped_matmul": FusedOp(_grouped_matmul_outputs),
-    "scaled_dot_product_attention": FusedOp(
-        _sdpa_outputs, ("query", "key", "value"), lambda a, out: [a["query"], a["key"], a["value"], out]
-    ),
-}
-"""The fused ops `count_device_ops` counts as one op each way, by name (torch_npu's, and F.sdpa)."""
+SDPA = "scaled_dot_product_attention"
+SDPA_RULE = FusedOp(_sdpa_outputs, ("query", "key", "value"), lambda a, out: [a["query"], a["key"], a["value"], out])
+"""F.scaled_dot_product_attention, which an Ascend device runs as one flash-attention kernel."""
+
+
+@functools.cache
+def fused_ops() -> dict[str, FusedOp]:
+    """The fused ops `count_device_ops` counts as one op each way, by name: the torch_npu ops of every card's bench
+    spec (`FUSED_OPS` of scripts/bench/cards/<card>.py), and F.sdpa."""
+    from .cards import specs
+
+    return {name: rule for _, spec in specs() for name, rule in spec.FUSED_OPS.items()} | {SDPA: SDPA_RULE}
 
 
 class _FusedAutograd(torch.autograd.Function):
@@ -340,7 +297,7 @@ def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tall
         flat, tree = tree_flatten(outputs)
 
         def on_backward(grads: tuple, needed: tuple[bool, ...]) -> list[torch.Tensor | None]:
-            input_grads = [_empty(t) if need else None for t, need in zip(inputs, needed, strict=True)]
+            input_grads = [empty_of(t) if need else None for t, need in zip(inputs, needed, strict=True)]
             reads = _sum_bytes([g for g in grads if g is not None]) + _sum_bytes(
                 spec.backward_reads(arguments, outputs)
             )
@@ -374,16 +331,19 @@ def count_device_ops(*, experts: int | None = None) -> Iterator[Tally]:
     routing on fake tensors as balanced routing over that many experts.
     """
     ops = _emulated_ops()
-    missing = sorted(set(ops) - set(FUSED_OPS))
+    rules = fused_ops()
+    missing = sorted(set(ops) - set(rules))
     if missing:
-        raise NotImplementedError(f"no accounting rule for torch_npu.{', '.join(missing)}: add it to FUSED_OPS")
+        raise NotImplementedError(
+            f"no accounting rule for torch_npu.{', '.join(missing)}: add it to FUSED_OPS in the bench spec "
+            "(scripts/bench/cards/<card>.py) of the card whose emulation module brings it"
+        )
     tally = Tally()
     torch_npu = sys.modules["torch_npu"]
     stand_ins = {
-        (torch_npu, name): _counted(name, FUSED_OPS[name], inspect.signature(fn), tally) for name, fn in ops.items()
+        (torch_npu, name): _counted(name, rules[name], inspect.signature(fn), tally) for name, fn in ops.items()
     }
-    sdpa = "scaled_dot_product_attention"
-    stand_ins[(F, sdpa)] = _counted(sdpa, FUSED_OPS[sdpa], inspect.signature(_sdpa_signature), tally)
+    stand_ins[(F, SDPA)] = _counted(SDPA, rules[SDPA], inspect.signature(_sdpa_signature), tally)
     originals = {key: getattr(*key) for key in stand_ins}
     try:
         _register_native_kernels()

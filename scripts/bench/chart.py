@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .cards import KINDS, LAYER, NO_CARD
+from npu_hub_kernels.cards import Card
+
+from .cards import LAYER, NO_CARD, ExpertsSweep, kinds, with_piece
+from .configs import CONFIGS
 from .report import largest_shape
 from .rows import Row
-from .targets import (
-    COUNTED_TARGETS,
-    FALLBACK_TOLERANCE,
-    KERNELIZE_TARGET_MS,
-    OVERHEAD_TARGET_US,
-)
+from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US, counted_targets
 
 
 def write_chart(rows: list[Row], path: Path, machine: str) -> str | None:
@@ -27,7 +25,11 @@ def write_chart(rows: list[Row], path: Path, machine: str) -> str | None:
     fig, axes = plt.subplots(2, 2, figsize=(16, 10))
     _chart_layer_ops(axes[0][0], rows)
     _chart_bytes(axes[0][1], rows)
-    _chart_sweep(axes[1][0], rows)
+    sweeps = with_piece("EXPERTS_SWEEP")
+    if sweeps:  # the first card with an experts sweep (one panel)
+        _chart_sweep(axes[1][0], rows, *sweeps[0])
+    else:
+        _not_run(axes[1][0], "Experts sweep")
     _chart_host(axes[1][1], rows)
     fig.suptitle(f"npu-hub-kernels: counted on fake tensors (emulated torch_npu), timed on {machine}", fontsize=11)
     fig.tight_layout()
@@ -68,8 +70,8 @@ def _chart_layer_ops(ax, rows: list[Row]) -> None:
 
 def _chart_bytes(ax, rows: list[Row]) -> None:
     counted = [r for r in rows if r.study == "layer" and r.unit == "bytes" and r.phase == "fwd+bwd"]
-    kinds = [k for k in (*KINDS.values(), LAYER) if any(r.kind == k for r in counted)]
-    if not kinds:
+    shown = [k for k in (*kinds(), LAYER) if any(r.kind == k for r in counted)]
+    if not shown:
         return _not_run(ax, "Bytes moved / floor")
     batch, seq = largest_shape(counted)
     chosen = [r for r in counted if (r.batch, r.seq) == (batch, seq)]
@@ -78,7 +80,7 @@ def _chart_bytes(ax, rows: list[Row]) -> None:
     peer_label = {"x": "peer (LLaMA-Factory)", "1": "peer: not patched (eager)"}
     for i, model in enumerate(models):
         label = model
-        for j, kind in enumerate(kinds):
+        for j, kind in enumerate(shown):
             row = next((r for r in chosen if (r.model, r.kind) == (model, kind)), None)
             if row is None:
                 continue
@@ -94,13 +96,13 @@ def _chart_bytes(ax, rows: list[Row]) -> None:
                 ax.plot(x, row.peer / row.floor, marker, color="k", markersize=8, label=peer_label[marker])
                 peer_label[marker] = None
     label = "target (x floor)"
-    for j, kind in enumerate(kinds):
-        bound = next((t.bound for t in COUNTED_TARGETS if (t.kind, t.unit) == (kind, "bytes")), None)
+    for j, kind in enumerate(shown):
+        bound = next((t.bound for t in counted_targets() if (t.kind, t.unit) == (kind, "bytes")), None)
         if bound is not None:
             ax.hlines(bound, j - 0.45, j + 0.45, color="k", linestyle="--", linewidth=0.8, label=label)
             label = None
     ax.axhline(1.0, color="k", linewidth=0.6, label="floor")
-    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_xticks(range(len(shown)), shown)
     ax.set_yscale("log")
     ax.set_ylim(0.5, max(r.eager / r.floor for r in chosen) * 20)  # kernelized bars visible; the legend above
     ax.set_ylabel("bytes / floor (pale: eager, solid: kernelized, x: peer)")
@@ -108,10 +110,14 @@ def _chart_bytes(ax, rows: list[Row]) -> None:
     ax.legend(fontsize=7, ncol=3, loc="upper left")
 
 
-def _chart_sweep(ax, rows: list[Row]) -> None:
-    sweep = [r for r in rows if r.study == "experts sweep" and r.unit == "ops" and r.phase == "fwd+bwd"]
-    model = sweep[0].model if sweep else "Qwen3-30B-A3B"
-    title = f"MoE experts ({model} layer, top-8): ops by number of experts, fwd+bwd"
+def _chart_sweep(ax, rows: list[Row], card: Card, sweep_spec: ExpertsSweep) -> None:
+    """The experts sweep of the card's region (its spec's EXPERTS_SWEEP): ops by number of experts."""
+    sweep = [
+        r for r in rows if r.study == "experts sweep" and r.kind == card.region and r.unit == "ops"
+        and r.phase == "fwd+bwd"
+    ]  # fmt: skip
+    model = CONFIGS[sweep_spec.model].name
+    title = f"{card.region} ({model} layer, top-8): ops by number of experts, fwd+bwd"
     if not sweep:
         return _not_run(ax, title)
     loop = [r for r in sweep if r.path == "eager"]
@@ -120,9 +126,9 @@ def _chart_sweep(ax, rows: list[Row]) -> None:
     ax.plot(experts, [r.eager for r in loop], "o-", label="transformers eager loop")
     ax.plot(experts, [r.eager for r in grouped], "s-", label="transformers grouped_mm")
     if all(r.kernelized is not None for r in loop):
-        ax.plot(experts, [r.kernelized for r in loop], "^-", label="npu-moe")
+        ax.plot(experts, [r.kernelized for r in loop], "^-", label=card.repo_name)
     else:
-        ax.text(0.5, 0.1, f"npu-moe: {NO_CARD}", transform=ax.transAxes, ha="center")
+        ax.text(0.5, 0.1, f"{card.repo_name}: {NO_CARD}", transform=ax.transAxes, ha="center")
     if all(r.peer is not None for r in loop):
         ax.plot(experts, [r.peer for r in loop], "x-", label="peer: LLaMA-Factory")
     ax.plot(experts, [r.floor for r in loop], "k--", label="floor")

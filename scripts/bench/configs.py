@@ -101,9 +101,6 @@ CONFIGS: dict[str, ModelSpec] = {
         experts=8,
     ),
 }
-SWEEP_MODEL = "qwen3-30b-a3b"
-SWEEP_EXPERTS = (8, 16, 32, 64, 128)
-"""The experts sweep: Qwen3-30B-A3B's MoE layer with these numbers of experts (top-8, batch 1, seq 512)."""
 TINY_SPECS = (
     ModelSpec("tiny Llama", "llama", tiny_config_values("llama")),
     ModelSpec("tiny Qwen3-MoE", "qwen3_moe", tiny_config_values("qwen3_moe"), 4),

@@ -19,9 +19,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
+from npu_hub_kernels.cards import Card
+
 from .accounting import Tally, count_device_ops, fake_module
-from .cards import KINDS, LAYER, NO_CARD
-from .configs import CONFIGS, DTYPE, PHASES, SWEEP_MODEL, ModelSpec, experts_key
+from .cards import LAYER, NO_CARD, kinds
+from .configs import CONFIGS, DTYPE, PHASES, ModelSpec, experts_key
 from .floors import floor_of
 from .peer import Patches, Peer
 from .regions import Region, capture, find_regions, forward_backward, layer_inputs, resolve, set_variant
@@ -46,7 +48,7 @@ PEER_LAYER = "model.layers.0."
 
 def build_model(spec: ModelSpec, experts: int | None = None) -> nn.Module:
     """The model with one decoder layer on the meta device: bfloat16, sdpa attention, transformers' eager experts
-    loop (the one npu-moe replaces); `experts` overrides the model's number of experts."""
+    loop (the one an experts card replaces); `experts` overrides the model's number of experts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     overrides = dict(spec.config, num_hidden_layers=1)
@@ -149,7 +151,7 @@ def _combine(
     (the peer plays no part in the floor)."""
     out = {}
     floors = {r.name: floor_of(r, resolve(layer, r.name), phase) for r in regions}
-    for kind in (k for k in KINDS.values() if any(r.kind == k for r in regions)):
+    for kind in (k for k in kinds() if any(r.kind == k for r in regions)):
         names = [r.name for r in regions if r.kind == kind]
         out[(kind, phase)] = Measured(
             eager=_sum([tallies[(n, "eager")] for n in names]),
@@ -213,16 +215,17 @@ def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]], peer: Peer 
 
 
 def experts_sweep_rows(
-    experts_counts: Iterable[int], batch: int = 1, seq: int = 512, peer: Peer | None = None
+    card: Card, model: str, experts_counts: Iterable[int], batch: int = 1, seq: int = 512, peer: Peer | None = None
 ) -> list[Row]:
-    """The MoE experts of Qwen3-30B-A3B's layer with other numbers of experts: transformers' eager loop and its
-    default grouped_mm, against npu-moe, the peer and the floor (ops and bytes, forward and forward+backward)."""
-    base = CONFIGS[SWEEP_MODEL]
+    """The experts sweep of a card's region (its spec's EXPERTS_SWEEP): the region of the layer of `model` (a
+    CONFIGS key) with other numbers of experts, transformers' eager loop and its default grouped_mm, against the
+    card, the peer and the floor (ops and bytes, forward and forward+backward)."""
+    base = CONFIGS[model]
     rows = []
     for experts in experts_counts:
         fake_mode = FakeTensorMode()
         layer = build_layer(base, fake_mode, experts)
-        region = next(r for r in find_regions(layer) if r.kind == "MoE experts")
+        region = next(r for r in find_regions(layer) if r.kind == card.region)
         module = resolve(layer, region.name)
         peered = peer_layer(base, fake_mode, peer, experts) if peer is not None else None
         with fake_mode:
@@ -247,12 +250,12 @@ def experts_sweep_rows(
                         rows.append(
                             Row(
                                 "counted", f"{base.name}, {experts} experts",
-                                f"MoE experts (transformers {implementation})", phase, batch, seq,
+                                f"{card.region} (transformers {implementation})", phase, batch, seq,
                                 eager=_value(eager, unit), kernelized=_value(kernelized, unit), floor=floor[index],
                                 peer=_value(peer_run, unit), unit=unit,
                                 target="independent of #experts" if unit == "ops" else "",
                                 note=_note(kernelized, peer_patched),
-                                study="experts sweep", kind="MoE experts", path=implementation, model=base.name,
+                                study="experts sweep", kind=card.region, path=implementation, model=base.name,
                                 experts=experts, peer_patched=peer_patched,
                             )
                         )  # fmt: skip

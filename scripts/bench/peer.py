@@ -40,7 +40,6 @@ from npu_hub_kernels import CARDS
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, tiny_causal_lm, token_ids
 
-from .cards import KINDS
 from .regions import Region, resolve
 from .rows import Row, log
 
@@ -148,12 +147,12 @@ def load_peer() -> tuple[Peer | None, str]:
 def kind_of(kernel: str) -> str:
     """The region kind of a peer kernel id (LLaMA-Factory's ids are the cards' kernel ids)."""
     card = CARDS.get(kernel)
-    return KINDS.get(card.repo_name, "") if card else ""
+    return card.region if card else ""
 
 
 def kernel_of(kind: str) -> str:
     """The peer kernel id of a region kind (the inverse of `kind_of`)."""
-    return next(kernel for kernel, card in CARDS.items() if KINDS.get(card.repo_name) == kind)
+    return next(kernel for kernel, card in CARDS.items() if card.region == kind)
 
 
 def parity_rows(peer: Peer, families: Iterable[str] = TINY_CONFIGS) -> list[Row]:

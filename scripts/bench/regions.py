@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .cards import KINDS
+from .cards import card_named, with_piece
 from .configs import DTYPE, ModelSpec
 
 
@@ -35,15 +35,19 @@ def set_variant(layer: nn.Module, variant: str) -> None:
 
 
 def find_regions(layer: nn.Module) -> list[Region]:
-    """The layer's fused regions: what the cards swap in, plus Experts modules that no card swaps."""
+    """The layer's fused regions: what the cards swap in, plus the modules no card swaps that a card's spec
+    recognises as its region (`is_region`)."""
     from npu_hub_kernels import swapped_modules
 
     set_variant(layer, "kernelized")
-    regions = {swap.module: Region(KINDS[swap.card], swap.module, swap.card) for swap in swapped_modules(layer)}
+    regions = {
+        swap.module: Region(card_named(swap.card).region, swap.module, swap.card) for swap in swapped_modules(layer)
+    }
+    recognisers = with_piece("is_region")
     for name, module in layer.named_modules():
-        weight = getattr(module, "gate_up_proj", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 3 and name not in regions:
-            regions[name] = Region(KINDS["npu-moe"], name, None)
+        card = next((card for card, is_region in recognisers if is_region(module)), None)
+        if card is not None and name not in regions:
+            regions[name] = Region(card.region, name, None)
     return list(regions.values())
 
 

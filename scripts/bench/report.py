@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .cards import KINDS, NO_CARD
+from npu_hub_kernels.cards import Card
+
+from .cards import NO_CARD, card_named, with_piece
 from .configs import PREFILL_DECODE
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
 from .rows import Row
@@ -100,31 +102,37 @@ def counted_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list
     return ["", title, "", *table(header, body), *legend]
 
 
-def _mlp_prefill_decode_table(rows: list[Row]) -> list[str]:
-    """Forward ops and bytes of one SwiGLU MLP call, eager and kernelized: prefill (1 x 4096), decode (1 x 1)."""
-    mlp = [
+def _prefill_decode_table(card: Card, rows: list[Row]) -> list[str]:
+    """Forward ops and bytes of one call of the card's region, eager and kernelized: prefill (1 x 4096), decode
+    (1 x 1) (a card's spec asks for it: PREFILL_DECODE_TABLE)."""
+    calls = [
         r for r in rows
-        if r.study == "layer" and r.kind == "SwiGLU MLP" and r.phase == "fwd" and (r.batch, r.seq) in PREFILL_DECODE
+        if r.study == "layer" and r.kind == card.region and r.phase == "fwd" and (r.batch, r.seq) in PREFILL_DECODE
     ]  # fmt: skip
-    if not mlp:
+    if not calls:
         return []
-    peer = any(r.peer is not None for r in mlp)
+    peer = any(r.peer is not None for r in calls)
     body = []
-    for ops, size in sorted(_pairs(mlp), key=lambda pair: (pair[0].model, -int(pair[0].seq))):
+    for ops, size in sorted(_pairs(calls), key=lambda pair: (pair[0].model, -int(pair[0].seq))):
         cells = [ops.model, str(ops.seq), number(ops.eager, "ops"), number(ops.kernelized, "ops")]
         cells += [_peer(ops, "ops")] if peer else []
         cells += [human_bytes(size.eager), human_bytes(size.kernelized)]
         cells += [_peer(size, "bytes")] if peer else []
         body.append(cells)
-    title = "Counted, one SwiGLU MLP call, forward (inference mode), prefill (batch 1, 4096 tokens) and decode "
+    title = f"Counted, one {card.region} call, forward (inference mode), prefill (batch 1, 4096 tokens) and decode "
     title += "(batch 1, 1 token):"
     header = ["model", "tokens", "ops eager", "kernelized", *(["peer"] if peer else [])]
     header += ["bytes eager", "kernelized", *(["peer"] if peer else [])]
     return ["", title, "", *table(header, body)]
 
 
-def _sweep_table(rows: list[Row]) -> list[str]:
-    sweep = [r for r in rows if r.study == "experts sweep" and r.phase == "fwd+bwd" and r.unit == "ops"]
+def _sweep_table(card: Card, rows: list[Row]) -> list[str]:
+    """The experts sweep of the card's region (its spec's EXPERTS_SWEEP), forward+backward ops."""
+    sweep = [
+        r
+        for r in rows
+        if r.study == "experts sweep" and r.kind == card.region and r.phase == "fwd+bwd" and r.unit == "ops"
+    ]
     if not sweep:
         return []
     peer = any(r.peer is not None for r in sweep)
@@ -136,9 +144,10 @@ def _sweep_table(rows: list[Row]) -> list[str]:
         cells += [_peer(loop, "ops")] if peer else []
         body.append([*cells, number(loop.floor, "ops")])
     model = sweep[0].model
-    title = f"Counted, the MoE experts of a {model} layer with E experts (top-8, batch 1, sequence 512), "
+    title = f"Counted, the {card.region} of a {model} layer with E experts (top-8, batch 1, sequence 512), "
     title += "forward+backward ops:"
-    header = ["experts", "transformers eager loop", "transformers grouped_mm", "npu-moe", *(["peer"] if peer else [])]
+    header = ["experts", "transformers eager loop", "transformers grouped_mm", card.repo_name]
+    header += ["peer"] if peer else []
     return ["", title, "", *table([*header, "floor"], body)]
 
 
@@ -193,7 +202,7 @@ def summary(
         "- **Counted**, not timed: device operations (kernel launches: aten ops that are not views, and each fused "
         "op once) and the bytes each one reads and writes, for one decoder layer in bfloat16, on fake tensors under "
         "the torch_npu emulation. They do not depend on the machine. Floor: "
-        f"{FLOOR_TEXT} (defined in `scripts/bench/floors.py`).",
+        f"{FLOOR_TEXT} (defined in `scripts/bench/floors.py` and, per card, `scripts/bench/cards/`).",
         "- Kernelized: the default path, `kernelize` and nothing else; no weight is copied or re-laid out. fwd runs "
         "in `torch.inference_mode()` (inference), fwd+bwd with grad (training).",
         *([peer_text(peer, peer_absent)] if peer or peer_absent else []),
@@ -204,8 +213,10 @@ def summary(
         lines.append("- No Ascend device here, so no device timings (emulated ones are only in bench.csv, labelled).")
     lines += ["", *_targets_table(rows, None, {True: "yes", False: "**no**", None: "-"})]
     lines += counted_table(rows)
-    lines += _mlp_prefill_decode_table(rows)
-    lines += _sweep_table(rows)
+    for card, _ in with_piece("PREFILL_DECODE_TABLE"):
+        lines += _prefill_decode_table(card, rows)
+    for card, _ in with_piece("EXPERTS_SWEEP"):
+        lines += _sweep_table(card, rows)
     lines += _parity_table(rows)
     host = [r for r in rows if r.study in ("kernelize", "call overhead", "get_kernel", "fallback")]
     if host:
@@ -236,7 +247,7 @@ def summary(
 def card_summary(card: str, rows: list[Row]) -> str:
     """A card's share of the summary, for its Hub README: its targets and its region kind's counted figures (with
     the peer's, when measured)."""
-    kinds = (KINDS[card],)
+    kinds = (card_named(card).region,)
     peer = any(r.peer is not None for r in rows if r.study == "layer")
     lines = [
         "Counted by npu-hub-kernels' `make bench`: device operations and bytes on fake tensors under the torch_npu "

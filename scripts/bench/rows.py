@@ -39,7 +39,7 @@ class Row:
     Timed: "kernelize", "call overhead", "get_kernel", "fallback" (torch-universal on CPU), "device", "training".
     Parity: "peer parity" (a peer kernel's output against eager on a tiny model family)."""
     kind: str = ""
-    """The region kind ("RMSNorm", "RoPE", "SwiGLU MLP", "MoE experts") or "decoder layer"; "" for none."""
+    """The region kind (a card's card.toml `region`) or "decoder layer"; "" for none."""
     variant: str = "default"
     """The kernelized column's variant: "default", kernelize alone (what users get)."""
     path: str = ""

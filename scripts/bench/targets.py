@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
-from .cards import LAYER, NO_CARD
-from .configs import PHASES
+from npu_hub_kernels.cards import Card
+
+from .cards import LAYER, NO_CARD, specs, with_piece
 from .rows import Row
 
 BYTES_TOLERANCE = 1.05
-"""Kernelized bytes of RMSNorm and RoPE within 5% of the floor."""
-SWIGLU_BYTES_TOLERANCE = 1.03
-"""Kernelized bytes of the SwiGLU MLP within 3% of its floor for split weights as the model stores them."""
-MOE_BYTES_TOLERANCE = 1.01
-"""Kernelized bytes of the MoE experts within 1% of the floor."""
+"""A region's kernelized bytes within 5% of the floor (the cards' specs hold some regions to less)."""
 LAYER_BYTES_TOLERANCE = 1.03
 LAYER_TARGET_SHAPE = (8, 4096)
 """The kernelized decoder layer within 3% of the floor's bytes, forward+backward at batch 8 x sequence 4096."""
-ROPE_OPS_PER_DIRECTION = 2
-"""RoPE with grad runs at most 2 ops each way (npu_rotary_mul for q and for k); in inference, the floor's 1."""
 KERNELIZE_TARGET_MS = 100.0
 OVERHEAD_TARGET_US = 10.0
 FALLBACK_TOLERANCE = 1.05
@@ -29,14 +26,15 @@ FALLBACK_TOLERANCE = 1.05
 class CountedTarget:
     """A target for the kernelized column of a decoder layer's counted rows: kernelized <= bound x floor (bound 1:
     = floor), or <= bound x eager when `against` is "eager", in these phases, and only at `shape` when given
-    (then one target per model)."""
+    (then one target per model). `kind`: the rows' region kind, or "decoder layer"; a card's spec leaves it
+    empty, and `counted_targets` sets it to the card's region."""
 
-    kind: str
     unit: str
     phases: tuple[str, ...]
     bound: float
     shape: tuple[int, int] | None = None
     against: str = "floor"
+    kind: str = ""
 
     @property
     def text(self) -> str:
@@ -56,24 +54,20 @@ class CountedTarget:
         return row.kernelized == row.floor if self.bound == 1 else row.kernelized <= self.bound * row.floor
 
 
-COUNTED_TARGETS = (
-    CountedTarget("RMSNorm", "ops", PHASES, 1),
-    CountedTarget("RMSNorm", "bytes", PHASES, BYTES_TOLERANCE),
-    CountedTarget("RoPE", "ops", ("fwd",), 1),  # in inference: one npu_apply_rotary_pos_emb for q and k
-    CountedTarget("RoPE", "ops", ("fwd+bwd",), ROPE_OPS_PER_DIRECTION),
-    CountedTarget("RoPE", "bytes", PHASES, BYTES_TOLERANCE),
-    CountedTarget("SwiGLU MLP", "ops", PHASES, 1),
-    CountedTarget("SwiGLU MLP", "bytes", PHASES, SWIGLU_BYTES_TOLERANCE),
-    CountedTarget("SwiGLU MLP", "bytes", PHASES, 1, against="eager"),
-    CountedTarget("MoE experts", "ops", PHASES, 1),
-    CountedTarget("MoE experts", "bytes", PHASES, MOE_BYTES_TOLERANCE),
-    CountedTarget(LAYER, "bytes", ("fwd+bwd",), LAYER_BYTES_TOLERANCE, LAYER_TARGET_SHAPE),
-)
+LAYER_TARGET = CountedTarget("bytes", ("fwd+bwd",), LAYER_BYTES_TOLERANCE, LAYER_TARGET_SHAPE, kind=LAYER)
+
+
+@functools.cache
+def counted_targets() -> tuple[CountedTarget, ...]:
+    """Every counted target: each card's (its spec's COUNTED_TARGETS, of its region), in the order of the cards,
+    then the decoder layer's."""
+    cards = tuple(dataclasses.replace(t, kind=card.region) for card, spec in specs() for t in spec.COUNTED_TARGETS)
+    return (*cards, LAYER_TARGET)
 
 
 def counted_target(row: Row) -> str:
     """The target a counted row is held to, as the CSV states it ("" for none)."""
-    return next((t.text.removeprefix("kernelized ") for t in COUNTED_TARGETS if t.applies(row)), "")
+    return next((t.text.removeprefix("kernelized ") for t in counted_targets() if t.applies(row)), "")
 
 
 @dataclass(frozen=True)
@@ -90,7 +84,7 @@ def evaluate(rows: list[Row]) -> list[Result]:
     """Every target the rows measure, in the order of the summary."""
     out = []
     layer = [r for r in rows if r.study == "layer"]
-    for target in COUNTED_TARGETS:
+    for target in counted_targets():
         held = [r for r in layer if target.applies(r)]
         if not held:
             continue
@@ -116,26 +110,29 @@ def evaluate(rows: list[Row]) -> list[Result]:
             worst_bytes = max(held, key=lambda r: r.ratio)
             text = f"up to {worst_bytes.ratio:.3f} x floor ({worst_bytes.phase}, {worst_bytes.model})"
         out.append(Result(target.kind, label, text, all(target.met(r) for r in held)))
-    out += _experts_sweep(rows)
+    for card, _ in with_piece("EXPERTS_SWEEP"):
+        out += _experts_sweep(card, rows)
     out += _host(rows)
     return out
 
 
-def _experts_sweep(rows: list[Row]) -> list[Result]:
-    label = "MoE experts: op count independent of #experts"
+def _experts_sweep(card: Card, rows: list[Row]) -> list[Result]:
+    """The experts sweep of a card's region: the card's op count the same for every number of experts."""
+    label = f"{card.region}: op count independent of #experts"
     loop = [
         r for r in rows
-        if r.study == "experts sweep" and r.path == "eager" and r.unit == "ops" and r.phase == "fwd+bwd"
+        if r.study == "experts sweep" and r.kind == card.region and r.path == "eager" and r.unit == "ops"
+        and r.phase == "fwd+bwd"
     ]  # fmt: skip
     if not loop:
         return []
     experts = "/".join(str(r.experts) for r in loop)
     eager = "/".join(f"{r.eager:.0f}" for r in loop)
     if any(r.kernelized is None for r in loop):
-        return [Result("MoE experts", label, f"{NO_CARD}; eager loop {eager}", None)]
+        return [Result(card.region, label, f"{NO_CARD}; eager loop {eager}", None)]
     counts = sorted({int(r.kernelized) for r in loop})
-    text = f"npu-moe {'/'.join(map(str, counts))} ops for {experts} experts, fwd+bwd (eager loop: {eager})"
-    return [Result("MoE experts", label, text, len(counts) == 1)]
+    text = f"{card.repo_name} {'/'.join(map(str, counts))} ops for {experts} experts, fwd+bwd (eager loop: {eager})"
+    return [Result(card.region, label, text, len(counts) == 1)]
 
 
 def _host(rows: list[Row]) -> list[Result]:

@@ -11,16 +11,16 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from types import ModuleType
+from types import MethodType, ModuleType
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from npu_hub_kernels.report import card_package
-from npu_hub_kernels.testing.tiny_models import TINY_WIDTHS, tiny_causal_lm
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm
 
-from .cards import CARD_OF, KINDS, LAYER, direct_call
+from .cards import LAYER, kinds, with_piece
 from .configs import CONFIGS, DTYPE, PHASES, ROOT, TINY_SPECS, ModelSpec
 from .regions import Region, capture, find_regions, forward_backward, layer_inputs, resolve, set_variant
 from .rows import EMULATED, Row, log
@@ -55,6 +55,11 @@ def paired_medians(a: Callable, b: Callable, repeats: int, number: int) -> tuple
     return statistics.median(samples[0]), statistics.median(samples[1])
 
 
+def _calls(a: Callable, b: Callable, inputs: tuple) -> tuple[Callable, Callable]:
+    """a and b, each called on the same inputs, as calls without arguments."""
+    return lambda: a(*inputs), lambda: b(*inputs)
+
+
 def _card_of(module: nn.Module) -> ModuleType:
     package = card_package(module)
     if package is None:
@@ -82,38 +87,27 @@ def kernelize_rows(repeats: int) -> list[Row]:
 
 
 def overhead_rows(device: str, repeats: int, number: int) -> list[Row]:
-    """Per-call cost of a kernelized module (eager column: calling its card function directly), tiny tensors."""
+    """Per-call cost of a kernelized module (eager column: calling its card function directly), tiny tensors: each
+    card with a HOST_TIMING in its spec, on its region of a tiny Llama decoder layer."""
     from kernels import Mode, kernelize
-    from transformers.models.llama import modeling_llama
 
     model = tiny_causal_lm("llama", num_hidden_layers=1).to(device)
     kernelize(model, mode=Mode.INFERENCE, device="npu")
-    layer, rope = model.model.layers[0], modeling_llama.apply_rotary_pos_emb
-    norm, mlp = layer.input_layernorm, layer.mlp
-    heads, kv_heads, head_dim = (TINY_WIDTHS[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
-    x = torch.randn(1, 8, TINY_WIDTHS["hidden_size"], device=device)
-    q, k = torch.randn(1, heads, 8, head_dim, device=device), torch.randn(1, kv_heads, 8, head_dim, device=device)
-    cos, sin = torch.randn(1, 8, head_dim, device=device), torch.randn(1, 8, head_dim, device=device)
-    rms, rotary, swiglu = (
-        direct_call(kind, _card_of(module), state)
-        for kind, module, state in (("RMSNorm", norm, norm), ("RoPE", rope, None), ("SwiGLU MLP", mlp, mlp))
-    )
-    pairs = {
-        "RMSNorm": (lambda: norm(x), lambda: rms(x)),
-        "RoPE": (lambda: rope(q, k, cos, sin), lambda: rotary(q, k, cos, sin)),
-        "SwiGLU MLP": (lambda: mlp(x), lambda: swiglu(x)),
-    }
+    layer = model.model.layers[0]
     rows = []
     with torch.no_grad():
-        for kind, (module_call, function_call) in pairs.items():
-            module_s, direct_s = paired_medians(module_call, function_call, repeats, number)
+        for card, timing in with_piece("HOST_TIMING"):
+            module = timing.region(layer)
+            inputs = timing.inputs(model.config, 1, 8, device)
+            function = timing.direct_call(_card_of(module), module)
+            module_s, direct_s = paired_medians(*_calls(module, function, inputs), repeats, number)
             rows.append(
                 Row(
-                    "timed", "tiny", f"{kind}: kernelized module vs its function", "host", 1, 8,
+                    "timed", "tiny", f"{card.region}: kernelized module vs its function", "host", 1, 8,
                     eager=direct_s * 1e6, kernelized=module_s * 1e6, unit="us",
                     target=f"module - function < {OVERHEAD_TARGET_US:g} us",
                     note=f"overhead {(module_s - direct_s) * 1e6:.2f} us per call; tensors on {device}",
-                    study="call overhead", kind=kind,
+                    study="call overhead", kind=card.region,
                 )
             )  # fmt: skip
     kernelize(model, mode=Mode.INFERENCE, device="cpu")
@@ -179,47 +173,33 @@ def load_variant(card_dir: Path, variant: str) -> ModuleType:
 
 def fallback_rows(build: Path, repeats: int, quick: bool) -> list[Row]:
     """The torch-universal build on CPU tensors against transformers' eager forward (float32, no module call
-    overhead on either side: the class forward against the card function)."""
+    overhead on either side: the class forward against the card function), for each card with a HOST_TIMING in
+    its spec, on its region of a Llama decoder layer."""
     from transformers import AutoConfig
-    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    universal = {
-        kind: load_variant(build / CARD_OF[kind], "torch-universal") for kind in ("RMSNorm", "RoPE", "SwiGLU MLP")
-    }
     batch, seq, hidden, heads, inner = (2, 64, 256, 4, 512) if quick else (4, 512, 2048, 32, 5632)
-    norm = llama.LlamaRMSNorm(hidden)
-    mlp = llama.LlamaMLP(AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=inner))
-    rope = llama.apply_rotary_pos_emb
-    x = torch.randn(batch, seq, hidden)
-    q, k = torch.randn(batch, heads, seq, 128), torch.randn(batch, max(heads // 4, 1), seq, 128)
-    cos, sin = torch.randn(batch, seq, 128), torch.randn(batch, seq, 128)
-    rms, rotary, swiglu = (
-        direct_call(kind, universal[kind], state)
-        for kind, state in (("RMSNorm", norm), ("RoPE", None), ("SwiGLU MLP", mlp))
-    )
-    pairs = {
-        "RMSNorm": (lambda: llama.LlamaRMSNorm.forward(norm, x), lambda: rms(x), f"x {tuple(x.shape)}"),
-        "RoPE": (
-            lambda: type(rope).forward(rope, q, k, cos, sin),
-            lambda: rotary(q, k, cos, sin),
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}",
-        ),
-        "SwiGLU MLP": (
-            lambda: llama.LlamaMLP.forward(mlp, x),
-            lambda: swiglu(x),
-            f"x {tuple(x.shape)}, intermediate {inner}",
-        ),
-    }
+    config = AutoConfig.for_model(
+        "llama", hidden_size=hidden, intermediate_size=inner, num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1), head_dim=128,
+    )  # fmt: skip
+    layer = LlamaDecoderLayer(config, layer_idx=0)
+    timings = with_piece("HOST_TIMING")
+    universal = {card.repo_name: load_variant(build / card.repo_name, "torch-universal") for card, _ in timings}
     rows = []
     with torch.no_grad():
-        for kind, (eager, fallback, shapes) in pairs.items():
-            eager_s, fallback_s = paired_medians(eager, fallback, repeats, 1)
+        for card, timing in timings:
+            module = timing.region(layer)
+            inputs = timing.inputs(config, batch, seq, "cpu")
+            function = timing.direct_call(universal[card.repo_name], module)
+            class_forward = MethodType(type(module).forward, module)  # no module call overhead
+            eager_s, fallback_s = paired_medians(*_calls(class_forward, function, inputs), repeats, 1)
             rows.append(
                 Row(
-                    "timed", "CPU, float32", f"{kind}: torch-universal vs eager", "fwd", batch, seq,
+                    "timed", "CPU, float32", f"{card.region}: torch-universal vs eager", "fwd", batch, seq,
                     eager=eager_s * 1e3, kernelized=fallback_s * 1e3, unit="ms",
-                    target=f"<= {FALLBACK_TOLERANCE:g} x eager", note=f"{shapes}; median of {repeats}",
-                    study="fallback", kind=kind,
+                    target=f"<= {FALLBACK_TOLERANCE:g} x eager",
+                    note=f"{timing.shapes(module, inputs)}; median of {repeats}", study="fallback", kind=card.region,
                 )
             )  # fmt: skip
     return rows
@@ -286,7 +266,7 @@ def _copy(t):
 def _device_rows(
     spec: ModelSpec, batch: int, seq: int, regions: list[Region], timings: dict, emulated: bool
 ) -> list[Row]:
-    names = {kind: [r.name for r in regions if r.kind == kind] for kind in KINDS.values()}
+    names = {kind: [r.name for r in regions if r.kind == kind] for kind in kinds()}
     names = {kind: members for kind, members in names.items() if members}
     names[LAYER] = [LAYER]
     note = EMULATED if emulated else ""

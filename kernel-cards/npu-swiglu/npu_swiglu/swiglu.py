@@ -193,7 +193,8 @@ def concatenates_weights(tokens: int, inner: int, backward: bool) -> bool:
 
     Two matmuls read x (T x H) twice; the concatenation reads and writes both weights (2I x H each way), and with
     backward once more for dx, where it saves dx's accumulation (another 2 x T x H): forward only, it pays for
-    itself when T > 4I; with backward, when 3T > 8I (scripts/bench/floors.py counts both ways)."""
+    itself when T > 4I; with backward, when 3T > 8I (the bench floor counts both ways:
+    scripts/bench/cards/npu_swiglu.py)."""
     return 3 * tokens > 8 * inner if backward else tokens > 4 * inner
 
 

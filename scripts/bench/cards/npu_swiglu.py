@@ -1,0 +1,84 @@
+"""npu-swiglu's bench spec (the contract: scripts/bench/cards/__init__.py).
+
+Floor, with the weights as the model stores them (gate_proj and up_proj: two tensors, never one buffer; each
+parameter's gradient a tensor of its own, as DDP's buckets and FSDP2's reduce-scatter take them). Its matmuls
+stay matmuls (no torch_npu op fuses a matmul with the activation): 4 ops forward, 7 backward, the cheaper in
+bytes of two ways to get gate and up (biases counted with their weights):
+- two matmuls writing h [2, T, I] (each reads x), a = swiglu(h) along axis 0 [T, I], y = a @ Wd; backward
+  da = dy @ Wd, dWd = dy^T a, dh = swiglu_backward(da, h), dx = dh_gate @ Wg then + dh_up @ Wu (the
+  second reads the first's result), dWg = dh_gate^T x, dWu = dh_up^T x;
+- the two weights concatenated for the call (reads and writes both), one matmul writing h [T, 2I] (reads
+  x once), the same swiglu and down matmul; backward as above, but dx either as above or as one matmul
+  against the weights concatenated again, whichever is cheaper.
+Two matmuls are the cheaper way unless T > 4I (forward) or 3T > 8I (forward and backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..accounting import FusedOp, empty_of, tensor_bytes
+from ..configs import PHASES
+from ..floors import Floor, dense_bytes
+from ..targets import CountedTarget
+from . import HostTiming
+
+BYTES_TOLERANCE = 1.03
+"""Kernelized bytes of the SwiGLU MLP within 3% of its floor for split weights as the model stores them."""
+
+
+def floor(module: nn.Module, x: torch.Tensor, *_) -> Floor:
+    """Gate/up matmuls, swiglu, matmul down, the cheaper of two ways for split weights; backward 7 ops."""
+    hidden, inner = module.down_proj.weight.shape
+    tokens, size = x.numel() // x.shape[-1], x.element_size()
+    w_d = sum(tensor_bytes(p) for p in module.down_proj.parameters())
+    w_gu = sum(tensor_bytes(p) for p in module.parameters()) - w_d
+    h, a, y = tokens * 2 * inner * size, tokens * inner * size, tokens * hidden * size
+    x_b, dx = tensor_bytes(x), dense_bytes(x)
+    rest_fwd = (h + a) + (a + w_d + y)  # swiglu, down matmul
+    rest_bwd = (y + w_d + a) + (y + a + w_d) + (a + h + h) + (h + 2 * x_b + w_gu)  # da, dWd, dh, dWg and dWu
+    dx_two_matmuls = h + w_gu + 3 * dx
+    two_matmuls = (2 * x_b + w_gu + h, dx_two_matmuls)
+    concatenated = ((2 * w_gu) + (x_b + w_gu + h), min(dx_two_matmuls, (2 * w_gu) + (h + w_gu + dx)))
+    fwd = min(two_matmuls[0], concatenated[0]) + rest_fwd
+    total = min(sum(two_matmuls), sum(concatenated)) + rest_fwd + rest_bwd
+    return (4, fwd), (7, total - fwd)
+
+
+COUNTED_TARGETS = (
+    CountedTarget("ops", PHASES, 1),
+    CountedTarget("bytes", PHASES, BYTES_TOLERANCE),
+    CountedTarget("bytes", PHASES, 1, against="eager"),
+)
+
+
+def _swiglu_outputs(a: dict[str, Any]) -> torch.Tensor:
+    x, dim = a["x"], a["dim"]
+    shape = list(x.shape)
+    shape[dim] //= 2
+    return empty_of(x, shape)
+
+
+FUSED_OPS = {
+    "npu_swiglu": FusedOp(_swiglu_outputs, ("x",), lambda a, out: [a["x"]]),
+}
+
+
+def _direct_call(card: ModuleType, mlp: nn.Module) -> Callable[..., Any]:
+    swiglu_mlp = card.swiglu_mlp
+    return lambda x: swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
+
+
+HOST_TIMING = HostTiming(
+    region=lambda layer: layer.mlp,
+    inputs=lambda config, batch, seq, device: (torch.randn(batch, seq, config.hidden_size, device=device),),
+    direct_call=_direct_call,
+    shapes=lambda mlp, inputs: f"x {tuple(inputs[0].shape)}, intermediate {mlp.down_proj.in_features}",
+)
+
+PREFILL_DECODE_TABLE = True
