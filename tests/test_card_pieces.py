@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from bench import cards as bench_specs
 from conftest import ROOT
 
 from npu_hub_kernels import CARDS
@@ -119,6 +120,7 @@ def missing_pieces(card: Card) -> list[str]:
         *model_table_problems(card),
         *op_problems(card, set(emulation.EMULATED_OPS), _documented_ops()),
         *kernel_test_problems(card),
+        *bench_specs.missing_pieces(card),
     ]
 
 
@@ -162,6 +164,7 @@ def test_a_card_with_only_its_card_toml_is_told_each_piece_to_add():
         "npu_half_added is not emulated: add it to mapping/npu_hub_kernels/testing/emulation/ops/npu_half_added.py",
         "add a `## npu_half_added` section",
         "add tests/test_npu_half_added.py",
+        "scripts/bench/cards/npu_half_added.py",
     ):
         assert expected in problems
 
