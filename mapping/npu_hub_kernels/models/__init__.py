@@ -15,13 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import moe, rms_norm, rope, swiglu
+from . import moe, npu_moe_router, rms_norm, rope, swiglu
 
 BY_KERNEL_ID: dict[str, ModuleType] = {
     "npu_fused_rmsnorm": rms_norm,
     "npu_fused_rope": rope,
     "npu_fused_swiglu": swiglu,
     "npu_fused_moe": moe,
+    "npu_fused_moe_router": npu_moe_router,
 }
 """Kernel id -> the module of its tables."""
 
