@@ -310,7 +310,7 @@ def _modeling_globals() -> dict[str, object]:
 def test_peer_is_counted_on_its_own_layer_and_leaves_nothing_patched(peer):
     """The peer column: LLaMA-Factory's RMSNorm casts the weight to float32 and back per call (3 ops a norm), its
     RoPE runs npu_rotary_mul for q and for k, its split MLP concatenates gate and up per call, its Qwen3-MoE experts
-    take histc counts and casts. Its module-global patches are undone: eager and kernelized counts are the same with
+    take histc counts and casts; it has no router kernel. Its module-global patches are undone: eager and kernelized counts are the same with
     and without the peer, and the modeling files' globals are the objects they were."""
     before = _modeling_globals()
     with_peer = counted.account(TINY_MOE, 2, 16, peer=peer)
@@ -322,7 +322,7 @@ def test_peer_is_counted_on_its_own_layer_and_leaves_nothing_patched(peer):
             without[key].kernelized.by_op(),
             without[key].floor,
         )
-        assert m.peer_patched is True
+        assert m.peer_patched is (key[0] != "MoE router"), key  # LLaMA-Factory 0.9.5 has no router kernel
     assert with_peer[("RMSNorm", "fwd")].peer.by_op() == {"npu_rms_norm": 4, "_to_copy": 8}
     assert with_peer[("RoPE", "fwd")].peer.by_op() == {"npu_rotary_mul": 2}
     experts = with_peer[("MoE experts", "fwd")].peer.by_op()

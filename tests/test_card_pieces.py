@@ -130,11 +130,12 @@ def test_every_card_has_every_piece(card):
 
 
 def test_every_emulated_op_belongs_to_a_card_that_calls_it():
-    called = {op for card in CARDS.values() for op in card.fused_ops}
-    assert set(emulation.EMULATED_OPS) - called == set()
+    """An emulated op is one a card calls, or the exposed backward of one (torch_npu exposes some, e.g.
+    npu_moe_gating_top_k_backward, and op-plugin's tests call them)."""
     for card in CARDS.values():
+        called = set(card.fused_ops) | {f"{op}_backward" for op in card.fused_ops}
         brought = set(emulation.emulated_ops_of(card.python_name))
-        assert brought <= set(card.fused_ops), f"ops/{card.python_name}.py emulates ops its card does not call"
+        assert brought <= called, f"ops/{card.python_name}.py emulates ops its card does not call"
 
 
 def test_every_card_folder_is_a_card():

@@ -4,7 +4,8 @@ Restated from Ascend/op-plugin `test/test_custom_ops/` at commit 517f2e7d0f202f3
 (test_npu_rotary_mul.py, test_npu_rotary_mul_backward.py, test_npu_rms_norm.py, test_npu_rms_norm_backward.py,
 test_npu_swi_glu.py, test_npu_swi_glu_backward.py, test_npu_apply_rotary_pos_emb.py,
 test_npu_moe_token_permute_and_unpermute.py, test_npu_moe_token_permute_and_unpermute_backward.py,
-test_npu_grouped_matmul.py): the layouts, dtypes, limits and what each golden computes, written here from the
+test_npu_grouped_matmul.py, test_npu_moe_gating_topk.py,
+test_npu_moe_gating_top_k_backward.py): the layouts, dtypes, limits and what each golden computes, written here from the
 op semantics. Only the cases op-plugin's CI runs on Atlas A2 (Ascend910B): the ones it skips there ("not supported
 by the CI version": 3-D rotary_mul, the `rotate` matrix, TND npu_apply_rotary_pos_emb; Ascend 950 only) are left
 out as it leaves them out. Tolerances: op-plugin's assertRtolEqual (1e-3 for float16, 1e-4 for float32, bfloat16
@@ -23,6 +24,7 @@ cases, the NZ weight format), group_list_type 2. test_npu_grouped_matmul_0_empty
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -350,3 +352,123 @@ def test_grouped_matmul_refuses_the_forms_no_card_uses(change, message):
     kwargs.update({k: [torch.ones(4).half().to("npu")] for k in ("bias", "scale", "antiquant_scale") if k in change})
     with pytest.raises(NotImplementedError, match=message):
         torch_npu.npu_grouped_matmul([x] * change.get("x", 1), [weight] * change.get("x", 1), **kwargs)
+
+
+def gating_top_k_golden(x, bias, k, k_group, group_count, group_select_mode, norm_type, scale, eps=1e-20):
+    """The golden of test_npu_moe_gating_topk (numpy, float32): norm, choose on norm + bias within the k_group best
+    groups (max or top-2 sum), stable descending order, gather, renormalise in sigmoid mode only, scale."""
+    x, bias = x.float().numpy(), bias.float().numpy()
+    softmax = numpy.exp(x - numpy.log(numpy.exp(x).sum(-1, keepdims=True)))
+    norm = softmax if norm_type == 0 else 1 / (1 + numpy.exp(-x))
+    grouped = (norm + bias).reshape(x.shape[0], group_count, -1)
+    top_two_sum = numpy.sort(grouped, -1)[..., -2:].sum(-1)
+    group_scores = grouped.max(-1) if group_select_mode == 0 else top_two_sum
+    kept = numpy.argsort(-group_scores, -1, kind="stable")[:, :k_group]
+    dropped = numpy.ones(group_scores.shape, dtype=bool)
+    dropped[numpy.arange(x.shape[0])[:, None], kept] = False
+    choice = numpy.where(dropped[..., None], -numpy.inf, grouped).reshape(x.shape[0], -1)
+    idx = numpy.argsort(-choice, -1, kind="stable")[:, :k]
+    y = numpy.take_along_axis(norm, idx, 1)
+    if norm_type == 1:
+        y = y / (y.sum(-1, keepdims=True) + eps)
+    return torch.from_numpy(y * scale), torch.from_numpy(idx.astype(numpy.int32)), torch.from_numpy(norm)
+
+
+def _gating_case(rows, dtype, k, norm_type=1, group_select_mode=1, scale=1.0, out_flag=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(rows, 256, generator=g) * 4 - 2).to(dtype)  # op-plugin: numpy.random.uniform(-2, 2, ...)
+    bias = (torch.rand(256, generator=g) * 4 - 2).to(dtype)
+    got = torch_npu.npu_moe_gating_top_k(
+        x.to("npu"),
+        k,
+        bias=bias.to("npu"),
+        k_group=4,
+        group_count=8,
+        group_select_mode=group_select_mode,
+        renorm=0,
+        norm_type=norm_type,
+        out_flag=out_flag,
+        routed_scaling_factor=scale,
+        eps=1e-20,
+    )
+    want = gating_top_k_golden(x, bias, k, 4, 8, group_select_mode, norm_type, scale)
+    return [t.cpu() for t in got], want
+
+
+@pytest.mark.parametrize(
+    ("rows", "dtype", "k", "scale"),
+    [
+        (8, torch.float32, 6, 1.0),  # test_npu_moe_gating_topk_1
+        (1002, torch.float16, 1, 1.0),  # test_npu_moe_gating_topk_2
+        (128, torch.bfloat16, 16, 1.0),  # test_npu_moe_gating_topk_3
+        (128, torch.bfloat16, 16, 0.0),  # test_npu_moe_gating_topk_4: routed_scaling_factor 0
+    ],
+    ids=["fp32 k6", "fp16 k1", "bf16 k16", "bf16 scale 0"],
+)
+def test_moe_gating_top_k_sigmoid_group_cases(rows, dtype, k, scale):
+    """op-plugin's four cases: sigmoid, bias, 8 groups of 32, 4 kept by their top-2 sum; y in x's dtype, int32 ids."""
+    (y, idx, _), (want_y, want_idx, _) = _gating_case(rows, dtype, k, scale=scale)
+    assert y.dtype == dtype and idx.dtype == torch.int32 and y.shape == idx.shape == (rows, k)
+    assert torch.equal(idx, want_idx)
+    close(y.float(), want_y.to(dtype).float(), RTOL.get(dtype, 1e-4))
+
+
+@pytest.mark.parametrize("group_select_mode", [0, 1])
+def test_moe_gating_top_k_softmax_mode_never_renormalises(group_select_mode):
+    """The API doc's golden with norm_type 0: the top-k softmax probabilities as they are, their sum below 1."""
+    (y, idx, norm), (want_y, want_idx, want_norm) = _gating_case(16, torch.float32, 6, 0, group_select_mode, 1.0, True)
+    assert torch.equal(idx, want_idx)
+    close(y, want_y, 1e-4)
+    close(norm, want_norm, 1e-4)
+    assert (y.sum(-1) < 1).all()
+
+
+def test_moe_gating_top_k_norm_out_is_written_only_with_out_flag():
+    """norm_out: float32 [N, E] always allocated; the norm with out_flag, unwritten (NaN here) without."""
+    (_, _, written), (_, _, want_norm) = _gating_case(8, torch.bfloat16, 6, out_flag=True)
+    (_, _, unwritten), _ = _gating_case(8, torch.bfloat16, 6, out_flag=False)
+    assert written.dtype == unwritten.dtype == torch.float32 and written.shape == (8, 256)
+    close(written, want_norm, 1e-4)
+    assert unwritten.isnan().all()
+
+
+def _megatron_routing(logits, bias, k, scale):
+    """The reference of test_npu_moe_gating_top_k_backward (sigmoid score function, expert bias, norm_topk_prob,
+    scaling factor): choose on sigmoid + bias, weights sigmoid gathered, divided by sum + 1e-20, scaled."""
+    scores = torch.sigmoid(logits)
+    idx = torch.topk(scores + bias, k, dim=1).indices
+    probs = scores.gather(1, idx)
+    return probs / (probs.sum(-1, keepdim=True) + 1e-20) * scale, idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_moe_gating_top_k_backward_against_float64_autograd(dtype, scale):
+    """test_npu_moe_gating_top_k_backward: dx of the op (through autograd, out_flag on, and the exposed backward op
+    from x_norm) against float64 autograd through the reference routing. op-plugin: 2048 x 192, k 10, bf16."""
+    g = torch.Generator().manual_seed(44)
+    logits, bias = torch.randn(64, 192, generator=g), torch.randn(192, generator=g) * 0.1
+    grad = torch.randn(64, 10, generator=g)
+    logits, bias = logits.to(dtype), bias.to(dtype)  # the reference sees the rounded inputs the op sees
+    ref = logits.double().requires_grad_()
+    y_ref, idx = _megatron_routing(ref, bias.double(), 10, scale)
+    y_ref.backward(grad.double())
+    x = logits.to("npu").requires_grad_()
+    y, expert_idx, _ = torch_npu.npu_moe_gating_top_k(
+        x, 10, bias=bias.to("npu"), norm_type=1, out_flag=True, routed_scaling_factor=scale
+    )
+    y.backward(grad.to(dtype).to("npu"))
+    exposed = torch_npu.npu_moe_gating_top_k_backward(
+        torch.sigmoid(logits.float()).to("npu"),
+        grad.to(dtype).to("npu"),
+        idx.int().to("npu"),
+        renorm=0,
+        norm_type=1,
+        routed_scaling_factor=scale,
+        eps=1e-20,
+    )
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    assert torch.equal(expert_idx.cpu().long(), idx)
+    for got in (x.grad.cpu(), exposed.cpu()):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), ref.grad, rtol=tolerance, atol=tolerance)

@@ -39,6 +39,7 @@ class Expected:
     rope: tuple[str, ...] = ("RotaryPosEmb",)  # the npu-rope layers of each attention module
     mlp: str | None = "SwiGLUMLP"  # the npu-swiglu layer of its dense MLPs (None: not SiLU-gated)
     moe: bool = False  # whether its MoE layers' Experts modules run npu-moe
+    router: bool = False  # whether its MoE routers run npu-moe-router's fused op (one per MoE layer)
 
 
 EXPECTED = {
@@ -46,7 +47,7 @@ EXPECTED = {
     "mistral": Expected(),
     "qwen2": Expected(),
     "qwen3": Expected(),
-    "qwen3_moe": Expected(moe=True),  # routed experts only: no dense MLP
+    "qwen3_moe": Expected(moe=True, router=True),  # routed experts only: no dense MLP
     "gemma3_text": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
     "olmo2": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbCastBack",)),
     "phi3": Expected(rope=("RotaryPosEmbPartial",), mlp="SwiGLUGateUpMLP"),  # partial rotary
@@ -54,10 +55,12 @@ EXPECTED = {
     "gpt_neox": Expected(norm=None, rope=("RotaryPosEmbPartial",), mlp=None),  # LayerNorm, GELU MLP, partial rotary
     # DeepseekV3Attention calls apply_rotary_pos_emb_interleave (rope_interleave=True), else apply_rotary_pos_emb:
     # the registry attaches both, so both are swapped; the fused op counts show which one runs.
-    "deepseek_v3": Expected(rope=("RotaryPosEmb", "RotaryPosEmbDeinterleave"), moe=True),  # + shared experts
-    "qwen2_moe": Expected(moe=True),  # + shared expert (npu-swiglu)
-    "mixtral": Expected(moe=True),
-    "olmoe": Expected(moe=True),
+    "deepseek_v3": Expected(
+        rope=("RotaryPosEmb", "RotaryPosEmbDeinterleave"), moe=True, router=True
+    ),  # + shared experts
+    "qwen2_moe": Expected(moe=True, router=True),  # + shared expert (npu-swiglu)
+    "mixtral": Expected(moe=True),  # router always renormalises softmax: not fused
+    "olmoe": Expected(moe=True, router=True),
     "granite": Expected(),
     "cohere": Expected(norm=None, rope=("RotaryPosEmbPairsFloat32",)),
     "olmo": Expected(norm=None, rope=("RotaryPosEmbCastBack",)),
@@ -96,7 +99,8 @@ def experts_count(model) -> int:
 
 def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, int]:
     """Fused op calls of one forward (and backward) of a kernelized model: per Experts module one
-    permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute."""
+    permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute; per fused
+    router one npu_moe_gating_top_k (its backward is the op's derivative, no call of its own)."""
     expected = EXPECTED[model_type]
     experts = experts_count(model) if expected.moe else 0
     calls = {
@@ -106,6 +110,7 @@ def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, 
         "npu_moe_token_permute": experts,
         "npu_grouped_matmul": (6 if backward else 2) * experts,
         "npu_moe_token_unpermute": experts,
+        "npu_moe_gating_top_k": experts_count(model) if expected.router else 0,
     }
     return {op: n for op, n in calls.items() if n}
 
@@ -311,7 +316,13 @@ def test_a_subclass_with_other_math_is_not_swapped(npu_kernels):
 
 
 def test_kernel_selection_follows_the_apply_default_kernels_contract():
-    assert available_kernels() == ["npu_fused_moe", "npu_fused_rmsnorm", "npu_fused_rope", "npu_fused_swiglu"]
+    assert available_kernels() == [
+        "npu_fused_moe",
+        "npu_fused_moe_router",
+        "npu_fused_rmsnorm",
+        "npu_fused_rope",
+        "npu_fused_swiglu",
+    ]
     assert [c.kernel_id for c in select_kernels("auto")] == available_kernels()
     assert [c.kernel_id for c in select_kernels(True)] == available_kernels()
     assert select_kernels(None) == [] and select_kernels(False) == []

@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 
 from npu_hub_kernels import CARDS
-from npu_hub_kernels.cards import Card
 from npu_hub_kernels.models import BY_KERNEL_ID, MODEL_CLASSES
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MODELS_DOC = ROOT / "docs" / "models.md"
 _LINK = re.compile(r"\[([^\]]+)\]\([^)]*\)")
-_FUSED_CALL = re.compile(r"torch_npu\.(npu_\w+)\(")
 
 
 def markdown_tables(text: str) -> list[list[dict[str, str]]]:
@@ -48,12 +46,6 @@ def _sections(text: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
-def _fused_ops_called(card: Card) -> set[str]:
-    """The torch_npu ops the card's package source calls."""
-    package = ROOT / "kernel-cards" / card.repo_name / card.python_name
-    return {op for path in package.glob("*.py") for op in _FUSED_CALL.findall(path.read_text())}
-
-
 def test_the_readme_card_table_states_each_cards_layers_swapped_classes_and_fused_ops():
     (table,) = [t for t in markdown_tables(README.read_text()) if t and "transformers classes swapped" in t[0]]
     rows = {row["card"]: row for row in table}
@@ -64,7 +56,7 @@ def test_the_readme_card_table_states_each_cards_layers_swapped_classes_and_fuse
         assert int(row["layers"]) == len(card.layers), card.repo_name
         assert int(row["transformers classes swapped"]) == len(MODEL_CLASSES[card.kernel_id]), card.repo_name
         stated = {op.strip() for op in row["fused torch_npu ops"].split(",")}
-        assert stated == _fused_ops_called(card), card.repo_name
+        assert stated == set(card.fused_ops), card.repo_name  # tests/test_card_pieces.py checks them
 
 
 def test_docs_models_has_a_table_per_card_with_each_layers_count_and_the_left_out_count():

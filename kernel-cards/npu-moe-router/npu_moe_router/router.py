@@ -1,0 +1,134 @@
+"""MoE routing (scores, top-k experts, weights) in one `torch_npu.npu_moe_gating_top_k` call.
+
+transformers' routers compute, from the router logits `[T, E]`, the k experts of each token and their
+weights in about ten small ops. npu_moe_gating_top_k does the same in one op (with a backward) for two
+styles, the ones this module fuses:
+- softmax: `probs = softmax(logits in float32)`, top-k of probs, weights cast to the logits' dtype,
+  NOT renormalised (the op's softmax mode never divides by the top-k sum: docs/torch-npu-ops.md);
+- sigmoid: `scores = sigmoid(logits)`, experts chosen on `scores + bias` within the `topk_groups` best
+  of `num_groups` groups (scored by the sum of their two best), weights `scores[idx] / (sum + eps)`
+  times `routed_scaling_factor` (the op's sigmoid mode always renormalises).
+The op gives int32 ids; transformers' experts index with int64 (`one_hot`), so the ids are widened.
+Anything else, or inputs outside the op's limits, runs `moe_router_top_k_eager`: transformers' math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+
+MAX_EXPERTS = 2048
+SCORINGS = ("softmax", "sigmoid")
+
+
+def moe_router_top_k_unavailable_reason(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str,
+    renormalize: bool,
+    bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+) -> str | None:
+    """Why npu_moe_gating_top_k will not compute this routing, or None when it will."""
+    if scoring not in SCORINGS:
+        return f"scoring {scoring!r} is not one of {SCORINGS}"
+    if scoring == "softmax" and renormalize:
+        return "renormalised softmax weights: npu_moe_gating_top_k's softmax mode does not renormalise"
+    if scoring == "sigmoid" and not renormalize:
+        return "sigmoid weights without renormalisation: npu_moe_gating_top_k's sigmoid mode always renormalises"
+    reason = npu_unavailable_reason(router_logits, *(() if bias is None else (bias,)))
+    if reason is not None:
+        return reason
+    if router_logits.dtype not in FUSED_DTYPES:
+        return f"dtype {router_logits.dtype} is not supported (float16, bfloat16, float32)"
+    if router_logits.dim() != 2 or router_logits.shape[0] == 0:
+        return f"router logits of shape {tuple(router_logits.shape)}: [tokens > 0, experts] needed"
+    experts = router_logits.shape[1]
+    if experts > MAX_EXPERTS:
+        return f"{experts} experts: npu_moe_gating_top_k takes at most {MAX_EXPERTS}"
+    if num_groups < 1 or experts % num_groups or not 1 <= topk_groups <= num_groups:
+        return f"{num_groups} groups, {topk_groups} kept, for {experts} experts"
+    per_group = experts // num_groups
+    if num_groups > 1 and (per_group <= 2 or num_groups * math.ceil(per_group / 32) * 32 > MAX_EXPERTS):
+        return f"{num_groups} groups of {per_group} experts: the op wants more than 2 per group, 2048 aligned in all"
+    if not 1 <= top_k <= per_group * topk_groups:
+        return f"top-k {top_k} outside [1, {per_group * topk_groups}]"
+    return None
+
+
+def moe_router_top_k(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str,
+    renormalize: bool,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], int64 expert ids [T, k]) of transformers' router math: one npu_moe_gating_top_k, or eager."""
+    groups = {"num_groups": num_groups, "topk_groups": topk_groups}
+    reason = moe_router_top_k_unavailable_reason(
+        router_logits, top_k, scoring=scoring, renormalize=renormalize, bias=bias, **groups
+    )
+    if reason is not None:
+        return moe_router_top_k_eager(
+            router_logits, top_k, scoring=scoring, renormalize=renormalize, eps=eps, bias=bias,
+            routed_scaling_factor=routed_scaling_factor, **groups,
+        )  # fmt: skip
+    weights, ids, _ = torch_npu.npu_moe_gating_top_k(
+        router_logits,
+        top_k,
+        bias=None if bias is None else bias.to(router_logits.dtype),
+        k_group=topk_groups,
+        group_count=num_groups,
+        group_select_mode=1,  # a group's score: the sum of its two best (transformers' DeepSeek-V3 routers)
+        renorm=0,
+        norm_type=SCORINGS.index(scoring),
+        out_flag=torch.is_grad_enabled() and router_logits.requires_grad,  # the backward reads norm_out
+        routed_scaling_factor=routed_scaling_factor,
+        eps=eps,
+    )
+    return weights, ids.long()
+
+
+def moe_router_top_k_eager(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str,
+    renormalize: bool,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same routing with transformers' ops, op for op (Qwen2-MoE's and DeepSeek-V3's routers)."""
+    if scoring == "softmax":
+        probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+        choice = probs if bias is None else probs + bias
+    elif scoring == "sigmoid":
+        probs = router_logits.sigmoid()
+        choice = probs if bias is None else probs + bias
+    else:
+        raise ValueError(f"scoring {scoring!r} is not one of {SCORINGS}")
+    if num_groups > 1:
+        grouped = choice.view(-1, num_groups, choice.shape[-1] // num_groups)
+        group_idx = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), k=topk_groups, dim=-1, sorted=False)[1]
+        kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, group_idx, True)
+        choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice)
+    # Qwen2-MoE sorts its top-k, DeepSeek-V3 does not: the order of the ids is part of what each returns.
+    ids = torch.topk(choice, top_k, dim=-1, sorted=scoring == "softmax")[1]
+    weights = probs.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    weights = weights * routed_scaling_factor
+    return weights.to(router_logits.dtype), ids

@@ -1,0 +1,82 @@
+"""npu-moe-router's bench spec (the contract: scripts/bench/cards/__init__.py).
+
+The region is a router module's forward: logits = x @ W^T [T, E], then the routing (scores, top-k, weights).
+Floor: 2 ops forward: the logits matmul (reads x and W, writes the logits) and one routing op reading the logits
+(and the correction bias, for sigmoid routers) and writing the top-k weights [T, k] in the logits' dtype and the
+expert ids [T, k] as int64, the dtype transformers' experts index with. Backward: 4 ops: the routing's backward
+(reads dweights, the logits and the ids, writes dlogits; scores can be recomputed from the logits, so nothing else
+needs keeping), the sum of that and the logits' own gradient (the router returns its logits for the auxiliary
+loss, which gets a gradient too), and the matmul's dx and dW.
+
+What the card runs beyond it: npu_moe_gating_top_k writes int32 ids, so the card widens them (one more op, forward),
+and with autograd recording it writes its float32 scores `norm_out` [T, E], which its backward reads
+(docs/torch-npu-ops.md, "npu_moe_gating_top_k"). Routers whose logits are float32 from bf16 inputs
+(DeepSeek-V3) run two casts before the matmul, in eager and kernelized alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..accounting import FusedOp, empty_of, tensor_bytes
+from ..configs import PHASES
+from ..floors import Floor, dense_bytes
+from ..targets import CountedTarget
+
+BYTES_TOLERANCE = 1.01
+"""Kernelized bytes of the router within 1% of the floor (issue 19)."""
+
+
+def floor(module: nn.Module, hidden_states: torch.Tensor, *_) -> Floor:
+    """Logits matmul and one routing op; backward: routing, gradient sum, dx and dW (see the module doc)."""
+    experts, hidden = module.weight.shape
+    tokens = hidden_states.numel() // hidden
+    size = hidden_states.element_size()
+    x_b, w_b = tensor_bytes(hidden_states), tensor_bytes(module.weight)
+    logits = tokens * experts * size
+    picked = tokens * module.top_k
+    bias = getattr(module, "e_score_correction_bias", None)
+    bias_b = tensor_bytes(bias) if isinstance(bias, torch.Tensor) else 0
+    fwd = (x_b + w_b + logits) + (logits + bias_b + picked * size + picked * 8)
+    bwd = (picked * size + logits + picked * 8 + logits) + (3 * logits) + (logits + w_b + dense_bytes(hidden_states))
+    bwd += logits + x_b + dense_bytes(module.weight)
+    return (2, fwd), (4, bwd)
+
+
+COUNTED_TARGETS = (
+    CountedTarget("ops", PHASES, 1),
+    CountedTarget("bytes", PHASES, BYTES_TOLERANCE),
+)
+
+
+def _gating_outputs(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, k = a["x"], a["k"]
+    scores_shape = x.shape if a["out_flag"] else (0,)  # norm_out is written only with out_flag
+    return (
+        empty_of(x, (x.shape[0], k)),
+        empty_of(x, (x.shape[0], k), torch.int32),
+        empty_of(x, scores_shape, torch.float32),
+    )
+
+
+FUSED_OPS = {
+    "npu_moe_gating_top_k": FusedOp(_gating_outputs, ("x",), lambda a, out: [out[2], out[1]]),
+    "npu_moe_gating_top_k_backward": FusedOp(lambda a: empty_of(a["x_norm"], dtype=a["grad_y"].dtype)),
+}
+
+HOST_TIMING = None
+"""Not timed on the host: the per-call overhead and fallback rows time the dense Llama layer's cards."""
+
+
+def is_region(module: nn.Module) -> bool:
+    """A transformers top-k router (swapped or not): an [experts, hidden] weight and a top_k."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__.endswith("Router")
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and isinstance(getattr(module, "top_k", None), int)
+    )

@@ -1,0 +1,165 @@
+"""npu-moe-router: each swapped router class against its own forward, the fused op counted, and the fallbacks.
+
+A bare instance of each class (the attributes its forward reads) runs its own forward on the host; the
+kernelized copy runs on the emulated npu. float32 and bfloat16 give the class's result exactly: the op
+computes in float32 as the routers do, and casts once as they do (see `assert_same_routing` for ties).
+Every fused call is counted, with the negative control of the same class configured so that the op
+does not reproduce it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from kernels import Mode, get_local_kernel, kernelize
+
+from npu_hub_kernels import swapped_modules
+from npu_hub_kernels.models import MODEL_CLASSES, ClassRule
+from npu_hub_kernels.testing import emulation
+
+RULES = MODEL_CLASSES["npu_fused_moe_router"]
+OP = "npu_moe_gating_top_k"
+
+
+@pytest.fixture(scope="module")
+def card(built_cards):
+    return get_local_kernel(built_cards / "npu-moe-router")
+
+
+def bare_router(rule: ClassRule, *, experts: int, hidden: int, top_k: int, renormalize: bool, seed: int = 0):
+    """An instance of the class holding only what its forward reads: weight, sizes, routing settings."""
+    cls = getattr(importlib.import_module(rule.module), rule.class_name)
+    router = cls.__new__(cls)
+    torch.nn.Module.__init__(router)
+    g = torch.Generator().manual_seed(seed)
+    router.weight = torch.nn.Parameter(torch.randn(experts, hidden, generator=g))
+    router.top_k, router.num_experts, router.hidden_dim, router.norm_topk_prob = top_k, experts, hidden, renormalize
+    if rule.layer == "SigmoidGroupTopKRouter":
+        router.e_score_correction_bias = torch.nn.Buffer(torch.randn(experts, generator=g) * 0.1)
+        router.num_group, router.topk_group, router.routed_scaling_factor = 4, 2, 2.5
+    return router
+
+
+def in_id_order(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+def run_both(rule: ClassRule, dtype: torch.dtype, renormalize: bool, *, tokens: int = 24):
+    router = bare_router(rule, experts=32, hidden=16, top_k=4, renormalize=renormalize).to(dtype)
+    x = torch.randn(2, tokens // 2, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        expected = router(x)
+        holder = kernelize(torch.nn.Sequential(router).to("npu"), mode=Mode.INFERENCE, device="npu")
+        with emulation.count_op_calls() as calls:
+            got = [t.cpu() for t in holder[0](x.to("npu"))]
+    return holder, expected, got, calls
+
+
+def assert_same_routing(expected, got) -> None:
+    """Same logits; each token the same experts with the same weights, compared in id order (DeepSeek-V3 style
+    routers do not sort their top-k). Tokens with equal logits (bfloat16 has few values) may break a tie between
+    experts differently (the op: lower id first; torch.topk: unspecified): there only the weights are compared."""
+    (logits, weights, ids), (got_logits, got_weights, got_ids) = expected, got
+    assert torch.equal(got_logits, logits)
+    assert got_ids.dtype == ids.dtype == torch.int64 and got_weights.dtype == weights.dtype
+    # the renormalising sum adds the k weights in the op's order, not the class's: equal up to that rounding
+    rtol = 1e-6 if weights.dtype == torch.float32 else 0
+    torch.testing.assert_close(got_weights.sort(-1).values, weights.sort(-1).values, rtol=rtol, atol=0)
+    untied = torch.tensor([row.unique().numel() == row.numel() for row in logits])
+    assert untied.float().mean() >= 0.5, "too many tied tokens for the check to mean anything"
+    (weights, ids), (got_weights, got_ids) = in_id_order(weights, ids), in_id_order(got_weights, got_ids)
+    assert torch.equal(got_ids[untied], ids[untied])
+    torch.testing.assert_close(got_weights[untied], weights[untied], rtol=rtol, atol=0)
+
+
+FUSING = {"SoftmaxTopKRouter": False, "SigmoidGroupTopKRouter": True}
+"""The norm_topk_prob under which each layer's class is what npu_moe_gating_top_k computes."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.path.rpartition(".")[2])
+def test_swapped_router_gives_its_class_result_with_one_fused_op(npu_kernels, rule, dtype):
+    holder, expected, got, calls = run_both(rule, dtype, FUSING[rule.layer])
+    assert [s.layer for s in swapped_modules(holder)] == [rule.layer]
+    assert calls[OP] == 1
+    assert_same_routing(expected, got)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.path.rpartition(".")[2])
+def test_router_the_op_does_not_reproduce_keeps_its_class_math(npu_kernels, rule):
+    """Negative control: the other norm_topk_prob (renormalised softmax, sigmoid without renormalisation)."""
+    _, expected, got, calls = run_both(rule, torch.float32, not FUSING[rule.layer])
+    assert calls[OP] == 0
+    assert_same_routing(expected, got)
+
+
+@pytest.mark.parametrize("rule", [RULES[0], RULES[-1]], ids=lambda rule: rule.layer)
+def test_gradients_through_the_fused_router(npu_kernels, rule):
+    """Training: the op's backward (from the norm_out it keeps, so out_flag is on) gives autograd's gradients."""
+    router = bare_router(rule, experts=32, hidden=16, top_k=4, renormalize=FUSING[rule.layer])
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for device in ("cpu", "npu"):
+        module = (
+            router
+            if device == "cpu"
+            else kernelize(torch.nn.Sequential(router).to("npu"), mode=Mode.TRAINING, device="npu")[0]
+        )
+        leaf = x.clone().to(device).requires_grad_()
+        with emulation.count_op_calls() as calls:
+            _, weights, ids = module(leaf)
+            weights = in_id_order(weights, ids)[0]
+            (weights * torch.arange(1.0, 5.0, device=device)).sum().backward()
+        grads.append((leaf.grad.cpu(), module.weight.grad.cpu()))
+        module.weight.grad = None
+    assert calls[OP] == 1
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_softmax_weights_within_the_idiom_of_a_float64_reference(card):
+    """bf16 logits: the op's weights are no farther from float64 than eager's (both cast once, from float32)."""
+    logits = torch.randn(64, 60, generator=torch.Generator().manual_seed(3)).bfloat16()
+    reference = torch.softmax(logits.double(), dim=-1).topk(6, dim=-1)
+    eager, _ = card.moe_router_top_k_eager(logits, 6, scoring="softmax", renormalize=False)
+    with emulation.count_op_calls() as calls:
+        fused, ids = card.moe_router_top_k(logits.to("npu"), 6, scoring="softmax", renormalize=False)
+    untied = torch.tensor([row.unique().numel() == row.numel() for row in logits])
+    assert calls[OP] == 1 and torch.equal(ids.cpu()[untied], reference.indices[untied]) and untied.any()
+    eager_error = (eager.double() - reference.values).abs().max()
+    assert (fused.cpu().double() - reference.values).abs().max() <= 2 * eager_error + 1e-7
+    assert torch.equal(fused.cpu(), eager)  # the same float32 math and one cast: the same bits
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"device": "cpu"}, "not on an npu device"),
+        ({"renormalize": True}, "softmax mode does not renormalise"),
+        ({"scoring": "sigmoid", "renormalize": False}, "sigmoid mode always renormalises"),
+        ({"experts": 2050}, "at most 2048"),
+        ({"scoring": "sigmoid", "renormalize": True, "num_groups": 25}, "more than 2 per group"),
+        ({"top_k": 40}, "outside [1, 32]"),
+        ({"dtype": torch.float64}, "not supported"),
+    ],
+    ids=["host", "softmax renormalised", "sigmoid plain", "2050 experts", "groups of 2", "k above", "float64"],
+)
+def test_fallback_reasons_and_the_eager_result(card, change, reason):
+    """Each limit of the op: the reason says why, and the eager math runs (no fused call) with the same result."""
+    settings = {"device": "npu", "experts": 32 if "num_groups" not in change else 50, "dtype": torch.float32}
+    settings |= {"scoring": "softmax", "renormalize": False, "top_k": 4} | change
+    logits = torch.randn(8, settings["experts"], generator=torch.Generator().manual_seed(4)).to(settings["dtype"])
+    kwargs = {k: settings[k] for k in ("scoring", "renormalize")} | {"num_groups": settings.get("num_groups", 1)}
+    on_device = logits.to(settings["device"])
+    assert reason in card.moe_router_top_k_unavailable_reason(on_device, settings["top_k"], **kwargs)
+    if settings["top_k"] > settings["experts"]:
+        return
+    with emulation.count_op_calls() as calls:
+        got = card.moe_router_top_k(on_device, settings["top_k"], **kwargs)
+    want = card.moe_router_top_k_eager(logits, settings["top_k"], **kwargs)
+    assert calls[OP] == 0
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.cpu(), w)
