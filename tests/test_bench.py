@@ -310,8 +310,9 @@ def _modeling_globals() -> dict[str, object]:
 def test_peer_is_counted_on_its_own_layer_and_leaves_nothing_patched(peer):
     """The peer column: LLaMA-Factory's RMSNorm casts the weight to float32 and back per call (3 ops a norm), its
     RoPE runs npu_rotary_mul for q and for k, its split MLP concatenates gate and up per call, its Qwen3-MoE experts
-    take histc counts and casts; it has no router kernel. Its module-global patches are undone: eager and kernelized counts are the same with
-    and without the peer, and the modeling files' globals are the objects they were."""
+    take histc counts and casts; it has no router kernel. Its module-global patches are undone: eager and
+    kernelized counts are the same with and without the peer, and the modeling files' globals are the objects they
+    were."""
     before = _modeling_globals()
     with_peer = counted.account(TINY_MOE, 2, 16, peer=peer)
     assert _modeling_globals() == before

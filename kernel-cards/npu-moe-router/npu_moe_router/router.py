@@ -114,6 +114,12 @@ def moe_router_top_k_eager(
     """The same routing with transformers' ops, op for op (Qwen2-MoE's and DeepSeek-V3's routers)."""
     if scoring == "softmax":
         probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+        if bias is None and num_groups == 1 and routed_scaling_factor == 1.0:  # Qwen2-MoE's ops, no more
+            weights, ids = torch.topk(probs, top_k, dim=-1)
+            if renormalize:
+                total = weights.sum(dim=-1, keepdim=True)
+                weights = weights / (total + eps if eps else total)
+            return weights.to(router_logits.dtype), ids
         choice = probs if bias is None else probs + bias
     elif scoring == "sigmoid":
         probs = router_logits.sigmoid()
