@@ -20,6 +20,7 @@ import torch
 from kernels import Mode, kernelize
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 
+from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels import register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import norm_module_count, token_ids
@@ -75,8 +76,9 @@ def class_tags() -> dict[str, object]:
         module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
         for name, obj in vars(module).items():
             if isinstance(obj, type) and obj.__module__ == module.__name__:
-                for attr in ("kernel_layer_name", "kernel_condition", "_kernel_funcs"):
+                for attr in ("kernel_layer_name", "kernel_condition"):
                     tags[f"{module.__name__}.{name}.{attr}"] = obj.__dict__.get(attr)
+                tags[f"{module.__name__}.{name}.kernel_funcs"] = compat.own_kernel_funcs(obj)
             elif name.startswith("apply_rotary_pos_emb"):
                 tags[f"{module.__name__}.{name}"] = obj
     return tags
