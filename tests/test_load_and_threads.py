@@ -4,6 +4,7 @@ behind, and kernelized models run from two threads at once give one thread's num
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import importlib
 import logging
@@ -60,6 +61,8 @@ def state_sizes() -> dict[str, int]:
                 owners = [
                     (f"{attr}.{a}", v) for a, v in vars(value).items() if callable(getattr(v, "cache_info", None))
                 ]
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a state object (retag's)
+                owners = [(f"{attr}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
             for label, obj in owners:
                 size = _size(obj)
                 if size is not None:
