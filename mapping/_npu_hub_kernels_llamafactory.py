@@ -10,7 +10,16 @@ small import. Nothing here raises: a failure is logged and LLaMA-Factory runs wi
 `NPU_HUB_KERNELS_LLAMAFACTORY=0` turns the registration off.
 
 It lives outside the `npu_hub_kernels` package because importing anything inside the package imports the package
-(torch included), which a `.pth` line must not do to every Python process of the environment.
+(torch included), which a `.pth` line must not do to every Python process of the environment. A failure is logged
+as `npu_hub_kernels.llamafactory`, the plugin's module, so that logging configured for the package reaches it.
+
+`npu_hub_kernels.retag` has an import hook of the same shape (run code right after a module executes); the two are
+kept apart on purpose. This one is installed at interpreter start in every process, waits for one fixed module and
+is never removed; retag's waits for a set of transformers modules that changes with each `register_npu_kernels`
+and is emptied by `unregister_npu_kernels`. One shared hook would have to live here (stdlib-only, outside the
+package), so either retag's pending rules would move into this startup module (two owners of retag's state) or
+the hook would grow a registry of callbacks that retag adds to and clears, more code than the twenty lines of the
+importlib protocol it would save.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 from kernels import Mode, kernelize
 from test_mapping import EXPECTED, expected_calls, forward, layer_count
 
+from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels import (
     apply_npu_kernels,
     register_npu_kernels,
@@ -123,7 +124,7 @@ def test_llamafactory_npu_kernels_applied_first_are_left_alone(register, caplog,
     module = modeling(model_type)
     theirs = getattr(module, ROTARY)
     assert theirs.__module__.startswith("llamafactory.")  # LLaMA-Factory did replace the global
-    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
+    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.retag"):
         register()
         kernelize(model, mode=Mode.INFERENCE, device="npu")
     assert getattr(module, ROTARY) is theirs
@@ -167,7 +168,7 @@ def test_a_rotary_function_another_library_replaced_is_left_alone(register, monk
     module = modeling(model_type)
     replacement = patch(how, module, monkeypatch)
     foreign_rotary.calls = 0
-    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
+    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.retag"):
         register()
         model = kernelize(tiny_model(model_type).to("npu"), mode=Mode.INFERENCE, device="npu")
     assert f"{module.__name__}.{ROTARY} alone" in caplog.text and replacement in caplog.text
@@ -197,11 +198,11 @@ def test_a_function_replaced_after_registration_is_released_at_the_next(
     with emulation.count_op_calls() as calls:
         forward(model, token_ids())
     assert calls["npu_rotary_mul"] == 0 and swapped_modules(model, card="npu-rope") == []
-    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.registry"):
+    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels.retag"):
         apply_npu_kernels(model, local_dir=built_cards)
     assert f"{module.__name__}.{ROTARY} alone" in caplog.text
     classes = [cls for cls in vars(module).values() if isinstance(cls, type)]
-    assert not any(ours in vars(cls).get("_kernel_funcs", {}).values() for cls in classes)  # the registry's
+    assert not any(ours in (compat.own_kernel_funcs(cls) or {}).values() for cls in classes)  # the registry's
     assert model_type != "llama" or type(ours).kernel_layer_name == "rotary_pos_emb"  # transformers' own tag
     assert getattr(module, ROTARY) is foreign_rotary
 
@@ -241,7 +242,7 @@ def assert_each_listed_swap_runs(model_type: str, model) -> None:
     under it (DeepseekV3's attention calls one of its two, by config), and one with none listed made none."""
     swaps = swapped_modules(model)
     modules = dict(model.named_modules())
-    rope_callers: dict[str, list[str]] = {name: [] for name, m in modules.items() if getattr(m, "_kernel_funcs", None)}
+    rope_callers: dict[str, list[str]] = {name: [] for name, m in modules.items() if compat.kernel_funcs(m)}
     ops = ops_inside(model, {"", *rope_callers, *(s.module for s in swaps)})
     for swap in swaps:
         if swap.module in modules:

@@ -4,6 +4,7 @@ behind, and kernelized models run from two threads at once give one thread's num
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import importlib
 import logging
@@ -20,6 +21,7 @@ import torch
 from kernels import Mode, kernelize
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 
+from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels import register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import norm_module_count, token_ids
@@ -59,6 +61,8 @@ def state_sizes() -> dict[str, int]:
                 owners = [
                     (f"{attr}.{a}", v) for a, v in vars(value).items() if callable(getattr(v, "cache_info", None))
                 ]
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a state object (retag's)
+                owners = [(f"{attr}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
             for label, obj in owners:
                 size = _size(obj)
                 if size is not None:
@@ -75,8 +79,9 @@ def class_tags() -> dict[str, object]:
         module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
         for name, obj in vars(module).items():
             if isinstance(obj, type) and obj.__module__ == module.__name__:
-                for attr in ("kernel_layer_name", "kernel_condition", "_kernel_funcs"):
+                for attr in ("kernel_layer_name", "kernel_condition"):
                     tags[f"{module.__name__}.{name}.{attr}"] = obj.__dict__.get(attr)
+                tags[f"{module.__name__}.{name}.kernel_funcs"] = compat.own_kernel_funcs(obj)
             elif name.startswith("apply_rotary_pos_emb"):
                 tags[f"{module.__name__}.{name}"] = obj
     return tags

@@ -14,6 +14,7 @@ import transformers.models
 from kernels import Mode, kernelize
 from transformers.activations import ACT2FN
 
+from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels import swapped_modules
 from npu_hub_kernels.models import MODEL_CLASSES, ClassRule
 from npu_hub_kernels.models import npu_moe as moe
@@ -134,7 +135,7 @@ def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_ke
         with torch.no_grad():
             expected = original(function_module, q, k, cos, sin, unsqueeze_dim=1)
             holder = torch.nn.Module()
-            holder.__dict__["_kernel_funcs"] = {rule.class_name: function_module}
+            compat.set_own_kernel_funcs(holder, {rule.class_name: function_module})
             kernelize(holder, mode=Mode.INFERENCE, device="npu")
             with emulation.count_op_calls() as calls:
                 got = function_module(*(t.to("npu") for t in (q, k, cos, sin)), unsqueeze_dim=1)
@@ -162,7 +163,7 @@ def test_every_listed_rotary_function_takes_or_refuses_narrower_cos_as_the_origi
             except RuntimeError:
                 expected = None
             holder = torch.nn.Module()
-            holder.__dict__["_kernel_funcs"] = {rule.class_name: function_module}
+            compat.set_own_kernel_funcs(holder, {rule.class_name: function_module})
             kernelize(holder, mode=Mode.INFERENCE, device="npu")
             try:
                 got = function_module(*(t.to("npu") for t in (q, k, cos, sin)), unsqueeze_dim=1)
@@ -186,7 +187,7 @@ def test_every_listed_rotary_function_has_a_caller_that_kernelize_reaches(npu_ke
         callers = [
             cls
             for cls in vars(module).values()
-            if isinstance(cls, type) and function_module in getattr(cls, "_kernel_funcs", {}).values()
+            if isinstance(cls, type) and function_module in compat.kernel_funcs(cls).values()
         ]
         if not callers and not _attached_by_transformers(module, function_module):
             unreached.append(rule.path)
@@ -195,12 +196,11 @@ def test_every_listed_rotary_function_has_a_caller_that_kernelize_reaches(npu_ke
 
 def _attached_by_transformers(module, function_module) -> bool:
     """Whether some class of `module` attaches `function_module` in __init__ (kernels' @use_kernelized_func)."""
-    for cls in vars(module).values():
-        init = getattr(cls, "__init__", None) if isinstance(cls, type) else None
-        cells = getattr(init, "__closure__", None) or ()
-        if any(function_module in (c.cell_contents if isinstance(c.cell_contents, tuple) else ()) for c in cells):
-            return True
-    return False
+    return any(
+        function_module in compat.attached_at_construction(cls)
+        for cls in vars(module).values()
+        if isinstance(cls, type)
+    )
 
 
 @pytest.mark.slow

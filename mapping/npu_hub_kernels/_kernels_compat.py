@@ -1,37 +1,79 @@
-"""Every private `kernels` API npu-hub-kernels uses, in one place, with why and the public alternative.
+"""Every private `kernels` API npu-hub-kernels relies on, in one place, with why and the public alternative.
 
 kernels' public API (`get_kernel`, `LayerRepository`, `kernelize`, `get_kernel_variants`, ...) is
-imported where it is used. What it does not offer is imported here and only here, so that a kernels
-release that moves one of these names breaks one file, with a message that says what to do:
+used where it is needed. Everything else the project relies on goes through this module and only
+this module, so that a kernels release that changes it breaks one file, with a message that says
+what to do: private names, private attributes of kernels' objects, the code kernels generates, and
+the loader steps the project repeats. tests/test_kernels_compat.py holds every other file to it.
 
-Each name below: where it lives in kernels, who uses it, for what, and the public alternative.
+Private names imported (below, each: where it lives in kernels, who uses it, for what, the public
+alternative):
 - Digest, DigestAlgorithm, DigestValidationError, DigestViolation (kernels._rust): build, integrity,
   publish; a variant's file digest as the loader writes and checks it. Public: none (`Metadata`
   exposes the recorded digest, not the hashing).
 - KernelDependency, KernelVersion (kernels._rust), DepTreeNode, resolve_kernel_tree (kernels.deps),
-  revision_or_version (kernels._versions): integrity; resolve a repository exactly as `get_kernel`
-  does, then check the files before the import. Public: `get_kernel`, which imports with no check
-  in between.
+  revision_or_version (kernels._versions): `load_layer_checked`; resolve a repository exactly as
+  `get_kernel` does, then check the files before the import. Public: `get_kernel`, which imports
+  with no check in between.
 - HubCacheResolver, HubResolver, RepoPathsResolver, Resolver, SequentialResolver,
-  resolve_hub_cache_kernel, resolve_local_kernel (kernels.resolver): integrity, doctor; which
-  variant folder the loader takes, offline and local. Public: `get_kernel_variants`, online only.
+  resolve_hub_cache_kernel, resolve_local_kernel (kernels.resolver): `load_layer_checked` and the
+  doctor's loader steps; which variant folder the loader takes, offline and local. Public:
+  `get_kernel_variants`, online only.
 - AllValidator, ArchValidator, MetadataValidator, default_metadata_validators (kernels.validate):
-  integrity, doctor; the loader's metadata checks. Public: none.
-- get_hf_api (kernels.hf_hub._get_hf_api): integrity, doctor; the Hub client as kernels configures
-  it (its user agent). Public: `huggingface_hub.HfApi`, with another user agent.
-- get_kernel_layer (kernels.layer.layer._get_kernel_layer): integrity; the layer class of an
-  imported variant as kernelize takes it. Public: `getattr(module.layers, name)`, unvalidated.
+  `load_layer_checked`, doctor; the loader's metadata checks. Public: none.
+- get_hf_api (kernels.hf_hub._get_hf_api): `load_layer_checked`, doctor; the Hub client as kernels
+  configures it (its user agent). Public: `huggingface_hub.HfApi`, with another user agent.
+- get_kernel_layer (kernels.layer.layer._get_kernel_layer): `load_layer_checked`; the layer class of
+  an imported variant as kernelize takes it. Public: `getattr(module.layers, name)`, unvalidated.
 - validate_layer (kernels.layer.layer._validate_layer): publish; kernelize's check that a layer
   may replace a forward. Public: none.
-- get_local_kernel_overrides, parse_local_kernel_overrides (kernels.load): integrity, doctor;
-  `LOCAL_KERNELS` as the loader reads it. Public: none.
+- get_local_kernel_overrides, parse_local_kernel_overrides (kernels.load): `load_layer_checked`,
+  doctor; `LOCAL_KERNELS` as the loader reads it. Public: none.
 - get_available_versions, resolve_version_spec_as_ref (kernels._versions): doctor; which versions
-  the Hub or the cache holds. Public: none.
+  the Hub or the cache holds, and the commit a version branch names. Public: none.
 - backend, CANN (kernels.backends): doctor, tests; the backend kernels detects on this host
   (`cann91`, ...). Public: none.
 - ArchVariant, Torch, Variant, get_variants, get_variants_local, parse_variant, resolve_variants
   (kernels.variants): doctor, tests; kernels' reason for every rejected variant of a local or
   cached repository. Public: `get_kernel_variants`, online only (the doctor uses it for the Hub).
+
+Private attributes of kernels' objects (the functions of the section "Private attributes"):
+- `LayerRepository._repo_id`, `._trust_remote_code`, `._user_agent` and `._resolve_revision()`
+  (the commit of the version branch, resolved once per repository), `LocalLayerRepository._repo_path`:
+  `load_layer_checked`, for integrity's repositories; load with the repository's own arguments, as
+  its `load()` does. Public: none in kernels 0.17.2 (the constructor arguments are not exposed;
+  `str(repository)` names them as text only).
+- `_kernel_funcs`, the dict of function-modules `use_kernelized_func` puts on a module instance and
+  `kernelize` reads (through `getattr`, so a class attribute counts too): `kernel_funcs`,
+  `own_kernel_funcs`, `set_own_kernel_funcs`; retag attaches rotary function-modules to the
+  classes that call them, report lists the ones a module calls, tests check both. Public:
+  `use_kernelized_func`, a class decorator that attaches at construction: models built before
+  `register_npu_kernels` would not be reached, and nothing can be detached again.
+- the forward kernelize binds on a module instance (`layer._replace_forward` sets
+  `module.forward` to a method of the layer's forward, or of the class's own when nothing is
+  mapped): `instance_forward`, `release_instance_forward`; report tells from it which card layer a
+  module runs, retag releases it from the shared rotary function-modules. Public: none (kernelize
+  returns the model, not what it bound).
+
+Generated code recognised (the section "Generated code"):
+- the `nn.Module` class `use_kernel_forward_from_hub` makes of a function (`layer._create_func_module`:
+  a class whose `forward` calls the closure variable `func`): `function_module_function`, which
+  recognises that forward by its code object and reads `func`; retag tells transformers' rotary
+  function-modules from another library's replacement, report finds the function a module calls.
+  Public: none (the function-module keeps no public reference to its function).
+- the `__init__` `use_kernelized_func` puts on a class (`layer.use_kernelized_func`: it calls the class's own
+  `__init__`, then attaches the closure variable `decorator_args`): `attached_at_construction`; tests tell the
+  rotary functions transformers attaches from those retag attaches. Public: none but building an instance.
+
+Loader steps repeated (the section "Loader steps"), each as kernels 0.17.2 runs it:
+- `load_layer_checked`: `LayerRepository.load` (`get_kernel` at the resolved revision) and
+  `LocalLayerRepository.load` (`get_local_kernel`), i.e. `load.get_kernel_with_resolver`, with a
+  check of every installed variant between installing and importing it; integrity's repositories.
+  Public: `get_kernel`/`get_local_kernel`, which import with no step in between.
+- `version_commit` (`LayerRepository._resolve_revision` of a version), `local_folder_variant`
+  (`RepoPathsResolver`), `cached_variant` (`HubCacheResolver`), `get_kernel_validators`
+  (`get_kernel`'s metadata checks): the doctor's steps, so that its answer is the loader's.
+  Public: none, but `get_kernel_variants` for the Hub.
 
 Tested with kernels 0.17.2, the newest release on the package index here; transformers 5.22.2
 accepts kernels 0.17.2 to 0.18.0, which is the range pyproject.toml allows. Outside `SUPPORTED`,
@@ -40,9 +82,21 @@ importing this module fails with a message naming the installed version and what
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from types import FunctionType
+from typing import TYPE_CHECKING
+
 import kernels
+from huggingface_hub import constants
+from kernels import LayerRepository, LocalLayerRepository, Metadata, use_kernel_forward_from_hub
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+if TYPE_CHECKING:
+    from kernels.resolver import LocalKernel
+    from torch import nn
 
 SUPPORTED_RANGE = ">=0.17.2,<0.18.1"
 """The kernels releases this module's private names are used with (transformers 5.22.2's range)."""
@@ -105,6 +159,142 @@ except ImportError as error:  # pragma: no cover - only with a kernels release t
         f"Install kernels=={TESTED}, and report it: mapping/npu_hub_kernels/_kernels_compat.py lists each name."
     ) from error
 
+
+# Private attributes
+
+
+def kernel_funcs(module: object) -> dict[str, object]:
+    """The function-modules attached to `module` for kernelize, by the name its code calls them by.
+
+    As kernelize reads them: the instance's `_kernel_funcs` (`use_kernelized_func`), else its class's.
+    """
+    return getattr(module, "_kernel_funcs", {})
+
+
+def own_kernel_funcs(owner: object) -> dict[str, object] | None:
+    """The `_kernel_funcs` a class or module instance holds itself (not inherited); None when it holds none."""
+    return owner.__dict__.get("_kernel_funcs")
+
+
+def set_own_kernel_funcs(owner: object, funcs: dict[str, object] | None) -> None:
+    """Make `funcs` the `_kernel_funcs` of a class (kernelize reads it on every instance without its own) or of
+    one module instance; None removes the owner's own."""
+    if funcs is None:
+        del owner._kernel_funcs
+    else:
+        owner._kernel_funcs = funcs
+
+
+def instance_forward(module: nn.Module) -> object | None:
+    """The forward set on `module` itself, where kernelize binds a layer's forward (a method); None if none is."""
+    return module.__dict__.get("forward")
+
+
+def release_instance_forward(module: nn.Module) -> None:
+    """Remove the forward kernelize bound on `module`: it calls its class's forward again."""
+    del module.forward
+
+
+# Generated code
+
+
+def _probe():
+    """Made a function-module of below, to recognise the forward kernels gives every function-module."""
+
+
+_FUNCTION_MODULE_FORWARD = type(use_kernel_forward_from_hub("npu-hub-kernels:probe")(_probe)).forward.__code__
+
+
+def function_module_function(function_module: object) -> FunctionType | None:
+    """The plain function a kernels function-module (`use_kernel_forward_from_hub` on a function)
+    calls; None for anything else, including a function-module whose class forward was replaced."""
+    forward = type(function_module).__dict__.get("forward")
+    if not inspect.isfunction(forward) or forward.__code__ is not _FUNCTION_MODULE_FORWARD:
+        return None
+    return inspect.getclosurevars(forward).nonlocals.get("func")
+
+
+def attached_at_construction(cls: type) -> tuple[object, ...]:
+    """The functions `use_kernelized_func` attaches to every instance of `cls` as it is built (its `_kernel_funcs`),
+    read from the closure of the `__init__` the decorator put on the class; () for a class it did not decorate."""
+    init = getattr(cls, "__init__", None)
+    cells = getattr(init, "__closure__", None) or ()
+    return tuple(item for cell in cells if isinstance(cell.cell_contents, tuple) for item in cell.cell_contents)
+
+
+# Loader steps
+
+VariantCheck = Callable[[Path, Metadata], object]
+"""A check of an installed variant folder against its metadata, made before it is imported; raises to refuse it."""
+
+
+def get_kernel_validators() -> list[MetadataValidator]:
+    """The metadata checks `get_kernel` makes before an import: python-depends, minimum kernels version, a clean
+    build, the device architecture."""
+    return [*default_metadata_validators(), ArchValidator()]
+
+
+def hub_resolver(trust_remote_code: bool | list[str]) -> Resolver:
+    """The resolver `get_kernel` ends with: the Hub cache only when HF_HUB_OFFLINE=1, else the Hub."""
+    if constants.HF_HUB_OFFLINE:
+        return HubCacheResolver(trust_remote_code=trust_remote_code)
+    return HubResolver(trust_remote_code=trust_remote_code)
+
+
+def version_commit(repo_id: str, version: int, *, local_files_only: bool) -> str:
+    """The commit the branch `v<version>` of `repo_id` names, as LayerRepository resolves a version: from the
+    Hub's refs, or the cache's when `local_files_only`. Raises ValueError when there is no such version."""
+    return resolve_version_spec_as_ref(repo_id, version, local_files_only=local_files_only).target_commit
+
+
+def local_folder_variant(folder: Path) -> LocalKernel:
+    """The variant kernels takes from a folder of one built card (`RepoPathsResolver`, for LOCAL_KERNELS)."""
+    return resolve_local_kernel(folder, backend=None)
+
+
+def cached_variant(repo_id: str, revision: str) -> LocalKernel:
+    """The variant kernels takes from the Hub cache's snapshot of `revision` (`HubCacheResolver`, offline)."""
+    return resolve_hub_cache_kernel(get_hf_api(), repo_id, revision=revision, backend=None)
+
+
+def load_layer_checked(repository: LayerRepository | LocalLayerRepository, check: VariantCheck) -> type[nn.Module]:
+    """`repository.load()` as kernels runs it, with `check(variant_path, metadata)` called on every variant of
+    the kernel's dependency tree once it is installed (downloaded, when online) and before it is imported.
+
+    A LayerRepository loads as `get_kernel` at its resolved revision, a LocalLayerRepository as `get_local_kernel`
+    of its folder: the same resolvers and metadata validators, so the same build variant.
+    """
+    if isinstance(repository, LocalLayerRepository):
+        path = repository._repo_path
+        api = get_hf_api()
+        kernel = KernelDependency(repo_id=str(path), version=KernelVersion.Version(0))
+        resolvers = [
+            RepoPathsResolver(local_kernels={str(path): path}),
+            get_local_kernel_overrides(),
+            hub_resolver(False),
+        ]
+        validators = default_metadata_validators()
+    else:
+        api = get_hf_api(user_agent=repository._user_agent)
+        kernel = KernelDependency(
+            repo_id=repository._repo_id,
+            version=revision_or_version(revision=repository._resolve_revision(), version=None),
+        )
+        resolvers = [get_local_kernel_overrides(), hub_resolver(repository._trust_remote_code)]
+        validators = get_kernel_validators()
+    tree = resolve_kernel_tree(api=api, backend=None, kernel=kernel, resolver=SequentialResolver(resolvers=resolvers))
+    tree.validate_metadata(AllValidator(validators=validators))
+    installed = tree.install(api=api)
+    _check_tree(installed, check)
+    return get_kernel_layer(repository, installed.load())
+
+
+def _check_tree(node: DepTreeNode, check: VariantCheck) -> None:
+    check(node.location.variant_path, node.location.metadata)
+    for dependency in node.deps.values():
+        _check_tree(dependency, check)
+
+
 __all__ = [
     "CANN",
     "SUPPORTED",
@@ -128,22 +318,36 @@ __all__ = [
     "SequentialResolver",
     "Torch",
     "Variant",
+    "VariantCheck",
+    "attached_at_construction",
     "backend",
+    "cached_variant",
     "check_version",
     "default_metadata_validators",
+    "function_module_function",
     "get_available_versions",
     "get_hf_api",
     "get_kernel_layer",
+    "get_kernel_validators",
     "get_local_kernel_overrides",
     "get_variants",
     "get_variants_local",
+    "hub_resolver",
+    "instance_forward",
+    "kernel_funcs",
+    "load_layer_checked",
+    "local_folder_variant",
+    "own_kernel_funcs",
     "parse_local_kernel_overrides",
     "parse_variant",
+    "release_instance_forward",
     "resolve_hub_cache_kernel",
     "resolve_kernel_tree",
     "resolve_local_kernel",
     "resolve_variants",
     "resolve_version_spec_as_ref",
     "revision_or_version",
+    "set_own_kernel_funcs",
     "validate_layer",
+    "version_commit",
 ]

@@ -279,9 +279,7 @@ def _resolve(report: CardReport, org: str, version: int) -> None:
             return
     metadata = _check_files(report, variant_dir, local if local is not None else snapshot)
     try:
-        compat.AllValidator([*compat.default_metadata_validators(), compat.ArchValidator()]).validate_metadata(
-            metadata=metadata, variant=report.variant
-        )
+        compat.AllValidator(compat.get_kernel_validators()).validate_metadata(metadata=metadata, variant=report.variant)
     except Exception as error:  # kernels' checks raise ValueError or RuntimeError with the fix in the message
         raise _Refusal(
             f"kernels refuses build/{report.variant}: {_one_line(error)}", "do what kernels' message says"
@@ -291,7 +289,7 @@ def _resolve(report: CardReport, org: str, version: int) -> None:
 def _from_local_folder(report: CardReport, folder: Path, version: int) -> Path:
     """The variant kernels' RepoPathsResolver takes from a LOCAL_KERNELS folder."""
     report.source = f"LOCAL_KERNELS: {folder}"
-    location = _loader(lambda: compat.resolve_local_kernel(folder, backend=None), version, report, folder)
+    location = _loader(lambda: compat.local_folder_variant(folder), version, report, folder)
     _record_decisions(report, compat.get_variants_local(location.variant_path.parent))
     return location.variant_path
 
@@ -305,14 +303,7 @@ def _from_cache(report: CardReport, snapshot: Path, org: str, version: int) -> P
             NOT_CACHED_HINT.format(version=version, org=org),
         )
     _record_decisions(report, compat.get_variants_local(snapshot / "build"))
-    location = _loader(
-        lambda: compat.resolve_hub_cache_kernel(
-            compat.get_hf_api(), report.repo_id, revision=report.revision, backend=None
-        ),
-        version,
-        report,
-        snapshot,
-    )
+    location = _loader(lambda: compat.cached_variant(report.repo_id, report.revision), version, report, snapshot)
     report.cached = True
     return location.variant_path
 
@@ -351,7 +342,7 @@ def _local_kernels_path(repo_id: str) -> Path | None:
 def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: Path | None) -> str:
     """The commit branch v<version> names: in the cache's refs/ when offline, on the Hub otherwise."""
     try:
-        commit = compat.resolve_version_spec_as_ref(repo_id, version, local_files_only=offline).target_commit
+        commit = compat.version_commit(repo_id, version, local_files_only=offline)
     except ValueError as error:
         cached = sorted(compat.get_available_versions(repo_id, local_files_only=True)) if offline else []
         if cached:  # the cache holds this card, at other versions: whether v<version> exists is unknowable offline

@@ -8,15 +8,14 @@ registers (which refuse to import such a variant), so that the doctor's answer i
 `CheckedLayerRepository` and `CheckedLocalLayerRepository` load as kernels' `LayerRepository` and
 `LocalLayerRepository` do (`get_kernel` and `get_local_kernel`: the same resolvers, the same metadata
 validators, so the same build variant), with one step added between installing the variant (a
-download, when online) and importing it: its files are checked against its digest.
+download, when online) and importing it: its files are checked against its digest. The loader itself is
+`_kernels_compat.load_layer_checked`, beside the other private kernels APIs it needs.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 
-from huggingface_hub import HfApi, constants
 from kernels import LayerRepository, LocalLayerRepository, Metadata
 from torch import nn
 
@@ -98,50 +97,12 @@ def check_variant_files(variant_dir: Path, metadata: Metadata) -> int | None:
     return len(metadata.digest.files)
 
 
-def load_checked(
-    *,
-    api: HfApi,
-    kernel: compat.KernelDependency,
-    resolvers: list[compat.Resolver],
-    validators: list[compat.MetadataValidator],
-) -> ModuleType:
-    """kernels.load.get_kernel_with_resolver, with every installed variant's files checked before the import."""
-    tree = compat.resolve_kernel_tree(
-        api=api, backend=None, kernel=kernel, resolver=compat.SequentialResolver(resolvers=resolvers)
-    )
-    tree.validate_metadata(compat.AllValidator(validators=validators))
-    installed = tree.install(api=api)
-    _check_tree(installed)
-    return installed.load()
-
-
-def _check_tree(node: compat.DepTreeNode) -> None:
-    check_variant_files(node.location.variant_path, node.location.metadata)
-    for dependency in node.deps.values():
-        _check_tree(dependency)
-
-
-def _hub_resolver(trust_remote_code: bool | list[str]) -> compat.Resolver:
-    if constants.HF_HUB_OFFLINE:
-        return compat.HubCacheResolver(trust_remote_code=trust_remote_code)
-    return compat.HubResolver(trust_remote_code=trust_remote_code)
-
-
 class CheckedLayerRepository(LayerRepository):
     """kernels' LayerRepository (a Hub repository at a version), refusing a variant whose files fail its digest."""
 
     def load(self) -> type[nn.Module]:
         """As LayerRepository.load (get_kernel at the resolved revision), with the files checked."""
-        kernel = load_checked(
-            api=compat.get_hf_api(user_agent=self._user_agent),
-            kernel=compat.KernelDependency(
-                repo_id=self._repo_id,
-                version=compat.revision_or_version(revision=self._resolve_revision(), version=None),
-            ),
-            resolvers=[compat.get_local_kernel_overrides(), _hub_resolver(self._trust_remote_code)],
-            validators=[*compat.default_metadata_validators(), compat.ArchValidator()],
-        )
-        return compat.get_kernel_layer(self, kernel)
+        return compat.load_layer_checked(self, check_variant_files)
 
 
 class CheckedLocalLayerRepository(LocalLayerRepository):
@@ -149,15 +110,4 @@ class CheckedLocalLayerRepository(LocalLayerRepository):
 
     def load(self) -> type[nn.Module]:
         """As LocalLayerRepository.load (get_local_kernel of the folder), with the files checked."""
-        path = self._repo_path
-        kernel = load_checked(
-            api=compat.get_hf_api(),
-            kernel=compat.KernelDependency(repo_id=str(path), version=compat.KernelVersion.Version(0)),
-            resolvers=[
-                compat.RepoPathsResolver(local_kernels={str(path): path}),
-                compat.get_local_kernel_overrides(),
-                _hub_resolver(False),
-            ],
-            validators=compat.default_metadata_validators(),
-        )
-        return compat.get_kernel_layer(self, kernel)
+        return compat.load_layer_checked(self, check_variant_files)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import inspect
 import sys
 from dataclasses import dataclass
-from types import MethodType, ModuleType
+from types import CodeType, MethodType, ModuleType
 
 from torch import nn
 
-from .retag import global_names, wrapped_function
+from . import _kernels_compat as compat
 
 _MISSING = object()
 
@@ -66,16 +66,16 @@ def _called_function_modules(module: nn.Module, cache: dict) -> list[tuple[str, 
     no code of its own (a bare nn.Module holding function-modules) is taken to call each one by its
     function's name in the file that defines it.
     """
-    entries = [entry for entry in getattr(module, "_kernel_funcs", {}).values() if isinstance(entry, nn.Module)]
+    entries = [entry for entry in compat.kernel_funcs(module).values() if isinstance(entry, nn.Module)]
     if not entries:
         return []
-    own_forward = module.__dict__.get("forward")
+    own_forward = compat.instance_forward(module)
     key = (type(module), getattr(own_forward, "__func__", own_forward))
     if key not in cache:
         cache[key] = _global_lookups(type(module), key[1])
     lookups = cache[key] or [
         (function.__name__, vars(sys.modules[function.__module__]))
-        for function in map(wrapped_function, entries)
+        for function in map(compat.function_module_function, entries)
         if function is not None and function.__module__ in sys.modules
     ]
     called = {}
@@ -103,10 +103,16 @@ def _global_lookups(cls: type, forward=None) -> list[tuple[str, dict]]:
     return list(lookups.values())
 
 
+def global_names(code: CodeType) -> set[str]:
+    """The global (and attribute) names a code object and the code nested in it look up."""
+    nested = (global_names(const) for const in code.co_consts if isinstance(const, CodeType))
+    return set(code.co_names).union(*nested)
+
+
 def card_layer_of(module: nn.Module) -> tuple[ModuleType, str] | None:
     """(the card's generated `_build` module, the layer name) when kernelize gave `module` a card
     layer's forward; None otherwise."""
-    forward = module.__dict__.get("forward")
+    forward = compat.instance_forward(module)
     build = _card_build_of(forward.__func__) if isinstance(forward, MethodType) else None
     return None if build is None else (build, _layer_name_of(forward.__func__))
 

@@ -33,30 +33,70 @@ import importlib.machinery
 import inspect
 import logging
 import sys
-from types import CodeType, ModuleType
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from functools import partial
+from types import ModuleType
 
 from kernels import replace_kernel_forward_from_hub, use_kernel_forward_from_hub
 from torch import nn
 
+from . import _kernels_compat as compat
 from .models import ClassRule
+from .report import card_layer_of, global_names
 
-logger = logging.getLogger("npu_hub_kernels.registry")
+logger = logging.getLogger(__name__)
 
 _MISSING = object()
-_original_tags: dict[type, tuple[object, object]] = {}
-"""Class -> its own (`kernel_layer_name`, `kernel_condition`) before it was retagged."""
-_original_globals: dict[tuple[ModuleType, str], tuple[object, nn.Module]] = {}
-"""(module, name) -> (the plain function replaced, the function-module put there)."""
-_function_modules: dict[tuple[ModuleType, str], nn.Module] = {}
-"""(module, name) -> the function-module made kernelizable for that global (its own or transformers')."""
-_original_function_module_attrs: dict[nn.Module, tuple[object, object]] = {}
-"""Function-module -> (its own `__name__`, its class's own `__deepcopy__`) before they were set."""
-_left_alone: dict[tuple[ModuleType, str], object] = {}
-"""(module, name) -> another library's replacement left alone (logged once per replacement)."""
-_original_kernel_funcs: dict[type, object] = {}
-"""Class -> its own `_kernel_funcs` attribute before functions were attached to it."""
-_pending: dict[str, list[tuple[ClassRule, str]]] = {}
-"""Module name -> (rule, mapping name) for the rules whose module is not imported yet."""
+
+
+@dataclass
+class _Retagging:
+    """What this module changed in the process, how to undo each change, and what it has still to do.
+
+    Every change is recorded with how to undo it, once, under what it changed: `(cls, "tag")`, `(cls,
+    "kernel_funcs")`, `(function_module, "shared")`, `(module, name)` for a global. `restore()` undoes
+    them all; `_leave_alone` undoes those of one function-module.
+    """
+
+    undo: dict[Hashable, Callable[[], None]] = field(default_factory=dict)
+    """What changed -> how to put it back as it was before this module changed it."""
+    function_modules: dict[tuple[ModuleType, str], nn.Module] = field(default_factory=dict)
+    """(module, name) -> the function-module made kernelizable for that global (its own or transformers')."""
+    left_alone: dict[tuple[ModuleType, str], object] = field(default_factory=dict)
+    """(module, name) -> another library's replacement left alone (logged once per replacement)."""
+    pending: dict[str, list[tuple[ClassRule, str]]] = field(default_factory=dict)
+    """Module name -> (rule, mapping name) for the rules whose module is not imported yet."""
+
+    def record(self, change: Hashable, undo: Callable[[], None], *, replace: bool = False) -> None:
+        """Remember how to undo `change`: the first time it is made (the state before this module touched
+        it), or every time with `replace`."""
+        if replace or change not in self.undo:
+            self.undo[change] = undo
+
+    def revert(self, change: Hashable) -> None:
+        """Undo `change` now, if it was made."""
+        undo = self.undo.pop(change, None)
+        if undo is not None:
+            undo()
+
+    def revert_all(self) -> None:
+        """Undo every change, release the card forwards of the function-modules, forget everything."""
+        for undo in self.undo.values():
+            undo()
+        for function_module in self.function_modules.values():
+            # kernelize bound a card layer's forward on this function-module, which every model of the family calls
+            # (a module global): back to the function itself, or the card keeps running for models never kernelized.
+            if card_layer_of(function_module) is not None:
+                compat.release_instance_forward(function_module)
+        self.undo.clear()
+        self.function_modules.clear()
+        self.left_alone.clear()
+        self.pending.clear()
+
+
+_state = _Retagging()
+"""The process's retagging: only this module reads or changes it."""
 
 
 def tag_when_imported(rule: ClassRule, mapping_name: str) -> None:
@@ -65,7 +105,7 @@ def tag_when_imported(rule: ClassRule, mapping_name: str) -> None:
     if module is not None:
         _swap_in(module, rule, mapping_name)
         return
-    entries = _pending.setdefault(rule.module, [])
+    entries = _state.pending.setdefault(rule.module, [])
     if (rule, mapping_name) not in entries:
         entries.append((rule, mapping_name))
     if not any(isinstance(finder, _RetagOnImport) for finder in sys.meta_path):
@@ -74,38 +114,24 @@ def tag_when_imported(rule: ClassRule, mapping_name: str) -> None:
 
 def restore() -> None:
     """Undo the retagging, wrapping and attaching: every class, global and function-module as it was."""
-    from .report import card_layer_of  # report reads this module's names: imported here, not at the top
-
-    for cls, (name, condition) in _original_tags.items():
-        _restore(cls, "kernel_layer_name", name)
-        _restore(cls, "kernel_condition", condition)
-    for cls, kernel_funcs in _original_kernel_funcs.items():
-        _restore(cls, "_kernel_funcs", kernel_funcs)
-    for (module, name), (function, function_module) in _original_globals.items():
-        if getattr(module, name, None) is function_module:  # not if another library replaced it since
-            setattr(module, name, function)
-    for function_module, (name, deepcopy) in _original_function_module_attrs.items():
-        _restore(function_module, "__name__", name)
-        _restore(type(function_module), "__deepcopy__", deepcopy)
-    for function_module in _function_modules.values():
-        # kernelize bound a card layer's forward on this function-module, which every model of the family calls
-        # (a module global): back to the function itself, or the card keeps running for models never kernelized.
-        if card_layer_of(function_module) is not None:
-            del function_module.forward
-    _original_tags.clear()
-    _original_kernel_funcs.clear()
-    _original_globals.clear()
-    _function_modules.clear()
-    _original_function_module_attrs.clear()
-    _left_alone.clear()
-    _pending.clear()
+    _state.revert_all()
 
 
-def _restore(owner: object, attr: str, value: object) -> None:
+def _own(owner: object, attr: str) -> object:
+    """The value `owner` itself holds for `attr` (not inherited); _MISSING when it holds none."""
+    return owner.__dict__.get(attr, _MISSING)
+
+
+def _put_back(owner: object, attr: str, value: object) -> None:
     if value is _MISSING:
         delattr(owner, attr)
     else:
         setattr(owner, attr, value)
+
+
+def _put_back_global(module: ModuleType, name: str, function: object, function_module: nn.Module) -> None:
+    if getattr(module, name, None) is function_module:  # not if another library replaced it since
+        setattr(module, name, function)
 
 
 def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
@@ -121,27 +147,32 @@ def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
         return
     if inspect.isfunction(obj):  # a rotary function transformers left plain: make it a function-module
         function, obj = obj, use_kernel_forward_from_hub(mapping_name)(obj)
-        _original_globals[(module, name)] = (function, obj)
+        _state.record((module, name), partial(_put_back_global, module, name, function, obj), replace=True)
         setattr(module, name, obj)
     _retag(type(obj), mapping_name)
     _share(obj, name)
-    _function_modules[(module, name)] = obj
+    _state.function_modules[(module, name)] = obj
     for cls in _callers(module, name):
-        if cls not in _original_kernel_funcs:
-            _original_kernel_funcs[cls] = cls.__dict__.get("_kernel_funcs", _MISSING)
-        cls._kernel_funcs = {**getattr(cls, "_kernel_funcs", {}), name: obj}
+        _state.record((cls, "kernel_funcs"), partial(compat.set_own_kernel_funcs, cls, compat.own_kernel_funcs(cls)))
+        compat.set_own_kernel_funcs(cls, {**compat.kernel_funcs(cls), name: obj})
 
 
 def _share(function_module: nn.Module, name: str) -> None:
     """Make a rotary function-module behave like the function it stands for: named after it (transformers
     attaches it to models under that name) and shared by deep copies, which call the module global."""
-    if function_module not in _original_function_module_attrs:
-        _original_function_module_attrs[function_module] = (
-            function_module.__dict__.get("__name__", _MISSING),
-            type(function_module).__dict__.get("__deepcopy__", _MISSING),
-        )
+    _state.record(
+        (function_module, "shared"),
+        partial(
+            _unshare, function_module, _own(function_module, "__name__"), _own(type(function_module), "__deepcopy__")
+        ),
+    )
     function_module.__name__ = name
     type(function_module).__deepcopy__ = _same_object
+
+
+def _unshare(function_module: nn.Module, own_name: object, own_deepcopy: object) -> None:
+    _put_back(function_module, "__name__", own_name)
+    _put_back(type(function_module), "__deepcopy__", own_deepcopy)
 
 
 def _same_object(self, memo):
@@ -158,7 +189,7 @@ def _replacement(module: ModuleType, name: str, obj: object) -> str | None:
     card's forward there, or the class forward when the function-module is not mapped)."""
     if inspect.isfunction(obj):
         return None if _is_shipped(module, name, obj) else f"replaced it with {_qualified(obj)}"
-    function = wrapped_function(obj)
+    function = compat.function_module_function(obj)
     if function is None:
         forward = getattr(type(obj), "forward", None)
         return f"replaced it with a {_qualified(type(obj))} whose forward is {_qualified(forward)}"
@@ -178,22 +209,6 @@ def _is_shipped(module: ModuleType, name: str, function) -> bool:
     )
 
 
-def wrapped_function(function_module: object):
-    """The plain function a kernels function-module (`use_kernel_forward_from_hub` on a function)
-    calls; None for anything else, including a function-module whose class forward was replaced."""
-    forward = type(function_module).__dict__.get("forward")
-    if not inspect.isfunction(forward) or forward.__code__ is not _FUNCTION_MODULE_FORWARD:
-        return None
-    return inspect.getclosurevars(forward).nonlocals.get("func")
-
-
-def _probe():
-    """Made a function-module of below, to recognise the forward kernels gives every function-module."""
-
-
-_FUNCTION_MODULE_FORWARD = type(use_kernel_forward_from_hub("npu-hub-kernels:probe")(_probe)).forward.__code__
-
-
 def _qualified(obj: object) -> str:
     function = getattr(obj, "__func__", obj)
     return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
@@ -202,8 +217,8 @@ def _qualified(obj: object) -> str:
 def _leave_alone(module: ModuleType, name: str, obj: object, replacement: str, *, card: str) -> None:
     """Keep another library's rotary function: log it once, and undo what an earlier registration did
     for this global (the function-module it attached or retagged, which nothing calls any more)."""
-    if _left_alone.get((module, name)) is not obj:
-        _left_alone[(module, name)] = obj
+    if _state.left_alone.get((module, name)) is not obj:
+        _state.left_alone[(module, name)] = obj
         logger.warning(
             "%s leaves %s.%s alone: another library %s, which keeps running (the card reproduces only "
             "transformers' own function).",
@@ -212,20 +227,15 @@ def _leave_alone(module: ModuleType, name: str, obj: object, replacement: str, *
             name,
             replacement,
         )
-    function_module = _function_modules.pop((module, name), None)
+    function_module = _state.function_modules.pop((module, name), None)
     if function_module is None:
         return
     for cls in _callers(module, name):
-        if cls.__dict__.get("_kernel_funcs", {}).get(name) is function_module:
-            cls._kernel_funcs = {key: fn for key, fn in cls._kernel_funcs.items() if key != name}
-    if type(function_module) in _original_tags:
-        tag, condition = _original_tags.pop(type(function_module))
-        _restore(type(function_module), "kernel_layer_name", tag)
-        _restore(type(function_module), "kernel_condition", condition)
-    if function_module in _original_function_module_attrs:
-        own_name, deepcopy = _original_function_module_attrs.pop(function_module)
-        _restore(function_module, "__name__", own_name)
-        _restore(type(function_module), "__deepcopy__", deepcopy)
+        own = compat.own_kernel_funcs(cls) or {}
+        if own.get(name) is function_module:
+            compat.set_own_kernel_funcs(cls, {key: fn for key, fn in own.items() if key != name})
+    _state.revert((type(function_module), "tag"))
+    _state.revert((function_module, "shared"))
 
 
 def _callers(module: ModuleType, name: str) -> list[type]:
@@ -240,27 +250,22 @@ def _callers(module: ModuleType, name: str) -> list[type]:
     ]
 
 
-def global_names(code: CodeType) -> set[str]:
-    """The global (and attribute) names a code object and the code nested in it look up."""
-    nested = (global_names(const) for const in code.co_consts if isinstance(const, CodeType))
-    return set(code.co_names).union(*nested)
-
-
 def _retag(cls: type, mapping_name: str) -> None:
-    if cls not in _original_tags:
-        _original_tags[cls] = (
-            cls.__dict__.get("kernel_layer_name", _MISSING),
-            cls.__dict__.get("kernel_condition", _MISSING),
-        )
+    _state.record((cls, "tag"), partial(_untag, cls, _own(cls, "kernel_layer_name"), _own(cls, "kernel_condition")))
     # Only instances of exactly this class: a subclass may compute something else.
     replace_kernel_forward_from_hub(cls, mapping_name, condition=lambda module: type(module) is cls)
+
+
+def _untag(cls: type, own_tag: object, own_condition: object) -> None:
+    _put_back(cls, "kernel_layer_name", own_tag)
+    _put_back(cls, "kernel_condition", own_condition)
 
 
 class _RetagOnImport(importlib.abc.MetaPathFinder):
     """Retags the listed classes of a transformers modeling module right after it is imported."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _pending:
+        if fullname not in _state.pending:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is None or spec.loader is None:
@@ -279,5 +284,5 @@ class _RetaggingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        for rule, mapping_name in _pending.pop(self._fullname, []):
+        for rule, mapping_name in _state.pending.pop(self._fullname, []):
             _swap_in(module, rule, mapping_name)

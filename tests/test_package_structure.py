@@ -1,0 +1,109 @@
+"""The npu_hub_kernels package's modules log under their own names and import one another without a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+PACKAGE = ROOT / "mapping" / "npu_hub_kernels"
+
+
+def package_modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package (subpackages included)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def misnamed_loggers(source: str) -> list[str]:
+    """The `getLogger(...)` calls of `source` that do not name the module itself (`getLogger(__name__)`)."""
+    calls = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "getLogger"
+    ]
+    return [
+        ast.unparse(call)
+        for call in calls
+        if not (len(call.args) == 1 and isinstance(call.args[0], ast.Name) and call.args[0].id == "__name__")
+    ]
+
+
+def imports_of(name: str, source: str, modules: dict[str, Path], *, is_package: bool = False) -> set[str]:
+    """The modules of `modules` that module `name` (of text `source`) imports, at the top or inside a function (a
+    deferred import still makes a circle)."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            # `from . import x` imports the submodule x when there is one, else a name of the package.
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & modules.keys()
+            found |= submodules or ({base} & modules.keys())
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names} & modules.keys()
+    return found - {name}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of imports in `graph` (module -> the modules it imports), each once, from its smallest name."""
+    circles = set()
+
+    def walk(path: list[str]) -> None:
+        for target in sorted(graph.get(path[-1], ())):
+            if target == path[0]:
+                circles.add(tuple(path))
+            elif target not in path and target > path[0]:
+                walk([*path, target])
+
+    for start in sorted(graph):
+        walk([start])
+    return [list(circle) for circle in sorted(circles)]
+
+
+def test_every_module_logs_under_its_own_name():
+    offenders = {
+        str(path.relative_to(ROOT)): calls
+        for path in package_modules().values()
+        if (calls := misnamed_loggers(path.read_text()))
+    }
+    assert offenders == {}
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ('logger = logging.getLogger("npu_hub_kernels.registry")', ["logging.getLogger('npu_hub_kernels.registry')"]),
+        ("from logging import getLogger\nlog = getLogger()", ["getLogger()"]),
+        ("logger = logging.getLogger(__name__)", []),
+    ],
+)
+def test_the_logger_check_catches_another_name(source, found):
+    assert misnamed_loggers(source) == found
+
+
+def test_the_package_modules_import_one_another_without_a_circle():
+    modules = package_modules()
+    graph = {
+        name: imports_of(name, path.read_text(), modules, is_package=path.name == "__init__.py")
+        for name, path in modules.items()
+        if name != "npu_hub_kernels"  # the package imports its API from its modules, which import none of it
+    }
+    assert "npu_hub_kernels.report" in graph["npu_hub_kernels.retag"]  # the check sees the imports
+    assert import_circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle_through_a_deferred_import():
+    modules = {"pkg.report": Path(), "pkg.retag": Path()}
+    retag = imports_of("pkg.retag", "def restore():\n    from .report import card_layer_of\n", modules)
+    report = imports_of("pkg.report", "from . import retag\n", modules)
+    assert import_circles({"pkg.retag": retag, "pkg.report": report}) == [["pkg.report", "pkg.retag"]]
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
