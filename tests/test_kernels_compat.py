@@ -48,12 +48,6 @@ def test_the_releases_transformers_accepts_pass_the_check(version):
 CLOSURE_READS = frozenset({"getclosurevars", "__closure__", "co_freevars", "cell_contents"})
 """How code reads the closure of a function: kernels' function-modules keep their function only there."""
 
-NOT_YET_MOVED = {
-    "scripts/bench/regions.py: `._kernel_funcs`": "the bench's file, changed by its own helper: read "
-    "compat.kernel_funcs(module) instead",
-}
-"""Private kernels use still outside the compat module, with what to do; the test fails once one is gone."""
-
 
 def project_files() -> list[Path]:
     """The files held to the rule: every Python file of mapping/, scripts/ and tests/ but the compat module and
@@ -179,7 +173,7 @@ def test_no_other_file_uses_a_private_kernels_attribute_or_reads_generated_code(
         for path in project_files()
         for line, what in private_kernels_uses(path.read_text())
     }
-    assert sorted(found) == sorted(NOT_YET_MOVED), {use: f"line {line}" for use, line in found.items()}
+    assert found == {}
 
 
 @pytest.mark.parametrize(

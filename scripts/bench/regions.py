@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from npu_hub_kernels._kernels_compat import kernel_funcs
+
 from .cards import card_named, with_piece
 from .configs import DTYPE, ModelSpec
 
@@ -52,12 +54,12 @@ def find_regions(layer: nn.Module) -> list[Region]:
 
 
 def resolve(layer: nn.Module, name: str) -> nn.Module:
-    """A module of the layer by qualified name; function-modules are found in their caller's `_kernel_funcs`."""
+    """A module of the layer by qualified name; function-modules are found among their caller's kernel functions."""
     try:
         return layer.get_submodule(name)
     except AttributeError:
         parent, _, function = name.rpartition(".")
-        return layer.get_submodule(parent)._kernel_funcs[function]
+        return kernel_funcs(layer.get_submodule(parent))[function]
 
 
 def capture(
