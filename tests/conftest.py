@@ -15,6 +15,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+# One torch thread per process, children included (they inherit the variable): `make test` runs two xdist
+# workers on two cores, and torch's default of one thread per core oversubscribes them. Tiny-model ops then spend
+# their time in the thread pool's hand-offs: measured on 2 busy cores, 8 tiny-model cycles of
+# test_load_and_threads took 21 s with 2 threads per process against 5 to 9 s with 1. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from hub_env import use_offline_hub
 
 _HUB_CACHE = tempfile.mkdtemp(prefix="npu-hub-kernels-test-hub-")

@@ -117,6 +117,8 @@ def client_env(hub_url: str, home: Path, token: str | None = None, cache: Path |
         "HF_ENDPOINT": hub_url,
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
+    if "OMP_NUM_THREADS" in os.environ:  # the machine's share, not the user's state (tests/conftest.py sets it)
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
     return env if token is None else {**env, "HF_TOKEN": token}
 
 

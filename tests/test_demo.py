@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,12 @@ def test_demo_reports_every_model_kernelized(built_cards, tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub")},
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "HF_HUB_CACHE": str(tmp_path / "hub"),
+            "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],  # one torch thread per process (tests/conftest.py)
+        },
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
