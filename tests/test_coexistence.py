@@ -20,13 +20,14 @@ import torch
 from kernels import Mode, kernelize
 from test_mapping import EXPECTED, expected_calls, forward, layer_count
 
-from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels import (
+    CARDS,
     apply_npu_kernels,
     register_npu_kernels,
     swapped_modules,
     unregister_npu_kernels,
 )
+from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 from npu_hub_kernels.testing.tiny_models import token_ids
@@ -207,9 +208,9 @@ def test_a_function_replaced_after_registration_is_released_at_the_next(
     assert getattr(module, ROTARY) is foreign_rotary
 
 
-CARD_OPS = {"npu-rms-norm": "npu_rms_norm", "npu-rope": "npu_rotary_mul", "npu-swiglu": "npu_swiglu"}
-CARD_OPS["npu-moe"] = "npu_moe_token_permute"
-"""The fused op each card's layer calls: once per call, npu_rotary_mul twice (q, then k)."""
+CARD_OPS = {card.repo_name: card.fused_ops[0] for card in CARDS.values()}
+"""The fused op each card's layer calls first (card.toml `fused_ops`): once per call, npu_rotary_mul twice (q, then
+k)."""
 
 
 def ops_inside(model, names: set[str]) -> dict[str, Counter]:

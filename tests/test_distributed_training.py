@@ -50,7 +50,14 @@ LEARNING_RATE = 1e-3
 FP32_TOLERANCE = 1e-5
 BF16_FLOOR = 1e-3
 """Added to twice eager bf16's error: one rounding draw of a few tiny values (as tests/test_training_stacks.py)."""
-LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+
+
+def lora_config() -> LoraConfig:
+    """A fresh LoRA config for each model: peft fills a config in as it wraps a model (an MoE model's expert
+    parameters become its target_parameters), so a shared one would carry that to the next model."""
+    return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+
+
 LORA_LEFT_OUT = {
     "qwen3_moe": "peft 0.21 wraps the experts' 3-D parameters (ParamWrapper, also with exclude_modules=['experts']) "
     "in a parametrization that reads lora_A/lora_B's weights without calling their modules; LLaMA-Factory v1's "
@@ -121,7 +128,7 @@ def new_model(model_type: str, engine: Engine, built_cards: str | None) -> nn.Mo
     """The tiny model on the npu, LoRA-wrapped if asked, kernelized if `built_cards` (after PEFT, before sharding)."""
     model = tiny_causal_lm(model_type).to("npu").train()
     if engine.lora:
-        model = get_peft_model(model, LORA)
+        model = get_peft_model(model, lora_config())
     if built_cards is not None:
         model = apply_npu_kernels(model, mode=Mode.TRAINING, local_dir=built_cards)
     return model

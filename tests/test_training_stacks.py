@@ -73,6 +73,7 @@ AUTOCAST_CALLS = {
         "npu_moe_token_permute": 2,
         "npu_grouped_matmul": 12,
         "npu_moe_token_unpermute": 2,
+        "npu_moe_gating_top_k": 2,  # the routers (norm_topk_prob off in the tiny config): bfloat16 logits
     },
 }
 
@@ -224,6 +225,7 @@ def per_step_calls(model, *, checkpointing: bool = True) -> dict[str, int]:
         "npu_moe_token_permute": experts * forwards,
         "npu_grouped_matmul": experts * (2 * forwards + 4),  # dx and dW of both grouped linears in backward
         "npu_moe_token_unpermute": experts * forwards,
+        "npu_moe_gating_top_k": experts * forwards,  # one router per Experts module
     }
     return {op: n for op, n in calls.items() if n}
 
@@ -365,7 +367,13 @@ def test_trainer_bf16_mixed_precision_within_the_eager_idiom(npu_kernels, tmp_pa
 
 # --- PEFT LoRA on all linear layers ----------------------------------------------------------------------------
 
-LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+
+def lora_config() -> LoraConfig:
+    """A fresh LoRA config for each model: peft fills a config in as it wraps a model (an MoE model's expert
+    parameters become its target_parameters), so a shared one would carry that to the next model."""
+    return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+
+
 LORA_ORDERS = ["kernelize, then LoRA", "LoRA, then kernelize"]
 
 
@@ -376,9 +384,9 @@ def lora_pair(model_type: str, order: str):
     if order == LORA_ORDERS[0]:
         kernelize(npu, mode=Mode.TRAINING, device="npu")
     torch.manual_seed(0)
-    eager = get_peft_model(host, LORA)
+    eager = get_peft_model(host, lora_config())
     torch.manual_seed(0)
-    model = get_peft_model(npu, LORA)
+    model = get_peft_model(npu, lora_config())
     if order == LORA_ORDERS[1]:
         kernelize(model, mode=Mode.TRAINING, device="npu")
     return eager, model
@@ -403,6 +411,7 @@ def forward_calls(model, *, backward: bool = False, mlps: bool = True) -> dict[s
         "npu_moe_token_permute": experts,
         "npu_grouped_matmul": (6 if backward else 2) * experts,
         "npu_moe_token_unpermute": experts,
+        "npu_moe_gating_top_k": experts,  # one router per Experts module
     }
     return {op: n for op, n in calls.items() if n}
 
