@@ -120,11 +120,24 @@ def test_register_refuses_a_malformed_org_or_version_at_the_call(offline_hub, kw
     # Nothing registered: no class carries a card's layer name (kernelize is not asked, since whatever
     # transformers' own mapping holds for "npu" after another test's `use_kernels=True` is not ours to test).
     assert registration() is None
-    assert not any(
-        str(getattr(cls, "kernel_layer_name", "")).startswith(f"{card.repo_name}:")
-        for cls in (LlamaRMSNorm, LlamaMLP)
-        for card in CARDS.values()
-    )
+    assert _llama_classes_tagged_by_a_card() == []
+
+
+def _llama_classes_tagged_by_a_card() -> list[str]:
+    """The Llama norm and MLP classes that carry a card's layer name ("<card>:<layer>") for kernelize."""
+    tags = [str(getattr(cls, "kernel_layer_name", "")) for cls in (LlamaRMSNorm, LlamaMLP)]
+    return [tag for tag in tags if any(tag.startswith(f"{card.repo_name}:") for card in CARDS.values())]
+
+
+def test_a_registration_tags_the_classes_the_refused_one_leaves_alone(offline_hub):
+    """The control of the refused-register check: a registration that goes through is seen by it."""
+    register_npu_kernels(org=offline_hub)
+    try:
+        assert registration() is not None
+        assert _llama_classes_tagged_by_a_card() == ["npu-rms-norm:RMSNorm", "npu-swiglu:SwiGLUMLP"]
+    finally:
+        unregister_npu_kernels()
+    assert _llama_classes_tagged_by_a_card() == []
 
 
 def test_a_malformed_org_from_the_environment_is_refused_by_register(monkeypatch):
