@@ -19,7 +19,7 @@ from bench import cards, configs, counted, regions, report, targets
 from bench.accounting import count_device_ops, fake_module, fused_ops
 from bench.cards import npu_rms_norm, npu_rope
 from bench.peer import PARITY_TOLERANCE, load_peer, parity_rows
-from bench.rows import CSV_COLUMNS, EMULATED
+from bench.rows import CSV_COLUMNS, EMULATED, Row
 from conftest import ROOT
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
@@ -460,3 +460,24 @@ card = "npu-rope"
 fine = ("LlamaRMSNorm", "npu-hub-kernels", "RMSNorm by class name")
 '''
     assert sorted(card_literals(planted)) == ["MoE experts (transformers ", "SwiGLU MLP", "npu-rope"]
+
+
+def test_a_target_is_held_on_the_models_a_card_swaps_and_names_the_others():
+    """A region no card swaps in one model (Mixtral's router) neither hides the target's result on the models whose
+    region a card swaps nor counts against it: it is named."""
+
+    def row(model: str, kernelized: float | None, phase: str) -> Row:
+        return Row(
+            "counted", model, "", phase, 8, 4096, eager=5, kernelized=kernelized, floor=2, unit="ops",
+            study="layer", kind="RMSNorm", model=model,
+        )  # fmt: skip
+
+    rows = [row("A", 2, p) for p in configs.PHASES] + [row("B", None, p) for p in configs.PHASES]
+    (result,) = [r for r in targets.evaluate(rows) if r.target.startswith("RMSNorm: kernelized op count")]
+    assert result.met is True and result.measured.endswith(f"; {cards.NO_CARD} for B")
+    worse = [dataclasses.replace(r, kernelized=3) if r.model == "A" else r for r in rows]
+    (result,) = [r for r in targets.evaluate(worse) if r.target.startswith("RMSNorm: kernelized op count")]
+    assert result.met is False
+    uncovered = [r for r in rows if r.model == "B"]
+    (result,) = [r for r in targets.evaluate(uncovered) if r.target.startswith("RMSNorm: kernelized op count")]
+    assert (result.measured, result.met) == (cards.NO_CARD, None)

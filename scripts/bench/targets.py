@@ -95,7 +95,9 @@ def evaluate(rows: list[Row]) -> list[Result]:
                 out.append(Result(target.kind, label, f"{r.ratio:.3f} x floor", target.met(r)))
             continue
         label = f"{target.kind}: {target.text} ({phases})"
-        if any(r.kernelized is None for r in held):
+        uncovered = sorted({r.model for r in held if r.kernelized is None}, key=[r.model for r in held].index)
+        held = [r for r in held if r.kernelized is not None]
+        if not held:
             out.append(Result(target.kind, label, NO_CARD, None))
             continue
         if target.unit == "ops":
@@ -109,6 +111,8 @@ def evaluate(rows: list[Row]) -> list[Result]:
         else:
             worst_bytes = max(held, key=lambda r: r.ratio)
             text = f"up to {worst_bytes.ratio:.3f} x floor ({worst_bytes.phase}, {worst_bytes.model})"
+        if uncovered:  # the models whose region no card swaps: held to nothing, named
+            text += f"; {NO_CARD} for {', '.join(uncovered)}"
         out.append(Result(target.kind, label, text, all(target.met(r) for r in held)))
     for card, _ in with_piece("EXPERTS_SWEEP"):
         out += _experts_sweep(card, rows)
