@@ -114,27 +114,24 @@ def moe_router_top_k_eager(
     """The same routing with transformers' ops, op for op (Qwen2-MoE's and DeepSeek-V3's routers)."""
     if scoring == "softmax":
         probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
-        if bias is None and num_groups == 1 and routed_scaling_factor == 1.0:  # Qwen2-MoE's ops, no more
-            weights, ids = torch.topk(probs, top_k, dim=-1)
-            if renormalize:
-                total = weights.sum(dim=-1, keepdim=True)
-                weights = weights / (total + eps if eps else total)
-            return weights.to(router_logits.dtype), ids
-        choice = probs if bias is None else probs + bias
     elif scoring == "sigmoid":
         probs = router_logits.sigmoid()
-        choice = probs if bias is None else probs + bias
     else:
         raise ValueError(f"scoring {scoring!r} is not one of {SCORINGS}")
+    choice = probs if bias is None else probs + bias
     if num_groups > 1:
         grouped = choice.view(-1, num_groups, choice.shape[-1] // num_groups)
         group_idx = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), k=topk_groups, dim=-1, sorted=False)[1]
         kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, group_idx, True)
         choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice)
     # Qwen2-MoE sorts its top-k, DeepSeek-V3 does not: the order of the ids is part of what each returns.
-    ids = torch.topk(choice, top_k, dim=-1, sorted=scoring == "softmax")[1]
-    weights = probs.gather(1, ids)
+    top = torch.topk(choice, top_k, dim=-1, sorted=scoring == "softmax")
+    ids = top.indices
+    # Chosen on the weights themselves (Qwen2-MoE), top-k gives them; else they are gathered (DeepSeek-V3).
+    weights = top.values if choice is probs else probs.gather(1, ids)
     if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
-    weights = weights * routed_scaling_factor
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + eps if eps else total)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
     return weights.to(router_logits.dtype), ids
