@@ -11,11 +11,13 @@ them). Installed, the card.toml files are the package data of `npu_hub_kernels.c
 
 from __future__ import annotations
 
+import importlib
 import importlib.resources
 import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -103,6 +105,18 @@ def _load_cards() -> dict[str, Card]:
 
 CARDS: dict[str, Card] = _load_cards()
 """Kernel id -> card, in the order of the cards' names."""
+
+
+def card_piece(package: str, card: Card) -> ModuleType | None:
+    """The card's module `<package>.<card package name>` (a piece found by the card's name), or None when that
+    module does not exist; an import error inside it propagates."""
+    name = f"{package}.{card.python_name}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+        return None
 
 
 def resolve_org(org: str | None) -> str:

@@ -13,11 +13,10 @@ that every candidate class of transformers is decided (listed or left out).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-from ..cards import CARDS, Card
+from ..cards import CARDS, Card, card_piece
 
 
 def table_of(card: Card) -> ModuleType:
@@ -26,17 +25,14 @@ def table_of(card: Card) -> ModuleType:
     Raises:
         ModuleNotFoundError: the card has no table module yet, saying which file to add.
     """
-    name = f"{__name__}.{card.python_name}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name != name:
-            raise
+    table = card_piece(__name__, card)
+    if table is None:
         raise ModuleNotFoundError(
             f"card {card.repo_name} has no model table: add mapping/npu_hub_kernels/models/{card.python_name}.py "
             "with SWAPPED and LEFT_OUT (CONTRIBUTING.md)",
-            name=name,
-        ) from None
+            name=f"{__name__}.{card.python_name}",
+        )
+    return table
 
 
 BY_KERNEL_ID: dict[str, ModuleType] = {kernel_id: table_of(card) for kernel_id, card in CARDS.items()}

@@ -32,7 +32,6 @@ and may define:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -42,7 +41,7 @@ import torch
 from torch import nn
 
 from npu_hub_kernels import CARDS
-from npu_hub_kernels.cards import Card
+from npu_hub_kernels.cards import Card, card_piece
 
 LAYER = "decoder layer"
 """The kind of a whole decoder layer's rows."""
@@ -87,16 +86,14 @@ def spec_name(card: Card) -> str:
 
 def spec(card: Card) -> ModuleType:
     """The card's bench spec, `scripts/bench/cards/<py>.py` (ModuleNotFoundError, saying what to add, without one)."""
-    try:
-        return importlib.import_module(spec_name(card))
-    except ModuleNotFoundError as error:
-        if error.name != spec_name(card):
-            raise
+    module = card_piece(__name__, card)
+    if module is None:
         raise ModuleNotFoundError(
             f"{card.repo_name} has no bench spec: add scripts/bench/cards/{card.python_name}.py (the contract: "
             "scripts/bench/cards/__init__.py)",
-            name=error.name,
-        ) from error
+            name=spec_name(card),
+        )
+    return module
 
 
 def specs() -> list[tuple[Card, ModuleType]]:
@@ -131,11 +128,8 @@ def missing_pieces(card: Card) -> list[str]:
     from ..targets import CountedTarget
 
     where = f"scripts/bench/cards/{card.python_name}.py"
-    try:
-        module = spec(card)
-    except ModuleNotFoundError as error:
-        if error.name != spec_name(card):
-            raise
+    module = card_piece(__name__, card)
+    if module is None:
         return [f"{card.repo_name}: no bench spec {where} (see scripts/bench/cards/__init__.py)"]
     missing = [f"{card.repo_name}: {where} defines no {name}" for name in REQUIRED if not hasattr(module, name)]
     if hasattr(module, "floor") and not callable(module.floor):
@@ -148,7 +142,7 @@ def missing_pieces(card: Card) -> list[str]:
             missing.append(f"{card.repo_name}: {where}: a counted target sets its kind (card.toml's region is it)")
     rules = getattr(module, "FUSED_OPS", None)
     if rules is not None:
-        ops = set(emulated_ops_of(card.python_name))
+        ops = set(emulated_ops_of(card))
         source = f"npu_hub_kernels/testing/emulation/ops/{card.python_name}.py"
         missing += [
             f"{card.repo_name}: {where}: FUSED_OPS has no accounting rule for torch_npu.{op} ({source} brings it)"

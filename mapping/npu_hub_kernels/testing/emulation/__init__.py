@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ...cards import CARDS
+from ...cards import CARDS, Card, card_piece
 from .checks import OP_CALLS
 from .device import NpuTensor, install_device
 from .distributed import install_hccl
@@ -49,19 +49,16 @@ DEFAULT_CANN_VERSION = "9.1.0"
 """CANN that Ascend's CI pairs with torch 2.13 (Ascend/pytorch .ci/docker/common/install_cann.sh)."""
 
 
-def emulated_ops_of(card_python_name: str) -> dict[str, Callable[..., Any]]:
-    """The torch_npu ops that `ops/<card_python_name>.py` emulates (its `__all__`), by name; {} without that file."""
-    try:
-        module = importlib.import_module(f"{__name__}.ops.{card_python_name}")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.ops.{card_python_name}":
-            raise
+def emulated_ops_of(card: Card) -> dict[str, Callable[..., Any]]:
+    """The torch_npu ops that `ops/<card package>.py` emulates (its `__all__`), by name; {} without that file."""
+    module = card_piece(f"{__name__}.ops", card)
+    if module is None:
         return {}
     return {name: getattr(module, name) for name in module.__all__}
 
 
 EMULATED_OPS: dict[str, Callable[..., Any]] = {
-    name: op for card in CARDS.values() for name, op in emulated_ops_of(card.python_name).items()
+    name: op for card in CARDS.values() for name, op in emulated_ops_of(card).items()
 }
 """Every emulated torch_npu op, by name, gathered from the cards' `ops/<card>.py` files."""
 _NOTEMULATED_OPS = ("npu_fusion_attention",)
