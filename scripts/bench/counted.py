@@ -9,6 +9,7 @@ experts.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from .accounting import Tally, count_device_ops, fake_module
 from .cards import LAYER, NO_CARD, kinds
 from .configs import CONFIGS, DTYPE, PHASES, ModelSpec, experts_key
 from .floors import floor_of
+from .memory import tracking_memory
 from .peer import Patches, Peer
 from .regions import Region, capture, find_regions, forward_backward, layer_inputs, resolve, set_variant
 from .rows import Row, log
@@ -78,10 +80,13 @@ def fresh(value: Any) -> Any:
 
 
 def count_run(fn: Callable, args: tuple, kwargs: dict, params: Iterable, phase: str, experts: int | None) -> Tally:
-    """The device ops of fn on fresh fake inputs with the layouts of args/kwargs, forward or forward+backward."""
+    """The device ops of fn on fresh fake inputs with the layouts of args/kwargs, forward or forward+backward; with
+    the backward, also its memory (`memory`, in the tally's `memory`)."""
     args, kwargs = fresh((args, kwargs))
-    with count_device_ops(experts=experts) as tally:
+    memory = tracking_memory() if phase != "fwd" else contextlib.nullcontext()
+    with memory as tracker, count_device_ops(experts=experts) as tally:
         forward_backward(fn, args, kwargs, params, phase, torch.empty_like)
+    tally.memory = tracker.memory if tracker is not None else None
     return tally
 
 

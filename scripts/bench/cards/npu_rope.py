@@ -38,11 +38,13 @@ COUNTED_TARGETS = (
 )
 
 FUSED_OPS = {
-    # The backward kernel reads x only when r1/r2 need gradients (docs/torch-npu-ops.md, npu_rotary_mul).
+    # The backward kernel reads x only when r1/r2 need gradients, but the autograd node keeps x, r1 and r2 always
+    # (docs/torch-npu-ops.md, npu_rotary_mul).
     "npu_rotary_mul": FusedOp(
         lambda a: empty_of(a["x"]),
         ("x", "r1", "r2"),
         lambda a, out: [a["r1"], a["r2"]] + ([a["x"]] if a["r1"].requires_grad or a["r2"].requires_grad else []),
+        keeps=lambda a, out: [a["x"], a["r1"], a["r2"]],
     ),
     # In place: writes q and k, returns them; no autograd.
     "npu_apply_rotary_pos_emb": FusedOp(lambda a: (a["query"], a["key"])),
