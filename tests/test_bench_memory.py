@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bench import counted, regions
+from bench import cards, configs, counted, regions
 from bench.accounting import count_device_ops, fake_module
 from bench.memory import Memory, measure_memory
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 F32 = 4
+TINY_LLAMA = configs.TINY_SPECS[0]
 Z = 4 * 16 * F32
 """Bytes of a float32 [4, 16]: x [4, 8] through a Linear(8 -> 16)."""
 
@@ -123,3 +124,28 @@ def test_counted_run_measures_memory_with_grad_only(npu_kernels):
         assert runs["fwd+bwd"].memory == measure_memory(norm, (x,), {}, norm.parameters())
     regions.set_variant(norm, "eager")
     assert runs["fwd"].memory is None
+
+
+def test_layer_memory_rows_add_up_and_the_fused_regions_keep_their_floor(npu_kernels):
+    """Tiny Llama, forward+backward: the layer's floor keeps what is kept outside the regions (the least over eager
+    and kernelized) plus each region's floor_saved, and its floor peak is those saved bytes plus the least transient
+    part of the measured layers; the SwiGLU MLP keeps exactly its floor (h and a), eager more; RMSNorm's floor keeps
+    nothing beyond its input, npu_rms_norm its rstd, eager its float32 copy of x."""
+    results = counted.account(TINY_LLAMA, 2, 16)
+    assert all(m.floor_memory is None for (_, phase), m in results.items() if phase == "fwd")
+    trained = {kind: m for (kind, phase), m in results.items() if phase == "fwd+bwd"}
+    layer, region_kinds = trained.pop(cards.LAYER), trained
+    variants = [(layer.eager, [m.eager for m in region_kinds.values()])]
+    variants += [(layer.kernelized, [m.kernelized for m in region_kinds.values()])]
+    outside = min(whole.memory.saved_bytes - sum(t.memory.saved_bytes for t in parts) for whole, parts in variants)
+    floors = sum(m.floor_memory.saved_bytes for m in region_kinds.values())
+    assert layer.floor_memory.saved_bytes == outside + floors
+    transient = min(t.memory.peak_bytes - t.memory.saved_bytes for t in (layer.eager, layer.kernelized))
+    assert layer.floor_memory.peak_bytes == layer.floor_memory.saved_bytes + transient
+    mlp, norm = trained["SwiGLU MLP"], trained["RMSNorm"]
+    tokens, inner = 2 * 16, TINY_LLAMA.config["intermediate_size"]
+    assert mlp.kernelized.memory.saved_bytes == mlp.floor_memory.saved_bytes == tokens * 3 * inner * 2
+    assert mlp.eager.memory.saved_bytes == tokens * 4 * inner * 2  # gate, up, silu(gate), their product
+    assert norm.floor_memory.saved_bytes == 0
+    assert norm.kernelized.memory.saved_bytes == 2 * tokens * F32  # two norms, one float32 rstd per row each
+    assert norm.eager.memory.saved_bytes > norm.kernelized.memory.saved_bytes

@@ -3,6 +3,8 @@
 Floor: 1 op reading q, k, cos, sin, writing q', k'. Backward: 1 op reading dq', dk', cos, sin, writing dq, dk.
 (npu_apply_rotary_pos_emb is that op in inference; with grad, npu_rotary_mul runs once for q and once for k,
 which the targets allow: at most `OPS_PER_DIRECTION` ops each way.)
+Kept for backward: nothing beyond the region's inputs: the backward rotates the gradients by cos and sin.
+(npu_rotary_mul keeps q and k as well, inputs of the region, so not counted here either.)
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ def floor(module: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor
     """One op rotating q and k (reads q, k, cos, sin, writes q', k'); backward likewise on the gradients."""
     angles, qk = tensor_bytes(cos) + tensor_bytes(sin), dense_bytes(q) + dense_bytes(k)
     return (1, tensor_bytes(q) + tensor_bytes(k) + angles + qk), (1, qk + angles + qk)
+
+
+def floor_saved(module: nn.Module, *_) -> int:
+    """Nothing kept beyond the inputs: the backward reads only cos and sin besides the gradients."""
+    return 0
 
 
 COUNTED_TARGETS = (
