@@ -3,8 +3,8 @@
 Per model and shape: the eager layer (transformers' forwards), the kernelized layer (the default path:
 kernelize alone, after one uncounted warm-up forward), the peer (LLaMA-Factory's NPU kernels applied to a
 layer of its own, `peer`) and the floor (`floors`), per region kind and for the whole layer, forward in
-inference mode and forward+backward with grad. Also the experts sweep: one MoE layer with more and more
-experts.
+inference mode and forward+backward with grad, and with grad the memory (`memory`: saved and peak bytes). Also
+the experts sweep: one MoE layer with more and more experts.
 """
 
 from __future__ import annotations
