@@ -159,7 +159,8 @@ def _combine(
     bytes and peaks at the largest of their peaks (they run one after the other); floors as `floors` says."""
     out = {}
     floors = {r.name: floor_of(r, resolve(layer, r.name), phase) for r in regions}
-    floor_memory = _region_floor_memory(regions, layer, tallies) if phase != "fwd" else {}
+    with_grad = phase != "fwd"  # memory is measured with the backward only
+    floor_memory = _region_floor_memory(regions, layer, tallies) if with_grad else {}
     for kind in (k for k in kinds() if any(r.kind == k for r in regions)):
         names = [r.name for r in regions if r.kind == kind]
         out[(kind, phase)] = Measured(
@@ -168,7 +169,7 @@ def _combine(
             floor=(sum(floors[n][0] for n in names), sum(floors[n][1] for n in names)),
             peer=_sum([tallies.get((n, "peer")) for n in names]),
             peer_patched=any(patched[n] for n in names) if patched else None,
-            floor_memory=_kind_memory([floor_memory[n] for n in names]) if floor_memory else None,
+            floor_memory=_kind_memory([floor_memory[n] for n in names]) if with_grad else None,
         )
     rests = []  # what runs outside the regions, per variant with every region measured
     for variant in ("eager", "kernelized"):
@@ -182,7 +183,7 @@ def _combine(
         floor=(rest[0] + sum(f[0] for f in floors.values()), rest[1] + sum(f[1] for f in floors.values())),
         peer=tallies.get((LAYER, "peer")),
         peer_patched=any(patched.values()) if patched else None,
-        floor_memory=_layer_floor_memory(regions, tallies, floor_memory) if floor_memory else None,
+        floor_memory=_layer_floor_memory(regions, tallies, floor_memory) if with_grad else None,
     )
     return out
 

@@ -10,7 +10,9 @@ and writing its outputs once. Each card's floor, and why it is what it is, is it
 Memory (forward+backward, `memory`): a region's floor keeps for backward its spec's `floor_saved`; the decoder
 layer's floor keeps what is kept outside the regions (the layer's saved bytes minus its regions', the least of the
 eager and kernelized runs: a region's inputs are baseline when it runs alone, so what a region keeps of them
-counts outside it) plus every region's floor_saved. The floor's peak is derived, not counted: its saved bytes plus
+counts outside it) plus every region's floor_saved. Taking the least makes it a lower bound: npu_rms_norm keeps
+its bf16 input where eager keeps a float32 copy of it instead, and the eager outside, without that input, is the
+one taken. The floor's peak is derived, not counted: its saved bytes plus
 the transient part of a measured peak (peak - saved, the least of the eager and kernelized runs: outputs,
 gradients and work tensors alive at the peak besides what is kept), as if a run kept only the floor's tensors.
 """

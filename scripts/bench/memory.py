@@ -16,7 +16,8 @@ the block (parameters, buffers, the inputs) is the baseline: never counted, neit
 
 Fused ops are not run: `accounting.count_device_ops` swaps each for a stand-in that allocates its outputs and keeps
 for backward what the real op keeps (`FusedOp.keeps`, docs/torch-npu-ops.md's table), so `measure_memory` runs the
-block under it. Allocator effects (caching, fragmentation, alignment, workspaces of a kernel) are not modelled.
+block under it. Allocator effects (caching, fragmentation, alignment, workspaces of a kernel) are not modelled,
+nor the softmax statistics that flash attention keeps besides q, k, v and its output (sdpa's stand-in keeps those).
 
     with fake_mode:
         memory = measure_memory(module, (x,), {}, module.parameters())   # Memory(saved_bytes, peak_bytes)
