@@ -59,8 +59,9 @@ def _chart_layer_ops(ax, rows: list[Row]) -> None:
     ax.set_title(title)
 
 
-def _variant_bars(ax, layers: list[Row], text) -> None:
-    """One group of bars per model: eager, kernelized, the peer's (when measured) and the floor, each labelled."""
+def _variant_bars(ax, layers: list[Row], text, scale: float = 1.0) -> None:
+    """One group of bars per model: eager, kernelized, the peer's (when measured) and the floor, each drawn divided
+    by `scale` and labelled by `text` of its value."""
     series = [
         ("eager transformers", [r.eager for r in layers]),
         ("kernelized (default path: kernelize only)", [r.kernelized for r in layers]),
@@ -70,7 +71,8 @@ def _variant_bars(ax, layers: list[Row], text) -> None:
     series = [(label, values) for label, values in series if None not in values]
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series):
-        bars = ax.bar([x - 0.4 + (i + 0.5) * width for x in range(len(layers))], values, width, label=label)
+        xs = [x - 0.4 + (i + 0.5) * width for x in range(len(layers))]
+        bars = ax.bar(xs, [v / scale for v in values], width, label=label)
         ax.bar_label(bars, [text(v) for v in values], fontsize=7)
     ax.set_xticks(range(len(layers)), [r.model for r in layers])
     ax.legend(fontsize=8)
@@ -78,15 +80,15 @@ def _variant_bars(ax, layers: list[Row], text) -> None:
 
 def _chart_layer_memory(ax, rows: list[Row], unit: str) -> None:
     """The decoder layer's saved or peak bytes, fwd+bwd, at the largest shape."""
-    what = "kept for backward (saved)" if unit == MEMORY_UNITS[0] else "peak live"
+    what = "bytes kept for backward" if unit == MEMORY_UNITS[0] else "peak live bytes (floor: derived)"
     layers = [r for r in rows if r.study == "layer" and r.kind == LAYER and r.unit == unit]
     if not layers:
         return _not_run(ax, f"Decoder layer memory: {what}")
     batch, seq = largest_shape(layers)
     layers = [r for r in layers if (r.batch, r.seq) == (batch, seq)]
-    _variant_bars(ax, layers, human_bytes)
-    ax.set_ylabel("bytes")
-    ax.set_title(f"Decoder layer memory: {what}, fwd+bwd, batch {batch} x seq {seq} (floor peak derived)")
+    _variant_bars(ax, layers, human_bytes, scale=1e9)
+    ax.set_ylabel("GB")
+    ax.set_title(f"Decoder layer, {what}, fwd+bwd, batch {batch} x seq {seq}")
 
 
 def _chart_bytes(ax, rows: list[Row]) -> None:
