@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from bench import cards, configs, counted, regions
-from bench.accounting import count_device_ops, fake_module
+from bench.accounting import count_device_ops, fake_module, fused_ops
 from bench.memory import Memory, measure_memory
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -88,6 +88,19 @@ def test_each_fused_stand_in_keeps_what_the_emulated_op_keeps(name):
     with count_device_ops():
         stand_in = _saved_layouts(lambda: getattr(torch_npu, name)(*args, **kwargs))
     assert stand_in == real and real
+
+
+def test_what_rotary_mul_keeps_is_not_what_its_backward_reads():
+    """Negative control of the test above: with only x needing a gradient, npu_rotary_mul's backward kernel reads
+    r1 and r2 alone, but its autograd node keeps x too; a stand-in keeping what the backward reads would keep less."""
+    import torch_npu
+
+    (x, r1, r2), _ = _op_calls()["npu_rotary_mul"]
+    real = _saved_layouts(lambda: torch_npu.npu_rotary_mul(x, r1, r2))
+    bound = {"x": x, "r1": r1, "r2": r2}
+    reads = fused_ops()["npu_rotary_mul"].backward_reads(bound, None)
+    assert sorted(((tuple(t.shape), t.dtype) for t in reads), key=str) != real
+    assert len(reads) == len(real) - 1
 
 
 def _fake_norm(fake_mode: FakeTensorMode) -> LlamaRMSNorm:
