@@ -9,6 +9,9 @@ without any test-only switch.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import platform
 import shutil
@@ -79,10 +82,22 @@ def publish(hub: LoopbackHub, home: Path, *args: str, root: Path = ROOT, token: 
 
 
 def build(root: Path, *cards: str) -> Path:
-    """Build the workspace's cards (all, or the named ones) into root/build with its own build_cards.py."""
+    """Build the workspace's cards (all, or the named ones) into root/build with its own build_cards.py.
+
+    The copy runs in this process (a fresh module, so its ROOT is the workspace): a child interpreter would
+    spend seconds importing torch again to do the same.
+    """
     out = root / "build"
-    command = [sys.executable, str(root / "scripts" / "build_cards.py"), "--out", str(out)]
-    subprocess.run([*command, *(["--cards", ",".join(cards)] if cards else [])], check=True, capture_output=True)
+    name = "workspace_build_cards"
+    spec = importlib.util.spec_from_file_location(name, root / "scripts" / "build_cards.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the module runs
+    try:
+        spec.loader.exec_module(module)
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert module.main(["--out", str(out), *(["--cards", ",".join(cards)] if cards else [])]) == 0
+    finally:
+        del sys.modules[name]
     return out
 
 
