@@ -49,11 +49,15 @@ def hub() -> Iterator[LoopbackHub]:
 @pytest.fixture
 def workspace(tmp_path: Path) -> Path:
     """A copy of scripts/ (build and publish) and of kernel-cards/ with the cards the mapping registers."""
-    root = tmp_path / "repo"
+    return copy_workspace(tmp_path / "repo", CARD_NAMES)
+
+
+def copy_workspace(root: Path, card_names: list[str]) -> Path:
+    """Copy scripts/ (build and publish) and kernel-cards/ with only `card_names` to `root`: its cards are those."""
     (root / "scripts").mkdir(parents=True)
     for script in ("build_cards.py", "publish_cards.py"):
         shutil.copy2(ROOT / "scripts" / script, root / "scripts" / script)
-    for folder in ("shared", *CARD_NAMES):
+    for folder in ("shared", *card_names):
         shutil.copytree(
             ROOT / "kernel-cards" / folder,
             root / "kernel-cards" / folder,
@@ -107,8 +111,8 @@ def edit(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def heads(hub: LoopbackHub, branches: tuple[str, ...] = ("main", "v1")) -> dict[tuple[str, str], str]:
-    return {(name, branch): hub.head(f"{ORG}/{name}", branch) for name in CARD_NAMES for branch in branches}
+def heads(hub: LoopbackHub, names: list[str] = CARD_NAMES) -> dict[tuple[str, str], str]:
+    return {(name, branch): hub.head(f"{ORG}/{name}", branch) for name in names for branch in ("main", "v1")}
 
 
 def card_layers(name: str) -> tuple[str, ...]:
@@ -182,7 +186,12 @@ def test_dry_run_lists_every_file_and_writes_nothing(hub, built_cards, tmp_path)
 
 
 @pytest.mark.slow
-def test_only_the_changed_card_is_committed_and_a_failed_commit_changes_nothing(hub, workspace, tmp_path):
+def test_only_the_changed_card_is_committed_and_a_failed_commit_changes_nothing(hub, tmp_path):
+    """Two cards, one changed: the other stands for every card left alone (each card is its own repository and
+    plan; the first test republishes every card and commits nothing). Publishing without --cards takes the
+    workspace's cards, both of them."""
+    names = ["npu-rms-norm", "npu-swiglu"]
+    workspace = copy_workspace(tmp_path / "repo", names)
     package = workspace / "kernel-cards" / "npu-swiglu" / "npu_swiglu"
     (package / "notes.py").write_text('"""A module the next build no longer has."""\n')
     build_dir = build(workspace)
@@ -193,7 +202,7 @@ def test_only_the_changed_card_is_committed_and_a_failed_commit_changes_nothing(
     with (package / "swiglu.py").open("a") as source:
         source.write("# edited: the API stays as it is\n")
     build(workspace, "npu-swiglu")
-    before = heads(hub)
+    before = heads(hub, names)
     counts = {(name, branch): hub.commit_count(f"{ORG}/{name}", branch) for name, branch in before}
 
     plan = publish(hub, tmp_path, "--org", ORG, "--build", str(build_dir), "--dry-run", root=workspace)
@@ -209,7 +218,7 @@ def test_only_the_changed_card_is_committed_and_a_failed_commit_changes_nothing(
             ("replace", "metadata.json"),  # its digest covers swiglu.py
         )
     }
-    assert plan.stdout.count(": no change (") == 2 * len(CARD_NAMES) - 1  # all but npu-swiglu's v1
+    assert plan.stdout.count(": no change (") == 2 * len(names) - 1  # all but npu-swiglu's v1
 
     hub.fail_next("commit", 500)
     failed = publish(hub, tmp_path, "--org", ORG, "--build", str(build_dir), root=workspace)
@@ -217,7 +226,7 @@ def test_only_the_changed_card_is_committed_and_a_failed_commit_changes_nothing(
     assert "The commit was not applied: branch v1 is as it was" in failed.stderr
     assert "Run the same command again" in failed.stderr
     assert "Traceback" not in failed.stderr
-    assert heads(hub) == before
+    assert heads(hub, names) == before
 
     rerun = publish(hub, tmp_path, "--org", ORG, "--build", str(build_dir), root=workspace)
     assert rerun.returncode == 0, rerun.stderr
