@@ -357,3 +357,17 @@ def test_gradient_checkpointing_recomputes_the_fused_layer(npu_kernels):
     assert losses == pytest.approx(eager_losses, rel=1e-6)
     for name, update in updates.items():
         torch.testing.assert_close(update, eager_updates[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_backward_keeps_the_sum_gamma_and_rstd_only(card):
+    """What npu_rms_norm's own node keeps (its input, gamma, rstd), not float32 intermediates."""
+    norm, residual, update = on_npu(make_norm("plain", torch.bfloat16), *inputs(torch.bfloat16))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _, summed = card.add_rms_norm(residual, update, norm, "plain", LLAMA)
+    assert [(tuple(t.shape), t.dtype) for t in saved] == [
+        (tuple(summed.shape), torch.bfloat16),
+        ((HIDDEN,), torch.bfloat16),
+        ((*summed.shape[:-1], 1), torch.float32),
+    ]
+    assert saved[0].data_ptr() == summed.data_ptr() and saved[1] is norm.weight
