@@ -327,6 +327,7 @@ def test_generate_is_token_identical_to_eager(npu_kernels):
     torch.testing.assert_close(torch.stack(got.logits).cpu(), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_training_follows_eager_loss_trajectory(npu_kernels, dtype):
     batches = [token_ids(batch=4, seq=12, seed=seed) for seed in range(8)]
