@@ -137,14 +137,9 @@ class _AddRmsNorm(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_y: torch.Tensor | None, grad_summed: torch.Tensor | None):
+    def backward(ctx, grad_y: torch.Tensor, grad_summed: torch.Tensor):
+        # autograd materialises an unused output's gradient as zeros: both are tensors
         summed, gamma, rstd = ctx.saved_tensors
-        grad_gamma = None
-        if grad_y is None:
-            grad_x = grad_summed
-        else:
-            grad_x, grad_gamma32 = torch_npu.npu_rms_norm_backward(grad_y.contiguous(), summed, gamma, rstd)
-            grad_gamma = grad_gamma32.to(gamma.dtype) if ctx.needs_input_grad[2] else None
-            if grad_summed is not None:
-                grad_x = grad_x + grad_summed
-        return grad_x, grad_x, grad_gamma, None
+        grad_x, grad_gamma = torch_npu.npu_rms_norm_backward(grad_y.contiguous(), summed, gamma, rstd)
+        grad_x = grad_x + grad_summed
+        return grad_x, grad_x, grad_gamma.to(gamma.dtype) if ctx.needs_input_grad[2] else None, None
