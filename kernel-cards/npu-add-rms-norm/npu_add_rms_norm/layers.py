@@ -16,6 +16,12 @@ from torch import nn
 from .add_rms_norm import Scaling, add_rms_norm
 
 
+def family(layer: nn.Module) -> str:
+    """The modeling file of the layer's transformers class, past the classes torch puts in front of it (FSDP2's
+    `fully_shard` makes the module an instance of a subclass it creates)."""
+    return next(cls.__module__ for cls in type(layer).__mro__ if not cls.__module__.startswith("torch."))
+
+
 def _decoder_layer_forward(
     layer: nn.Module,
     scaling: Scaling,
@@ -40,7 +46,7 @@ def _decoder_layer_forward(
         **kwargs,
     )
     hidden_states, residual = add_rms_norm(
-        residual, hidden_states, layer.post_attention_layernorm, scaling, type(layer).__module__
+        residual, hidden_states, layer.post_attention_layernorm, scaling, family(layer)
     )
     hidden_states = layer.mlp(hidden_states)
     return residual + hidden_states

@@ -85,7 +85,7 @@ def _run(layer: nn.Module, variant: str) -> Callable[..., Any]:
         return lambda residual, update: _eager(residual + update, norm)
     package = sys.modules[inspect.getmodule(layer.forward).__name__.rpartition(".")[0]]
     scaling = _SCALINGS[layer.forward.__func__.__qualname__.partition(".")[0]]
-    add_rms_norm, family = package.add_rms_norm, type(layer).__module__
+    add_rms_norm, family = package.add_rms_norm, package.layers.family(layer)
     return lambda residual, update: add_rms_norm(residual, update, norm, scaling, family)
 
 
