@@ -11,6 +11,9 @@ Floor: forward 1 op reading residual, update and the weight, writing the normali
 npu_rms_norm_backward, casts dgamma (float32) to the weight's dtype and adds the sum's gradient, 3 ops and two
 activation-sized tensors more than the floor, so the card is held to the floor forward and to eager forward and
 backward.
+
+Kept for backward: the sum (an output the backward reads; the backward recomputes rstd from it). The card's function
+keeps the sum, the weight and its float32 rstd, one value per row, as npu_rms_norm's node does.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ def floor(module: nn.Module, residual: torch.Tensor, update: torch.Tensor, *_) -
     forward = tensor_bytes(residual) + tensor_bytes(update) + w_b + 2 * x_b
     backward = 3 * x_b + w_b + x_b + w_b
     return (1, forward), (1, backward)
+
+
+def floor_saved(module: nn.Module, residual: torch.Tensor, *_) -> int:
+    """The sum, which the forward writes and the backward reads."""
+    return dense_bytes(residual)
 
 
 COUNTED_TARGETS = (
