@@ -33,6 +33,8 @@ BF16 = torch.bfloat16
 X, X32, VAR, W = 2 * 8 * 64 * 2, 2 * 8 * 64 * 4, 2 * 8 * 4, 64 * 2
 """Bytes of x [2, 8, 64] in bfloat16 and in float32, of its float32 variance [2, 8, 1], of the weight [64]."""
 TINY_LLAMA = configs.TINY_SPECS[0]
+ADD_NORM = CARDS["npu_fused_add_rmsnorm"].region
+"""npu-add-rms-norm's region: the residual add and the post-attention norm of a decoder layer."""
 TINY_MOE = configs.TINY_SPECS[1]
 
 
@@ -204,7 +206,11 @@ def test_layer_floor_adds_up_and_swiglu_reaches_it_on_the_default_path(npu_kerne
         assert (mlp.kernelized.ops, mlp.kernelized.bytes) == mlp.floor
         assert mlp.kernelized.by_op()["npu_swiglu"] == 1
     assert results[("SwiGLU MLP", "fwd")].floor[0] == 4
-    assert results[("RMSNorm", "fwd")].kernelized.by_op() == {"npu_rms_norm": 2}
+    assert results[("RMSNorm", "fwd")].kernelized.by_op() == {"npu_rms_norm": 1}  # post-attention: the next region
+    add_norm = results[(ADD_NORM, "fwd")]
+    assert add_norm.kernelized.by_op() == {"npu_add_rms_norm": 1} and add_norm.kernelized.ops == add_norm.floor[0]
+    assert add_norm.eager.by_op()["add"] == 2  # the residual add, and the norm's variance + eps
+    assert add_norm.kernelized.bytes < add_norm.eager.bytes
 
 
 @pytest.mark.parametrize(("batch", "seq"), [(1, 1), (2, 16), (4, 128)], ids=["decode", "two matmuls", "concatenated"])
@@ -266,9 +272,9 @@ def test_the_default_path_is_the_only_kernelized_variant_and_rows_are_selected_b
     rows = counted.counted_rows(TINY_LLAMA, [(2, 16)])
     assert {r.variant for r in rows} == {"default"} and {r.study for r in rows} == {"layer"}
     measurements = [(r.kind, r.phase, r.unit) for r in rows]
-    assert len(measurements) == len(set(measurements)) == 4 * (2 * 2 + len(MEMORY_UNITS))
+    assert len(measurements) == len(set(measurements)) == 5 * (2 * 2 + len(MEMORY_UNITS))
     assert {unit for _, phase, unit in measurements if phase == "fwd"} == {"ops", "bytes"}  # memory: with grad
-    assert {kind for kind, _, _ in measurements} == {"RMSNorm", "RoPE", "SwiGLU MLP", cards.LAYER}
+    assert {kind for kind, _, _ in measurements} == {"RMSNorm", "RoPE", "SwiGLU MLP", ADD_NORM, cards.LAYER}
     relabelled = [dataclasses.replace(r, op="?", config="?") for r in rows]
     assert targets.evaluate(relabelled) == targets.evaluate(rows)
     assert report.summary(relabelled, "m", "v") == report.summary(rows, "m", "v")
@@ -325,7 +331,8 @@ def test_peer_is_counted_on_its_own_layer_and_leaves_nothing_patched(peer):
             without[key].floor,
         )
         assert m.peer_patched is (key[0] != "MoE router"), key  # LLaMA-Factory 0.9.5 has no router kernel
-    assert with_peer[("RMSNorm", "fwd")].peer.by_op() == {"npu_rms_norm": 4, "_to_copy": 8}
+    assert with_peer[("RMSNorm", "fwd")].peer.by_op() == {"npu_rms_norm": 3, "_to_copy": 6}
+    assert with_peer[(ADD_NORM, "fwd")].peer.by_op() == {"add": 1, "npu_rms_norm": 1, "_to_copy": 2}
     assert with_peer[("RoPE", "fwd")].peer.by_op() == {"npu_rotary_mul": 2}
     experts = with_peer[("MoE experts", "fwd")].peer.by_op()
     assert experts["histc"] == 1 and experts["npu_grouped_matmul"] == 2 and experts["_to_copy"] == 3

@@ -11,6 +11,8 @@ from bench.memory import Memory, measure_memory
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from npu_hub_kernels import CARDS
+
 F32 = 4
 TINY_LLAMA = configs.TINY_SPECS[0]
 Z = 4 * 16 * F32
@@ -160,5 +162,9 @@ def test_layer_memory_rows_add_up_and_the_fused_regions_keep_their_floor(npu_ker
     assert mlp.kernelized.memory.saved_bytes == mlp.floor_memory.saved_bytes == tokens * 3 * inner * 2
     assert mlp.eager.memory.saved_bytes == tokens * 4 * inner * 2  # gate, up, silu(gate), their product
     assert norm.floor_memory.saved_bytes == 0
-    assert norm.kernelized.memory.saved_bytes == 2 * tokens * F32  # two norms, one float32 rstd per row each
+    # the input norm (the post-attention one is npu-add-rms-norm's): one float32 rstd per row
+    assert norm.kernelized.memory.saved_bytes == tokens * F32
+    add_norm = trained[CARDS["npu_fused_add_rmsnorm"].region]  # keeps the sum (its floor) and the rstd
+    assert add_norm.floor_memory.saved_bytes == tokens * TINY_LLAMA.config["hidden_size"] * 2
+    assert add_norm.kernelized.memory.saved_bytes == add_norm.floor_memory.saved_bytes + tokens * F32
     assert norm.eager.memory.saved_bytes > norm.kernelized.memory.saved_bytes

@@ -241,7 +241,10 @@ def assert_each_listed_swap_runs(model_type: str, model) -> None:
     """Every swap listed ran, and nothing fused that is not listed: each listed module
     made its card's fused op call; each caller of rotary function-modules made ops per call times the functions listed
     under it (DeepseekV3's attention calls one of its two, by config), and one with none listed made none."""
-    swaps = swapped_modules(model)
+    # a decoder layer npu-add-rms-norm swaps fuses its post_attention_layernorm without calling it (a hooked norm
+    # is called instead: left unhooked here)
+    fused_norms = {f"{s.module}.post_attention_layernorm" for s in swapped_modules(model, card="npu-add-rms-norm")}
+    swaps = [s for s in swapped_modules(model) if s.module not in fused_norms]
     modules = dict(model.named_modules())
     rope_callers: dict[str, list[str]] = {name: [] for name, m in modules.items() if compat.kernel_funcs(m)}
     ops = ops_inside(model, {"", *rope_callers, *(s.module for s in swaps)})

@@ -2,6 +2,7 @@
 
 Restated from Ascend/op-plugin `test/test_custom_ops/` at commit 517f2e7d0f202f38b76310706cb977ca2388ad21
 (test_npu_rotary_mul.py, test_npu_rotary_mul_backward.py, test_npu_rms_norm.py, test_npu_rms_norm_backward.py,
+test_npu_add_rms_norm.py (at 529b54cd45b49a56136351b717c6619bb14f33fc),
 test_npu_swi_glu.py, test_npu_swi_glu_backward.py, test_npu_apply_rotary_pos_emb.py,
 test_npu_moe_token_permute_and_unpermute.py, test_npu_moe_token_permute_and_unpermute_backward.py,
 test_npu_grouped_matmul.py, test_npu_moe_gating_topk.py,
@@ -137,6 +138,55 @@ def test_rms_norm_backward():
     torch_npu.npu_rms_norm(x_npu, gamma_npu)[0].backward(grad_y.to("npu"))
     close(x_npu.grad, dx, 1e-4)
     close(gamma_npu.grad, dgamma, 1e-4)
+
+
+def test_rms_norm_backward_as_an_op_of_its_own():
+    """test_npu_rms_norm_backward's golden, through torch_npu.npu_rms_norm_backward(dy, x, gamma, rstd) called
+    directly with the forward's rstd: dx in x's dtype, dgamma in float32."""
+    g = torch.Generator().manual_seed(1)
+    x, gamma, grad_y = (torch.rand(shape, generator=g) * 100 for shape in ((10, 128), (128,), (10, 128)))
+    rstd = 1 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    dgamma = (grad_y * x * rstd).sum(0)
+    dx = grad_y * gamma * rstd - x * (rstd**3 * grad_y * gamma * x).sum(1, keepdim=True) / 128
+    x_npu, gamma_npu = x.to("npu"), gamma.to("npu")
+    _, rstd_npu = torch_npu.npu_rms_norm(x_npu, gamma_npu)
+    got_dx, got_dgamma = torch_npu.npu_rms_norm_backward(grad_y.to("npu"), x_npu, gamma_npu, rstd_npu)
+    assert got_dgamma.dtype == torch.float32
+    close(got_dx, dx, 1e-4)
+    close(got_dgamma, dgamma, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # test_add_rms_norm_fp32, test_add_rms_norm_fp16
+def test_add_rms_norm_forward(dtype):
+    """test_npu_add_rms_norm's golden: x = x1 + x2 in the inputs' dtype, its RMSNorm in float32 (float16 cast up
+    first), y and x cast back; uniform(0, 100) inputs and gamma of x1's dtype."""
+    g = torch.Generator().manual_seed(4)
+    x1, x2 = ((torch.rand(64, 12288, generator=g) * 100).to(dtype) for _ in range(2))  # op-plugin: 1024 rows
+    gamma = (torch.rand(12288, generator=g) * 100).to(dtype)
+    x = x1 + x2
+    rstd = 1 / torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    want_y = (x.float() * rstd * gamma.float()).to(dtype)
+    y, got_rstd, got_x = torch_npu.npu_add_rms_norm(x1.to("npu"), x2.to("npu"), gamma.to("npu"), 1e-6)
+    close(y, want_y, RTOL[dtype])
+    close(got_rstd, rstd, RTOL[dtype])
+    close(got_x, x, RTOL[dtype])
+    assert got_x.dtype == dtype and got_rstd.dtype == torch.float32 and tuple(got_rstd.shape) == (64, 1)
+
+
+def test_add_rms_norm_has_no_backward():
+    """op-plugin's autograd error fallback test: the op's backward raises "not implemented"."""
+    x1, x2 = (torch.randn(4, 16, dtype=torch.float16).to("npu").requires_grad_() for _ in range(2))
+    gamma = torch.randn(16, dtype=torch.float16).to("npu").requires_grad_()
+    out = torch_npu.npu_add_rms_norm(x1, x2, gamma, 1e-6)[0]
+    with pytest.raises(RuntimeError, match="not implemented"):
+        out.float().sum().backward()
+
+
+def test_add_rms_norm_refuses_a_gamma_of_another_dtype():
+    """The API doc: in single-op mode x2 and gamma take x1's dtype."""
+    x = torch.randn(4, 16, dtype=torch.bfloat16).to("npu")
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch_npu.npu_add_rms_norm(x, x, torch.ones(16).to("npu"), 1e-6)
 
 
 SWIGLU_SHAPE = (512, 1, 3904 * 2)  # op-plugin: (8192, 1, 7808)

@@ -28,7 +28,7 @@ import pytest
 import torch
 from conftest import ROOT, run_python
 from test_coexistence import ROTARY, fresh_rotary, llamafactory_kernels, modeling, register  # noqa: F401 (fixtures)
-from test_mapping import _gradients, expected_calls, forward, gated_mlp_count
+from test_mapping import _gradients, expected_calls, forward, gated_mlp_count, layer_count
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
@@ -78,7 +78,7 @@ def test_the_plugin_loads_the_cards_from_where_the_process_registered_them(npu_k
     model_engine_call(model, {"name": PLUGIN_NAME, "include_kernels": "auto"})
     assert registration()["local_dir"] == npu_kernels
     swapped = [module for module in model.modules() if card_layer_of(module) is not None]
-    assert len(swapped) == norm_module_count(model) + gated_mlp_count(model)
+    assert len(swapped) == norm_module_count(model) + gated_mlp_count(model) + layer_count(model)  # + decoder layers
     for module in swapped:
         assert Path(card_layer_of(module)[0].__file__).is_relative_to(npu_kernels)
 
@@ -175,7 +175,7 @@ def test_a_selection_fuses_only_what_it_names_loading_from_the_hub_org_of_the_en
     )
     result = json.loads(run_python(code, emulate=True, env={ORG_ENV: offline_hub}).splitlines()[-1])
     model = tiny_model("qwen3")
-    named = {op: n for op, n in expected_calls("qwen3", model).items() if op in ("npu_rms_norm", "npu_swiglu")}
+    named = {"npu_rms_norm": norm_module_count(model), "npu_swiglu": expected_calls("qwen3", model)["npu_swiglu"]}
     assert result["calls"] == named and named["npu_rms_norm"] > 0 and named["npu_swiglu"] > 0
     assert result["org"] == offline_hub
     assert result["error"] <= 1e-5
@@ -387,13 +387,19 @@ def test_llamafactory_auto_and_npu_hub_in_one_process_do_not_undo_each_other(reg
     assert len(their_modules) == norm_module_count(theirs) + gated_mlp_count(theirs)
     assert llamafactory_forwards(ours) == [] and swapped_modules(theirs) == []
     cards = [swap.card for swap in swapped_modules(ours)]
-    assert sorted(cards) == ["npu-rms-norm"] * norm_module_count(ours) + ["npu-swiglu"] * gated_mlp_count(ours)
+    assert sorted(cards) == (
+        ["npu-add-rms-norm"] * layer_count(ours)
+        + ["npu-rms-norm"] * norm_module_count(ours)
+        + ["npu-swiglu"] * gated_mlp_count(ours)
+    )
     rotary = getattr(modeling("llama"), ROTARY)
     assert rotary.__module__.startswith("llamafactory.")
-    for model in (theirs, ours):
+    theirs_calls = {**expected_calls("llama", theirs), "npu_rms_norm": norm_module_count(theirs)}
+    theirs_calls.pop("npu_add_rms_norm")  # LLaMA-Factory fuses every norm alone, the post-attention ones too
+    for model, expected in ((theirs, theirs_calls), (ours, expected_calls("llama", ours))):
         with emulation.count_op_calls() as calls:
             out = forward(model, ids)
-        assert dict(calls) == expected_calls("llama", model)  # their rotary function: npu_rotary_mul on q and k
+        assert dict(calls) == expected  # their rotary function: npu_rotary_mul on q and k
         torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     unregister_npu_kernels()
     assert llamafactory_forwards(theirs) == their_modules and getattr(modeling("llama"), ROTARY) is rotary

@@ -19,13 +19,14 @@ from types import ModuleType
 import pytest
 import torch
 from kernels import Mode, kernelize
+from test_mapping import expected_calls
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 
 from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels import register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.testing import emulation
-from npu_hub_kernels.testing.tiny_models import norm_module_count, token_ids
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
+from npu_hub_kernels.testing.tiny_models import token_ids
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "gemma3_text"]
 """All four cards and all their layer kinds between them: plain and zero-centred norms, split MLPs, experts."""
@@ -97,7 +98,7 @@ def register_kernelize_run_unregister(built_cards, cycle: int) -> weakref.ref:
     model = kernelize(tiny_model(FAMILIES[cycle % len(FAMILIES)]).to("npu"), mode=Mode.INFERENCE, device="npu")
     with emulation.count_op_calls() as calls, torch.no_grad():
         model(token_ids().to("npu"))
-    assert calls["npu_rms_norm"] == norm_module_count(model), cycle  # it really ran fused
+    assert calls == expected_calls(FAMILIES[cycle % len(FAMILIES)], model), cycle  # it really ran fused
     unregister_npu_kernels()
     return weakref.ref(model)
 

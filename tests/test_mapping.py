@@ -40,14 +40,15 @@ class Expected:
     mlp: str | None = "SwiGLUMLP"  # the npu-swiglu layer of its dense MLPs (None: not SiLU-gated)
     moe: bool = False  # whether its MoE layers' Experts modules run npu-moe
     router: bool = False  # whether its MoE routers run npu-moe-router's fused op (one per MoE layer)
+    decoder: str | None = None  # the npu-add-rms-norm layer of its decoder layers (None: not swapped)
 
 
 EXPECTED = {
-    "llama": Expected(),
-    "mistral": Expected(),
-    "qwen2": Expected(),
-    "qwen3": Expected(),
-    "qwen3_moe": Expected(moe=True, router=True),  # routed experts only: no dense MLP
+    "llama": Expected(decoder="DecoderLayer"),
+    "mistral": Expected(decoder="DecoderLayer"),
+    "qwen2": Expected(decoder="DecoderLayer"),
+    "qwen3": Expected(decoder="DecoderLayer"),
+    "qwen3_moe": Expected(moe=True, router=True, decoder="DecoderLayer"),  # routed experts only: no dense MLP
     "gemma3_text": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
     "olmo2": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbCastBack",)),
     "phi3": Expected(rope=("RotaryPosEmbPartial",), mlp="SwiGLUGateUpMLP"),  # partial rotary
@@ -56,16 +57,16 @@ EXPECTED = {
     # DeepseekV3Attention calls apply_rotary_pos_emb_interleave (rope_interleave=True), else apply_rotary_pos_emb:
     # the registry attaches both, so both are swapped; the fused op counts show which one runs.
     "deepseek_v3": Expected(
-        rope=("RotaryPosEmb", "RotaryPosEmbDeinterleave"), moe=True, router=True
+        rope=("RotaryPosEmb", "RotaryPosEmbDeinterleave"), moe=True, router=True, decoder="DecoderLayer"
     ),  # + shared experts
-    "qwen2_moe": Expected(moe=True, router=True),  # + shared expert (npu-swiglu)
+    "qwen2_moe": Expected(moe=True, router=True, decoder="DecoderLayer"),  # + shared expert (npu-swiglu)
     "mixtral": Expected(moe=True),  # router always renormalises softmax: not fused
-    "olmoe": Expected(moe=True, router=True),
+    "olmoe": Expected(moe=True, router=True, decoder="DecoderLayer"),
     "granite": Expected(),
     "cohere": Expected(norm=None, rope=("RotaryPosEmbPairsFloat32",)),
     "olmo": Expected(norm=None, rope=("RotaryPosEmbCastBack",)),
-    "helium": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbGlm",)),
-    "smollm3": Expected(),
+    "helium": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbGlm",), decoder="DecoderLayerFloat32Scale"),
+    "smollm3": Expected(decoder="DecoderLayer"),
     "gemma2": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
     "gpt2": Expected(norm=None, rope=(), mlp=None),  # LayerNorm, learned positions, GELU MLP
     "qwen2_5_vl": Expected(),  # mrope
@@ -100,11 +101,16 @@ def experts_count(model) -> int:
 def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, int]:
     """Fused op calls of one forward (and backward) of a kernelized model: per Experts module one
     permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute; per fused
-    router one npu_moe_gating_top_k (its backward is the op's derivative, no call of its own)."""
+    router one npu_moe_gating_top_k (its backward is the op's derivative, no call of its own); per fused decoder
+    layer one npu_add_rms_norm in place of its post_attention_layernorm's npu_rms_norm, and one
+    npu_rms_norm_backward in backward."""
     expected = EXPECTED[model_type]
     experts = experts_count(model) if expected.moe else 0
+    decoders = layer_count(model) if expected.decoder else 0
     calls = {
-        "npu_rms_norm": norm_module_count(model),
+        "npu_rms_norm": norm_module_count(model) - decoders,
+        "npu_add_rms_norm": decoders,
+        "npu_rms_norm_backward": decoders if backward else 0,
         "npu_rotary_mul": 2 * layer_count(model) if expected.rope else 0,
         "npu_swiglu": (gated_mlp_count(model) if expected.mlp else 0) + experts,
         "npu_moe_token_permute": experts,
@@ -148,6 +154,8 @@ def test_kernelized_fp32_forward_matches_eager_and_every_fused_op_ran(npu_kernel
     assert {s.layer for s in mlp_swaps} <= {expected.mlp}
     moe_swaps = swapped_modules(model.get_decoder(), card="npu-moe")
     assert [s.layer for s in moe_swaps] == ["SwiGLUExperts"] * (experts_count(model) if expected.moe else 0)
+    decoder_swaps = swapped_modules(model.get_decoder(), card="npu-add-rms-norm")
+    assert [s.layer for s in decoder_swaps] == [expected.decoder] * (layer_count(model) if expected.decoder else 0)
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
@@ -258,14 +266,14 @@ def test_use_kernels_survives_train_and_eval_switches(npu_kernels, model_type, t
     source.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="npu", use_kernels=True)
     assert model.device.type == "npu"
-    expected = norm_module_count(model)
+    expected = expected_calls(model_type, model)["npu_rms_norm"]
     for switch in (None, "train", "eval", "train"):
         if switch:
             getattr(model, switch)()
         with emulation.count_op_calls() as calls:
             out = forward(model, token_ids())
         assert calls["npu_rms_norm"] == expected, switch
-        assert len(swapped_modules(model, card="npu-rms-norm")) == expected
+        assert len(swapped_modules(model, card="npu-rms-norm")) == norm_module_count(model)
         torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     with emulation.count_op_calls() as calls:
         model(token_ids().to("npu"), labels=token_ids().to("npu")).loss.backward()
@@ -317,6 +325,7 @@ def test_a_subclass_with_other_math_is_not_swapped(npu_kernels):
 
 def test_kernel_selection_follows_the_apply_default_kernels_contract():
     assert available_kernels() == [
+        "npu_fused_add_rmsnorm",
         "npu_fused_moe",
         "npu_fused_moe_router",
         "npu_fused_rmsnorm",
@@ -362,7 +371,8 @@ def test_a_selection_applies_to_the_model_whatever_was_registered_before(built_c
             torch.testing.assert_close(forward(model, token_ids()), eager, rtol=1e-5, atol=1e-5)
         assert set(calls) == {"npu_rms_norm"}
         apply_npu_kernels(model, kernels="auto", local_dir=built_cards)
-        assert {swap.card for swap in swapped_modules(model)} == {"npu-rms-norm", "npu-rope", "npu-swiglu"}
+        decoder = {"npu-add-rms-norm"} if EXPECTED[family].decoder else set()
+        assert {swap.card for swap in swapped_modules(model)} == {"npu-rms-norm", "npu-rope", "npu-swiglu", *decoder}
         with emulation.count_op_calls() as calls:
             forward(model, token_ids())
         assert {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu"} <= set(calls)

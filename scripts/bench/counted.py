@@ -28,7 +28,7 @@ from .configs import CONFIGS, DTYPE, PHASES, ModelSpec, experts_key
 from .floors import floor_of, floor_peak, floor_saved_of
 from .memory import Memory, tracking_memory
 from .peer import Patches, Peer
-from .regions import Region, capture, find_regions, forward_backward, layer_inputs, resolve, set_variant
+from .regions import Region, capture, find_regions, forward_backward, layer_inputs, region_call, resolve, set_variant
 from .rows import MEMORY_UNITS, Row, log
 from .targets import counted_target
 
@@ -126,9 +126,8 @@ def account(
                     if variant != "eager" and region.card is None:
                         tallies[(region.name, variant)] = None
                         continue
-                    module = resolve(layer, region.name)
-                    run = count_run(module, region.args, region.kwargs, module.parameters(), phase, experts)
-                    tallies[(region.name, variant)] = run
+                    fn, params = region_call(layer, region, variant)
+                    tallies[(region.name, variant)] = count_run(fn, region.args, region.kwargs, params, phase, experts)
             if peered is not None:
                 set_variant(layer, "eager")  # what the peer leaves alone runs transformers' forwards
                 patched = _count_peer(peered, regions, args, kwargs, phase, experts, tallies)

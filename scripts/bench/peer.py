@@ -76,6 +76,9 @@ class Patches:
         runs its own forward (the peer's, if it bound one); a function-module (the rotary function) is replaced
         by the peer's module global where the peer replaced it. `prefix`: the layer's name in the model."""
         module = resolve(layer, region.name)
+        if region.layer_region is not None:  # inside a swapped decoder layer: the peer runs its anchor's own forward
+            bound = f"{prefix}{region.name}" in self.bound
+            return region.layer_region.run(layer, "eager"), module.parameters(), bound
         try:
             layer.get_submodule(region.name)
         except AttributeError:  # a function-module, called through its modeling file's global

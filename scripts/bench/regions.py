@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from npu_hub_kernels._kernels_compat import kernel_funcs
 
-from .cards import card_named, with_piece
+from .cards import LayerRegion, card_named, spec, with_piece
 from .configs import DTYPE, ModelSpec
 
 
@@ -25,6 +25,7 @@ class Region:
     card: str | None  # None: no card swaps it (yet)
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    layer_region: LayerRegion | None = None  # a card that swaps the layer itself: its region inside it
 
 
 def set_variant(layer: nn.Module, variant: str) -> None:
@@ -38,19 +39,31 @@ def set_variant(layer: nn.Module, variant: str) -> None:
 
 def find_regions(layer: nn.Module) -> list[Region]:
     """The layer's fused regions: what the cards swap in, plus the modules no card swaps that a card's spec
-    recognises as its region (`is_region`)."""
+    recognises as its region (`is_region`). A card that swaps the layer itself brings the region its spec's
+    `layer_region` names, in place of any other at its anchor."""
     from npu_hub_kernels import swapped_modules
 
     set_variant(layer, "kernelized")
+    swaps = swapped_modules(layer)
     regions = {
-        swap.module: Region(card_named(swap.card).region, swap.module, swap.card) for swap in swapped_modules(layer)
+        swap.module: Region(card_named(swap.card).region, swap.module, swap.card)
+        for swap in swaps
+        if swap.module != ROOT
     }
+    for swap in (swap for swap in swaps if swap.module == ROOT):
+        card = card_named(swap.card)
+        inner = spec(card).layer_region(layer)
+        regions[inner.anchor] = Region(card.region, inner.anchor, swap.card, layer_region=inner)
     recognisers = with_piece("is_region")
     for name, module in layer.named_modules():
         card = next((card for card, is_region in recognisers if is_region(module)), None)
         if card is not None and name not in regions:
             regions[name] = Region(card.region, name, None)
     return list(regions.values())
+
+
+ROOT = "<root>"
+"""How `swapped_modules` names the module it was given: here the decoder layer."""
 
 
 def resolve(layer: nn.Module, name: str) -> nn.Module:
@@ -82,6 +95,17 @@ def capture(
             handle.remove()
     for region in regions:
         region.args, region.kwargs = captured[region.name]
+        if region.layer_region is not None:
+            region.args, region.kwargs = region.layer_region.arguments(region.args, region.kwargs)
+
+
+def region_call(layer: nn.Module, region: Region, variant: str) -> tuple[Callable, Iterable[nn.Parameter]]:
+    """(what runs the region in the layer's variant, the parameters it reads): its module, or, for a region inside a
+    swapped layer, what its `layer_region` runs."""
+    module = resolve(layer, region.name)
+    if region.layer_region is None:
+        return module, module.parameters()
+    return region.layer_region.run(layer, variant), module.parameters()
 
 
 def layer_inputs(spec: ModelSpec, batch: int, seq: int, make: Callable) -> tuple[tuple, dict]:

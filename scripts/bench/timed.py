@@ -22,7 +22,7 @@ from npu_hub_kernels.testing.tiny_models import tiny_causal_lm
 
 from .cards import LAYER, kinds, with_piece
 from .configs import CONFIGS, DTYPE, PHASES, ROOT, TINY_SPECS, ModelSpec
-from .regions import Region, capture, find_regions, forward_backward, layer_inputs, resolve, set_variant
+from .regions import Region, capture, find_regions, forward_backward, layer_inputs, region_call, set_variant
 from .rows import EMULATED, Row, log
 from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US
 
@@ -231,8 +231,8 @@ def device_rows(
                 for phase in PHASES:
                     timings[(LAYER, variant, phase)] = time_run(layer, args, kwargs, phase, repeats, emulated)
                     for region in regions:
-                        module = resolve(layer, region.name)
-                        run = time_run(module, region.args, region.kwargs, phase, repeats, emulated)
+                        fn, _ = region_call(layer, region, variant)
+                        run = time_run(fn, region.args, region.kwargs, phase, repeats, emulated)
                         timings[(region.name, variant, phase)] = run
             set_variant(layer, "eager")
             rows += _device_rows(spec, batch, seq, regions, timings, emulated)

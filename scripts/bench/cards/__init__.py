@@ -28,6 +28,9 @@ and may define:
 
 - `is_region(module: nn.Module) -> bool`: whether a module of a decoder layer is one the card fuses, so that the
   bench finds it (and reports "no card yet") when no card swaps it.
+- `layer_region(layer: nn.Module) -> LayerRegion`: for a card whose layer replaces the decoder layer's own forward,
+  the region inside it the card fuses (where it is measured, its arguments, how each variant runs it); required
+  of such a card.
 - `EXPERTS_SWEEP: ExpertsSweep`: the experts sweep study (the card's region with more and more experts).
 - `PREFILL_DECODE_TABLE = True`: the report's table of one region call, forward, at prefill and at decode.
 
@@ -70,6 +73,23 @@ class HostTiming:
     inputs: Callable[[Any, int, int, str], tuple[torch.Tensor, ...]]
     direct_call: Callable[[ModuleType, Any], Callable[..., Any]]
     shapes: Callable[[Any, tuple[torch.Tensor, ...]], str]
+
+
+@dataclass(frozen=True)
+class LayerRegion:
+    """The fused region of a card that swaps the decoder layer itself, which is no single module's forward.
+
+    anchor: the submodule of the layer whose call the region is measured at (its name, e.g.
+        "post_attention_layernorm"); it is the region's module for the floor, and the region replaces any region
+        of another card at that name (which the swapped layer no longer runs).
+    arguments: the region's call (args, kwargs) from the anchor's captured call.
+    run: the callable computing the region in the layer's variant ("eager": the classes' own forwards;
+        "kernelized": the card's function, as its layer calls it), from the layer and the variant.
+    """
+
+    anchor: str
+    arguments: Callable[[tuple, dict], tuple[tuple, dict]]
+    run: Callable[[nn.Module, str], Callable[..., Any]]
 
 
 @dataclass(frozen=True)

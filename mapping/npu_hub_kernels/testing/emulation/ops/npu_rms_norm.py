@@ -3,7 +3,8 @@
 Everything in fp32 with one final cast: `rstd = rsqrt(mean(x.float()**2) + eps)`,
 `y = (x.float() * rstd * gamma.float()).to(x.dtype)`; rstd is float32 with the normalised dims kept
 as size 1. Backward as the op's `npu_rms_norm_backward(grad, x, gamma, rstd)` (dx, and dgamma in fp32 that
-autograd casts to gamma's dtype; rstd has no gradient), keeping x, gamma and rstd for it, as the op does.
+autograd casts to gamma's dtype; rstd has no gradient), keeping x, gamma and rstd for it, as the op does;
+`rms_norm_grads` is that math, which npu-add-rms-norm's emulated `npu_rms_norm_backward` exposes as the op.
 """
 
 from __future__ import annotations
@@ -44,15 +45,25 @@ class _RmsNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: torch.Tensor, _grad_rstd):
-        """d/dx of x * rstd(x) * gamma: `rstd * (g - x * rstd^2 * mean(g * x))` with g = grad_y * gamma, and
-        dgamma the sum of `grad_y * x * rstd` over the leading dims; float32 inside."""
         x, gamma, rstd = ctx.saved_tensors
-        dims = _normalised_dims(x, gamma)
-        x32, grad32 = x.float(), grad_y.float()
-        scaled = grad32 * gamma.float()
-        grad_x = rstd * (scaled - x32 * rstd.pow(2) * (scaled * x32).mean(dim=dims, keepdim=True))
-        grad_gamma = (grad32 * x32 * rstd).sum(dim=tuple(range(x.dim() - gamma.dim())))
-        return grad_x.to(x.dtype), grad_gamma.to(gamma.dtype), None
+        grad_x, grad_gamma = rms_norm_grads(grad_y, x, gamma, rstd)
+        return grad_x, grad_gamma.to(gamma.dtype), None
+
+
+def rms_norm_grads(
+    grad_y: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The math of `npu_rms_norm_backward(dy, x, gamma, rstd) -> (dx in x's dtype, dgamma in float32)`.
+
+    d/dx of x * rstd(x) * gamma: `rstd * (g - x * rstd^2 * mean(g * x))` with g = grad_y * gamma, and dgamma the
+    sum of `grad_y * x * rstd` over the leading dims; float32 inside.
+    """
+    dims = _normalised_dims(x, gamma)
+    x32, grad32 = x.float(), grad_y.float()
+    scaled = grad32 * gamma.float()
+    grad_x = rstd * (scaled - x32 * rstd.pow(2) * (scaled * x32).mean(dim=dims, keepdim=True))
+    grad_gamma = (grad32 * x32 * rstd).sum(dim=tuple(range(x.dim() - gamma.dim())))
+    return grad_x.to(x.dtype), grad_gamma
 
 
 def _normalised_dims(x: torch.Tensor, gamma: torch.Tensor) -> tuple[int, ...]:

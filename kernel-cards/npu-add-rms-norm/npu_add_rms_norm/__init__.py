@@ -1,0 +1,8 @@
+"""npu-add-rms-norm: a decoder layer's residual add and the RMSNorm after it, fused for training on Huawei Ascend NPUs
+(torch_npu.npu_add_rms_norm forward, torch_npu.npu_rms_norm_backward backward)."""
+
+from . import layers
+from ._build import VARIANT
+from .add_rms_norm import add_rms_norm, add_rms_norm_eager, add_rms_norm_unavailable_reason
+
+__all__ = ["VARIANT", "add_rms_norm", "add_rms_norm_eager", "add_rms_norm_unavailable_reason", "layers"]

@@ -1,0 +1,145 @@
+"""A residual add and the RMSNorm of the sum, fused for training: `torch_npu.npu_add_rms_norm` forward (which has no
+backward of its own) and `torch_npu.npu_rms_norm_backward` backward, in this module's autograd function.
+
+`add_rms_norm(residual, update, norm, scaling)` returns `(norm(residual + update), residual + update)`: what a
+decoder layer computes between its attention and its MLP. The op adds in the inputs' dtype (the sum is rounded to
+it, as transformers' `residual + hidden_states` is) and normalises that rounded sum in float32 with one final cast.
+The norm's weight enters the op in the form its class scales by:
+
+- "plain" (LlamaRMSNorm, `weight * normalize(h).to(dtype)`): gamma = weight. Exact in float32; in float16/bfloat16
+  within one rounding step of eager (transformers rounds the normalised sum before multiplying by the weight), as
+  npu-rms-norm's plain form.
+- "zero_centered" (GemmaRMSNorm, `(normalize(h) * (1 + weight.float())).to(dtype)`): gamma = 1 + weight. The op takes
+  gamma only in the inputs' dtype, so the form is fused in float32 only (exact there); rounding 1 + weight to
+  float16/bfloat16 would change the result, so those run the eager math.
+- "float32_scale" (HeliumRMSNorm, `(weight.float() * normalize(h)).to(dtype)`): gamma = weight, in the inputs' dtype
+  (a float32 weight with float16/bfloat16 inputs runs the eager math). Exact.
+
+Backward: `dh = npu_rms_norm_backward(dy, h, gamma, rstd).dx + d(sum)`: the gradient the sum receives from the rest
+of the layer (the residual path to the final add) is added here, the one add eager's autograd makes when it
+accumulates the two uses of the sum; residual and update both get dh (the add's backward copies nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+
+Scaling = Literal["plain", "zero_centered", "float32_scale"]
+SCALINGS: tuple[str, ...] = get_args(Scaling)
+"""The accepted values of `scaling`: the RMSNorm weight forms npu_add_rms_norm reproduces."""
+
+
+def check_scaling(scaling: object) -> None:
+    """Raise ValueError naming the accepted values unless `scaling` is one of SCALINGS."""
+    if scaling not in SCALINGS:
+        raise ValueError(
+            f"scaling={scaling!r} is not an RMSNorm weight form npu_add_rms_norm reproduces; pass one of "
+            f"{', '.join(map(repr, SCALINGS))} (Llama's weight * x, Gemma's (1 + weight) * x, Helium's float32 weight)"
+        )
+
+
+def _epsilon(norm: nn.Module) -> float | None:
+    """transformers names an RMSNorm's epsilon `variance_epsilon` (Llama family) or `eps` (Gemma family)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return getattr(norm, "eps", None) if eps is None else eps
+
+
+def _norm_problem(norm: nn.Module, family: str | None) -> str | None:
+    """Why `norm` is not an RMSNorm whose forward the op reproduces (its class and parameters), or None."""
+    cls = type(norm)
+    if not cls.__name__.endswith("RMSNorm") or (family is not None and cls.__module__ != family):
+        where = f" of {family}" if family is not None else ""
+        return f"the norm is a {cls.__module__}.{cls.__name__}, not the RMSNorm{where} the op reproduces"
+    names = [name for name, _ in norm.named_parameters(recurse=True)]
+    if names != ["weight"]:
+        return f"the norm has the parameters {names}, not just a weight (a bias or other state the op has no input for)"
+    if not isinstance(_epsilon(norm), float):
+        return "the norm has no float epsilon (variance_epsilon or eps)"
+    if norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks or norm._backward_pre_hooks:
+        return "the norm has hooks (DeepSpeed ZeRO-3 gathers its weight in one): calling it keeps them"
+    return None
+
+
+def add_rms_norm_unavailable_reason(
+    residual: torch.Tensor, update: torch.Tensor, norm: nn.Module, scaling: Scaling = "plain", family: str | None = None
+) -> str | None:
+    """Why `npu_add_rms_norm` will not run for `norm(residual + update)` (the eager math runs instead), or None.
+
+    family: the module (modeling file) the norm's class must come from, when the caller knows it.
+    """
+    check_scaling(scaling)
+    problem = _norm_problem(norm, family)
+    if problem is not None:
+        return problem
+    weight = norm.weight
+    reason = npu_unavailable_reason(residual, update, weight)
+    if reason is not None:
+        return reason
+    if residual.dtype not in FUSED_DTYPES:
+        return f"dtype {residual.dtype} is not supported by npu_add_rms_norm (float16, bfloat16, float32)"
+    if update.dtype != residual.dtype:
+        return f"the update's dtype {update.dtype} differs from the residual's {residual.dtype}: eager promotes the sum"
+    if update.shape != residual.shape:
+        return f"shapes {tuple(residual.shape)} and {tuple(update.shape)} differ: eager broadcasts the sum"
+    if scaling == "plain" and weight.dtype != residual.dtype:
+        return f"weight dtype {weight.dtype} differs from input dtype {residual.dtype}: eager promotes the output dtype"
+    if scaling == "float32_scale" and weight.dtype != residual.dtype:
+        return f"npu_add_rms_norm takes gamma in the input dtype {residual.dtype}, not {weight.dtype}"
+    if scaling == "zero_centered" and (residual.dtype != torch.float32 or weight.dtype != torch.float32):
+        return (
+            f"a (1 + weight) norm in {residual.dtype} (weight {weight.dtype}): npu_add_rms_norm takes gamma in the "
+            "input dtype, and rounding 1 + weight to it would change the result (fused in float32 only)"
+        )
+    if not 1 <= residual.dim() <= 8:
+        return f"npu_add_rms_norm takes 1 to 8 dims, got {residual.dim()}"
+    if residual.numel() == 0:
+        return "empty input"
+    if tuple(weight.shape) != tuple(residual.shape[-1:]):
+        return f"weight shape {tuple(weight.shape)} does not match the last dim of the input {tuple(residual.shape)}"
+    return None
+
+
+def add_rms_norm(
+    residual: torch.Tensor, update: torch.Tensor, norm: nn.Module, scaling: Scaling = "plain", family: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(norm(residual + update), residual + update)`, fused on npu tensors with a backward."""
+    if add_rms_norm_unavailable_reason(residual, update, norm, scaling, family) is not None:
+        return add_rms_norm_eager(residual, update, norm)
+    gamma = 1.0 + norm.weight if scaling == "zero_centered" else norm.weight
+    return _AddRmsNorm.apply(residual, update, gamma, _epsilon(norm))
+
+
+def add_rms_norm_eager(
+    residual: torch.Tensor, update: torch.Tensor, norm: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `hidden_states = residual + hidden_states; residual = hidden_states;
+    hidden_states = self.post_attention_layernorm(hidden_states)`, the norm called as a module (its own forward, or
+    the one another card swapped in)."""
+    summed = residual + update
+    return norm(summed), summed
+
+
+class _AddRmsNorm(torch.autograd.Function):
+    """npu_add_rms_norm forward; npu_rms_norm_backward plus the sum's own gradient backward. Keeps the sum (an
+    output), gamma and rstd, as npu_rms_norm's autograd node keeps its input, gamma and rstd."""
+
+    @staticmethod
+    def forward(ctx, residual: torch.Tensor, update: torch.Tensor, gamma: torch.Tensor, eps: float):
+        y, rstd, summed = torch_npu.npu_add_rms_norm(residual, update, gamma, eps)
+        ctx.save_for_backward(summed, gamma, rstd)
+        return y, summed
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: torch.Tensor, grad_summed: torch.Tensor):
+        # autograd materialises an unused output's gradient as zeros: both are tensors
+        summed, gamma, rstd = ctx.saved_tensors
+        grad_x, grad_gamma = torch_npu.npu_rms_norm_backward(grad_y.contiguous(), summed, gamma, rstd)
+        grad_x = grad_x + grad_summed
+        return grad_x, grad_x, grad_gamma.to(gamma.dtype) if ctx.needs_input_grad[2] else None, None

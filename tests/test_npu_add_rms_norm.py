@@ -1,0 +1,374 @@
+"""npu-add-rms-norm: the card's autograd function against eager, which path runs and why, the decoder-layer table
+re-derived from transformers' sources, and the kernelized decoder layers at model level on the tiny families (with
+every other card kernelized too: the layer calls its submodules).
+
+Parity follows flash-attention's idiom: the fused error against float64 is at most twice eager's error in the same
+dtype. The fused path is proven by the emulated ops' call counters next to a negative control; every fallback is
+proven to skip the ops and to equal the eager math exactly.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib
+import inspect
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from kernels import Mode, get_local_kernel, kernelize
+from numerics import train_steps
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.helium.modeling_helium import HeliumRMSNorm
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+from npu_hub_kernels import swapped_modules
+from npu_hub_kernels.models import npu_add_rms_norm as table
+from npu_hub_kernels.models import npu_rms_norm as norm_table
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
+
+NORMS = {"plain": LlamaRMSNorm, "zero_centered": GemmaRMSNorm, "float32_scale": HeliumRMSNorm}
+LLAMA = LlamaDecoderLayer.__module__
+FAMILIES = {"plain": LLAMA, "zero_centered": GemmaRMSNorm.__module__, "float32_scale": HeliumRMSNorm.__module__}
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def card(built_cards):
+    module = get_local_kernel(built_cards / "npu-add-rms-norm")
+    assert f"torch213-cxx11-cann91-{platform.machine()}-linux" == module.VARIANT
+    return module
+
+
+def make_norm(scaling: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """A norm of the form with a random weight around its usual value (0 for 1 + weight norms)."""
+    norm = NORMS[scaling](HIDDEN, eps=1e-6)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(seed)
+        norm.weight.copy_(torch.randn(HIDDEN, generator=generator) * 0.5 + (scaling != "zero_centered"))
+    return norm.to(dtype)
+
+
+def inputs(dtype: torch.dtype, seed: int = 1, shape=(2, 5, HIDDEN)) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(shape, generator=generator) * 2).to(dtype) for _ in range(2))
+
+
+def on_npu(norm: torch.nn.Module, *tensors: torch.Tensor):
+    """Copies of the norm and the tensors on the npu, the tensors leaves that require grad."""
+    return copy.deepcopy(norm).to("npu"), *(t.detach().to("npu").requires_grad_() for t in tensors)
+
+
+def run(function, residual, update, norm, *extra):
+    """Forward, then backward of a loss using both outputs (as the layer does: the norm's output and the sum);
+    returns the outputs and the gradients of residual, update and the weight, on the host."""
+    normed, summed = function(residual, update, norm, *extra)
+    (normed.float().pow(2).sum() + (summed.float() * 0.5).sum()).backward()
+    grads = (residual.grad, update.grad, norm.weight.grad)
+    return [t.detach().cpu() for t in (normed, summed, *grads)]
+
+
+def run_eager(card, norm, residual, update):
+    """`run` of the eager math on npu copies."""
+    norm, residual, update = on_npu(norm, residual, update)
+    return run(card.add_rms_norm_eager, residual, update, norm)
+
+
+@pytest.mark.parametrize("scaling", list(NORMS))
+def test_fused_equals_eager_in_float32_forward_and_backward(card, scaling):
+    norm = make_norm(scaling, torch.float32)
+    residual, update = inputs(torch.float32)
+    eager = run_eager(card, norm, residual, update)
+    fused_norm, r, u = on_npu(norm, residual, update)
+    with emulation.count_op_calls() as calls:
+        fused = run(card.add_rms_norm, r, u, fused_norm, scaling, FAMILIES[scaling])
+    assert calls == {"npu_add_rms_norm": 1, "npu_rms_norm_backward": 1}
+    assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])  # the forward: exact
+    for got, want in zip(fused[2:], eager[2:], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", ["plain", "float32_scale"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_error_at_most_twice_eager_error(card, scaling, dtype):
+    for seed in range(4):
+        norm = make_norm(scaling, dtype, seed)
+        residual, update = inputs(dtype, seed + 10)
+        reference = run_eager(card, copy.deepcopy(norm).double(), residual.double(), update.double())
+        eager = run_eager(card, norm, residual, update)
+        fused_norm, r, u = on_npu(norm, residual, update)
+        with emulation.count_op_calls() as calls:
+            fused = run(card.add_rms_norm, r, u, fused_norm, scaling, FAMILIES[scaling])
+        assert calls == {"npu_add_rms_norm": 1, "npu_rms_norm_backward": 1}
+        assert torch.equal(fused[1], eager[1])  # the sum: rounded to the dtype, as eager's add
+        for got, want, ref in zip(fused, eager, reference, strict=True):
+            assert got.dtype == want.dtype
+            fused_error = (got.double() - ref).abs().max().item()
+            eager_error = (want.double() - ref).abs().max().item()
+            assert fused_error <= 2 * eager_error + 1e-6, (seed, fused_error, eager_error)
+
+
+def test_host_tensors_run_the_eager_math_negative_control(card):
+    norm = make_norm("plain", torch.float32)
+    residual, update = inputs(torch.float32)
+    with emulation.count_op_calls() as calls:
+        got = card.add_rms_norm(residual, update, norm, "plain", LLAMA)
+    assert calls == {}
+    want = card.add_rms_norm_eager(residual, update, norm)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+class _BiasRMSNorm(LlamaRMSNorm):
+    """An RMSNorm with a bias the op has no input for."""
+
+    def __init__(self, hidden: int):
+        super().__init__(hidden)
+        self.bias = torch.nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states) + self.bias
+
+
+def _hooked(norm):
+    norm.register_forward_pre_hook(lambda module, args: None)
+    return norm
+
+
+FALLBACKS = {
+    # case: (norm, dtype of residual/update, scaling, family, a phrase of the reason)
+    "layer norm": (lambda: torch.nn.LayerNorm(HIDDEN), torch.float32, "plain", LLAMA, "not the RMSNorm"),
+    "norm with a bias": (lambda: _BiasRMSNorm(HIDDEN), torch.float32, "plain", None, "not just a weight"),
+    "norm of another family": (
+        lambda: make_norm("zero_centered", torch.float32),
+        torch.float32,
+        "plain",
+        LLAMA,
+        "not the RMSNorm of",
+    ),
+    "hooked norm": (lambda: _hooked(make_norm("plain", torch.float32)), torch.float32, "plain", LLAMA, "hooks"),
+    "weight dtype": (lambda: make_norm("plain", torch.float32), torch.bfloat16, "plain", LLAMA, "promotes"),
+    "1 + weight in bfloat16": (
+        lambda: make_norm("zero_centered", torch.bfloat16),
+        torch.bfloat16,
+        "zero_centered",
+        FAMILIES["zero_centered"],
+        "rounding 1 + weight",
+    ),
+    "float32 weight, bfloat16 input": (
+        lambda: make_norm("float32_scale", torch.float32),
+        torch.bfloat16,
+        "float32_scale",
+        FAMILIES["float32_scale"],
+        "gamma in the input dtype",
+    ),
+    "float64": (lambda: make_norm("plain", torch.float64), torch.float64, "plain", LLAMA, "not supported"),
+}
+
+
+@pytest.mark.parametrize("case", list(FALLBACKS))
+def test_every_fallback_says_why_skips_the_op_and_equals_eager(card, case):
+    make, dtype, scaling, family, phrase = FALLBACKS[case]
+    norm = make().to("npu")
+    residual, update = (t.to("npu") for t in inputs(dtype))
+    reason = card.add_rms_norm_unavailable_reason(residual, update, norm, scaling, family)
+    assert reason is not None and phrase in reason, reason
+    with emulation.count_op_calls() as calls:
+        got = card.add_rms_norm(residual, update, norm, scaling, family)
+    assert calls["npu_add_rms_norm"] == 0
+    want = card.add_rms_norm_eager(residual, update, norm)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("residual_shape", "update_shape", "update_dtype", "phrase"),
+    [
+        ((2, 3, HIDDEN), (1, 3, HIDDEN), torch.float32, "broadcasts"),
+        ((2, 3, HIDDEN), (2, 3, HIDDEN), torch.float16, "promotes the sum"),
+        ((0, 3, HIDDEN), (0, 3, HIDDEN), torch.float32, "empty"),
+        ((2, 3, HIDDEN * 2), (2, 3, HIDDEN * 2), torch.float32, "does not match"),
+    ],
+)
+def test_tensor_fallbacks(card, residual_shape, update_shape, update_dtype, phrase):
+    norm = make_norm("plain", torch.float32).to("npu")
+    residual = torch.randn(residual_shape).to("npu")
+    update = torch.randn(update_shape).to(update_dtype).to("npu")
+    reason = card.add_rms_norm_unavailable_reason(residual, update, norm)
+    assert reason is not None and phrase in reason, reason
+    if phrase == "does not match":
+        return  # eager itself cannot multiply these shapes
+    with emulation.count_op_calls() as calls:
+        got = card.add_rms_norm(residual, update, norm)
+    assert calls["npu_add_rms_norm"] == 0
+    assert all(torch.equal(g, w) for g, w in zip(got, card.add_rms_norm_eager(residual, update, norm), strict=True))
+
+
+def test_unknown_scaling_is_refused(card):
+    residual, update = inputs(torch.float32)
+    with pytest.raises(ValueError, match="plain"):
+        card.add_rms_norm(residual, update, make_norm("plain", torch.float32), "gemma")
+
+
+# The decoder-layer table, re-derived from transformers' sources.
+
+_SCALING_OF_NORM_LAYER = {"RMSNorm": "DecoderLayer", "RMSNormZeroCentered": "DecoderLayerZeroCentered",
+                          "RMSNormFloat32Scale": "DecoderLayerFloat32Scale"}  # fmt: skip
+
+
+def _decoder_layer_classes() -> dict[str, ast.ClassDef]:
+    """Every `*DecoderLayer` class defined in a transformers modeling file, by path, as its syntax tree."""
+    root = Path(transformers.__file__).parent / "models"
+    found = {}
+    for file in sorted(root.glob("*/modeling_*.py")):
+        for node in ast.parse(file.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name.endswith("DecoderLayer"):
+                found[f"{file.parent.name}.{file.stem}.{node.name}"] = node
+    return found
+
+
+def _method(node: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    return next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _post_norm_classes(node: ast.ClassDef) -> list[str]:
+    """What `__init__` assigns to self.post_attention_layernorm (the called class's name, or the expression)."""
+    init = _method(node, "__init__")
+    found = []
+    for n in ast.walk(init) if init is not None else ():
+        if isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Attribute) and t.attr == "post_attention_layernorm" for t in n.targets
+        ):
+            call = n.value
+            found.append(call.func.id if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) else "")
+    return found
+
+
+@pytest.mark.slow
+def test_every_decoder_layer_class_of_transformers_is_decided_and_the_table_is_the_survey():
+    classes = _decoder_layer_classes()
+    decided = {path for paths in table.SWAPPED.values() for path in paths} | set(table.LEFT_OUT)
+    assert set(classes) == decided, (sorted(set(classes) - decided), sorted(decided - set(classes)))
+    assert not {path for paths in table.SWAPPED.values() for path in paths} & set(table.LEFT_OUT)
+    llama_forward = ast.dump(_method(classes[f"{LLAMA.removeprefix('transformers.models.')}.LlamaDecoderLayer"],
+                                     "forward"))  # fmt: skip
+    norm_layer = {path: layer for layer, paths in norm_table.SWAPPED.items() for path in paths}
+    derived: dict[str, list[str]] = {layer: [] for layer in table.SWAPPED}
+    for path, node in classes.items():
+        forward, norms = _method(node, "forward"), _post_norm_classes(node)
+        if forward is None or ast.dump(forward) != llama_forward or len(set(norms)) != 1 or not norms[0]:
+            continue
+        layer = _SCALING_OF_NORM_LAYER.get(norm_layer.get(f"{path.rpartition('.')[0]}.{norms[0]}"))
+        if layer is not None:
+            derived[layer].append(path)
+    assert {layer: sorted(paths) for layer, paths in derived.items()} == {
+        layer: sorted(paths) for layer, paths in table.SWAPPED.items()
+    }
+
+
+def test_the_layers_forward_takes_the_parameters_of_the_forward_it_replaces(card):
+    for layer, paths in table.SWAPPED.items():
+        ours = inspect.signature(getattr(card.layers, layer).forward).parameters
+        for path in paths:
+            module, _, name = path.rpartition(".")
+            cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+            theirs = inspect.signature(cls.forward).parameters
+            assert [(p.name, p.kind) for p in ours.values()] == [(p.name, p.kind) for p in theirs.values()], path
+
+
+# Model level: tiny families, every card kernelized.
+
+FUSED_FAMILIES = ["llama", "qwen3", "qwen3_moe", "helium", "deepseek_v3"]
+
+
+def _layers(model) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
+@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
+def test_model_forward_and_backward_equal_eager_in_float32_with_every_card(npu_kernels, model_type):
+    eager = tiny_causal_lm(model_type).to("npu")
+    model = kernelize(tiny_causal_lm(model_type).to("npu"), mode=Mode.TRAINING, device="npu")
+    swaps = [s for s in swapped_modules(model) if s.card == "npu-add-rms-norm"]
+    assert len(swaps) == _layers(model)
+    ids = token_ids().to("npu")
+    with emulation.count_op_calls() as calls:
+        out = model(ids, labels=ids)
+        out.loss.backward()
+    assert calls["npu_add_rms_norm"] == _layers(model) and calls["npu_rms_norm_backward"] == _layers(model)
+    assert calls["npu_rms_norm"] > 0 and calls["npu_rotary_mul"] > 0  # the other cards run inside the layer
+    want = eager(ids, labels=ids)
+    want.loss.backward()
+    assert torch.equal(out.logits, want.logits)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_model_negative_control_not_kernelized_runs_no_fused_op():
+    model = tiny_causal_lm("llama").to("npu")
+    with emulation.count_op_calls() as calls:
+        model(token_ids().to("npu"))
+    assert calls["npu_add_rms_norm"] == 0
+
+
+def test_generate_is_token_identical_to_eager(npu_kernels):
+    ids = token_ids(batch=2, seq=6)
+    eager = tiny_causal_lm("qwen3")
+    model = kernelize(tiny_causal_lm("qwen3").to("npu"), mode=Mode.INFERENCE, device="npu")
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = eager.generate(input_ids=ids, **settings)
+        with emulation.count_op_calls() as calls:
+            got = model.generate(input_ids=ids.to("npu"), **settings)
+    assert calls["npu_add_rms_norm"] == 5 * _layers(model)
+    assert torch.equal(got.sequences.cpu(), want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits).cpu(), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_training_follows_eager_loss_trajectory(npu_kernels, dtype):
+    batches = [token_ids(batch=4, seq=12, seed=seed) for seed in range(8)]
+
+    def adam(params):
+        return torch.optim.AdamW(params, lr=3e-3)
+
+    eager_losses, _ = train_steps(tiny_causal_lm("llama", dtype=dtype).to("npu"), batches, adam)
+    model = kernelize(tiny_causal_lm("llama", dtype=dtype).to("npu"), mode=Mode.TRAINING, device="npu")
+    with emulation.count_op_calls() as calls:
+        losses, _ = train_steps(model, batches, adam)
+    assert calls["npu_add_rms_norm"] == len(batches) * _layers(model)
+    assert losses[-1] < losses[0] and eager_losses[-1] < eager_losses[0]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(losses, eager_losses, strict=True):
+        assert abs(got - want) <= tolerance * abs(want), (losses, eager_losses)
+
+
+def test_gradient_checkpointing_recomputes_the_fused_layer(npu_kernels):
+    batches = [token_ids(batch=2, seq=8, seed=seed) for seed in range(2)]
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=1e-2)
+
+    eager_losses, eager_updates = train_steps(tiny_causal_lm("llama").to("npu"), batches, sgd)
+    model = kernelize(tiny_causal_lm("llama").to("npu"), mode=Mode.TRAINING, device="npu")
+    losses, updates = train_steps(model, batches, sgd, checkpointing=True)
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    for name, update in updates.items():
+        torch.testing.assert_close(update, eager_updates[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_backward_keeps_the_sum_gamma_and_rstd_only(card):
+    """What npu_rms_norm's own node keeps (its input, gamma, rstd), not float32 intermediates."""
+    norm, residual, update = on_npu(make_norm("plain", torch.bfloat16), *inputs(torch.bfloat16))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        _, summed = card.add_rms_norm(residual, update, norm, "plain", LLAMA)
+    assert [(tuple(t.shape), t.dtype) for t in saved] == [
+        (tuple(summed.shape), torch.bfloat16),
+        ((HIDDEN,), torch.bfloat16),
+        ((*summed.shape[:-1], 1), torch.float32),
+    ]
+    assert saved[0].data_ptr() == summed.data_ptr() and saved[1] is norm.weight
