@@ -3,10 +3,16 @@
 
 from . import layers
 from ._build import VARIANT
-from .loss import linear_cross_entropy, linear_cross_entropy_eager, linear_cross_entropy_unavailable_reason
+from .loss import (
+    default_chunk_tokens,
+    linear_cross_entropy,
+    linear_cross_entropy_eager,
+    linear_cross_entropy_unavailable_reason,
+)
 
 __all__ = [
     "VARIANT",
+    "default_chunk_tokens",
     "layers",
     "linear_cross_entropy",
     "linear_cross_entropy_eager",

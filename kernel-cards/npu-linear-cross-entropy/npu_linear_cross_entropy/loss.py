@@ -19,20 +19,27 @@ Whatever the op cannot compute runs `linear_cross_entropy_eager`: the lm_head an
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
-CHUNK_ELEMENTS = 1 << 28
-"""Default logits elements per chunk (tokens x vocabulary): each float32 buffer of a chunk is 1 GiB."""
+CHUNK_ELEMENTS = 1 << 29
+"""Most logits elements per chunk (tokens x vocabulary) by default: each float32 buffer of a chunk at most 2 GiB."""
 DEFAULT_LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
 
 
-def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk for a vocabulary: `CHUNK_ELEMENTS // vocab_size`, at least 1."""
-    return max(1, CHUNK_ELEMENTS // vocab_size)
+def default_chunk_tokens(tokens: int, vocab_size: int) -> int:
+    """Tokens per chunk: the fewest equal chunks whose logits hold at most CHUNK_ELEMENTS elements each.
+
+    Fewer chunks read W fewer times (three reads, and dL/dW read and written, per chunk); smaller ones hold less at
+    once. At 2^29 elements both of issue 19's targets hold for Llama-3-8B and Qwen3-8B at 8 x 4096 tokens (the
+    trade: scripts/bench/cards/npu_linear_cross_entropy.py)."""
+    chunks = max(1, math.ceil(tokens * vocab_size / CHUNK_ELEMENTS))
+    return max(1, math.ceil(tokens / chunks))
 
 
 def is_default_causal_lm_loss(loss_function: object) -> bool:
@@ -112,8 +119,8 @@ def linear_cross_entropy(
         divisor = counted.sum()
     elif not torch.is_tensor(divisor):
         divisor = torch.tensor(divisor, device=hidden_states.device)
-    chunk = chunk_tokens or default_chunk_tokens(vocab_size)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    chunk = chunk_tokens or default_chunk_tokens(hidden.shape[0], vocab_size)
     loss = _ChunkedLinearCrossEntropy.apply(
         hidden, lm_head.weight, lm_head.bias, torch.where(counted, targets, 0), counted,
         divisor.to(hidden.device, torch.float32), chunk,
@@ -176,26 +183,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad[1] else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_grad[2] else None
+        grads = (grad_hidden, grad_weight, grad_bias)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            h, target, mask = hidden[rows], targets[rows], counted[rows]
-            logits = F.linear(h, weight, bias).float()
-            per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
-            del logits
-            total += (per_token * mask).sum()
-            if not any(needs_grad):
-                continue
-            # softmax - onehot of the counted rows, 0 elsewhere, in the model dtype (1/divisor comes last)
-            grad_logits = torch_npu.npu_cross_entropy_loss_backward(
-                mask.to(hidden.dtype), log_prob, target, reduction="none"
-            )
-            del log_prob
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits @ weight
-            if grad_weight is not None:
-                _accumulate(grad_weight, grad_logits.t(), h)
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
+            total += _chunk(hidden[rows], weight, bias, targets[rows], counted[rows], rows, grads)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, divisor)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total / divisor
@@ -205,15 +196,37 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias, divisor = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         scale = grad_loss.float() / divisor
+        # scaled in place (autograd needs them no more), then one cast each: no second float32 copy of dL/dW
         return (
-            None if grad_hidden is None else (grad_hidden * scale).to(hidden_dtype),
-            None if grad_weight is None else (grad_weight * scale).to(weight_dtype),
-            None if grad_bias is None else (grad_bias * scale).to(weight_dtype),
+            None if grad_hidden is None else grad_hidden.mul_(scale).to(hidden_dtype),
+            None if grad_weight is None else grad_weight.mul_(scale).to(weight_dtype),
+            None if grad_bias is None else grad_bias.mul_(scale).to(weight_dtype),
             None,
             None,
             None,
             None,
         )
+
+
+def _chunk(h, weight, bias, target, mask, rows: slice, grads: tuple) -> torch.Tensor:
+    """One chunk: its summed loss over the counted rows; adds its share into the gradients that are not None.
+    (A function, so that every [chunk, V] buffer is freed when it returns.)"""
+    grad_hidden, grad_weight, grad_bias = grads
+    logits = F.linear(h, weight, bias).float()
+    per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
+    del logits
+    if all(grad is None for grad in grads):
+        return (per_token * mask).sum()
+    # softmax - onehot of the counted rows, 0 elsewhere, in the model dtype (1/divisor comes last)
+    grad_logits = torch_npu.npu_cross_entropy_loss_backward(mask.to(h.dtype), log_prob, target, reduction="none")
+    del log_prob
+    if grad_hidden is not None:
+        grad_hidden[rows] = grad_logits @ weight
+    if grad_weight is not None:
+        _accumulate(grad_weight, grad_logits.t(), h)
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
+    return (per_token * mask).sum()
 
 
 def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
