@@ -119,10 +119,12 @@ def linear_cross_entropy(
         divisor = counted.sum()
     elif not torch.is_tensor(divisor):
         divisor = torch.tensor(divisor, device=hidden_states.device)
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    hidden, weight, bias = hidden_states.reshape(-1, hidden_states.shape[-1]), lm_head.weight, lm_head.bias
+    if not torch.is_grad_enabled():  # the Function would see requires_grad and make gradients no one asked for
+        hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
     chunk = chunk_tokens or default_chunk_tokens(hidden.shape[0], vocab_size)
     loss = _ChunkedLinearCrossEntropy.apply(
-        hidden, lm_head.weight, lm_head.bias, torch.where(counted, targets, 0), counted,
+        hidden, weight, bias, torch.where(counted, targets, 0), counted,
         divisor.to(hidden.device, torch.float32), chunk,
     )  # fmt: skip
     return loss, None
