@@ -353,3 +353,23 @@ def test_training_converges_like_eager(npu_kernels):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     moved = {name: relative_error(update, want_updates[name]) for name, update in got_updates.items()}
     assert max(moved.values()) <= 1e-3, max(moved.items(), key=lambda item: item[1])
+
+
+# --- the counted targets (issue 19) ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama-3-8b", "qwen3-8b"])
+def test_counted_targets_met_at_batch_8_x_4096(npu_kernels, model):
+    """Forward+backward, bfloat16, on fake tensors: the card at its default chunks moves no more bytes than eager and
+    its peak of live bytes is at most 1/8 of eager's; a chunk of 8192 tokens (the negative control) breaks the
+    peak."""
+    pytest.importorskip("bench.memory", reason="the memory measure, scripts/bench/memory.py (branch memory)")
+    from bench.cards import npu_linear_cross_entropy as spec
+
+    vocab = spec.MODELS[model]
+    eager = spec.measure(model, vocab, None, *spec.SHAPE)
+    fused = spec.measure(model, vocab, 0, *spec.SHAPE)
+    assert fused["bytes"] <= eager["bytes"] and fused["peak bytes"] <= spec.PEAK_SHARE * eager["peak bytes"]
+    large = spec.measure(model, vocab, 8192, *spec.SHAPE)
+    assert large["peak bytes"] > spec.PEAK_SHARE * eager["peak bytes"]

@@ -15,6 +15,16 @@ dtype and in float32, npu_cross_entropy_loss writing float32 log-probabilities [
 gradient [C, V] in the model dtype, and two matmuls; W is read three times per chunk and dL/dW, summed in float32,
 read and written once per chunk. So the bytes fall as chunks grow (W re-read less often) while the peak of live
 bytes rises (the chunk's [C, V] buffers): `STUDY_TABLE` shows that trade for the default chunk and others.
+
+The trade, as counted (T tokens, V vocabulary, H hidden, bfloat16): eager moves about 51 bytes per logit (T x V) and
+its peak holds about 12 bytes per logit (the bf16 logits its output keeps, the float32 log-softmax it saves, and two
+float32 gradients in backward). The card moves about 26 bytes per logit, plus about 17.5 bytes per element of W per
+chunk (W read three times, dL/dW's bf16 product written, then read with the float32 sum and the sum written); its
+peak is about 8 bytes per logit of one chunk (float32 logits and log-probabilities together) plus the float32 dL/dW
+(4 bytes per element of W) and dL/dh. So bytes <= eager needs about 17.5 x V x H x T / C <= 25 x T x V, that is
+C >= 0.7 H (about 2900 tokens at H = 4096), and peak <= eager / 8 needs 8 x C x V + 4 x V x H <= 1.5 x T x V, that
+is C <= 4096 at 8 x 4096 tokens and H = 4096: between the two, the default (the fewest equal chunks of at most 2^29
+logits: 4096 tokens for Llama-3-8B, 3277 for Qwen3-8B) meets both.
 """
 
 from __future__ import annotations
@@ -120,10 +130,11 @@ def measure(model_key: str, vocab: int, chunk_tokens: int | None, batch: int, se
     return {**measured, "floor": floors, "chunk": "eager" if chunk_tokens is None else chunk_tokens}
 
 
-def region_rows(quick: bool) -> list[Row]:
-    """The loss region's counted rows, forward+backward at batch 8 x 4096 (1 x 512 with --quick): eager against the
-    card at its default chunk (study "layer", kind the card's region, so the counted table and the targets take
-    them) and, without --quick, at each chunk of CHUNK_SWEEP (study "loss chunks"); ops, bytes, peak live bytes."""
+def region_rows(specs: list, quick: bool) -> list[Row]:
+    """The loss region's counted rows for the measured models of MODELS, forward+backward at batch 8 x 4096
+    (1 x 512 with --quick): eager against the card at its default chunks (study "layer", kind the card's region, so
+    the counted table and the targets take them) and, without --quick, at each chunk of CHUNK_SWEEP (study
+    "loss chunks"); ops, bytes, peak live bytes."""
     from ..cards import card_named
     from ..configs import CONFIGS
 
@@ -132,15 +143,18 @@ def region_rows(quick: bool) -> list[Row]:
     rows = []
     for key, vocab in MODELS.items():
         name = CONFIGS[key].name
+        if CONFIGS[key] not in specs:
+            continue
         eager = measure(key, vocab, None, batch, seq)
         (fwd_ops, fwd_bytes), (bwd_ops, bwd_bytes) = eager["floor"]
         floors = {"ops": fwd_ops + bwd_ops, "bytes": fwd_bytes + bwd_bytes, "peak bytes": None}
-        for chunk in (0, *(() if quick else CHUNK_SWEEP)):
-            fused = measure(key, vocab, chunk, batch, seq)
+        default = measure(key, vocab, 0, batch, seq)
+        swept = [measure(key, vocab, chunk, batch, seq) for chunk in (() if quick else CHUNK_SWEEP)]
+        for fused in [default, *(m for m in swept if m["chunk"] != default["chunk"])]:
             for unit in UNITS:
                 rows.append(
                     Row("counted", name, kind, "fwd+bwd", batch, seq, eager=eager[unit], kernelized=fused[unit],
-                        floor=floors[unit], unit=unit, study="layer" if chunk == 0 else CHUNK_STUDY, kind=kind,
+                        floor=floors[unit], unit=unit, study="layer" if fused is default else CHUNK_STUDY, kind=kind,
                         model=name, path=str(fused["chunk"]))
                 )  # fmt: skip
         log(f"  counted {name} lm_head + loss, batch {batch}, seq {seq}")
@@ -160,7 +174,7 @@ def study_table(rows: list[Row]) -> list[str]:
     chosen = [r for r in rows if r.kind == kind and r.study in ("layer", CHUNK_STUDY) and r.unit in UNITS]
     body = []
     for model in dict.fromkeys(r.model for r in chosen):
-        for chunk in dict.fromkeys(r.path for r in chosen if r.model == model):
+        for chunk in sorted({r.path for r in chosen if r.model == model}, key=int):
             by_unit = {r.unit: r for r in chosen if (r.model, r.path) == (model, chunk)}
             ops, size, peak = (by_unit[unit] for unit in UNITS)
             default = " (default)" if ops.study == "layer" else ""
