@@ -17,13 +17,13 @@ read and written once per chunk. So the bytes fall as chunks grow (W re-read les
 bytes rises (the chunk's [C, V] buffers): `STUDY_TABLE` shows that trade for the default chunk and others.
 
 The trade, as counted (T tokens, V vocabulary, H hidden, bfloat16): eager moves about 51 bytes per logit (T x V) and
-its peak holds about 12 bytes per logit (the bf16 logits its output keeps, the float32 log-softmax it saves, and two
+its peak holds about 14 bytes per logit (the bf16 logits its output keeps, the float32 log-softmax it saves, and two
 float32 gradients in backward). The card moves about 26 bytes per logit, plus about 17.5 bytes per element of W per
 chunk (W read three times, dL/dW's bf16 product written, then read with the float32 sum and the sum written); its
 peak is about 8 bytes per logit of one chunk (float32 logits and log-probabilities together) plus the float32 dL/dW
 (4 bytes per element of W) and dL/dh. So bytes <= eager needs about 17.5 x V x H x T / C <= 25 x T x V, that is
-C >= 0.7 H (about 2900 tokens at H = 4096), and peak <= eager / 8 needs 8 x C x V + 4 x V x H <= 1.5 x T x V, that
-is C <= 4096 at 8 x 4096 tokens and H = 4096: between the two, the default (the fewest equal chunks of at most 2^29
+C >= 0.7 H (about 2900 tokens at H = 4096), and peak <= eager / 8 needs 8 x C x V + 4 x V x H <= 1.75 x T x V, that
+is C <= 5120 at 8 x 4096 tokens and H = 4096: between the two, the default (the fewest equal chunks of at most 2^29
 logits: 4096 tokens for Llama-3-8B, 3277 for Qwen3-8B) meets both.
 """
 
