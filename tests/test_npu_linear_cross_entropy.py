@@ -316,16 +316,30 @@ def test_without_labels_and_in_generate_the_model_is_eager(npu_kernels):
         assert torch.equal(tokens.cpu(), eager.generate(ids, max_new_tokens=4, do_sample=False))
 
 
-def test_return_dict_false_and_evaluation_with_labels(npu_kernels):
+def test_return_dict_false_in_a_training_step(npu_kernels):
     eager, fused = _pair("qwen3")
     ids = token_ids()
-    with torch.no_grad(), emulation.count_op_calls() as calls:
+    with emulation.count_op_calls() as calls:
         got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), return_dict=False)
-    assert [calls[op] for op in OPS] == [1, 0]  # no gradient: no backward op
-    with torch.no_grad():
-        want = eager(input_ids=ids, labels=ids, return_dict=False)
+    assert [calls[op] for op in OPS] == [1, 1]
+    want = eager(input_ids=ids, labels=ids, return_dict=False)
     assert isinstance(got, tuple) and len(got) == len(want) - 1  # the logits (None) are left out, as to_tuple does
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("evaluation", ["eval()", "no_grad"])
+def test_evaluation_with_labels_is_eager_with_its_logits(npu_kernels, evaluation):
+    """Evaluation loops (Trainer.evaluate) read the logits: only a training step fuses."""
+    eager, fused = _pair("llama")
+    if evaluation == "eval()":
+        eager.eval(), fused.eval()
+    ids = token_ids()
+    with torch.no_grad() if evaluation == "no_grad" else torch.enable_grad(), emulation.count_op_calls() as calls:
+        got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"))
+        want = eager(input_ids=ids, labels=ids)
+    assert calls[OPS[0]] == 0 and got.logits is not None
+    torch.testing.assert_close(got.loss.cpu(), want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.logits.cpu(), want.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_a_custom_loss_function_keeps_the_class_forward(npu_kernels):

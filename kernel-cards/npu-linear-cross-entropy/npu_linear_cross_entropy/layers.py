@@ -2,13 +2,15 @@
 
 Each reproduces one group of identical forwards of transformers 5.22.2 (the base model, `lm_head` on the last
 hidden states, `self.loss_function` with the labels, a `CausalLMOutputWithPast`-like output) and computes the lm_head
-and loss with `linear_cross_entropy`. A call without labels, with another loss function or with `logits_to_keep`
-runs the class's own forward (exactly eager: generation and evaluation without labels never change). When the loss
-is fused, the output's `logits` is None: the full logits are what the card never makes.
+and loss with `linear_cross_entropy`, in a training step (the module in train() and grad enabled) with labels. Any
+other call (evaluation, generation, no labels, another loss function, `logits_to_keep`) runs the class's own
+forward, exactly eager. When the loss is fused, the output's `logits` is None: the full logits are what the card
+never makes.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .loss import is_default_causal_lm_loss, linear_cross_entropy
@@ -64,7 +66,9 @@ def _causal_lm_forward(module: nn.Module, arguments: dict, kwargs: dict, output_
     """The class's forward with its lm_head + loss lines fused; its own forward where the loss cannot be."""
     labels, logits_to_keep = arguments["labels"], arguments["logits_to_keep"]
     named = {name: arguments[name] for name in (*_MODEL_INPUTS, "labels")}
-    plain_call = labels is None or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
+    # a training step only: evaluation (eval() or no grad) and generation keep the class's forward and its logits
+    training_step = module.training and torch.is_grad_enabled()
+    plain_call = labels is None or not training_step or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
     if plain_call or not is_default_causal_lm_loss(module.loss_function):
         return type(module).forward(module, **named, logits_to_keep=logits_to_keep, **kwargs)
     return_dict = kwargs.pop("return_dict", None)
