@@ -387,3 +387,26 @@ def test_counted_targets_met_at_batch_8_x_4096(npu_kernels, model):
     assert fused["bytes"] <= eager["bytes"] and fused["peak bytes"] <= spec.PEAK_SHARE * eager["peak bytes"]
     large = spec.measure(model, vocab, 8192, *spec.SHAPE)
     assert large["peak bytes"] > spec.PEAK_SHARE * eager["peak bytes"]
+
+
+@pytest.mark.slow
+def test_use_kernels_with_accelerates_autocast_says_what_to_do_and_apply_npu_kernels_trains(npu_kernels, tmp_path):
+    """Trainer with bf16 wraps the model's forward in autocast (accelerate); from_pretrained(use_kernels=True)
+    kernelizes again at train(), replacing that wrapper with this card's layer: the layer refuses to run without
+    it, saying what to do. With apply_npu_kernels the wrapper stays, and under autocast the loss keeps eager's math."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from npu_hub_kernels import apply_npu_kernels
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "source")
+    ids = token_ids(batch=4, seq=8)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = dict(per_device_train_batch_size=4, max_steps=1, bf16=True, report_to=[], disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu", use_kernels=True)
+    with pytest.raises(RuntimeError, match="kernelizes again at every train"):
+        Trainer(model, TrainingArguments(output_dir=str(tmp_path / "a"), **args), train_dataset=data).train()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu")
+    apply_npu_kernels(model, local_dir=npu_kernels)
+    with emulation.count_op_calls() as calls:
+        Trainer(model, TrainingArguments(output_dir=str(tmp_path / "b"), **args), train_dataset=data).train()
+    assert calls["npu_rms_norm"] and calls[OPS[0]] == 0  # autocast: the loss is eager's

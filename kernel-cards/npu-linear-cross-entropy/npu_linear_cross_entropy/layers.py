@@ -64,6 +64,7 @@ _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "past_key_values
 
 def _causal_lm_forward(module: nn.Module, arguments: dict, kwargs: dict, output_class: str, extra: tuple[str, ...]):
     """The class's forward with its lm_head + loss lines fused; its own forward where the loss cannot be."""
+    _refuse_a_dropped_autocast_wrapper(module)
     labels, logits_to_keep = arguments["labels"], arguments["logits_to_keep"]
     named = {name: arguments[name] for name in (*_MODEL_INPUTS, "labels")}
     # a training step only: evaluation (eval() or no grad) and generation keep the class's forward and its logits
@@ -91,3 +92,21 @@ def _causal_lm_forward(module: nn.Module, arguments: dict, kwargs: dict, output_
         **{name: getattr(outputs, name) for name in extra},
     )
     return output if return_dict else output.to_tuple()
+
+
+DROPPED_AUTOCAST = (
+    "npu-linear-cross-entropy: accelerate wrapped this model's forward in its mixed-precision autocast, and a later "
+    "kernelize replaced that wrapper (from_pretrained(..., use_kernels=True) kernelizes again at every train()/eval() "
+    "switch), so the model would run without autocast. Apply the cards with npu_hub_kernels.apply_npu_kernels(model) "
+    "or kernels.kernelize instead of use_kernels=True, or leave npu_fused_linear_cross_entropy out of the selection."
+)
+
+
+def _refuse_a_dropped_autocast_wrapper(module: nn.Module) -> None:
+    """Raise when accelerate's autocast wrapper of the model's forward (it keeps the forward it wrapped as
+    `_original_forward`) is no longer around this call: this layer, swapped in after it, would run without it."""
+    if "_original_forward" not in vars(module):
+        return
+    device = next(module.parameters()).device.type
+    if not torch.is_autocast_enabled(device):
+        raise RuntimeError(DROPPED_AUTOCAST)
