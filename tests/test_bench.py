@@ -19,7 +19,7 @@ from bench import cards, configs, counted, regions, report, targets
 from bench.accounting import count_device_ops, fake_module, fused_ops
 from bench.cards import npu_rms_norm, npu_rope
 from bench.peer import PARITY_TOLERANCE, load_peer, parity_rows
-from bench.rows import CSV_COLUMNS, EMULATED, Row
+from bench.rows import CSV_COLUMNS, EMULATED, MEMORY_UNITS, Row
 from conftest import ROOT
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
@@ -266,7 +266,8 @@ def test_the_default_path_is_the_only_kernelized_variant_and_rows_are_selected_b
     rows = counted.counted_rows(TINY_LLAMA, [(2, 16)])
     assert {r.variant for r in rows} == {"default"} and {r.study for r in rows} == {"layer"}
     measurements = [(r.kind, r.phase, r.unit) for r in rows]
-    assert len(measurements) == len(set(measurements)) == 4 * 2 * 2
+    assert len(measurements) == len(set(measurements)) == 4 * (2 * 2 + len(MEMORY_UNITS))
+    assert {unit for _, phase, unit in measurements if phase == "fwd"} == {"ops", "bytes"}  # memory: with grad
     assert {kind for kind, _, _ in measurements} == {"RMSNorm", "RoPE", "SwiGLU MLP", cards.LAYER}
     relabelled = [dataclasses.replace(r, op="?", config="?") for r in rows]
     assert targets.evaluate(relabelled) == targets.evaluate(rows)
@@ -387,13 +388,15 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     counted = [r for r in table if r["mode"] == "counted" and r["config"] == "Llama-3-8B"]
     assert {r["kind"] for r in counted} >= outside_layers
     counted = [r for r in counted if r["kind"] not in outside_layers]
-    assert {r["phase"] for r in counted} == {"fwd", "fwd+bwd"} and {r["unit"] for r in counted} == {"ops", "bytes"}
+    assert {r["phase"] for r in counted} == {"fwd", "fwd+bwd"}
+    assert {r["unit"] for r in counted} == {"ops", "bytes", *MEMORY_UNITS}
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
     assert readme.read_text() == f"# x\n{report.README_BEGIN}\n{summary}{report.README_END}\nend\n"
     assert EMULATED not in summary.replace("emulated ones are only in bench.csv", "")
     for target in ("kernelize of 32 layers", "per-call overhead", "torch-universal fallback", "RMSNorm: kernelized"):
         assert target in summary
+    assert "Memory, counted, forward+backward" in summary and "| model | region | saved eager |" in summary
     assert "**Peer**: LLaMA-Factory" in summary and "| peer kernel | matches |" in summary  # the peer column ran
     assert all(r["peer"] for r in counted)
 
@@ -410,8 +413,8 @@ def test_every_card_has_a_complete_bench_spec():
 
 
 def test_a_spec_missing_pieces_is_named_piece_by_piece(monkeypatch):
-    """A spec that lacks a floor and the host timing, gives a counted target its kind, and brings a rule for an op
-    the card's emulation module does not bring: each problem in its own sentence."""
+    """A spec that lacks a floor, its saved bytes and the host timing, gives a counted target its kind, and brings a
+    rule for an op the card's emulation module does not bring: each problem in its own sentence."""
     swiglu = CARDS["npu_fused_swiglu"]
     partial = types.ModuleType(cards.spec_name(swiglu))
     partial.COUNTED_TARGETS = (targets.CountedTarget("ops", configs.PHASES, 1, kind=swiglu.region),)
@@ -421,6 +424,7 @@ def test_a_spec_missing_pieces_is_named_piece_by_piece(monkeypatch):
     source = "npu_hub_kernels/testing/emulation/ops/npu_swiglu.py"
     assert cards.missing_pieces(swiglu) == [
         f"{where} defines no floor",
+        f"{where} defines no floor_saved",
         f"{where} defines no HOST_TIMING",
         f"{where}: a counted target sets its kind (card.toml's region is it)",
         f"{where}: FUSED_OPS has no accounting rule for torch_npu.npu_swiglu ({source} brings it)",

@@ -7,7 +7,8 @@ Counted (mode "counted", not timed, the same on every host): for one full-size d
 Llama-3-8B, Qwen3-8B, Qwen3-30B-A3B and Mixtral-8x7B (random weights, nothing downloaded), forward
 (in `torch.inference_mode()`: it stands for inference) and forward+backward (with grad), batch 1 and 8,
 sequence 512 and 4096, bfloat16: the device operations and the bytes they read and write, for eager
-transformers and for the kernelized layer under the torch_npu emulation, set against a floor. The
+transformers and for the kernelized layer under the torch_npu emulation, set against a floor; with the
+backward, also the memory: bytes kept for backward and the peak of live bytes (`memory`). The
 kernelized layer is the default path, what users get from kernelize alone (no other call). The layers run on fake
 tensors (shapes, no data, no compute), so full sizes cost next to nothing; `accounting` says what counts
 as an operation and how the emulation's internals are kept out. Rows per fused region kind (summed over
@@ -36,7 +37,8 @@ Modules: `cards` (a package: one bench spec per card, `cards/<card package>.py`,
 knows about that card: its floor, targets, accounting rules, direct call and studies; the contract is its
 docstring), `configs` (the models and shapes), `regions` (a decoder layer's fused regions and how they are
 run), `floors` (the floor of a region and of the layer), `targets`, `accounting` (ops and bytes on fake
-tensors), `counted`, `timed`, `peer` (LLaMA-Factory's kernels), `rows` (a measurement, bench.csv), `report`
-(summary, README section, card sections), `chart` (bench.png), `__main__` (the command). The modules
-other than the specs name no card and no region: they iterate over `npu_hub_kernels.CARDS` and the specs.
+tensors), `memory` (saved and peak bytes on fake tensors), `counted`, `timed`, `peer` (LLaMA-Factory's
+kernels), `rows` (a measurement, bench.csv), `report` (summary, README section, card sections), `chart`
+(bench.png), `__main__` (the command). The modules other than the specs name no card and no region: they
+iterate over `npu_hub_kernels.CARDS` and the specs.
 """

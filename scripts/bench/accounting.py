@@ -45,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+if TYPE_CHECKING:
+    from .memory import Memory
 
 aten = torch.ops.aten
 
@@ -109,6 +112,8 @@ class Tally:
     """The device operations recorded in a block: how many, and the bytes they read and wrote."""
 
     records: list[OpRecord] = field(default_factory=list)
+    memory: Memory | None = None
+    """The block's memory, when measured (`memory.tracking_memory`, forward+backward runs of the counted bench)."""
 
     def add(self, name: str, reads: int, writes: int) -> None:
         self.records.append(OpRecord(name, reads, writes))
@@ -236,12 +241,20 @@ class FusedOp:
     grads_for: the arguments its backward gives gradients for (none: the op has no autograd, as
         npu_grouped_matmul on the device).
     backward_reads: what its backward kernel reads besides the output gradients, from the bound
-        arguments and the outputs.
+        arguments and the outputs. It is also what the op's autograd node keeps for backward (what stays in
+        memory between forward and backward, `memory`), unless `keeps` says otherwise.
+    keeps: what the op's autograd node keeps for backward, where that differs from what its backward kernel
+        reads (docs/torch-npu-ops.md's table); None: `backward_reads`.
     """
 
     outputs: Callable[[dict[str, Any]], Any]
     grads_for: tuple[str, ...] = ()
     backward_reads: Callable[[dict[str, Any], Any], list] = lambda args, out: []
+    keeps: Callable[[dict[str, Any], Any], list] | None = None
+
+    def kept(self, args: dict[str, Any], out: Any) -> list[torch.Tensor]:
+        """The tensors the op's autograd node keeps for backward."""
+        return _tensors((self.keeps or self.backward_reads)(args, out))
 
 
 def _sdpa_outputs(a: dict[str, Any]) -> torch.Tensor:
@@ -268,22 +281,25 @@ def fused_ops() -> dict[str, FusedOp]:
 
 
 class _FusedAutograd(torch.autograd.Function):
-    """Connects a fused op's outputs to its differentiable inputs; the backward records one op."""
+    """Connects a fused op's outputs to its differentiable inputs, keeping for backward what the real op keeps
+    (and nothing else, so that `memory` sees what the device would hold); the backward records one op."""
 
     @staticmethod
-    def forward(ctx, outputs: tuple, on_backward: Callable, *inputs: torch.Tensor):
+    def forward(ctx, outputs: tuple, kept: list, on_backward: Callable, *inputs: torch.Tensor):
         ctx.set_materialize_grads(False)
         ctx.on_backward = on_backward
+        ctx.save_for_backward(*kept)
         ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, None, *ctx.on_backward(grads, ctx.needs_input_grad[2:])
+        return None, None, None, *ctx.on_backward(grads, ctx.needs_input_grad[3:])
 
 
 def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tally) -> Callable:
-    """A stand-in for a fused op: outputs of the right shapes, one recorded op forward and one backward."""
+    """A stand-in for a fused op: outputs of the right shapes, one recorded op forward and one backward. With
+    autograd recording, it keeps the tensors the real op keeps; its backward holds only their sizes otherwise."""
 
     def op(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
@@ -295,16 +311,21 @@ def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tall
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             return outputs
         flat, tree = tree_flatten(outputs)
+        reads = _sum_bytes(spec.backward_reads(arguments, outputs))
+        layouts = [(t.shape, t.dtype, t.device) for t in inputs]
 
         def on_backward(grads: tuple, needed: tuple[bool, ...]) -> list[torch.Tensor | None]:
-            input_grads = [empty_of(t) if need else None for t, need in zip(inputs, needed, strict=True)]
-            reads = _sum_bytes([g for g in grads if g is not None]) + _sum_bytes(
-                spec.backward_reads(arguments, outputs)
+            input_grads = [
+                torch.empty(shape, dtype=dtype, device=device) if need else None
+                for (shape, dtype, device), need in zip(layouts, needed, strict=True)
+            ]
+            tally.add(
+                f"{name}_backward", _sum_bytes([g for g in grads if g is not None]) + reads, _sum_bytes(input_grads)
             )
-            tally.add(f"{name}_backward", reads, _sum_bytes(input_grads))
             return input_grads
 
-        return tree_unflatten(list(_FusedAutograd.apply(tuple(flat), on_backward, *inputs)), tree)
+        kept = spec.kept(arguments, outputs)
+        return tree_unflatten(list(_FusedAutograd.apply(tuple(flat), kept, on_backward, *inputs)), tree)
 
     return op
 

@@ -1,4 +1,5 @@
-"""bench.png: the decoder layer's ops, bytes per region against the floor, the experts sweep, the host-side targets."""
+"""bench.png: the decoder layer's ops, bytes per region against the floor, the experts sweep, the host-side targets,
+and the decoder layer's memory (saved for backward and peak)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from npu_hub_kernels.cards import Card
 
 from .cards import LAYER, NO_CARD, ExpertsSweep, kinds, with_piece
 from .configs import CONFIGS
-from .report import largest_shape
-from .rows import Row
+from .report import human_bytes, largest_shape
+from .rows import MEMORY_UNITS, Row
 from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US, counted_targets
 
 
@@ -22,7 +23,7 @@ def write_chart(rows: list[Row], path: Path, machine: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no bench.png: matplotlib is not installed (it is a dev requirement: requirements-dev.txt)"
-    fig, axes = plt.subplots(2, 2, figsize=(16, 10))
+    fig, axes = plt.subplots(3, 2, figsize=(16, 15))
     _chart_layer_ops(axes[0][0], rows)
     _chart_bytes(axes[0][1], rows)
     sweeps = with_piece("EXPERTS_SWEEP")
@@ -31,6 +32,8 @@ def write_chart(rows: list[Row], path: Path, machine: str) -> str | None:
     else:
         _not_run(axes[1][0], "Experts sweep")
     _chart_host(axes[1][1], rows)
+    for ax, unit in zip(axes[2], MEMORY_UNITS, strict=True):
+        _chart_layer_memory(ax, rows, unit)
     fig.suptitle(f"npu-hub-kernels: counted on fake tensors (emulated torch_npu), timed on {machine}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -50,6 +53,15 @@ def _chart_layer_ops(ax, rows: list[Row]) -> None:
     layers = list({r.model: r for r in layers}.values())
     if not layers:
         return _not_run(ax, title)
+    _variant_bars(ax, layers, lambda value: f"{value:.0f}")
+    ax.set_yscale("log")
+    ax.set_ylabel("device ops")
+    ax.set_title(title)
+
+
+def _variant_bars(ax, layers: list[Row], text, scale: float = 1.0) -> None:
+    """One group of bars per model: eager, kernelized, the peer's (when measured) and the floor, each drawn divided
+    by `scale` and labelled by `text` of its value."""
     series = [
         ("eager transformers", [r.eager for r in layers]),
         ("kernelized (default path: kernelize only)", [r.kernelized for r in layers]),
@@ -59,13 +71,24 @@ def _chart_layer_ops(ax, rows: list[Row]) -> None:
     series = [(label, values) for label, values in series if None not in values]
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series):
-        bars = ax.bar([x - 0.4 + (i + 0.5) * width for x in range(len(layers))], values, width, label=label)
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        xs = [x - 0.4 + (i + 0.5) * width for x in range(len(layers))]
+        bars = ax.bar(xs, [v / scale for v in values], width, label=label)
+        ax.bar_label(bars, [text(v) for v in values], fontsize=7)
     ax.set_xticks(range(len(layers)), [r.model for r in layers])
-    ax.set_yscale("log")
-    ax.set_ylabel("device ops")
-    ax.set_title(title)
     ax.legend(fontsize=8)
+
+
+def _chart_layer_memory(ax, rows: list[Row], unit: str) -> None:
+    """The decoder layer's saved or peak bytes, fwd+bwd, at the largest shape."""
+    what = "bytes kept for backward" if unit == MEMORY_UNITS[0] else "peak live bytes (floor: derived)"
+    layers = [r for r in rows if r.study == "layer" and r.kind == LAYER and r.unit == unit]
+    if not layers:
+        return _not_run(ax, f"Decoder layer memory: {what}")
+    batch, seq = largest_shape(layers)
+    layers = [r for r in layers if (r.batch, r.seq) == (batch, seq)]
+    _variant_bars(ax, layers, human_bytes, scale=1e9)
+    ax.set_ylabel("GB")
+    ax.set_title(f"Decoder layer, {what}, fwd+bwd, batch {batch} x seq {seq}")
 
 
 def _chart_bytes(ax, rows: list[Row]) -> None:

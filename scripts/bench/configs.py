@@ -83,6 +83,29 @@ CONFIGS: dict[str, ModelSpec] = {
         ),
         experts=128,
     ),
+    # Qwen/Qwen1.5-MoE-A2.7B: hidden_size 2048, num_attention_heads 16, num_key_value_heads 16 (head_dim 128),
+    # num_experts 60, num_experts_per_tok 4, moe_intermediate_size 1408, shared_expert_intermediate_size 5632,
+    # norm_topk_prob false (its router is one npu-moe-router fuses), decoder_sparse_step 1, rms_norm_eps 1e-06.
+    "qwen1.5-moe-a2.7b": ModelSpec(
+        "Qwen1.5-MoE-A2.7B",
+        "qwen2_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=5632,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            head_dim=128,
+            num_experts=60,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rms_norm_eps=1e-6,
+        ),
+        experts=60,
+    ),
     # mistralai/Mixtral-8x7B-v0.1: hidden_size 4096, intermediate_size 14336, num_attention_heads 32,
     # num_key_value_heads 8, num_local_experts 8, num_experts_per_tok 2, rms_norm_eps 1e-05.
     "mixtral-8x7b": ModelSpec(

@@ -3,12 +3,13 @@
 Per model and shape: the eager layer (transformers' forwards), the kernelized layer (the default path:
 kernelize alone, after one uncounted warm-up forward), the peer (LLaMA-Factory's NPU kernels applied to a
 layer of its own, `peer`) and the floor (`floors`), per region kind and for the whole layer, forward in
-inference mode and forward+backward with grad. Also the experts sweep: one MoE layer with more and more
-experts.
+inference mode and forward+backward with grad, and with grad the memory (`memory`: saved and peak bytes). Also
+the experts sweep: one MoE layer with more and more experts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,22 +25,25 @@ from npu_hub_kernels.cards import Card
 from .accounting import Tally, count_device_ops, fake_module
 from .cards import LAYER, NO_CARD, kinds
 from .configs import CONFIGS, DTYPE, PHASES, ModelSpec, experts_key
-from .floors import floor_of
+from .floors import floor_of, floor_peak, floor_saved_of
+from .memory import Memory, tracking_memory
 from .peer import Patches, Peer
 from .regions import Region, capture, find_regions, forward_backward, layer_inputs, resolve, set_variant
-from .rows import Row, log
+from .rows import MEMORY_UNITS, Row, log
 from .targets import counted_target
 
 
 @dataclass
 class Measured:
-    """Tallies of one region kind (or the layer) per variant, and its floor as (ops, bytes)."""
+    """Tallies of one region kind (or the layer) per variant (with their memory, forward+backward), and its floor
+    as (ops, bytes) and as memory (forward+backward; `floors`)."""
 
     eager: Tally
     kernelized: Tally | None  # None: no card fuses this region (yet)
     floor: tuple[int, int]
     peer: Tally | None = None  # None: no peer column
     peer_patched: bool | None = None  # False: the peer leaves the region to transformers
+    floor_memory: Memory | None = None  # None: not measured (forward alone)
 
 
 PEER_LAYER = "model.layers.0."
@@ -78,10 +82,13 @@ def fresh(value: Any) -> Any:
 
 
 def count_run(fn: Callable, args: tuple, kwargs: dict, params: Iterable, phase: str, experts: int | None) -> Tally:
-    """The device ops of fn on fresh fake inputs with the layouts of args/kwargs, forward or forward+backward."""
+    """The device ops of fn on fresh fake inputs with the layouts of args/kwargs, forward or forward+backward; with
+    the backward, also its memory (`memory`, in the tally's `memory`)."""
     args, kwargs = fresh((args, kwargs))
-    with count_device_ops(experts=experts) as tally:
+    memory = tracking_memory() if phase != "fwd" else contextlib.nullcontext()
+    with memory as tracker, count_device_ops(experts=experts) as tally:
         forward_backward(fn, args, kwargs, params, phase, torch.empty_like)
+    tally.memory = tracker.memory if tracker is not None else None
     return tally
 
 
@@ -148,9 +155,12 @@ def _combine(
     regions: list[Region], layer: nn.Module, tallies: dict, phase: str, patched: dict[str, bool]
 ) -> dict[tuple[str, str], Measured]:
     """Sum the regions of each kind; the layer's floor is what runs outside the regions plus each region's floor
-    (the peer plays no part in the floor)."""
+    (the peer plays no part in the floor). Memory, with the backward: a kind keeps the sum of its regions' saved
+    bytes and peaks at the largest of their peaks (they run one after the other); floors as `floors` says."""
     out = {}
     floors = {r.name: floor_of(r, resolve(layer, r.name), phase) for r in regions}
+    with_grad = phase != "fwd"  # memory is measured with the backward only
+    floor_memory = _region_floor_memory(regions, layer, tallies) if with_grad else {}
     for kind in (k for k in kinds() if any(r.kind == k for r in regions)):
         names = [r.name for r in regions if r.kind == kind]
         out[(kind, phase)] = Measured(
@@ -159,6 +169,7 @@ def _combine(
             floor=(sum(floors[n][0] for n in names), sum(floors[n][1] for n in names)),
             peer=_sum([tallies.get((n, "peer")) for n in names]),
             peer_patched=any(patched[n] for n in names) if patched else None,
+            floor_memory=_kind_memory([floor_memory[n] for n in names]) if with_grad else None,
         )
     rests = []  # what runs outside the regions, per variant with every region measured
     for variant in ("eager", "kernelized"):
@@ -172,18 +183,61 @@ def _combine(
         floor=(rest[0] + sum(f[0] for f in floors.values()), rest[1] + sum(f[1] for f in floors.values())),
         peer=tallies.get((LAYER, "peer")),
         peer_patched=any(patched.values()) if patched else None,
+        floor_memory=_layer_floor_memory(regions, tallies, floor_memory) if with_grad else None,
     )
     return out
+
+
+def _measured_variants(tallies: dict, names: list[str]) -> list[list[Memory]]:
+    """Per variant (eager, kernelized) whose every named run was measured: the memory of each run, in order."""
+    runs = [[tallies.get((n, variant)) for n in names] for variant in ("eager", "kernelized")]
+    return [[t.memory for t in variant] for variant in runs if all(t is not None for t in variant)]
+
+
+def _region_floor_memory(regions: list[Region], layer: nn.Module, tallies: dict) -> dict[str, Memory]:
+    """Each region's floor memory: its spec's floor_saved, and the peak `floors.floor_peak` derives from it."""
+    out = {}
+    for r in regions:
+        saved = floor_saved_of(r, resolve(layer, r.name))
+        out[r.name] = Memory(saved, floor_peak(saved, [runs[0] for runs in _measured_variants(tallies, [r.name])]))
+    return out
+
+
+def _layer_floor_memory(regions: list[Region], tallies: dict, region_floors: dict[str, Memory]) -> Memory:
+    """The layer's floor memory: what is kept outside the regions (the least over the variants) plus each region's
+    floor_saved; its peak derived by `floors.floor_peak`."""
+    names = [LAYER, *(r.name for r in regions)]
+    variants = _measured_variants(tallies, names)
+    outside = min(layer.saved_bytes - sum(m.saved_bytes for m in inside) for layer, *inside in variants)
+    saved = outside + sum(m.saved_bytes for m in region_floors.values())
+    return Memory(saved, floor_peak(saved, [layer for layer, *_ in variants]))
+
+
+def _kind_memory(memories: list[Memory | None]) -> Memory | None:
+    """The memory of a region kind's regions, run one after the other: their saved bytes summed, the largest peak."""
+    if any(m is None for m in memories):
+        return None
+    return Memory(sum(m.saved_bytes for m in memories), max(m.peak_bytes for m in memories))
 
 
 def _sum(tallies: list[Tally | None]) -> Tally | None:
     if any(t is None for t in tallies):
         return None
-    return Tally([record for t in tallies for record in t.records])
+    return Tally([record for t in tallies for record in t.records], _kind_memory([t.memory for t in tallies]))
 
 
 def _value(tally: Tally | None, unit: str) -> int | None:
-    return None if tally is None else tally.ops if unit == "ops" else tally.bytes
+    if tally is None:
+        return None
+    if unit in MEMORY_UNITS:
+        return _memory_value(tally.memory, unit)
+    return tally.ops if unit == "ops" else tally.bytes
+
+
+def _memory_value(memory: Memory | None, unit: str) -> int | None:
+    if memory is None:
+        return None
+    return memory.saved_bytes if unit == MEMORY_UNITS[0] else memory.peak_bytes
 
 
 def _note(kernelized: Tally | None, peer_patched: bool | None) -> str:
@@ -196,12 +250,15 @@ PEER_NOT_PATCHED = "peer: not patched (left to transformers)"
 
 
 def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]], peer: Peer | None = None) -> list[Row]:
-    """bench.csv rows of one model: ops and bytes per region kind and per decoder layer, per shape and phase."""
+    """bench.csv rows of one model: ops and bytes per region kind and per decoder layer, per shape and phase, and
+    forward+backward the memory (saved and peak bytes)."""
     rows = []
     for batch, seq in shapes:
         started = time.perf_counter()
         for (kind, phase), m in account(spec, batch, seq, peer=peer).items():
-            for unit, floor in (("ops", m.floor[0]), ("bytes", m.floor[1])):
+            units = [("ops", m.floor[0]), ("bytes", m.floor[1])]
+            units += [(unit, _memory_value(m.floor_memory, unit)) for unit in MEMORY_UNITS] if m.floor_memory else []
+            for unit, floor in units:
                 row = Row(
                     "counted", spec.name, kind, phase, batch, seq,
                     eager=_value(m.eager, unit), kernelized=_value(m.kernelized, unit), floor=floor,

@@ -16,7 +16,8 @@ the block (parameters, buffers, the inputs) is the baseline: never counted, neit
 
 Fused ops are not run: `accounting.count_device_ops` swaps each for a stand-in that allocates its outputs and keeps
 for backward what the real op keeps (`FusedOp.keeps`, docs/torch-npu-ops.md's table), so `measure_memory` runs the
-block under it. Allocator effects (caching, fragmentation, alignment, workspaces of a kernel) are not modelled.
+block under it. Allocator effects (caching, fragmentation, alignment, workspaces of a kernel) are not modelled,
+nor the softmax statistics that flash attention keeps besides q, k, v and its output (sdpa's stand-in keeps those).
 
     with fake_mode:
         memory = measure_memory(module, (x,), {}, module.parameters())   # Memory(saved_bytes, peak_bytes)
@@ -31,7 +32,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -61,49 +61,56 @@ class _Held:
 
 
 class MemoryTracker(TorchDispatchMode):
-    """The allocations of the ops run inside it and the saved tensors autograd holds; `memory` reads them."""
+    """The allocations of the ops run inside it and the saved tensors autograd holds; `memory` reads them.
+
+    A storage's Python object lives exactly as long as the storage (torch preserves it), so a finalizer on it
+    says when the storage is freed: the live and saved totals are kept as running sums."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage -> (weak reference, bytes)
+        self.live: dict[int, tuple[int, weakref.finalize]] = {}  # storage -> (bytes, its finalizer)
         self.held: Counter[int] = Counter()  # storage -> how many saved tensors autograd holds on it
-        self.peak = 0
-        self.saved = 0
+        self.live_bytes = self.held_bytes = 0
+        self.peak = self.saved = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:
-                self._allocated(t)
-        self.peak = max(self.peak, self._live_bytes())
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs and _storage_key(t) not in self.live:
+                self._allocated(t.untyped_storage())
+        self.peak = max(self.peak, self.live_bytes)
         return out
 
-    def _allocated(self, t: torch.Tensor) -> None:
-        key = _storage_key(t)
-        known = self.live.get(key)
-        if known is None or known[0].expired():  # a storage new to the block (or a freed one's address reused)
-            storage = t.untyped_storage()
-            self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+    def _allocated(self, storage: torch.UntypedStorage) -> None:
+        key, size = storage._cdata, storage.nbytes()
+        self.live[key] = (size, weakref.finalize(storage, self._freed, key))
+        self.live_bytes += size
 
-    def _live_bytes(self) -> int:
-        for key in [key for key, (ref, _) in self.live.items() if ref.expired()]:
-            del self.live[key]
-        return sum(size for _, size in self.live.values())
+    def _freed(self, key: int) -> None:
+        self.live_bytes -= self.live.pop(key)[0]
 
     def _pack(self, t: torch.Tensor) -> _Held:
         held = _Held(t)
         key = _storage_key(t)
         if key in self.live:  # allocated in the block, not baseline
+            if self.held[key] == 0:
+                self.held_bytes += self.live[key][0]
+                self.saved = max(self.saved, self.held_bytes)
             self.held[key] += 1
             weakref.finalize(held, self._release, key)
-            self.saved = max(self.saved, sum(self.live[k][1] for k in self.held if k in self.live))
         return held
 
     def _release(self, key: int) -> None:
         self.held[key] -= 1
         if self.held[key] == 0:
             del self.held[key]
+            self.held_bytes -= self.live[key][0]  # held storages are live: the saved tensor keeps them
+
+    def close(self) -> None:
+        """Stop watching the storages still live (their finalizers would otherwise outlive the block)."""
+        for _, finalizer in self.live.values():
+            finalizer.detach()
 
     @property
     def memory(self) -> Memory:
@@ -117,8 +124,11 @@ def tracking_memory() -> Iterator[MemoryTracker]:
     Enter it inside the FakeTensorMode (if any) and outside `count_device_ops`, so that it sees the allocations of
     every op that mode and the fused stand-ins run."""
     tracker = MemoryTracker()
-    with tracker, torch.autograd.graph.saved_tensors_hooks(tracker._pack, lambda held: held.tensor):
-        yield tracker
+    try:
+        with tracker, torch.autograd.graph.saved_tensors_hooks(tracker._pack, lambda held: held.tensor):
+            yield tracker
+    finally:
+        tracker.close()
 
 
 def measure_memory(

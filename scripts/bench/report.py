@@ -11,7 +11,7 @@ from npu_hub_kernels.cards import Card
 from .cards import NO_CARD, card_named, with_piece
 from .configs import PREFILL_DECODE
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
-from .rows import Row
+from .rows import MEMORY_UNITS, Row
 from .targets import evaluate
 
 README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -99,6 +99,43 @@ def counted_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list
     title = f"Counted, forward+backward, batch {batch}, sequence {seq}, bfloat16 (ratio: kernelized bytes / floor "
     title += "bytes; peer ratio: the peer's bytes / floor bytes):" if peer else "bytes):"
     legend = ["", NOT_PATCHED_LEGEND] if any(r.peer_patched is False for r in chosen) else []
+    return ["", title, "", *table(header, body), *legend]
+
+
+MEMORY_TEXT = (
+    "bytes kept for backward at the end of the forward (saved: distinct storages autograd's saved tensors hold) and "
+    "the peak of live bytes over the forward and backward, above the parameters, buffers and inputs (not counted), "
+    "on fake tensors: every storage an op allocates, live until its last reference dies; each fused op keeps what "
+    "the real op keeps"
+)
+
+
+def memory_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list[str]:
+    """The memory table of the largest shape, forward+backward: per model and region kind (all of them, or `kinds`),
+    saved and peak bytes eager, kernelized, the peer's (when measured) and at the floor."""
+    saved = [r for r in rows if r.study == "layer" and r.unit == MEMORY_UNITS[0] and (kinds is None or r.kind in kinds)]
+    if not saved:
+        return []
+    batch, seq = largest_shape(saved)
+    peaks = {_measured(r): r for r in rows if r.unit == MEMORY_UNITS[1]}
+    chosen = [(r, peaks[_measured(r)]) for r in saved if (r.batch, r.seq) == (batch, seq)]
+    peer = any(r.peer is not None for pair in chosen for r in pair)
+    body = []
+    for kept, peak in chosen:
+        cells = [kept.model, kept.kind]
+        for r in (kept, peak):
+            cells += [human_bytes(r.eager), NO_CARD if r.kernelized is None else human_bytes(r.kernelized)]
+            cells += [_peer(r, "bytes")] if peer else []
+            cells += [human_bytes(r.floor)]
+        body.append(cells)
+    columns = ["eager", "kernelized", *(["peer"] if peer else []), "floor"]
+    header = ["model", "region", f"saved {columns[0]}", *columns[1:], f"peak {columns[0]}", *columns[1:]]
+    title = f"Memory, counted, forward+backward, batch {batch}, sequence {seq}, bfloat16: {MEMORY_TEXT}. A region "
+    title += "kind's saved bytes are the sum over its regions, its peak the largest of theirs (they run one after "
+    title += "the other). Floor saved: what the fewest kernels keep (each card's `floor_saved`); floor peak: derived, "
+    title += "floor saved plus the least transient part (peak - saved) of the eager and kernelized runs "
+    title += "(`scripts/bench/floors.py`). No memory target is set:"
+    legend = ["", NOT_PATCHED_LEGEND] if peer and any(r.peer_patched is False for r, _ in chosen) else []
     return ["", title, "", *table(header, body), *legend]
 
 
@@ -213,6 +250,7 @@ def summary(
         lines.append("- No Ascend device here, so no device timings (emulated ones are only in bench.csv, labelled).")
     lines += ["", *_targets_table(rows, None, {True: "yes", False: "**no**", None: "-"})]
     lines += counted_table(rows)
+    lines += memory_table(rows)
     for card, _ in with_piece("PREFILL_DECODE_TABLE"):
         lines += _prefill_decode_table(card, rows)
     for card, _ in with_piece("EXPERTS_SWEEP"):
@@ -260,6 +298,7 @@ def card_summary(card: str, rows: list[Row]) -> str:
         "",
         *_targets_table(rows, kinds, {True: "yes", False: "no", None: "not measured"}),
         *counted_table(rows, kinds),
+        *memory_table(rows, kinds),
     ]
     return "\n".join(lines) + "\n"
 

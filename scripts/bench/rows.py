@@ -6,6 +6,8 @@ import csv
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+MEMORY_UNITS = ("saved bytes", "peak bytes")
+"""The units of the counted memory rows (forward+backward; `memory`): kept for backward, peak live."""
 EMULATED = "emulated (not a device measurement)"
 """The note of device timings taken on the emulation."""
 
@@ -30,6 +32,7 @@ class Row:
     peer: float | None = None
     """The peer (LLaMA-Factory's NPU kernels) on the same layer or region; None: no peer column."""
     unit: str = ""
+    """Counted: "ops", "bytes" (moved by the ops), or one of MEMORY_UNITS. Timed: a time unit."""
     target: str = ""
     note: str = ""
     machine: str = ""

@@ -11,6 +11,10 @@ The spec contract. `scripts/bench/cards/<py>.py` defines:
   the region's module and its call's arguments (positional, then the keyword values in order), computed as the
   fewest kernels that compute the region, each reading its inputs once and writing its outputs once. The module
   doc says why the floor is what it is (ops and bytes, forward and backward).
+- `floor_saved(module, *call) -> int`: the bytes the floor keeps for backward (`bench.memory`): the tensors its
+  backward kernels read that its forward kernels wrote, each once, from the same kernels as `floor`; the region's
+  inputs and parameters are kept regardless and not counted (an output that is kept counts). The module doc says
+  what is kept and why.
 - `COUNTED_TARGETS: tuple[CountedTarget, ...]`: what the kernelized column of the card's region is held to
   (`bench.targets.CountedTarget`, its `kind` left empty: the card's region fills it).
 - `FUSED_OPS: dict[str, FusedOp]`: the accounting rule (`bench.accounting.FusedOp`) of every torch_npu op the
@@ -51,7 +55,7 @@ LAYER = "decoder layer"
 """The kind of a whole decoder layer's rows."""
 NO_CARD = "no card yet"
 
-REQUIRED = ("floor", "COUNTED_TARGETS", "FUSED_OPS", "HOST_TIMING")
+REQUIRED = ("floor", "floor_saved", "COUNTED_TARGETS", "FUSED_OPS", "HOST_TIMING")
 """The names every spec defines (see the module doc)."""
 
 
@@ -136,8 +140,11 @@ def missing_pieces(card: Card) -> list[str]:
     if module is None:
         return [f"{card.repo_name}: no bench spec {where} (see scripts/bench/cards/__init__.py)"]
     missing = [f"{card.repo_name}: {where} defines no {name}" for name in REQUIRED if not hasattr(module, name)]
-    if hasattr(module, "floor") and not callable(module.floor):
-        missing.append(f"{card.repo_name}: {where}: floor is not a function")
+    missing += [
+        f"{card.repo_name}: {where}: {name} is not a function"
+        for name in ("floor", "floor_saved")
+        if hasattr(module, name) and not callable(getattr(module, name))
+    ]
     targets = getattr(module, "COUNTED_TARGETS", None)
     if targets is not None:
         if not targets or not all(isinstance(t, CountedTarget) for t in targets):

@@ -10,6 +10,11 @@ has a backward. The ops that return counts (`npu_moe_init_routing_v2`, `npu_moe_
 has one, returns no counts; a training step computes them with a separate op beside it
 (docs/torch-npu-ops.md, "MoE routing ops and per-expert counts").
 
+Kept for backward (what the backward kernels read that the forward wrote): the counts (both grouped matmuls'
+backwards), the order (unpermute's and permute's), the permuted tokens [P, H] (dW of [Wg; Wu]), h [P, 2I] (swiglu's
+backward), a [P, I] (dW of Wd) and the down matmul's output [P, H] (unpermute's backward, for the weights'
+gradient). x, top_k_index, top_k_weights and the weights are the region's inputs and parameters.
+
 The card's swiglu is npu-swiglu's op (its accounting rule lives in npu_swiglu.py).
 """
 
@@ -47,6 +52,13 @@ def floor(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor, top_k_w
     bwd = (y + order + xp + probs + xp + probs) + (xp + w_d + counts + a) + (xp + a + counts + w_d) + (a + h + h)
     bwd += (h + w_gu + counts + xp) + (h + xp + counts + w_gu) + (xp + order + dense_bytes(x))
     return (6, fwd), (7, bwd)
+
+
+def floor_saved(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor, *_) -> int:
+    """Counts, order, permuted tokens, h, a and the down matmul's output (see the module doc)."""
+    experts, double_inner, hidden = module.gate_up_proj.shape
+    copies, size = top_k_index.numel(), x.element_size()
+    return experts * 8 + copies * 4 + copies * (2 * hidden + double_inner + double_inner // 2) * size
 
 
 COUNTED_TARGETS = (

@@ -6,7 +6,8 @@ Floor: 2 ops forward: the logits matmul (reads x and W, writes the logits) and o
 expert ids [T, k] as int64, the dtype transformers' experts index with. Backward: 4 ops: the routing's backward
 (reads dweights, the logits and the ids, writes dlogits; scores can be recomputed from the logits, so nothing else
 needs keeping), the sum of that and the logits' own gradient (the router returns its logits for the auxiliary
-loss, which gets a gradient too), and the matmul's dx and dW.
+loss, which gets a gradient too), and the matmul's dx and dW. Kept for backward: the logits and the ids (the
+routing's backward reads them); x and W are the region's input and parameter.
 
 What the card runs beyond it: npu_moe_gating_top_k writes int32 ids, so the card widens them (one more op, forward),
 and with autograd recording it writes its float32 scores `norm_out` [T, E], which its backward reads
@@ -44,6 +45,13 @@ def floor(module: nn.Module, hidden_states: torch.Tensor, *_) -> Floor:
     bwd = (picked * size + logits + picked * 8 + logits) + (3 * logits) + (logits + w_b + dense_bytes(hidden_states))
     bwd += logits + x_b + dense_bytes(module.weight)
     return (2, fwd), (4, bwd)
+
+
+def floor_saved(module: nn.Module, hidden_states: torch.Tensor, *_) -> int:
+    """The logits [T, E] and the int64 ids [T, k], which the routing's backward reads."""
+    experts, hidden = module.weight.shape
+    tokens = hidden_states.numel() // hidden
+    return tokens * experts * hidden_states.element_size() + tokens * module.top_k * 8
 
 
 COUNTED_TARGETS = (

@@ -1,6 +1,8 @@
 """npu-rms-norm's bench spec (the contract: scripts/bench/cards/__init__.py).
 
 Floor: 1 op reading x and weight, writing y. Backward: 1 op reading dy, x, weight, writing dx, dweight.
+Kept for backward: nothing beyond x and the weight (the region's input and parameter): the backward recomputes
+the row's rstd from x. (npu_rms_norm keeps its float32 rstd, one value per row, as well.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def floor(module: nn.Module, x: torch.Tensor, *_) -> Floor:
     """One op reading x and the weight, writing y; backward one op reading dy, x, weight, writing dx, dweight."""
     x_b, w_b = tensor_bytes(x), tensor_bytes(module.weight)
     return (1, x_b + w_b + dense_bytes(x)), (1, dense_bytes(x) + x_b + w_b + dense_bytes(x) + w_b)
+
+
+def floor_saved(module: nn.Module, x: torch.Tensor, *_) -> int:
+    """Nothing kept beyond the input and the weight: the backward recomputes rstd from x."""
+    return 0
 
 
 COUNTED_TARGETS = (

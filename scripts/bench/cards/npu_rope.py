@@ -3,6 +3,8 @@
 Floor: 1 op reading q, k, cos, sin, writing q', k'. Backward: 1 op reading dq', dk', cos, sin, writing dq, dk.
 (npu_apply_rotary_pos_emb is that op in inference; with grad, npu_rotary_mul runs once for q and once for k,
 which the targets allow: at most `OPS_PER_DIRECTION` ops each way.)
+Kept for backward: nothing beyond the region's inputs: the backward rotates the gradients by cos and sin.
+(npu_rotary_mul keeps q and k as well, inputs of the region, so not counted here either.)
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def floor(module: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor
     return (1, tensor_bytes(q) + tensor_bytes(k) + angles + qk), (1, qk + angles + qk)
 
 
+def floor_saved(module: nn.Module, *_) -> int:
+    """Nothing kept beyond the inputs: the backward reads only cos and sin besides the gradients."""
+    return 0
+
+
 COUNTED_TARGETS = (
     CountedTarget("ops", ("fwd",), 1),  # in inference: one npu_apply_rotary_pos_emb for q and k
     CountedTarget("ops", ("fwd+bwd",), OPS_PER_DIRECTION),
@@ -38,11 +45,13 @@ COUNTED_TARGETS = (
 )
 
 FUSED_OPS = {
-    # The backward kernel reads x only when r1/r2 need gradients (docs/torch-npu-ops.md, npu_rotary_mul).
+    # The backward kernel reads x only when r1/r2 need gradients, but the autograd node keeps x, r1 and r2 always
+    # (docs/torch-npu-ops.md, npu_rotary_mul).
     "npu_rotary_mul": FusedOp(
         lambda a: empty_of(a["x"]),
         ("x", "r1", "r2"),
         lambda a, out: [a["r1"], a["r2"]] + ([a["x"]] if a["r1"].requires_grad or a["r2"].requires_grad else []),
+        keeps=lambda a, out: [a["x"], a["r1"], a["r2"]],
     ),
     # In place: writes q and k, returns them; no autograd.
     "npu_apply_rotary_pos_emb": FusedOp(lambda a: (a["query"], a["key"])),

@@ -11,6 +11,8 @@ bytes of two ways to get gate and up (biases counted with their weights):
   x once), the same swiglu and down matmul; backward as above, but dx either as above or as one matmul
   against the weights concatenated again, whichever is cheaper.
 Two matmuls are the cheaper way unless T > 4I (forward) or 3T > 8I (forward and backward).
+Kept for backward, either way: h [T, 2I] (swiglu's backward reads it) and a [T, I] (dWd reads it); x and the
+weights are the region's input and parameters.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def floor(module: nn.Module, x: torch.Tensor, *_) -> Floor:
     fwd = min(two_matmuls[0], concatenated[0]) + rest_fwd
     total = min(sum(two_matmuls), sum(concatenated)) + rest_fwd + rest_bwd
     return (4, fwd), (7, total - fwd)
+
+
+def floor_saved(module: nn.Module, x: torch.Tensor, *_) -> int:
+    """h [T, 2I] and a [T, I], which the swiglu backward and dWd read."""
+    inner = module.down_proj.weight.shape[1]
+    return x.numel() // x.shape[-1] * 3 * inner * x.element_size()
 
 
 COUNTED_TARGETS = (
