@@ -45,7 +45,7 @@ SHAPE = (8, 4096)
 MODELS = {"llama-3-8b": 128_256, "qwen3-8b": 151_936}
 """The measured models (scripts/bench/configs.py CONFIGS keys) and their vocabulary (`vocab_size` of
 meta-llama/Meta-Llama-3-8B's and Qwen/Qwen3-8B's config.json)."""
-UNITS = ("ops", "bytes", "peak bytes")
+UNITS = ("ops", "bytes", "saved bytes", "peak bytes")
 CHUNK_STUDY = "loss chunks"
 CHUNK_SWEEP = (1024, 2048, 4096, 8192)
 """Tokens per chunk of the trade table, besides the default (`default_chunk_tokens` of the card)."""
@@ -130,9 +130,10 @@ def measure(model_key: str, vocab: int, chunk_tokens: int | None, batch: int, se
             loss, logits = run()  # eager's logits stay referenced (the model's output) until the step ends
             torch.autograd.grad(loss, [hidden, lm_head.weight], torch.empty_like(loss))
             del loss, logits
-        floors = floor(lm_head, hidden, labels)
-    measured = {"ops": tally.ops, "bytes": tally.bytes, "peak bytes": tracker.memory.peak_bytes}
-    return {**measured, "floor": floors, "chunk": "eager" if chunk_tokens is None else chunk_tokens}
+        floors = floor(lm_head, hidden, labels), floor_saved(lm_head, hidden, labels)
+    kept = tracker.memory
+    measured = {"ops": tally.ops, "bytes": tally.bytes, "saved bytes": kept.saved_bytes, "peak bytes": kept.peak_bytes}
+    return {**measured, "floor": floors, "memory": kept, "chunk": "eager" if chunk_tokens is None else chunk_tokens}
 
 
 def region_rows(specs: list, quick: bool) -> list[Row]:
@@ -142,6 +143,7 @@ def region_rows(specs: list, quick: bool) -> list[Row]:
     "loss chunks"); ops, bytes, peak live bytes."""
     from ..cards import card_named
     from ..configs import CONFIGS
+    from ..floors import floor_peak
 
     kind = card_named("npu-linear-cross-entropy").region
     batch, seq = (1, 512) if quick else SHAPE
@@ -151,9 +153,10 @@ def region_rows(specs: list, quick: bool) -> list[Row]:
         if CONFIGS[key] not in specs:
             continue
         eager = measure(key, vocab, None, batch, seq)
-        (fwd_ops, fwd_bytes), (bwd_ops, bwd_bytes) = eager["floor"]
-        floors = {"ops": fwd_ops + bwd_ops, "bytes": fwd_bytes + bwd_bytes, "peak bytes": None}
+        ((fwd_ops, fwd_bytes), (bwd_ops, bwd_bytes)), saved = eager["floor"]
         default = measure(key, vocab, 0, batch, seq)
+        peak = floor_peak(saved, [eager["memory"], default["memory"]])
+        floors = {"ops": fwd_ops + bwd_ops, "bytes": fwd_bytes + bwd_bytes, "saved bytes": saved, "peak bytes": peak}
         swept = [measure(key, vocab, chunk, batch, seq) for chunk in (() if quick else CHUNK_SWEEP)]
         for fused in [default, *(m for m in swept if m["chunk"] != default["chunk"])]:
             for unit in UNITS:
@@ -181,7 +184,7 @@ def study_table(rows: list[Row]) -> list[str]:
     for model in dict.fromkeys(r.model for r in chosen):
         for chunk in sorted({r.path for r in chosen if r.model == model}, key=int):
             by_unit = {r.unit: r for r in chosen if (r.model, r.path) == (model, chunk)}
-            ops, size, peak = (by_unit[unit] for unit in UNITS)
+            ops, size, peak = (by_unit[unit] for unit in ("ops", "bytes", "peak bytes"))
             default = " (default)" if ops.study == "layer" else ""
             met = size.kernelized <= size.eager and peak.kernelized <= PEAK_SHARE * peak.eager
             body.append([
