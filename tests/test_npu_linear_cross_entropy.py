@@ -11,6 +11,7 @@ steps follow eager's losses.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -42,11 +43,16 @@ def card(built_cards):
 # --- the table ------------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _parsed(file: Path) -> ast.Module:
+    return ast.parse(file.read_text())
+
+
 def _forward_source(path: str) -> str | None:
     """The forward of a class as source, docstring and annotations dropped (what makes two forwards identical)."""
     module, _, name = path.rpartition(".")
     file = Path(transformers.models.__file__).parent.joinpath(*module.split(".")).with_suffix(".py")
-    node = next(n for n in ast.parse(file.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+    node = next(n for n in _parsed(file).body if isinstance(n, ast.ClassDef) and n.name == name)
     forward = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
     if forward is None:
         return None
@@ -58,20 +64,22 @@ def _forward_source(path: str) -> str | None:
     return ast.unparse(forward)
 
 
-def _causal_lm_classes() -> set[str]:
+@functools.cache
+def _causal_lm_classes() -> frozenset[str]:
     """Every `*ForCausalLM` class a transformers modeling file defines with a forward of its own."""
     root = Path(transformers.models.__file__).parent
     found = set()
     for file in root.glob("*/modeling_*.py"):
-        for node in ast.parse(file.read_text()).body:
+        for node in _parsed(file).body:
             own_forward = isinstance(node, ast.ClassDef) and any(
                 isinstance(n, ast.FunctionDef) and n.name == "forward" for n in node.body
             )
             if own_forward and node.name.endswith("ForCausalLM"):
                 found.add(f"{file.parent.name}.{file.stem}.{node.name}")
-    return found
+    return frozenset(found)
 
 
+@pytest.mark.slow
 def test_every_causal_lm_class_of_transformers_is_decided():
     listed = {rule.path for rule in RULES}
     assert len(listed) == len(RULES) and not listed & set(table.LEFT_OUT)
