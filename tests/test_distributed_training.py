@@ -225,7 +225,8 @@ Qwen3 (a Llama plus q/k norms, the same RMSNorm card on the same sharded decoder
 the dense path: it is trained on 2 ranks under DeepSpeed ZeRO-3 (tests/test_deepspeed_zero3.py), and its q/k
 norms fused, exact, in one process (tests/test_mapping.py, tests/test_training_stacks.py)."""
 FUSED_EVERY_STEP = {
-    "llama": {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu"},
+    # npu-linear-cross-entropy too: the lm_head belongs to the root unit, whose parameters are plain in its forward
+    "llama": {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_cross_entropy_loss"},
     "qwen3_moe": {"npu_rms_norm", "npu_rotary_mul", "npu_grouped_matmul", "npu_moe_token_permute"},
 }
 """Ops that must be among each kernelized step's calls (the rest is whatever the plain model calls). With LoRA,

@@ -512,3 +512,18 @@ def test_npu_rms_norm_keeps_x_gamma_and_rstd_for_backward():
     for got, want in zip(_grads_of([x, gamma], y), _grads_of([x, gamma], reference), strict=True):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_npu_cross_entropy_loss_keeps_log_prob_and_target_for_backward(reduction):
+    """op-plugin derivatives.yaml: npu_cross_entropy_loss_backward(grads[0], result1 (log_prob), target, weight, ...);
+    gradients within float32 rounding of autograd through the float32 math, in the input's dtype."""
+    x = _bf16_leaf(6, 40, scale=3.0)
+    target = torch.tensor([0, 5, 39, 7, 7, 1], device="npu")
+    (loss, log_prob, zloss, lse), saved = _saved_for_backward(
+        lambda: torch_npu.npu_cross_entropy_loss(x, target, reduction=reduction)
+    )
+    _assert_saved_exactly(saved, [log_prob, target])
+    assert log_prob.dtype == loss.dtype == torch.bfloat16 and zloss.numel() == lse.numel() == 0
+    math = torch.nn.functional.cross_entropy(x.float(), target, reduction=reduction).reshape(loss.shape)
+    torch.testing.assert_close(_grads_of([x], loss)[0].float(), _grads_of([x], math)[0].float(), rtol=2e-2, atol=1e-3)

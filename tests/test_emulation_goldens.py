@@ -6,7 +6,9 @@ test_npu_add_rms_norm.py (at 529b54cd45b49a56136351b717c6619bb14f33fc),
 test_npu_swi_glu.py, test_npu_swi_glu_backward.py, test_npu_apply_rotary_pos_emb.py,
 test_npu_moe_token_permute_and_unpermute.py, test_npu_moe_token_permute_and_unpermute_backward.py,
 test_npu_grouped_matmul.py, test_npu_moe_gating_topk.py,
-test_npu_moe_gating_top_k_backward.py): the layouts, dtypes, limits and what each golden computes, written here from the
+test_npu_moe_gating_top_k_backward.py,
+test_npu_cross_entropy_loss.py, whose two cases op-plugin skips "for now" on every device: restated anyway, as the
+op's only golden): the layouts, dtypes, limits and what each golden computes, written here from the
 op semantics. Only the cases op-plugin's CI runs on Atlas A2 (Ascend910B): the ones it skips there ("not supported
 by the CI version": 3-D rotary_mul, the `rotate` matrix, TND npu_apply_rotary_pos_emb; Ascend 950 only) are left
 out as it leaves them out. Tolerances: op-plugin's assertRtolEqual (1e-3 for float16, 1e-4 for float32, bfloat16
@@ -522,3 +524,81 @@ def test_moe_gating_top_k_backward_against_float64_autograd(dtype, scale):
     for got in (x.grad.cpu(), exposed.cpu()):
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), ref.grad, rtol=tolerance, atol=tolerance)
+
+
+def cross_entropy_golden(x, target, weight, ignore_index, label_smoothing, reduction):
+    """The golden of test_npu_cross_entropy_loss: max-subtracted float32 log-softmax, the weighted NLL masked only
+    for ignore_index >= 0, the smoothing term, the reduction; loss and log_prob in x's dtype."""
+    classes = x.shape[1]
+    weight = torch.ones(classes, device=x.device) if weight is None else weight
+    x32 = x.float()
+    shifted = x32 - x32.max(dim=1, keepdim=True).values
+    log_prob = shifted - shifted.exp().sum(-1, keepdim=True).log()
+    safe = target if ignore_index < 0 else torch.where(target == ignore_index, 0, target)
+    weight_target = weight.gather(0, safe)
+    kept = torch.ones_like(weight_target) if ignore_index < 0 else (target != ignore_index).float()
+    loss = -log_prob.gather(1, safe.unsqueeze(1)).squeeze(1) * weight_target * kept
+    smooth = -(log_prob * weight).sum(-1) * kept
+    if reduction == "mean":
+        denominator = (weight_target * kept).sum()
+        out = (1 - label_smoothing) * loss.sum() / denominator + smooth.sum() / denominator * label_smoothing / classes
+    elif reduction == "sum":
+        out = (1 - label_smoothing) * loss.sum() + smooth.sum() * label_smoothing / classes
+    else:
+        out = (1 - label_smoothing) * loss + smooth * label_smoothing / classes
+    return out.reshape(-1 if reduction == "none" else 1).to(x.dtype), log_prob.to(x.dtype)
+
+
+CE_PRECISION = {torch.float32: 2**-10, torch.float16: 2**-7, torch.bfloat16: 2**-6}
+"""op-plugin's tolerances for npu_cross_entropy_loss (its prec16 for bfloat16)."""
+
+
+@pytest.mark.parametrize("classes", [8080, 8192])  # op-plugin: [4096, C]; 512 rows here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_loss_forward(classes, dtype, reduction):
+    x = _randn((512, classes), dtype, seed=classes).to("npu")
+    target = torch.arange(512).to("npu")  # (arange on the emulated device gives an empty tensor)
+    loss, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(x, target, reduction=reduction)
+    want_loss, want_log_prob = cross_entropy_golden(x, target, None, -100, 0.0, reduction)
+    close(loss, want_loss, CE_PRECISION[dtype])
+    close(log_prob, want_log_prob, CE_PRECISION[dtype])
+
+
+@pytest.mark.parametrize("classes", [8080, 8192])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_loss_backward(classes, dtype, reduction):
+    x = _randn((512, classes), dtype, seed=classes + 1).to("npu").requires_grad_()
+    target = torch.arange(512).to("npu")  # (arange on the emulated device gives an empty tensor)
+    torch_npu.npu_cross_entropy_loss(x, target, reduction=reduction)[0].sum().backward()
+    golden = x.detach().clone().requires_grad_()
+    cross_entropy_golden(golden, target, None, -100, 0.0, reduction)[0].sum().backward()
+    close(x.grad, golden.grad, CE_PRECISION[dtype])
+
+
+def test_cross_entropy_loss_ignores_only_a_non_negative_ignore_index_and_takes_weights_and_smoothing():
+    """The golden's other arguments (its test passes the defaults): weight, ignore_index >= 0, label_smoothing."""
+    x = _randn((64, 50), torch.float32, seed=3).to("npu")
+    target = torch.randint(0, 50, (64,), generator=torch.Generator().manual_seed(4)).to("npu")
+    target[::5] = 7
+    weight = torch.rand(50, generator=torch.Generator().manual_seed(5)).to("npu") * 0.9 + 0.1
+    for reduction in ("mean", "sum", "none"):
+        got, _, _, _ = torch_npu.npu_cross_entropy_loss(x, target, weight, reduction, 7, 0.1)
+        close(got, cross_entropy_golden(x, target, weight, 7, 0.1, reduction)[0], CE_PRECISION[torch.float32])
+    with pytest.raises(RuntimeError, match="targets must lie"):  # -100 is no ignore label: a target out of range
+        torch_npu.npu_cross_entropy_loss(x, torch.where(target == 7, -100, target))
+
+
+def test_cross_entropy_loss_refuses_what_the_op_refuses():
+    x = _randn((8, 10), torch.float32, seed=6).to("npu")
+    target = torch.zeros(8, dtype=torch.int64, device="npu")
+    with pytest.raises(NotImplementedError, match="z-loss"):
+        torch_npu.npu_cross_entropy_loss(x, target, return_zloss=True)
+    leaf = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="requires_grad"):  # mean with grad: defaults only
+        torch_npu.npu_cross_entropy_loss(leaf, target, ignore_index=3)
+    with pytest.raises(RuntimeError, match="requires_grad"):  # sum with grad: no label smoothing
+        torch_npu.npu_cross_entropy_loss(leaf, target, reduction="sum", label_smoothing=0.1)
+    with pytest.raises(RuntimeError, match="input must be"):
+        torch_npu.npu_cross_entropy_loss(x[0], target[:1])

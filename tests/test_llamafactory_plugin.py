@@ -78,7 +78,8 @@ def test_the_plugin_loads_the_cards_from_where_the_process_registered_them(npu_k
     model_engine_call(model, {"name": PLUGIN_NAME, "include_kernels": "auto"})
     assert registration()["local_dir"] == npu_kernels
     swapped = [module for module in model.modules() if card_layer_of(module) is not None]
-    assert len(swapped) == norm_module_count(model) + gated_mlp_count(model) + layer_count(model)  # + decoder layers
+    # + the decoder layers (npu-add-rms-norm) + the model itself (its loss head, npu-linear-cross-entropy)
+    assert len(swapped) == norm_module_count(model) + gated_mlp_count(model) + layer_count(model) + 1
     for module in swapped:
         assert Path(card_layer_of(module)[0].__file__).is_relative_to(npu_kernels)
 
@@ -387,11 +388,12 @@ def test_llamafactory_auto_and_npu_hub_in_one_process_do_not_undo_each_other(reg
     assert len(their_modules) == norm_module_count(theirs) + gated_mlp_count(theirs)
     assert llamafactory_forwards(ours) == [] and swapped_modules(theirs) == []
     cards = [swap.card for swap in swapped_modules(ours)]
-    assert sorted(cards) == (
+    expected_cards = (
         ["npu-add-rms-norm"] * layer_count(ours)
         + ["npu-rms-norm"] * norm_module_count(ours)
         + ["npu-swiglu"] * gated_mlp_count(ours)
     )
+    assert sorted(cards) == sorted([*expected_cards, "npu-linear-cross-entropy"])  # the model's own forward too
     rotary = getattr(modeling("llama"), ROTARY)
     assert rotary.__module__.startswith("llamafactory.")
     theirs_calls = {**expected_calls("llama", theirs), "npu_rms_norm": norm_module_count(theirs)}

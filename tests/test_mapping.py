@@ -326,6 +326,7 @@ def test_a_subclass_with_other_math_is_not_swapped(npu_kernels):
 def test_kernel_selection_follows_the_apply_default_kernels_contract():
     assert available_kernels() == [
         "npu_fused_add_rmsnorm",
+        "npu_fused_linear_cross_entropy",
         "npu_fused_moe",
         "npu_fused_moe_router",
         "npu_fused_rmsnorm",
@@ -372,7 +373,8 @@ def test_a_selection_applies_to_the_model_whatever_was_registered_before(built_c
         assert set(calls) == {"npu_rms_norm"}
         apply_npu_kernels(model, kernels="auto", local_dir=built_cards)
         decoder = {"npu-add-rms-norm"} if EXPECTED[family].decoder else set()
-        assert {swap.card for swap in swapped_modules(model)} == {"npu-rms-norm", "npu-rope", "npu-swiglu", *decoder}
+        everything = {"npu-rms-norm", "npu-rope", "npu-swiglu", "npu-linear-cross-entropy", *decoder}
+        assert {swap.card for swap in swapped_modules(model)} == everything
         with emulation.count_op_calls() as calls:
             forward(model, token_ids())
         assert {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu"} <= set(calls)

@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows += counted_rows(spec, QUICK_SHAPES if quick else SHAPES, peer)
                 for card, sweep in with_piece("EXPERTS_SWEEP"):
                     rows += experts_sweep_rows(card, sweep.model, sweep.quick if quick else sweep.experts, peer=peer)
+                for _, region_rows in with_piece("REGION_ROWS"):
+                    rows += region_rows(specs, quick)
                 if peer is not None:
                     rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)
             else:

@@ -255,6 +255,8 @@ def summary(
         lines += _prefill_decode_table(card, rows)
     for card, _ in with_piece("EXPERTS_SWEEP"):
         lines += _sweep_table(card, rows)
+    for _, study_table in with_piece("STUDY_TABLE"):
+        lines += study_table(rows)
     lines += _parity_table(rows)
     host = [r for r in rows if r.study in ("kernelize", "call overhead", "get_kernel", "fallback")]
     if host:

@@ -38,9 +38,10 @@ class CountedTarget:
 
     @property
     def text(self) -> str:
-        what = "op count" if self.unit == "ops" else "bytes"
+        what = "op count" if self.unit == "ops" else self.unit
         if self.against == "eager":
-            return f"kernelized {what} <= eager (every size)"
+            limit = "eager" if self.bound == 1 else f"{self.bound:g} x eager"
+            return f"kernelized {what} <= {limit}" + (" (every size)" if self.shape is None else "")
         limit = "= floor" if self.bound == 1 else f"<= {self.bound:g} x floor"
         return f"kernelized {what} {limit}"
 
@@ -92,7 +93,10 @@ def evaluate(rows: list[Row]) -> list[Result]:
         if target.shape is not None:  # one target per model
             for r in held:
                 label = f"{r.model} {target.kind}: {target.text} ({phases}, batch {r.batch} x seq {r.seq})"
-                out.append(Result(target.kind, label, f"{r.ratio:.3f} x floor", target.met(r)))
+                share = (
+                    f"{r.kernelized / r.eager:.3f} x eager" if target.against == "eager" else f"{r.ratio:.3f} x floor"
+                )
+                out.append(Result(target.kind, label, share, target.met(r)))
             continue
         label = f"{target.kind}: {target.text} ({phases})"
         uncovered = sorted({r.model for r in held if r.kernelized is None}, key=[r.model for r in held].index)

@@ -33,6 +33,10 @@ and may define:
   of such a card.
 - `EXPERTS_SWEEP: ExpertsSweep`: the experts sweep study (the card's region with more and more experts).
 - `PREFILL_DECODE_TABLE = True`: the report's table of one region call, forward, at prefill and at decode.
+- `REGION_ROWS(specs: list[ModelSpec], quick: bool) -> list[Row]`: counted rows of a region that is not in a
+  decoder layer (the loss head), for the measured models it knows, measured by the spec itself; rows of study
+  "layer" and the card's region kind are held to its COUNTED_TARGETS and shown in the counted table.
+- `STUDY_TABLE(rows: list[Row]) -> list[str]`: markdown lines the report prints after the other studies.
 
 `missing_pieces(card)` names what a card's spec lacks; tests/test_card_pieces.py holds every card to it.
 """

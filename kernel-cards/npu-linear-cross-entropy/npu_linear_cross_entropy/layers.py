@@ -1,0 +1,112 @@
+"""The layers that `kernels.kernelize` swaps into transformers' `*ForCausalLM` classes (their forward, no state).
+
+Each reproduces one group of identical forwards of transformers 5.22.2 (the base model, `lm_head` on the last
+hidden states, `self.loss_function` with the labels, a `CausalLMOutputWithPast`-like output) and computes the lm_head
+and loss with `linear_cross_entropy`, in a training step (the module in train() and grad enabled) with labels. Any
+other call (evaluation, generation, no labels, another loss function, `logits_to_keep`) runs the class's own
+forward, exactly eager. When the loss is fused, the output's `logits` is None: the full logits are what the card
+never makes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .loss import is_default_causal_lm_loss, linear_cross_entropy
+
+
+class CausalLM(nn.Module):
+    """Llama-style `*ForCausalLM` (CausalLMOutputWithPast): the loss through `linear_cross_entropy`."""
+
+    has_backward = True
+    # torch.compile of the fused path is not verified on Ascend hardware yet.
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, "CausalLMOutputWithPast", ())
+
+
+class MoeCausalLM(nn.Module):
+    """MoE `*ForCausalLM` that add no auxiliary loss (MoeCausalLMOutputWithPast with router_logits)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",))
+
+
+_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
+
+
+def _causal_lm_forward(module: nn.Module, arguments: dict, kwargs: dict, output_class: str, extra: tuple[str, ...]):
+    """The class's forward with its lm_head + loss lines fused; its own forward where the loss cannot be."""
+    _refuse_a_dropped_autocast_wrapper(module)
+    labels, logits_to_keep = arguments["labels"], arguments["logits_to_keep"]
+    named = {name: arguments[name] for name in (*_MODEL_INPUTS, "labels")}
+    # a training step only: evaluation (eval() or no grad) and generation keep the class's forward and its logits
+    training_step = module.training and torch.is_grad_enabled()
+    plain_call = labels is None or not training_step or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
+    if plain_call or not is_default_causal_lm_loss(module.loss_function):
+        return type(module).forward(module, **named, logits_to_keep=logits_to_keep, **kwargs)
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(module.config, "return_dict", True)
+    outputs = module.model(**{name: arguments[name] for name in _MODEL_INPUTS}, **kwargs)
+    loss, logits = linear_cross_entropy(
+        outputs.last_hidden_state, module.lm_head, labels, module.config.vocab_size,
+        loss_function=module.loss_function, **kwargs,
+    )  # fmt: skip
+    # transformers is there whenever one of its models runs; the card imports it only then
+    from transformers import modeling_outputs
+
+    output = getattr(modeling_outputs, output_class)(
+        loss=loss,
+        logits=logits,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        **{name: getattr(outputs, name) for name in extra},
+    )
+    return output if return_dict else output.to_tuple()
+
+
+DROPPED_AUTOCAST = (
+    "npu-linear-cross-entropy: accelerate wrapped this model's forward in its mixed-precision autocast, and a later "
+    "kernelize replaced that wrapper (from_pretrained(..., use_kernels=True) kernelizes again at every train()/eval() "
+    "switch), so the model would run without autocast. Apply the cards with npu_hub_kernels.apply_npu_kernels(model) "
+    "or kernels.kernelize instead of use_kernels=True, or leave npu_fused_linear_cross_entropy out of the selection."
+)
+
+
+def _refuse_a_dropped_autocast_wrapper(module: nn.Module) -> None:
+    """Raise when accelerate's autocast wrapper of the model's forward (it keeps the forward it wrapped as
+    `_original_forward`) is no longer around this call: this layer, swapped in after it, would run without it."""
+    if "_original_forward" not in vars(module):
+        return
+    device = next(module.parameters()).device.type
+    if not torch.is_autocast_enabled(device):
+        raise RuntimeError(DROPPED_AUTOCAST)

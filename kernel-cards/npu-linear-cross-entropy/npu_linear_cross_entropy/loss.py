@@ -1,0 +1,239 @@
+"""transformers' causal-LM loss (`lm_head`, then `ForCausalLMLoss`) chunked over the tokens, without the full logits.
+
+Eager holds the logits `[T, V]` in the model dtype, a float32 copy, their log-softmax for backward and, in
+backward, two float32 gradients of that size: at 8 x 4096 tokens and a 152k vocabulary, 20 GB each. Here the
+tokens go in chunks of `chunk_tokens`; per chunk, in forward:
+- `logits = h_c @ W^T (+ b)` in the model dtype, then float32 (eager's two roundings, row for row);
+- `npu_cross_entropy_loss(logits, targets, reduction="none")`: the per-token losses, summed over the counted
+  tokens (label != ignore_index) into a float32 total, and the log-probabilities;
+- when a gradient is needed, `npu_cross_entropy_loss_backward(mask, log_prob, ...)` gives `softmax - onehot` of
+  the counted rows in the model dtype, which two matmuls turn into this chunk's `dL/dh_c` (kept in float32) and
+  its share of `dL/dW` (summed in float32).
+So the gradients are made in forward (as Liger's fused linear cross-entropy does) and backward only scales them
+by the incoming gradient and by `1 / n` (n: the counted tokens, or `num_items_in_batch`), with one final cast:
+the logits are never recomputed, at the price of keeping dL/dW (float32, [V, H]) and dL/dh from forward to
+backward. The op ignores no row itself: with a gradient, its 'mean' mode takes no ignore_index and a negative
+ignore_index ignores nothing, so ignored rows get target 0 and a zero mask.
+Whatever the op cannot compute runs `linear_cross_entropy_eager`: the lm_head and transformers' loss, op for op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+
+CHUNK_ELEMENTS = 1 << 29
+"""Most logits elements per chunk (tokens x vocabulary) by default: each float32 buffer of a chunk at most 2 GiB."""
+DEFAULT_LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
+
+
+def default_chunk_tokens(tokens: int, vocab_size: int) -> int:
+    """Tokens per chunk: the fewest equal chunks whose logits hold at most CHUNK_ELEMENTS elements each.
+
+    Fewer chunks read W fewer times (three reads, and dL/dW read and written, per chunk); smaller ones hold less at
+    once. At 2^29 elements both of issue 19's targets hold for Llama-3-8B and Qwen3-8B at 8 x 4096 tokens (the
+    trade: scripts/bench/cards/npu_linear_cross_entropy.py)."""
+    chunks = max(1, math.ceil(tokens * vocab_size / CHUNK_ELEMENTS))
+    return max(1, math.ceil(tokens / chunks))
+
+
+def is_default_causal_lm_loss(loss_function: object) -> bool:
+    """Whether a model's `loss_function` is transformers' `ForCausalLMLoss` (recognised without importing it)."""
+    return (getattr(loss_function, "__module__", None), getattr(loss_function, "__name__", None)) == DEFAULT_LOSS
+
+
+def linear_cross_entropy_unavailable_reason(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor | None,
+    vocab_size: int,
+    *,
+    loss_function: object = None,
+    logits_to_keep: int | torch.Tensor = 0,
+) -> str | None:
+    """Why the chunked fused loss will not run for this call, or None when it will."""
+    if labels is None:
+        return "no labels (inference or generation): the logits are computed and returned as eager computes them"
+    if loss_function is not None and not is_default_causal_lm_loss(loss_function):
+        name = getattr(loss_function, "__qualname__", type(loss_function).__name__)
+        return f"the model's loss_function is {name}, not transformers' ForCausalLMLoss"
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        return "logits_to_keep is set: the loss of a slice of the positions keeps the eager path"
+    if type(lm_head) is not nn.Linear:
+        return f"lm_head is a {type(lm_head).__qualname__}, not a plain nn.Linear (LoRA, quantised, wrapped)"
+    if lm_head._forward_hooks or lm_head._forward_pre_hooks:
+        return "lm_head has forward hooks (DeepSpeed ZeRO-3, accelerate offload, an FSDP2 unit): it must run itself"
+    weight, bias = lm_head.weight, lm_head.bias
+    if weight.dim() != 2 or weight.shape[0] != vocab_size:
+        return f"lm_head.weight {tuple(weight.shape)} for a vocabulary of {vocab_size}: eager's view decides"
+    if hasattr(weight, "ds_id"):
+        return "lm_head.weight is a DeepSpeed ZeRO-3 parameter: only lm_head's own forward gathers it"
+    params = (weight,) if bias is None else (weight, bias)
+    reason = npu_unavailable_reason(hidden_states, *params, labels)
+    if reason is not None:
+        return reason
+    if hidden_states.dtype not in FUSED_DTYPES or any(p.dtype != hidden_states.dtype for p in params):
+        return f"dtypes {hidden_states.dtype} and {weight.dtype}: one of float16, bfloat16, float32 for both needed"
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        return "autocast is on: the lm_head's dtype is autocast's choice, so the eager path runs"
+    if hidden_states.numel() == 0 or labels.numel() != hidden_states[..., 0].numel():
+        return f"hidden states {tuple(hidden_states.shape)} and labels {tuple(labels.shape)}: one label per token"
+    return None
+
+
+def linear_cross_entropy(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor | None,
+    vocab_size: int,
+    *,
+    loss_function: object = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    chunk_tokens: int | None = None,
+    **loss_kwargs,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(loss, logits) of `lm_head` then transformers' causal-LM loss: chunked npu_cross_entropy_loss with logits None,
+    or `linear_cross_entropy_eager`'s. loss_kwargs: what the model's forward passes its loss_function
+    (num_items_in_batch, ignore_index, shift_labels, and others it ignores)."""
+    reason = linear_cross_entropy_unavailable_reason(
+        hidden_states, lm_head, labels, vocab_size, loss_function=loss_function, logits_to_keep=logits_to_keep
+    )
+    if reason is not None:
+        return linear_cross_entropy_eager(
+            hidden_states, lm_head, labels, vocab_size, loss_function=loss_function, logits_to_keep=logits_to_keep,
+            **loss_kwargs,
+        )  # fmt: skip
+    ignore_index = loss_kwargs.get("ignore_index", -100)
+    shift_labels = loss_kwargs.get("shift_labels")
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden_states.device)
+    counted = targets != ignore_index
+    divisor = loss_kwargs.get("num_items_in_batch")
+    if divisor is None:
+        divisor = counted.sum()
+    elif not torch.is_tensor(divisor):
+        divisor = torch.tensor(divisor, device=hidden_states.device)
+    hidden, weight, bias = hidden_states.reshape(-1, hidden_states.shape[-1]), lm_head.weight, lm_head.bias
+    if not torch.is_grad_enabled():  # the Function would see requires_grad and make gradients no one asked for
+        hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
+    chunk = chunk_tokens or default_chunk_tokens(hidden.shape[0], vocab_size)
+    loss = _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, bias, torch.where(counted, targets, 0), counted,
+        divisor.to(hidden.device, torch.float32), chunk,
+    )  # fmt: skip
+    return loss, None
+
+
+def linear_cross_entropy_eager(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor | None,
+    vocab_size: int,
+    *,
+    loss_function: object = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **loss_kwargs,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The transformers forward's lm_head and loss lines: `logits = lm_head(hidden[:, slice])`, then, with labels,
+    the model's loss_function (ForCausalLMLoss's math when none is given) on them."""
+    positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    logits = lm_head(hidden_states[:, positions, :])
+    if labels is None:
+        return None, logits
+    loss_function = loss_function or causal_lm_loss_eager
+    return loss_function(logits=logits, labels=labels, vocab_size=vocab_size, **loss_kwargs), logits
+
+
+def causal_lm_loss_eager(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """transformers 5.22.2's ForCausalLMLoss, op for op: float32 logits, shifted labels, cross-entropy 'mean', or
+    'sum' divided by num_items_in_batch; other keywords ignored, as it ignores them."""
+    logits = logits.float()
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+    logits = logits.view(-1, vocab_size)
+    shift_labels = shift_labels.view(-1).to(logits.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum over counted tokens of CE(h W^T + b) / divisor; the gradients made in forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, counted, divisor, chunk: int):
+        needs_grad = ctx.needs_input_grad[:3]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad[1] else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_grad[2] else None
+        grads = (grad_hidden, grad_weight, grad_bias)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            total += _chunk(hidden[rows], weight, bias, targets[rows], counted[rows], rows, grads)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, divisor)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight, grad_bias, divisor = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        scale = grad_loss.float() / divisor
+        # scaled in place (autograd needs them no more), then one cast each: no second float32 copy of dL/dW
+        return (
+            None if grad_hidden is None else grad_hidden.mul_(scale).to(hidden_dtype),
+            None if grad_weight is None else grad_weight.mul_(scale).to(weight_dtype),
+            None if grad_bias is None else grad_bias.mul_(scale).to(weight_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _chunk(h, weight, bias, target, mask, rows: slice, grads: tuple) -> torch.Tensor:
+    """One chunk: its summed loss over the counted rows; adds its share into the gradients that are not None.
+    (A function, so that every [chunk, V] buffer is freed when it returns.)"""
+    grad_hidden, grad_weight, grad_bias = grads
+    logits = F.linear(h, weight, bias).float()
+    per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
+    del logits
+    if all(grad is None for grad in grads):
+        return (per_token * mask).sum()
+    # softmax - onehot of the counted rows, 0 elsewhere, in the model dtype (1/divisor comes last)
+    grad_logits = torch_npu.npu_cross_entropy_loss_backward(mask.to(h.dtype), log_prob, target, reduction="none")
+    del log_prob
+    if grad_hidden is not None:
+        grad_hidden[rows] = grad_logits @ weight
+    if grad_weight is not None:
+        _accumulate(grad_weight, grad_logits.t(), h)
+    if grad_bias is not None:
+        grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
+    return (per_token * mask).sum()
+
+
+def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """`total += a @ b` in float32: in place for float32 operands, else the product in their dtype, then added."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total += a @ b

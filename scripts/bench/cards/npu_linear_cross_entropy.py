@@ -1,0 +1,209 @@
+"""npu-linear-cross-entropy's bench spec (the contract: scripts/bench/cards/__init__.py).
+
+The region is the model's lm_head and loss, after the last decoder layer: `logits = h @ W^T` [T, V], then
+transformers' ForCausalLMLoss (float32 logits, shifted labels, cross-entropy). It is not a region of a decoder
+layer, so the spec brings its own rows (`REGION_ROWS`: counted like a layer's regions, for Llama-3-8B and Qwen3-8B
+at batch 8 x 4096, forward+backward) and its own table (`STUDY_TABLE`: the peak of live bytes, and the chunk size
+traded against re-reading W).
+
+Floor: 1 op forward, one fused kernel reading h, W and the labels once and writing the loss and the
+log-sum-exp of each token (float32 [T], what a backward needs not to keep the logits). Backward: 1 op reading h, W,
+the labels, the log-sum-exps and the loss gradient, recomputing the logits on chip, and writing dL/dh and dL/dW.
+
+What the card runs beyond it, per chunk of C tokens (the module doc of the card's loss.py): the logits in the model
+dtype and in float32, npu_cross_entropy_loss writing float32 log-probabilities [C, V], its backward writing the
+gradient [C, V] in the model dtype, and two matmuls; W is read three times per chunk and dL/dW, summed in float32,
+read and written once per chunk. So the bytes fall as chunks grow (W re-read less often) while the peak of live
+bytes rises (the chunk's [C, V] buffers): `STUDY_TABLE` shows that trade for the default chunk and others.
+
+The trade, as counted (T tokens, V vocabulary, H hidden, bfloat16): eager moves about 51 bytes per logit (T x V) and
+its peak holds about 14 bytes per logit (the bf16 logits its output keeps, the float32 log-softmax it saves, and two
+float32 gradients in backward). The card moves about 26 bytes per logit, plus about 17.5 bytes per element of W per
+chunk (W read three times, dL/dW's bf16 product written, then read with the float32 sum and the sum written); its
+peak is about 8 bytes per logit of one chunk (float32 logits and log-probabilities together) plus the float32 dL/dW
+(4 bytes per element of W) and dL/dh. So bytes <= eager needs about 17.5 x V x H x T / C <= 25 x T x V, that is
+C >= 0.7 H (about 2900 tokens at H = 4096), and peak <= eager / 8 needs 8 x C x V + 4 x V x H <= 1.75 x T x V, that
+is C <= 5120 at 8 x 4096 tokens and H = 4096: between the two, the default (the fewest equal chunks of at most 2^29
+logits: 4096 tokens for Llama-3-8B, 3277 for Qwen3-8B) meets both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..accounting import FusedOp, empty_of, tensor_bytes
+from ..floors import Floor, dense_bytes
+from ..rows import Row, log
+from ..targets import CountedTarget
+
+PEAK_SHARE = 1 / 8
+"""Issue 19: the loss region's peak of live bytes at most 1/8 of eager's, batch 8 x 4096, forward+backward."""
+SHAPE = (8, 4096)
+MODELS = {"llama-3-8b": 128_256, "qwen3-8b": 151_936}
+"""The measured models (scripts/bench/configs.py CONFIGS keys) and their vocabulary (`vocab_size` of
+meta-llama/Meta-Llama-3-8B's and Qwen/Qwen3-8B's config.json)."""
+UNITS = ("ops", "bytes", "saved bytes", "peak bytes")
+CHUNK_STUDY = "loss chunks"
+CHUNK_SWEEP = (1024, 2048, 4096, 8192)
+"""Tokens per chunk of the trade table, besides the default (`default_chunk_tokens` of the card)."""
+
+
+def floor(lm_head: nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor, *_) -> Floor:
+    """One fused kernel each way (see the module doc)."""
+    tokens = hidden_states.numel() // hidden_states.shape[-1]
+    reads = tensor_bytes(hidden_states) + tensor_bytes(lm_head.weight) + tensor_bytes(labels)
+    lse = tokens * 4
+    fwd = reads + 4 + lse
+    bwd = reads + lse + 4 + dense_bytes(hidden_states) + dense_bytes(lm_head.weight)
+    return (1, fwd), (1, bwd)
+
+
+def floor_saved(lm_head: nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor, *_) -> int:
+    """The floor keeps the log-sum-exp of each token (float32 [T]) for backward; h, W and the labels are inputs."""
+    return hidden_states.numel() // hidden_states.shape[-1] * 4
+
+
+COUNTED_TARGETS = (
+    CountedTarget("bytes", ("fwd+bwd",), 1, SHAPE, against="eager"),
+    CountedTarget("peak bytes", ("fwd+bwd",), PEAK_SHARE, SHAPE, against="eager"),
+)
+
+
+def _loss_outputs(a: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    x = a["input"]
+    loss_shape = (x.shape[0],) if a["reduction"] == "none" else (1,)
+    return empty_of(x, loss_shape), empty_of(x), empty_of(x, (0,)), empty_of(x, (0,))
+
+
+FUSED_OPS = {
+    "npu_cross_entropy_loss": FusedOp(_loss_outputs, ("input",), lambda a, out: [out[1], a["target"]]),
+    "npu_cross_entropy_loss_backward": FusedOp(lambda a: empty_of(a["log_prob"], dtype=a["grad_loss"].dtype)),
+}
+
+HOST_TIMING = None
+"""Not timed on the host: the region is a whole model's head, not a module of the Llama decoder layer the per-call
+overhead and fallback rows time."""
+
+
+def _region(model_key: str, vocab: int, fake_mode) -> tuple[Any, nn.Module]:
+    """(the card package, the model's lm_head with fake weights on npu) from the model kernelized for npu."""
+    from kernels import Mode, kernelize
+
+    from npu_hub_kernels.report import card_package
+
+    from ..accounting import fake_module
+    from ..configs import CONFIGS
+    from ..counted import build_model
+
+    spec = CONFIGS[model_key]
+    model = build_model(type(spec)(spec.name, spec.model_type, dict(spec.config, vocab_size=vocab)))
+    kernelize(model, mode=Mode.TRAINING, device="npu")
+    package = card_package(model)
+    if package is None:
+        raise RuntimeError(f"{spec.name}'s CausalLM runs no card layer: is npu-linear-cross-entropy registered?")
+    return package, fake_module(model.lm_head, fake_mode, "npu")
+
+
+def measure(model_key: str, vocab: int, chunk_tokens: int | None, batch: int, seq: int) -> dict[str, Any]:
+    """Ops, bytes and peak live bytes of the loss region, forward+backward, eager (`None` chunk: the eager path)
+    or the card at `chunk_tokens` (0: its default), on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .. import memory
+    from ..accounting import count_device_ops
+
+    fake_mode = FakeTensorMode()
+    package, lm_head = _region(model_key, vocab, fake_mode)
+    with fake_mode:
+        hidden = torch.empty(batch, seq, lm_head.in_features, dtype=lm_head.weight.dtype, device="npu")
+        hidden.requires_grad_()
+        labels = torch.empty(batch, seq, dtype=torch.int64, device="npu")
+        if chunk_tokens is None:
+            run = lambda: package.linear_cross_entropy_eager(hidden, lm_head, labels, vocab)  # noqa: E731
+        else:
+            chunk_tokens = chunk_tokens or package.default_chunk_tokens(batch * seq, vocab)
+            run = lambda: package.linear_cross_entropy(hidden, lm_head, labels, vocab, chunk_tokens=chunk_tokens)  # noqa: E731
+        with memory.tracking_memory() as tracker, count_device_ops() as tally:
+            loss, logits = run()  # eager's logits stay referenced (the model's output) until the step ends
+            torch.autograd.grad(loss, [hidden, lm_head.weight], torch.empty_like(loss))
+            del loss, logits
+        floors = floor(lm_head, hidden, labels), floor_saved(lm_head, hidden, labels)
+    kept = tracker.memory
+    measured = {"ops": tally.ops, "bytes": tally.bytes, "saved bytes": kept.saved_bytes, "peak bytes": kept.peak_bytes}
+    return {**measured, "floor": floors, "memory": kept, "chunk": "eager" if chunk_tokens is None else chunk_tokens}
+
+
+def region_rows(specs: list, quick: bool) -> list[Row]:
+    """The loss region's counted rows for the measured models of MODELS, forward+backward at batch 8 x 4096
+    (1 x 512 with --quick): eager against the card at its default chunks (study "layer", kind the card's region, so
+    the counted table and the targets take them) and, without --quick, at each chunk of CHUNK_SWEEP (study
+    "loss chunks"); ops, bytes, peak live bytes."""
+    from ..cards import card_named
+    from ..configs import CONFIGS
+    from ..floors import floor_peak
+
+    kind = card_named("npu-linear-cross-entropy").region
+    batch, seq = (1, 512) if quick else SHAPE
+    rows = []
+    for key, vocab in MODELS.items():
+        name = CONFIGS[key].name
+        if CONFIGS[key] not in specs:
+            continue
+        eager = measure(key, vocab, None, batch, seq)
+        ((fwd_ops, fwd_bytes), (bwd_ops, bwd_bytes)), saved = eager["floor"]
+        default = measure(key, vocab, 0, batch, seq)
+        peak = floor_peak(saved, [eager["memory"], default["memory"]])
+        floors = {"ops": fwd_ops + bwd_ops, "bytes": fwd_bytes + bwd_bytes, "saved bytes": saved, "peak bytes": peak}
+        swept = [measure(key, vocab, chunk, batch, seq) for chunk in (() if quick else CHUNK_SWEEP)]
+        for fused in [default, *(m for m in swept if m["chunk"] != default["chunk"])]:
+            for unit in UNITS:
+                rows.append(
+                    Row("counted", name, kind, "fwd+bwd", batch, seq, eager=eager[unit], kernelized=fused[unit],
+                        floor=floors[unit], unit=unit, study="layer" if fused is default else CHUNK_STUDY, kind=kind,
+                        model=name, path=str(fused["chunk"]))
+                )  # fmt: skip
+        log(f"  counted {name} lm_head + loss, batch {batch}, seq {seq}")
+    return rows
+
+
+REGION_ROWS = region_rows
+
+
+def study_table(rows: list[Row]) -> list[str]:
+    """The loss region per model: eager against the card at its default chunk and at each swept chunk, forward+
+    backward: ops, bytes and peak live bytes, and whether the targets are met."""
+    from ..cards import card_named
+    from ..report import human_bytes, number, table
+
+    kind = card_named("npu-linear-cross-entropy").region
+    chosen = [r for r in rows if r.kind == kind and r.study in ("layer", CHUNK_STUDY) and r.unit in UNITS]
+    body = []
+    for model in dict.fromkeys(r.model for r in chosen):
+        for chunk in sorted({r.path for r in chosen if r.model == model}, key=int):
+            by_unit = {r.unit: r for r in chosen if (r.model, r.path) == (model, chunk)}
+            ops, size, peak = (by_unit[unit] for unit in ("ops", "bytes", "peak bytes"))
+            default = " (default)" if ops.study == "layer" else ""
+            met = size.kernelized <= size.eager and peak.kernelized <= PEAK_SHARE * peak.eager
+            body.append([
+                model, f"{chunk}{default}", f"{number(ops.eager, 'ops')} / {number(ops.kernelized, 'ops')}",
+                f"{human_bytes(size.eager)} / {human_bytes(size.kernelized)}", f"{size.kernelized / size.eager:.2f}",
+                f"{human_bytes(peak.eager)} / {human_bytes(peak.kernelized)}", f"{peak.kernelized / peak.eager:.3f}",
+                "yes" if met else "no",
+            ])  # fmt: skip
+    if not body:
+        return []
+    batch, seq = chosen[0].batch, chosen[0].seq
+    header = ["model", "tokens per chunk", "ops eager / card", "bytes eager / card", "ratio"]
+    header += ["peak live eager / card", "ratio", f"bytes <= eager, peak <= {PEAK_SHARE:g} x eager"]
+    title = (
+        f"Counted, the lm_head + loss region (npu-linear-cross-entropy), forward+backward, batch {batch}, sequence "
+        f"{seq}, bfloat16; peak live: the most bytes allocated at once (inputs and weights not counted). Larger "
+        "chunks re-read W less often but hold larger [chunk, vocabulary] buffers:"
+    )
+    return ["", title, "", *table(header, body)]
+
+
+STUDY_TABLE = study_table
