@@ -397,24 +397,74 @@ def test_counted_targets_met_at_batch_8_x_4096(npu_kernels, model):
     assert large["peak bytes"] > spec.PEAK_SHARE * eager["peak bytes"]
 
 
-@pytest.mark.slow
-def test_use_kernels_with_accelerates_autocast_says_what_to_do_and_apply_npu_kernels_trains(npu_kernels, tmp_path):
-    """Trainer with bf16 wraps the model's forward in autocast (accelerate); from_pretrained(use_kernels=True)
-    kernelizes again at train(), replacing that wrapper with this card's layer: the layer refuses to run without
-    it, saying what to do. With apply_npu_kernels the wrapper stays, and under autocast the loss keeps eager's math."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate's process-wide state cleared before and after (as TrainingArguments clears it)."""
+    from accelerate.state import AcceleratorState
 
-    from npu_hub_kernels import apply_npu_kernels
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
 
-    tiny_causal_lm("llama").save_pretrained(tmp_path / "source")
-    ids = token_ids(batch=4, seq=8)
-    data = [{"input_ids": row, "labels": row} for row in ids]
-    args = dict(per_device_train_batch_size=4, max_steps=1, bf16=True, report_to=[], disable_tqdm=True)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu", use_kernels=True)
-    with pytest.raises(RuntimeError, match="kernelizes again at every train"):
-        Trainer(model, TrainingArguments(output_dir=str(tmp_path / "a"), **args), train_dataset=data).train()
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu")
-    apply_npu_kernels(model, local_dir=npu_kernels)
+
+def _wrapped_then_kernelized_again(source: Path):
+    """A tiny Llama loaded with use_kernels=True, prepared by accelerate for bf16 (its forward wrapped in autocast),
+    then switched to train(): kernelize runs again and replaces that wrapper with this card's layer."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    tiny_causal_lm("llama").save_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, device_map="npu", use_kernels=True)
+    accelerator = Accelerator(mixed_precision="bf16")
+    model = accelerator.prepare(model)
+    model.train()
+    assert "_original_forward" in vars(model)
+    assert [swap.module for swap in swapped_modules(model, card="npu-linear-cross-entropy")] == ["<root>"]
+    return accelerator, model
+
+
+def _lm_head_dtype_and_outputs(model, ids: torch.Tensor):
+    """A training step's forward with labels: the dtype the lm_head computed in, and the outputs."""
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    try:
+        outputs = model(ids, labels=ids)
+    finally:
+        hook.remove()
+    return seen, outputs
+
+
+def test_use_kernels_dropping_accelerates_bf16_wrapper_runs_as_that_wrapper(
+    npu_kernels, fresh_accelerate_state, tmp_path
+):
+    """use_kernels=True kernelizes again at train(), replacing accelerate's bf16 wrapper of the model's forward: the
+    layer runs the call as the wrapper does, the lm_head in bfloat16 and the outputs in float32, exactly eager's
+    forward under the accelerator's autocast. Without the wrapper's marker (negative control) it runs float32."""
+    accelerator, model = _wrapped_then_kernelized_again(tmp_path / "source")
+    ids = token_ids(batch=2, seq=8).to("npu")
+    assert not torch.is_autocast_enabled("npu")
     with emulation.count_op_calls() as calls:
-        Trainer(model, TrainingArguments(output_dir=str(tmp_path / "b"), **args), train_dataset=data).train()
-    assert calls["npu_rms_norm"] and calls[OPS[0]] == 0  # autocast: the loss is eager's
+        dtypes, outputs = _lm_head_dtype_and_outputs(model, ids)
+    assert dtypes == [torch.bfloat16] and calls[OPS[0]] == 0  # under autocast the loss is eager's
+    assert outputs.loss.dtype == outputs.logits.dtype == torch.float32
+    with accelerator.autocast():
+        expected = type(model).forward(model, ids, labels=ids)
+    assert torch.equal(outputs.loss, expected.loss.float()) and torch.equal(outputs.logits, expected.logits.float())
+
+    del model._original_forward
+    dtypes, outputs = _lm_head_dtype_and_outputs(model, ids)
+    assert dtypes == [torch.float32] and outputs.loss.dtype == torch.float32
+
+
+def test_a_dropped_wrapper_whose_autocast_accelerate_cannot_say_raises_what_to_do(
+    npu_kernels, fresh_accelerate_state, tmp_path
+):
+    """The wrapper dropped, and accelerate's state cleared afterwards: which autocast it ran is unknown, so the layer
+    raises, saying what to do, rather than run the model without it."""
+    from accelerate.state import AcceleratorState
+
+    _, model = _wrapped_then_kernelized_again(tmp_path / "source")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    ids = token_ids(batch=2, seq=8).to("npu")
+    with pytest.raises(RuntimeError, match=r"accelerate's state \(not initialized\).*apply_npu_kernels"):
+        model(ids, labels=ids)

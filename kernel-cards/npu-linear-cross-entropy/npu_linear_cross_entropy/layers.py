@@ -5,7 +5,9 @@ hidden states, `self.loss_function` with the labels, a `CausalLMOutputWithPast`-
 and loss with `linear_cross_entropy`, in a training step (the module in train() and grad enabled) with labels. Any
 other call (evaluation, generation, no labels, another loss function, `logits_to_keep`) runs the class's own
 forward, exactly eager. When the loss is fused, the output's `logits` is None: the full logits are what the card
-never makes.
+never makes. Where a later kernelize replaced accelerate's mixed-precision wrapper of the model's forward
+(`from_pretrained(..., use_kernels=True)` kernelizes again at every train()/eval() switch), the layer runs the call as
+that wrapper does.
 """
 
 from __future__ import annotations
@@ -63,8 +65,15 @@ _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "past_key_values
 
 
 def _causal_lm_forward(module: nn.Module, arguments: dict, kwargs: dict, output_class: str, extra: tuple[str, ...]):
+    """The class's forward with its lm_head + loss lines fused, inside accelerate's mixed-precision wrapper where a
+    later kernelize replaced that wrapper; its own forward where the loss cannot be fused."""
+    if _accelerates_autocast_wrapper_dropped(module):
+        return _as_accelerates_autocast_wrapper(_fused_where_possible, module, arguments, kwargs, output_class, extra)
+    return _fused_where_possible(module, arguments, kwargs, output_class, extra)
+
+
+def _fused_where_possible(module: nn.Module, arguments: dict, kwargs: dict, output_class: str, extra: tuple[str, ...]):
     """The class's forward with its lm_head + loss lines fused; its own forward where the loss cannot be."""
-    _refuse_a_dropped_autocast_wrapper(module)
     labels, logits_to_keep = arguments["labels"], arguments["logits_to_keep"]
     named = {name: arguments[name] for name in (*_MODEL_INPUTS, "labels")}
     # a training step only: evaluation (eval() or no grad) and generation keep the class's forward and its logits
@@ -97,16 +106,36 @@ def _causal_lm_forward(module: nn.Module, arguments: dict, kwargs: dict, output_
 DROPPED_AUTOCAST = (
     "npu-linear-cross-entropy: accelerate wrapped this model's forward in its mixed-precision autocast, and a later "
     "kernelize replaced that wrapper (from_pretrained(..., use_kernels=True) kernelizes again at every train()/eval() "
-    "switch), so the model would run without autocast. Apply the cards with npu_hub_kernels.apply_npu_kernels(model) "
-    "or kernels.kernelize instead of use_kernels=True, or leave npu_fused_linear_cross_entropy out of the selection."
+    "switch), but accelerate's state ({state}) does not say which autocast the wrapper ran (bf16 or fp16 only), so "
+    "the model would run without it. Apply the cards with npu_hub_kernels.apply_npu_kernels(model) or "
+    "kernels.kernelize instead of use_kernels=True, call the model inside accelerator.autocast(), or leave "
+    "npu_fused_linear_cross_entropy out of the selection."
 )
 
 
-def _refuse_a_dropped_autocast_wrapper(module: nn.Module) -> None:
-    """Raise when accelerate's autocast wrapper of the model's forward (it keeps the forward it wrapped as
-    `_original_forward`) is no longer around this call: this layer, swapped in after it, would run without it."""
+def _accelerates_autocast_wrapper_dropped(module: nn.Module) -> bool:
+    """True when accelerate wrapped the model's forward in autocast (it keeps the forward it wrapped as
+    `_original_forward`) and that wrapper is no longer around this call: this layer was swapped in after it."""
     if "_original_forward" not in vars(module):
-        return
-    device = next(module.parameters()).device.type
-    if not torch.is_autocast_enabled(device):
-        raise RuntimeError(DROPPED_AUTOCAST)
+        return False
+    return not torch.is_autocast_enabled(next(module.parameters()).device.type)
+
+
+def _as_accelerates_autocast_wrapper(forward, *args):
+    """`forward(*args)` as accelerate's mixed-precision wrapper runs the model's forward (native AMP): inside
+    accelerate's own autocast context, outputs converted to float32 by accelerate's own converter.
+
+    The `AutocastKwargs` handler the Accelerator was given is not kept on the model: the context is built without one,
+    as accelerate builds it when none is given (transformers' Trainer gives none). Raises `DROPPED_AUTOCAST` where
+    accelerate's state does not say the wrapper's autocast: not initialized, or mixed precision other than bf16/fp16
+    (fp8 backends wrap the forward in more than autocast)."""
+    # accelerate is installed whenever it wrapped the model; the card imports it only then
+    from accelerate.state import AcceleratorState, is_initialized
+    from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+    mixed_precision = AcceleratorState().mixed_precision if is_initialized() else None
+    if mixed_precision not in ("bf16", "fp16"):
+        state = f"mixed_precision={mixed_precision!r}" if is_initialized() else "not initialized"
+        raise RuntimeError(DROPPED_AUTOCAST.format(state=state))
+    autocast = get_mixed_precision_context_manager(native_amp=True, autocast_kwargs=None)
+    return convert_outputs_to_fp32(autocast(forward))(*args)
