@@ -70,6 +70,8 @@ def _causal_lm_classes() -> frozenset[str]:
     root = Path(transformers.models.__file__).parent
     found = set()
     for file in root.glob("*/modeling_*.py"):
+        if "ForCausalLM(" not in file.read_text():  # no such class defined: not worth parsing
+            continue
         for node in _parsed(file).body:
             own_forward = isinstance(node, ast.ClassDef) and any(
                 isinstance(n, ast.FunctionDef) and n.name == "forward" for n in node.body
