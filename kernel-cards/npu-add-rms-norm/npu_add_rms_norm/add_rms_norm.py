@@ -22,32 +22,12 @@ accumulates the two uses of the sum; residual and update both get dh (the add's 
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
-
-Scaling = Literal["plain", "zero_centered", "float32_scale"]
-SCALINGS: tuple[str, ...] = get_args(Scaling)
-"""The accepted values of `scaling`: the RMSNorm weight forms npu_add_rms_norm reproduces."""
-
-
-def check_scaling(scaling: object) -> None:
-    """Raise ValueError naming the accepted values unless `scaling` is one of SCALINGS."""
-    if scaling not in SCALINGS:
-        raise ValueError(
-            f"scaling={scaling!r} is not an RMSNorm weight form npu_add_rms_norm reproduces; pass one of "
-            f"{', '.join(map(repr, SCALINGS))} (Llama's weight * x, Gemma's (1 + weight) * x, Helium's float32 weight)"
-        )
-
-
-def _epsilon(norm: nn.Module) -> float | None:
-    """transformers names an RMSNorm's epsilon `variance_epsilon` (Llama family) or `eps` (Gemma family)."""
-    eps = getattr(norm, "variance_epsilon", None)
-    return getattr(norm, "eps", None) if eps is None else eps
+from ._rms_norm_forms import Scaling, check_scaling, epsilon_of
 
 
 def _norm_problem(norm: nn.Module, family: str | None) -> str | None:
@@ -59,7 +39,7 @@ def _norm_problem(norm: nn.Module, family: str | None) -> str | None:
     names = [name for name, _ in norm.named_parameters(recurse=True)]
     if names != ["weight"]:
         return f"the norm has the parameters {names}, not just a weight (a bias or other state the op has no input for)"
-    if not isinstance(_epsilon(norm), float):
+    if not isinstance(epsilon_of(norm), float):
         return "the norm has no float epsilon (variance_epsilon or eps)"
     if norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks or norm._backward_pre_hooks:
         return "the norm has hooks (DeepSpeed ZeRO-3 gathers its weight in one): calling it keeps them"
@@ -112,7 +92,7 @@ def add_rms_norm(
     if add_rms_norm_unavailable_reason(residual, update, norm, scaling, family) is not None:
         return add_rms_norm_eager(residual, update, norm)
     gamma = 1.0 + norm.weight if scaling == "zero_centered" else norm.weight
-    return _AddRmsNorm.apply(residual, update, gamma, _epsilon(norm))
+    return _AddRmsNorm.apply(residual, update, gamma, epsilon_of(norm))
 
 
 def add_rms_norm_eager(

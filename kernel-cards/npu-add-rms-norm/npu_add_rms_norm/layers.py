@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .add_rms_norm import Scaling, add_rms_norm
+from ._rms_norm_forms import Scaling
+from .add_rms_norm import add_rms_norm
 
 
 def family(layer: nn.Module) -> str:

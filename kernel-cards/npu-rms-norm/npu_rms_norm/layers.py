@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .rms_norm import epsilon_of, rms_norm
+from ._rms_norm_forms import epsilon_of
+from .rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -11,31 +11,10 @@ transformers' RMSNorm classes scale the normalised input in one of three ways; `
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
-from torch import nn
 
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
-
-Scaling = Literal["plain", "zero_centered", "float32_scale"]
-SCALINGS: tuple[str, ...] = get_args(Scaling)
-"""The accepted values of `scaling`."""
-
-
-def check_scaling(scaling: object) -> None:
-    """Raise ValueError naming the accepted values unless `scaling` is one of SCALINGS."""
-    if scaling not in SCALINGS:
-        raise ValueError(
-            f"scaling={scaling!r} is not a way transformers scales an RMSNorm; pass one of "
-            f"{', '.join(map(repr, SCALINGS))} (Llama's weight * x, Gemma's (1 + weight) * x, Olmo2's float32 weight)"
-        )
-
-
-def epsilon_of(module: nn.Module) -> float:
-    """transformers names the epsilon `variance_epsilon` (Llama family) or `eps` (Gemma family)."""
-    eps = getattr(module, "variance_epsilon", None)
-    return module.eps if eps is None else eps
+from ._rms_norm_forms import Scaling, check_scaling
 
 
 def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling = "plain") -> str | None:
