@@ -2,10 +2,10 @@
 every fallback.
 
 Op level (the built card's `linear_cross_entropy` on the emulated npu, several chunks): float32 loss and gradients
-match eager's closely; in bfloat16 the error against a float64 reference is at most twice eager's (flash-attention's
-idiom). Model level (kernelize on the tiny families): the loss and every parameter's gradient match eager, the
-fused ops are counted with a negative control, generate() and calls without labels are eager's, and a few training
-steps follow eager's losses.
+match eager's closely; in bfloat16, and under autocast on float32 weights, the error against a float64 reference is
+at most twice eager's (flash-attention's idiom). Model level (kernelize on the tiny families): the loss and every
+parameter's gradient match eager, the fused ops are counted with a negative control, generate() and calls without
+labels are eager's, and a few training steps follow eager's losses.
 """
 
 from __future__ import annotations
@@ -122,13 +122,15 @@ def _problem(tokens=96, hidden=32, vocab=200, dtype=torch.float32, seed=0, bias=
     return lm_head.to(dtype), h.to(dtype), labels
 
 
-def _run(fn, lm_head, h, labels, device, **kwargs):
-    """(loss, dL/dh, dL/dW, dL/db or None) of fn on device copies."""
+def _run(fn, lm_head, h, labels, device, *, autocast: torch.dtype | None = None, **kwargs):
+    """(loss, dL/dh, dL/dW, dL/db or None) of fn on device copies; its forward under torch.autocast(device, autocast)
+    when one is given."""
     head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None)
     head = head.to(lm_head.weight.dtype).to(device)
     head.load_state_dict(lm_head.state_dict())
     leaf = h.clone().to(device).requires_grad_()
-    loss, _ = fn(leaf, head, labels.to(device), lm_head.out_features, **kwargs)
+    with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+        loss, _ = fn(leaf, head, labels.to(device), lm_head.out_features, **kwargs)
     loss.backward()
     bias_grad = None if head.bias is None else head.bias.grad.cpu()
     return loss.detach().cpu(), leaf.grad.cpu(), head.weight.grad.cpu(), bias_grad
@@ -252,11 +254,40 @@ def test_each_fallback_says_why_and_is_exactly_eager(card, name, change, words):
         assert (g is None and w is None) or torch.equal(g, w)
 
 
-def test_autocast_falls_back(card):
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_on_float32_weights_error_at_most_twice_eagers_against_float64(card, dtype, bias):
+    """Trainer's bf16/fp16: float32 lm_head and hidden states under torch.autocast("npu", dtype). The fused loss runs
+    its chunks in dtype as eager's autocast lm_head does, and returns float32 gradients, within eager's idiom."""
+    lm_head, h, labels = _problem(tokens=256, hidden=64, vocab=1000, bias=bias)
+    eager = _run(card.linear_cross_entropy_eager, lm_head, h, labels, "npu", autocast=dtype)
+    with emulation.count_op_calls() as calls:
+        fused = _run(card.linear_cross_entropy, lm_head, h, labels, "npu", autocast=dtype, chunk_tokens=64)
+    reference = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")  # double() in place
+    assert [calls[op] for op in OPS] == [4, 4]  # 256 tokens in chunks of 64
+    assert relative_error(eager[2], reference[2]) > 1e-4  # eager's lm_head did run in dtype
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)  # the same logits, in dtype, as eager's
+    for name, f, e, r in zip(("loss", "dh", "dW", "db"), fused, eager, reference, strict=True):
+        if r is None:
+            continue
+        assert f.dtype == e.dtype == torch.float32, (name, f.dtype, e.dtype)
+        fused_error, eager_error = relative_error(f, r), relative_error(e, r)
+        assert fused_error <= 2 * eager_error + 1e-6, (name, fused_error, eager_error)
+
+
+def test_autocast_elsewhere_or_on_float64_keeps_the_eager_path(card):
+    """Negative controls: autocast on the host (the op runs only on the npu) is eager's exactly, no op counted; on the
+    npu, float64 hidden states are not cast by autocast, so the fused loss says why it does not run."""
     lm_head, h, labels = _problem()
+    want = _run(card.linear_cross_entropy_eager, lm_head, h, labels, "cpu", autocast=torch.bfloat16)
+    with emulation.count_op_calls() as calls:
+        got = _run(card.linear_cross_entropy, lm_head, h, labels, "cpu", autocast=torch.bfloat16)
+    assert calls[OPS[0]] == 0
+    assert all(torch.equal(g, w) for g, w in zip(got[:3], want[:3], strict=True))
     with torch.autocast("npu", dtype=torch.bfloat16):
-        reason = card.linear_cross_entropy_unavailable_reason(h.to("npu"), lm_head.to("npu"), labels.to("npu"), 200)
-    assert "autocast" in reason
+        head, hidden = lm_head.to("npu"), h.double().to("npu")
+        reason = card.linear_cross_entropy_unavailable_reason(hidden, head, labels.to("npu"), 200)
+    assert "autocast" in reason and "float64" in reason
 
 
 # --- model level ----------------------------------------------------------------------------------------------
@@ -441,17 +472,22 @@ def test_use_kernels_dropping_accelerates_bf16_wrapper_runs_as_that_wrapper(
 ):
     """use_kernels=True kernelizes again at train(), replacing accelerate's bf16 wrapper of the model's forward: the
     layer runs the call as the wrapper does, the lm_head in bfloat16 and the outputs in float32, exactly eager's
-    forward under the accelerator's autocast. Without the wrapper's marker (negative control) it runs float32."""
+    forward under the accelerator's autocast (a hook on the lm_head keeps its own forward), and without the hook the
+    loss fuses under that autocast. Without the wrapper's marker (negative control) it runs float32."""
     accelerator, model = _wrapped_then_kernelized_again(tmp_path / "source")
     ids = token_ids(batch=2, seq=8).to("npu")
     assert not torch.is_autocast_enabled("npu")
     with emulation.count_op_calls() as calls:
         dtypes, outputs = _lm_head_dtype_and_outputs(model, ids)
-    assert dtypes == [torch.bfloat16] and calls[OPS[0]] == 0  # under autocast the loss is eager's
+    assert dtypes == [torch.bfloat16] and calls[OPS[0]] == 0  # the hooked lm_head runs itself: eager's loss
     assert outputs.loss.dtype == outputs.logits.dtype == torch.float32
     with accelerator.autocast():
         expected = type(model).forward(model, ids, labels=ids)
     assert torch.equal(outputs.loss, expected.loss.float()) and torch.equal(outputs.logits, expected.logits.float())
+    with emulation.count_op_calls() as calls:
+        fused = model(ids, labels=ids)
+    assert calls[OPS[0]] == 1 and fused.logits is None and fused.loss.dtype == torch.float32
+    torch.testing.assert_close(fused.loss, outputs.loss, rtol=1e-3, atol=1e-3)
 
     del model._original_forward
     dtypes, outputs = _lm_head_dtype_and_outputs(model, ids)

@@ -93,7 +93,9 @@ def autocast_loss_and_gradients(model, ids, *, autocast: bool = True):
 @pytest.mark.parametrize("model_type", list(AUTOCAST_CALLS))
 def test_autocast_forward_and_backward_within_the_eager_idiom(npu_kernels, model_type):
     """float32 weights under torch.autocast("npu", bfloat16): what fuses is what every path can compute right
-    (AUTOCAST_CALLS), the rest falls back; loss and every gradient within twice eager autocast's error."""
+    (AUTOCAST_CALLS, and the loss where npu-linear-cross-entropy swaps the class), the rest falls back; logits, loss
+    and every gradient within twice eager autocast's error (the logits of a forward without labels where the loss
+    fused: the fused step makes none)."""
     ids = token_ids()
     ref_loss, ref_logits, ref_grads = autocast_loss_and_gradients(host_reference(model_type), ids, autocast=False)
     with emulation.count_op_calls() as eager_calls:
@@ -104,7 +106,12 @@ def test_autocast_forward_and_backward_within_the_eager_idiom(npu_kernels, model
     model = kernelize(tiny_model(model_type).to("npu"), mode=Mode.TRAINING, device="npu")
     with emulation.count_op_calls() as calls:
         loss, logits, grads = autocast_loss_and_gradients(model, ids)
-    assert dict(calls) == AUTOCAST_CALLS[model_type]
+    expected = {**AUTOCAST_CALLS[model_type], **dict.fromkeys(LOSS_OPS, fused_loss(model))}
+    assert dict(calls) == {op: n for op, n in expected.items() if n}
+    assert (logits is None) == bool(fused_loss(model))
+    if logits is None:
+        with torch.autocast("npu", dtype=torch.bfloat16), torch.no_grad():
+            logits = model(ids.to("npu")).logits
     assert logits.dtype == eager_logits.dtype == torch.bfloat16
     eager_error = relative_error(eager_logits.cpu(), ref_logits)
     assert relative_error(logits.cpu(), ref_logits) <= 2 * eager_error, eager_error
@@ -360,9 +367,9 @@ def test_trainer_bf16_mixed_precision_within_the_eager_idiom(npu_kernels, tmp_pa
     (eager_losses, eager_update, eager_calls), (losses, update, calls) = runs[False], runs[True]
     assert set(eager_calls) <= {"npu_rotary_mul"}  # the shared rotary function-module, as above
     # use_kernels=True kernelizes again at train(), replacing accelerate's autocast wrapper of the model's forward with
-    # npu-linear-cross-entropy's layer, which runs the step under that autocast again: the loss is eager's there
+    # npu-linear-cross-entropy's layer, which runs the step under that autocast again: its loss fuses, in bfloat16
     assert fused_loss(model) == (model_type == "llama")  # Qwen3-MoE's auxiliary loss keeps its class forward
-    expected = {op: n for op, n in per_step_calls(model).items() if op not in LOSS_OPS}
+    expected = per_step_calls(model)
     expected.pop("npu_rotary_mul")  # Llama: float32 cos/sin with bfloat16 q/k
     # the attention output is bfloat16 under autocast, the residual float32: the decoder layers add and normalise
     # as eager does (npu-add-rms-norm falls back), so every norm runs npu_rms_norm

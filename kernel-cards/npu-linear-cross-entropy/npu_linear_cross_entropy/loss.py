@@ -14,6 +14,9 @@ by the incoming gradient and by `1 / n` (n: the counted tokens, or `num_items_in
 the logits are never recomputed, at the price of keeping dL/dW (float32, [V, H]) and dL/dh from forward to
 backward. The op ignores no row itself: with a gradient, its 'mean' mode takes no ignore_index and a negative
 ignore_index ignores nothing, so ignored rows get target 0 and a zero mask.
+Under autocast (on the npu, in float16 or bfloat16: accelerate's and Trainer's bf16/fp16) the chunks compute in
+autocast's dtype as eager's autocast lm_head does: hidden states, weight and bias cast to it once (autocast off
+inside, so nothing is cast twice), the gradients cast back to their dtypes by autograd, as the casts' backward.
 Whatever the op cannot compute runs `linear_cross_entropy_eager`: the lm_head and transformers' loss, op for op.
 """
 
@@ -77,10 +80,12 @@ def linear_cross_entropy_unavailable_reason(
     reason = npu_unavailable_reason(hidden_states, *params, labels)
     if reason is not None:
         return reason
-    if hidden_states.dtype not in FUSED_DTYPES or any(p.dtype != hidden_states.dtype for p in params):
-        return f"dtypes {hidden_states.dtype} and {weight.dtype}: one of float16, bfloat16, float32 for both needed"
     if torch.is_autocast_enabled(hidden_states.device.type):
-        return "autocast is on: the lm_head's dtype is autocast's choice, so the eager path runs"
+        # autocast (float16 or bfloat16 on the npu) casts the lm_head's operands, float64 excepted
+        if any(t.dtype not in FUSED_DTYPES for t in (hidden_states, *params)):
+            return f"autocast is on with dtypes {hidden_states.dtype} and {weight.dtype}: it casts no float64"
+    elif hidden_states.dtype not in FUSED_DTYPES or any(p.dtype != hidden_states.dtype for p in params):
+        return f"dtypes {hidden_states.dtype} and {weight.dtype}: one of float16, bfloat16, float32 for both needed"
     if hidden_states.numel() == 0 or labels.numel() != hidden_states[..., 0].numel():
         return f"hidden states {tuple(hidden_states.shape)} and labels {tuple(labels.shape)}: one label per token"
     return None
@@ -123,10 +128,15 @@ def linear_cross_entropy(
     if not torch.is_grad_enabled():  # the Function would see requires_grad and make gradients no one asked for
         hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
     chunk = chunk_tokens or default_chunk_tokens(hidden.shape[0], vocab_size)
-    loss = _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, bias, torch.where(counted, targets, 0), counted,
-        divisor.to(hidden.device, torch.float32), chunk,
-    )  # fmt: skip
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # as autocast's linear: operands cast once, gradients cast back
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight, bias = (None if t is None else t.to(dtype) for t in (hidden, weight, bias))
+    with torch.autocast(device_type, enabled=False):  # the chunks' matmuls in that dtype, nothing cast again
+        loss = _ChunkedLinearCrossEntropy.apply(
+            hidden, weight, bias, torch.where(counted, targets, 0), counted,
+            divisor.to(hidden.device, torch.float32), chunk,
+        )  # fmt: skip
     return loss, None
 
 
