@@ -28,6 +28,7 @@ from npu_hub_kernels import (
     unregister_npu_kernels,
 )
 from npu_hub_kernels import _kernels_compat as compat
+from npu_hub_kernels.report import ROOT_MODULE
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 from npu_hub_kernels.testing.tiny_models import token_ids
@@ -245,7 +246,7 @@ def assert_each_listed_swap_runs(model_type: str, model) -> None:
     # is called instead: left unhooked here); a swapped model forward (npu-linear-cross-entropy) fuses only its loss,
     # in a call with labels, which this one is not: it is left out here, and the last check holds it to no fused call
     fused_norms = {f"{s.module}.post_attention_layernorm" for s in swapped_modules(model, card="npu-add-rms-norm")}
-    swaps = [s for s in swapped_modules(model) if s.module not in fused_norms and s.module != "<root>"]
+    swaps = [s for s in swapped_modules(model) if s.module not in fused_norms and s.module != ROOT_MODULE]
     modules = dict(model.named_modules())
     rope_callers: dict[str, list[str]] = {name: [] for name, m in modules.items() if compat.kernel_funcs(m)}
     ops = ops_inside(model, {"", *rope_callers, *(s.module for s in swaps)})

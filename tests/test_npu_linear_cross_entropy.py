@@ -26,6 +26,7 @@ from torch import nn
 from npu_hub_kernels import swapped_modules
 from npu_hub_kernels.models import MODEL_CLASSES
 from npu_hub_kernels.models import npu_linear_cross_entropy as table
+from npu_hub_kernels.report import ROOT_MODULE
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import VOCAB, tiny_causal_lm, token_ids
 
@@ -310,7 +311,7 @@ def _labels(ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("model_type", FUSED_FAMILIES)
 def test_model_loss_and_every_gradient_match_eager_with_the_fused_ops_counted(npu_kernels, model_type):
     eager, fused = _pair(model_type)
-    assert [s.module for s in swapped_modules(fused) if s.card == "npu-linear-cross-entropy"] == ["<root>"]
+    assert [s.module for s in swapped_modules(fused) if s.card == "npu-linear-cross-entropy"] == [ROOT_MODULE]
     ids = token_ids()
     want = eager(input_ids=ids, labels=_labels(ids))
     want.loss.backward()
@@ -452,7 +453,7 @@ def _wrapped_then_kernelized_again(source: Path):
     model = accelerator.prepare(model)
     model.train()
     assert "_original_forward" in vars(model)
-    assert [swap.module for swap in swapped_modules(model, card="npu-linear-cross-entropy")] == ["<root>"]
+    assert [swap.module for swap in swapped_modules(model, card="npu-linear-cross-entropy")] == [ROOT_MODULE]
     return accelerator, model
 
 

@@ -13,6 +13,9 @@ from . import _kernels_compat as compat
 
 _MISSING = object()
 
+ROOT_MODULE = "<root>"
+"""How `swapped_modules` names the model it is given when that module itself runs a card's layer."""
+
 
 @dataclass(frozen=True)
 class Swap:
@@ -46,7 +49,7 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
             if build is not None and card in (None, build.CARD):
                 swaps.append(
                     Swap(
-                        module=qualified or "<root>",
+                        module=qualified or ROOT_MODULE,
                         module_class=type(candidate).__name__,
                         card=build.CARD,
                         layer=layer,

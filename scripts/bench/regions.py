@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from npu_hub_kernels._kernels_compat import kernel_funcs
+from npu_hub_kernels.report import ROOT_MODULE
 
 from .cards import LayerRegion, card_named, spec, with_piece
 from .configs import DTYPE, ModelSpec
@@ -48,9 +49,9 @@ def find_regions(layer: nn.Module) -> list[Region]:
     regions = {
         swap.module: Region(card_named(swap.card).region, swap.module, swap.card)
         for swap in swaps
-        if swap.module != ROOT
+        if swap.module != ROOT_MODULE
     }
-    for swap in (swap for swap in swaps if swap.module == ROOT):
+    for swap in (swap for swap in swaps if swap.module == ROOT_MODULE):
         card = card_named(swap.card)
         inner = spec(card).layer_region(layer)
         regions[inner.anchor] = Region(card.region, inner.anchor, swap.card, layer_region=inner)
@@ -60,10 +61,6 @@ def find_regions(layer: nn.Module) -> list[Region]:
         if card is not None and name not in regions:
             regions[name] = Region(card.region, name, None)
     return list(regions.values())
-
-
-ROOT = "<root>"
-"""How `swapped_modules` names the module it was given: here the decoder layer."""
 
 
 def resolve(layer: nn.Module, name: str) -> nn.Module:
