@@ -29,6 +29,8 @@ logits: 4096 tokens for Llama-3-8B, 3277 for Qwen3-8B) meets both.
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any
 
 import torch
@@ -88,13 +90,14 @@ HOST_TIMING = None
 overhead and fallback rows time."""
 
 
-def _region(model_key: str, vocab: int, fake_mode) -> tuple[Any, nn.Module]:
-    """(the card package, the model's lm_head with fake weights on npu) from the model kernelized for npu."""
+@functools.cache
+def _kernelized(model_key: str, vocab: int) -> tuple[Any, nn.Module]:
+    """(the card package, the model's lm_head on the meta device) from the model kernelized for npu: built once per
+    model for every measure of it (eager, the default chunk, the sweep), each of which fakes a copy of the lm_head."""
     from kernels import Mode, kernelize
 
     from npu_hub_kernels.report import card_package
 
-    from ..accounting import fake_module
     from ..configs import CONFIGS
     from ..counted import build_model
 
@@ -104,7 +107,7 @@ def _region(model_key: str, vocab: int, fake_mode) -> tuple[Any, nn.Module]:
     package = card_package(model)
     if package is None:
         raise RuntimeError(f"{spec.name}'s CausalLM runs no card layer: is npu-linear-cross-entropy registered?")
-    return package, fake_module(model.lm_head, fake_mode, "npu")
+    return package, model.lm_head
 
 
 def measure(model_key: str, vocab: int, chunk_tokens: int | None, batch: int, seq: int) -> dict[str, Any]:
@@ -113,10 +116,11 @@ def measure(model_key: str, vocab: int, chunk_tokens: int | None, batch: int, se
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .. import memory
-    from ..accounting import count_device_ops
+    from ..accounting import count_device_ops, fake_module
 
     fake_mode = FakeTensorMode()
-    package, lm_head = _region(model_key, vocab, fake_mode)
+    package, meta_lm_head = _kernelized(model_key, vocab)
+    lm_head = fake_module(copy.deepcopy(meta_lm_head), fake_mode, "npu")  # fake_module fakes it in place
     with fake_mode:
         hidden = torch.empty(batch, seq, lm_head.in_features, dtype=lm_head.weight.dtype, device="npu")
         hidden.requires_grad_()
