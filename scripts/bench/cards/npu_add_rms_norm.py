@@ -18,13 +18,13 @@ keeps the sum, the weight and its float32 rstd, one value per row, as npu_rms_no
 
 from __future__ import annotations
 
-import inspect
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from npu_hub_kernels.report import card_layer_of, card_package
 
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
@@ -91,8 +91,9 @@ def _run(layer: nn.Module, variant: str) -> Callable[..., Any]:
     norm = layer.post_attention_layernorm
     if variant == "eager":
         return lambda residual, update: _eager(residual + update, norm)
-    package = sys.modules[inspect.getmodule(layer.forward).__name__.rpartition(".")[0]]
-    scaling = _SCALINGS[layer.forward.__func__.__qualname__.partition(".")[0]]
+    _, layer_name = card_layer_of(layer)
+    package = card_package(layer)
+    scaling = _SCALINGS[layer_name]
     add_rms_norm, family = package.add_rms_norm, package.layers.family(layer)
     return lambda residual, update: add_rms_norm(residual, update, norm, scaling, family)
 
