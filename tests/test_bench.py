@@ -213,6 +213,53 @@ def test_layer_floor_adds_up_and_swiglu_reaches_it_on_the_default_path(npu_kerne
     assert add_norm.kernelized.bytes < add_norm.eager.bytes
 
 
+def test_the_layer_without_the_layer_card_is_counted_with_the_floor_before_it(npu_kernels):
+    """Without npu-add-rms-norm's layer (every other card's layer, the decoder layer's own forward) the residual add
+    runs outside any region and the post-attention norm is an RMSNorm region again: the floor before the card, one
+    op more forward (the add) and one more backward (the add of the sum's two gradients), which the default path
+    is held to by the card's BEFORE_CARD_TARGET."""
+    before = counted.account(TINY_LLAMA, 2, 16, kernelized=regions.WITHOUT_LAYER_CARD, phases=("fwd+bwd",))
+    default = counted.account(TINY_LLAMA, 2, 16, phases=("fwd+bwd",))
+    assert {kind for kind, _ in before} == {kind for kind, _ in default} - {ADD_NORM}
+    layer_before, layer = before[(cards.LAYER, "fwd+bwd")], default[(cards.LAYER, "fwd+bwd")]
+    assert "npu_add_rms_norm" not in layer_before.kernelized.by_op() and layer.kernelized.by_op()["npu_add_rms_norm"]
+    norms_before, norms = (m[("RMSNorm", "fwd+bwd")].kernelized.by_op()["npu_rms_norm"] for m in (before, default))
+    assert (norms_before, norms) == (2, 1)  # input_layernorm; post_attention_layernorm only without the card
+    assert layer_before.floor[0] == layer.floor[0] + 2 and layer_before.floor[1] > layer.floor[1]
+    assert layer_before.eager.by_op() == layer.eager.by_op()
+
+
+def test_a_card_swapping_the_layer_is_held_to_the_floor_before_it():
+    """BEFORE_CARD_TARGET pairs each model's default decoder-layer row with the floor counted without the card:
+    met when both bounds hold, not met (the negative control) when the bytes or the ops miss theirs."""
+    card = CARDS["npu_fused_add_rmsnorm"]
+
+    def row(unit: str, kernelized: float, floor: float, study: str = "layer", variant: str = "default") -> Row:
+        return Row(
+            "counted", "M", cards.LAYER, "fwd+bwd", 8, 4096, eager=10 * floor, kernelized=kernelized, floor=floor,
+            unit=unit, study=study, kind=cards.LAYER, variant=variant, model="M",
+        )  # fmt: skip
+
+    def results(ops: float, size: float) -> dict[str, bool | None]:
+        before = dict(study=targets.BEFORE_CARD_STUDY, variant=f"without {card.repo_name}")
+        rows = [
+            row("ops", ops, 30),
+            row("bytes", size, 90),
+            row("ops", 41, 39, **before),
+            row("bytes", 1, 100, **before),
+        ]
+        found = [r for r in targets.evaluate(rows) if "floor without it" in r.target]
+        return {r.target.split(": ", 1)[1].split(" (")[0]: r.met for r in found}
+
+    bound = cards.spec(card).BEFORE_CARD_TARGET
+    assert (bound.bytes_bound, bound.fewer_ops) == (0.97, 2)  # issue 19's
+    assert results(37, 97) == {
+        "kernelized op count <= floor without it - 2": True,
+        "kernelized bytes <= 0.97 x floor without it": True,
+    }
+    assert set(results(38, 97).values()) == {False, True} and set(results(37, 97.5).values()) == {True, False}
+
+
 @pytest.mark.parametrize(("batch", "seq"), [(1, 1), (2, 16), (4, 128)], ids=["decode", "two matmuls", "concatenated"])
 def test_swiglu_mlp_at_its_floor_and_never_above_eager_at_any_size(npu_kernels, batch, seq):
     """The tiny Llama MLP (hidden 64, inner 96) from one token to 512 (T > 4I: the weights concatenated for the
@@ -394,7 +441,11 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     outside_layers = {card.region for card, _ in cards.with_piece("REGION_ROWS")}  # regions a spec counts itself
     counted = [r for r in table if r["mode"] == "counted" and r["config"] == "Llama-3-8B"]
     assert {r["kind"] for r in counted} >= outside_layers
-    counted = [r for r in counted if r["kind"] not in outside_layers]
+    before_card = [r for r in counted if r["study"] == targets.BEFORE_CARD_STUDY]
+    assert {(r["variant"], r["unit"]) for r in before_card} == {
+        ("without npu-add-rms-norm", u) for u in ("ops", "bytes")
+    }
+    counted = [r for r in counted if r["kind"] not in outside_layers and r["study"] == "layer"]
     assert {r["phase"] for r in counted} == {"fwd", "fwd+bwd"}
     assert {r["unit"] for r in counted} == {"ops", "bytes", *MEMORY_UNITS}
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -403,6 +454,8 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     assert EMULATED not in summary.replace("emulated ones are only in bench.csv", "")
     for target in ("kernelize of 32 layers", "per-call overhead", "torch-universal fallback", "RMSNorm: kernelized"):
         assert target in summary
+    assert "Llama-3-8B decoder layer with npu-add-rms-norm: kernelized bytes <= 0.97 x floor without it" in summary
+    assert "counted Llama-3-8B without npu-add-rms-norm, batch 1, seq 512" in done.stdout
     assert "Memory, counted, forward+backward" in summary and "| model | region | saved eager |" in summary
     assert "**Peer**: LLaMA-Factory" in summary and "| peer kernel | matches |" in summary  # the peer column ran
     assert all(r["peer"] for r in counted)

@@ -36,10 +36,11 @@ from . import __doc__ as package_doc
 from .cards import with_piece
 from .chart import write_chart
 from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, TINY_SPECS
-from .counted import counted_rows, experts_sweep_rows
+from .counted import before_card_rows, counted_rows, experts_sweep_rows
 from .peer import load_peer, parity_rows
 from .report import card_summary, summary, update_readme
 from .rows import Row, log, write_csv
+from .targets import LAYER_TARGET_SHAPE
 from .timed import device_rows, fallback_rows, get_kernel_rows, kernelize_rows, overhead_rows, training_rows
 
 QUICK_PARITY = ("llama", "qwen3_moe", "gemma3_text")
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows += experts_sweep_rows(card, sweep.model, sweep.quick if quick else sweep.experts, peer=peer)
                 for _, region_rows in with_piece("REGION_ROWS"):
                     rows += region_rows(specs, quick)
+                for card, target in with_piece("BEFORE_CARD_TARGET"):
+                    rows += before_card_rows(card, target, specs, QUICK_SHAPES[0] if quick else LAYER_TARGET_SHAPE)
                 if peer is not None:
                     rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)
             else:

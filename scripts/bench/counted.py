@@ -28,9 +28,19 @@ from .configs import CONFIGS, DTYPE, PHASES, ModelSpec, experts_key
 from .floors import floor_of, floor_peak, floor_saved_of
 from .memory import Memory, tracking_memory
 from .peer import Patches, Peer
-from .regions import Region, capture, find_regions, forward_backward, layer_inputs, region_call, resolve, set_variant
+from .regions import (
+    WITHOUT_LAYER_CARD,
+    Region,
+    capture,
+    find_regions,
+    forward_backward,
+    layer_inputs,
+    region_call,
+    resolve,
+    set_variant,
+)
 from .rows import MEMORY_UNITS, Row, log
-from .targets import counted_target
+from .targets import BEFORE_CARD_STUDY, BeforeCardTarget, counted_target
 
 
 @dataclass
@@ -101,15 +111,21 @@ def peer_layer(spec: ModelSpec, fake_mode: FakeTensorMode, peer: Peer, experts: 
 
 
 def account(
-    spec: ModelSpec, batch: int, seq: int, experts: int | None = None, peer: Peer | None = None
+    spec: ModelSpec,
+    batch: int,
+    seq: int,
+    experts: int | None = None,
+    peer: Peer | None = None,
+    kernelized: str = "kernelized",
+    phases: tuple[str, ...] = PHASES,
 ) -> dict[tuple[str, str], Measured]:
-    """Tallies per (region kind or "decoder layer", phase): eager, kernelized (the default path), the peer's (when
-    given) and the floor. On fake tensors of a fresh fake mode;
-    `experts` overrides the model's."""
+    """Tallies per (region kind or "decoder layer", phase): eager, kernelized (the default path, or the variant
+    `kernelized` names: `regions.set_variant`), the peer's (when given) and the floor. On fake tensors of a fresh
+    fake mode; `experts` overrides the model's."""
     experts = experts or spec.experts
     fake_mode = FakeTensorMode()
     layer = build_layer(spec, fake_mode, experts)  # eager and kernelized: the same layer, its forwards swapped
-    regions = find_regions(layer)
+    regions = find_regions(layer, kernelized)
     peered = peer_layer(spec, fake_mode, peer, experts) if peer is not None else None
     patched: dict[str, bool] = {}
     results: dict[tuple[str, str], Measured] = {}
@@ -117,10 +133,10 @@ def account(
         args, kwargs = layer_inputs(spec, batch, seq, torch.empty)
         set_variant(layer, "eager")
         capture(layer, regions, args, kwargs, count_device_ops(experts=experts))
-        for phase in PHASES:
+        for phase in phases:
             tallies: dict[tuple[str, str], Tally | None] = {}
             for variant in ("eager", "kernelized"):
-                set_variant(layer, variant)
+                set_variant(layer, kernelized if variant == "kernelized" else variant)
                 tallies[(LAYER, variant)] = count_run(layer, args, kwargs, layer.parameters(), phase, experts)
                 for region in regions:
                     if variant != "eager" and region.card is None:
@@ -267,6 +283,30 @@ def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]], peer: Peer 
                 row.target = counted_target(row)
                 rows.append(row)
         log(f"  counted {spec.name}, batch {batch}, seq {seq}: {time.perf_counter() - started:.1f} s")
+    return rows
+
+
+def before_card_rows(
+    card: Card, target: BeforeCardTarget, specs: Iterable[ModelSpec], shape: tuple[int, int]
+) -> list[Row]:
+    """bench.csv rows of the decoder layer without a card that swaps the layer itself (`regions.WITHOUT_LAYER_CARD`),
+    forward+backward, ops and bytes, for the models of `specs` the card's target names: its floor is the one the
+    card's `BeforeCardTarget` holds the default path to."""
+    rows = []
+    batch, seq = shape
+    for spec in (spec for spec in specs if spec.name in target.models):
+        started = time.perf_counter()
+        m = account(spec, batch, seq, kernelized=WITHOUT_LAYER_CARD, phases=("fwd+bwd",))[(LAYER, "fwd+bwd")]
+        for unit, floor in (("ops", m.floor[0]), ("bytes", m.floor[1])):
+            row = Row(
+                "counted", spec.name, LAYER, "fwd+bwd", batch, seq,
+                eager=_value(m.eager, unit), kernelized=_value(m.kernelized, unit), floor=floor, unit=unit,
+                note=f"the layer without {card.repo_name}", study=BEFORE_CARD_STUDY, kind=LAYER,
+                variant=f"without {card.repo_name}", model=spec.name, experts=spec.experts,
+            )  # fmt: skip
+            rows.append(row)
+        seconds = time.perf_counter() - started
+        log(f"  counted {spec.name} without {card.repo_name}, batch {batch}, seq {seq}: {seconds:.1f} s")
     return rows
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from npu_hub_kernels._kernels_compat import kernel_funcs
+from npu_hub_kernels._kernels_compat import instance_forward, kernel_funcs, release_instance_forward
 from npu_hub_kernels.report import ROOT_MODULE
 
 from .cards import LayerRegion, card_named, spec, with_piece
@@ -29,22 +29,29 @@ class Region:
     layer_region: LayerRegion | None = None  # a card that swaps the layer itself: its region inside it
 
 
+WITHOUT_LAYER_CARD = "kernelized, the layer's own forward"
+"""The variant of a layer as it runs without the card that swaps the decoder layer itself: every other card's layer,
+and the decoder layer class's own forward (what the default path was before such a card)."""
+
+
 def set_variant(layer: nn.Module, variant: str) -> None:
-    """Give the layer the forwards of a variant: the classes' own ("eager") or the cards' layers for npu
-    ("kernelized": kernelize only, the default path). Called before every run: the rotary function-modules
-    are shared by the process."""
+    """Give the layer the forwards of a variant: the classes' own ("eager"), the cards' layers for npu
+    ("kernelized": kernelize only, the default path), or those but the layer's own (`WITHOUT_LAYER_CARD`). Called
+    before every run: the rotary function-modules are shared by the process."""
     from kernels import Mode, kernelize
 
     kernelize(layer, mode=Mode.TRAINING, device="cpu" if variant == "eager" else "npu")
+    if variant == WITHOUT_LAYER_CARD and instance_forward(layer) is not None:
+        release_instance_forward(layer)
 
 
-def find_regions(layer: nn.Module) -> list[Region]:
-    """The layer's fused regions: what the cards swap in, plus the modules no card swaps that a card's spec
-    recognises as its region (`is_region`). A card that swaps the layer itself brings the region its spec's
-    `layer_region` names, in place of any other at its anchor."""
+def find_regions(layer: nn.Module, variant: str = "kernelized") -> list[Region]:
+    """The layer's fused regions in a kernelized variant: what the cards swap in, plus the modules no card swaps
+    that a card's spec recognises as its region (`is_region`). A card that swaps the layer itself brings the
+    region its spec's `layer_region` names, in place of any other at its anchor."""
     from npu_hub_kernels import swapped_modules
 
-    set_variant(layer, "kernelized")
+    set_variant(layer, variant)
     swaps = swapped_modules(layer)
     regions = {
         swap.module: Region(card_named(swap.card).region, swap.module, swap.card)

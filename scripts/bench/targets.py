@@ -55,6 +55,25 @@ class CountedTarget:
         return row.kernelized == row.floor if self.bound == 1 else row.kernelized <= self.bound * row.floor
 
 
+@dataclass(frozen=True)
+class BeforeCardTarget:
+    """A card that swaps the decoder layer itself, held to the layer's floor before it: forward+backward, per model
+    of `models` (`configs.CONFIGS` keys), the kernelized layer (the default path, the card included) at most
+    `bytes_bound` x the floor of the layer without the card, and `fewer_ops` fewer ops than that floor.
+
+    The floor without the card is the layer's floor where the card's layer is left out (`regions.WITHOUT_LAYER_CARD`:
+    every other card's layer, the decoder layer's own forward), counted at the shapes of the rows of
+    `BEFORE_CARD_STUDY`."""
+
+    bytes_bound: float
+    fewer_ops: int
+    models: tuple[str, ...]
+
+
+BEFORE_CARD_STUDY = "layer without the card"
+"""The study of the counted rows of a decoder layer without the card that swaps it (variant: "without <card>")."""
+
+
 LAYER_TARGET = CountedTarget("bytes", ("fwd+bwd",), LAYER_BYTES_TOLERANCE, LAYER_TARGET_SHAPE, kind=LAYER)
 
 
@@ -120,6 +139,8 @@ def evaluate(rows: list[Row]) -> list[Result]:
         out.append(Result(target.kind, label, text, all(target.met(r) for r in held)))
     for card, _ in with_piece("EXPERTS_SWEEP"):
         out += _experts_sweep(card, rows)
+    for card, target in with_piece("BEFORE_CARD_TARGET"):
+        out += _before_card(card, target, rows)
     out += _host(rows)
     return out
 
@@ -141,6 +162,37 @@ def _experts_sweep(card: Card, rows: list[Row]) -> list[Result]:
     counts = sorted({int(r.kernelized) for r in loop})
     text = f"{card.repo_name} {'/'.join(map(str, counts))} ops for {experts} experts, fwd+bwd (eager loop: {eager})"
     return [Result(card.region, label, text, len(counts) == 1)]
+
+
+def _before_card(card: Card, target: BeforeCardTarget, rows: list[Row]) -> list[Result]:
+    """Per model and shape counted without the card: the default path's decoder layer (forward+backward) against
+    the layer's floor without the card, bytes and ops."""
+    out = []
+    variant = f"without {card.repo_name}"
+    before = [r for r in rows if r.study == BEFORE_CARD_STUDY and r.variant == variant and r.phase == "fwd+bwd"]
+    for b in before:
+        default = next(
+            (
+                r
+                for r in rows
+                if (r.study, r.kind, r.model, r.phase, r.unit, r.batch, r.seq)
+                == ("layer", LAYER, b.model, b.phase, b.unit, b.batch, b.seq)
+            ),
+            None,
+        )
+        if default is None or default.kernelized is None:
+            continue
+        where = f"{b.model} {LAYER} with {card.repo_name}"
+        shape = f"fwd+bwd, batch {b.batch} x seq {b.seq}"
+        if b.unit == "bytes":
+            label = f"{where}: kernelized bytes <= {target.bytes_bound:g} x floor without it ({shape})"
+            share = default.kernelized / b.floor
+            out.append(Result(LAYER, label, f"{share:.3f} x that floor", share <= target.bytes_bound))
+        elif b.unit == "ops":
+            label = f"{where}: kernelized op count <= floor without it - {target.fewer_ops} ({shape})"
+            measured = f"{default.kernelized:.0f} vs {b.floor:.0f}"
+            out.append(Result(LAYER, label, measured, default.kernelized <= b.floor - target.fewer_ops))
+    return out
 
 
 def _host(rows: list[Row]) -> list[Result]:

@@ -37,6 +37,9 @@ and may define:
   decoder layer (the loss head), for the measured models it knows, measured by the spec itself; rows of study
   "layer" and the card's region kind are held to its COUNTED_TARGETS and shown in the counted table.
 - `STUDY_TABLE(rows: list[Row]) -> list[str]`: markdown lines the report prints after the other studies.
+- `BEFORE_CARD_TARGET: BeforeCardTarget`: for a card with `layer_region`, what the whole decoder layer with the
+  card is held to against the layer's floor without it (`bench.targets.BeforeCardTarget`); the bench counts that
+  layer for the models it names.
 
 `missing_pieces(card)` names what a card's spec lacks; tests/test_card_pieces.py holds every card to it.
 """
