@@ -14,7 +14,9 @@ import ast
 import functools
 import importlib
 import inspect
+import textwrap
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -140,6 +142,55 @@ def test_every_listed_class_has_its_layers_forward_and_the_layer_its_signature(c
         ours = inspect.signature(getattr(card.layers, rule.layer).forward).parameters.values()
         theirs = inspect.signature(cls.forward).parameters.values()
         assert [(p.name, p.kind, p.default) for p in ours] == [(p.name, p.kind, p.default) for p in theirs]
+
+
+_STANDARD_FIELDS = {"loss", "logits", "past_key_values", "hidden_states", "attentions"}
+
+
+def _wiring_of_the_forward(path: str) -> dict:
+    """What a class's forward calls and returns around its lm_head + loss lines, read from its (normalised) source:
+    the fields of layers.Wiring, the output class and its extra fields."""
+    forward = ast.parse(_forward_source(path)).body[0]
+    calls = [n for n in forward.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)]
+    base = next(n.value for n in calls if ast.unparse(n.value.func).startswith("self."))
+    passed = [a.id for a in base.args] + [k.arg for k in base.keywords if k.arg not in (None, "return_dict")]
+    assert all(ast.unparse(k.value) == k.arg for k in base.keywords if k.arg not in (None, "return_dict")), path
+    loss = next(n for n in ast.walk(forward) if isinstance(n, ast.Call) and ast.unparse(n.func) == "self.loss_function")
+    output = forward.body[-1].value
+    fields = {k.arg: ast.unparse(k.value) for k in output.keywords} if isinstance(output, ast.Call) else {}
+    extra = tuple(name for name in fields if name not in _STANDARD_FIELDS)
+    assert all(fields[name].endswith(f"outputs.{name}") for name in extra), path
+    return {
+        "base_model": ast.unparse(base.func).removeprefix("self."),
+        "model_inputs": set(passed),
+        "kwargs_to_model": any(k.arg is None for k in base.keywords),
+        "lm_head": ".".join(_head_calls(path)),
+        "vocab_size": next(ast.unparse(k.value) for k in loss.keywords if k.arg == "vocab_size").removeprefix("self."),
+        "output": ast.unparse(output.func) if isinstance(output, ast.Call) else None,
+        "extra": extra,
+    }
+
+
+def _wiring_of_the_layer(layers: ModuleType, layer: str) -> dict | None:
+    """The same, read from the layer's call of the card's shared forward (None for a layer that does not call it)."""
+    source = textwrap.dedent(inspect.getsource(getattr(layers, layer).forward))
+    call = next((n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)), None)
+    if call is None or ast.unparse(call.func) != "_causal_lm_forward":
+        return None
+    output, extra, *wiring = (eval(ast.unparse(arg), vars(layers)) for arg in call.args[3:])
+    wiring = wiring[0] if wiring else layers.LLAMA
+    return {**vars(wiring), "model_inputs": set(wiring.model_inputs), "output": output, "extra": extra}
+
+
+def test_each_layer_calls_what_its_group_calls_and_returns_what_it_returns(card):
+    """The layer's Wiring, output class and extra fields are its group's forward's, read from the source."""
+    checked = set()
+    for layer, path in GROUP_OF.items():
+        ours = _wiring_of_the_layer(card.layers, layer)
+        if ours is not None:
+            assert ours == _wiring_of_the_forward(path), layer
+            checked.add(layer)
+    assert checked >= set(OTHER_FORMS)
 
 
 def test_no_left_out_class_has_a_swapped_forward():
