@@ -114,12 +114,13 @@ _STATE_SPACE = (
     "the default loss, but a recurrent model's forward: its cache (cache_params or state) in and out of the backbone "
     "and an output class without past_key_values and attentions, which no layer builds"
 )
-_OWN_FORM = "the default loss, in a forward form no other class has and no layer reproduces: {}"
+_OWN_FORM = "the default loss, in a forward form no layer reproduces (one or two classes have it): {}"
+_ROUTER_LOGITS_WITHOUT_AUX = _OWN_FORM.format(
+    "output_router_logits (config default) to the base model, no aux loss, self.vocab_size"
+)
 
 LEFT_OUT: dict[str, str] = {
-    "afmoe.modeling_afmoe.AfmoeForCausalLM": _OWN_FORM.format(
-        "output_router_logits (config default) to the base model, no aux loss, self.vocab_size"
-    ),
+    "afmoe.modeling_afmoe.AfmoeForCausalLM": _ROUTER_LOGITS_WITHOUT_AUX,
     "bamba.modeling_bamba.BambaForCausalLM": _Z_LOSS,
     "bart.modeling_bart.BartForCausalLM": _OWN_LOSS,
     "beam.modeling_beam.BeamForCausalLM": _SOFTCAP,
@@ -232,8 +233,6 @@ LEFT_OUT: dict[str, str] = {
     "xlm_roberta_xl.modeling_xlm_roberta_xl.XLMRobertaXLForCausalLM": _HEAD_TRANSFORM,
     "xlstm.modeling_xlstm.xLSTMForCausalLM": _SOFTCAP,
     "xmod.modeling_xmod.XmodForCausalLM": _HEAD_TRANSFORM,
-    "zaya.modeling_zaya.ZayaForCausalLM": _OWN_FORM.format(
-        "output_router_logits (config default) to the base model, no aux loss, self.vocab_size"
-    ),
+    "zaya.modeling_zaya.ZayaForCausalLM": _ROUTER_LOGITS_WITHOUT_AUX,
 }
 """Class -> why no layer reproduces it."""
