@@ -14,7 +14,9 @@ import ast
 import functools
 import importlib
 import inspect
+import textwrap
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -22,17 +24,22 @@ import transformers
 from kernels import Mode, get_local_kernel, kernelize
 from numerics import relative_error, train_steps
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from npu_hub_kernels import swapped_modules
+from npu_hub_kernels import CARDS, swapped_modules
 from npu_hub_kernels.models import MODEL_CLASSES
 from npu_hub_kernels.models import npu_linear_cross_entropy as table
 from npu_hub_kernels.report import ROOT_MODULE
 from npu_hub_kernels.testing import emulation
-from npu_hub_kernels.testing.tiny_models import VOCAB, tiny_causal_lm, token_ids
+from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, VOCAB, tiny_causal_lm, tiny_config_values, token_ids
 
 RULES = MODEL_CLASSES["npu_fused_linear_cross_entropy"]
 OPS = ("npu_cross_entropy_loss", "npu_cross_entropy_loss_backward")
-GROUP_OF = {"CausalLM": "llama.modeling_llama.LlamaForCausalLM", "MoeCausalLM": RULES[-1].path}
+GROUP_OF = {
+    "CausalLM": "llama.modeling_llama.LlamaForCausalLM",
+    "MoeCausalLM": "deepseek_v3.modeling_deepseek_v3.DeepseekV3ForCausalLM",
+    **{layer: paths[0] for layer, paths in table.SWAPPED.items() if layer not in ("CausalLM", "MoeCausalLM")},
+}
 """A class of each layer's group: every class the layer replaces has this class's forward."""
 
 
@@ -49,12 +56,47 @@ def _parsed(file: Path) -> ast.Module:
     return ast.parse(file.read_text())
 
 
-def _forward_source(path: str) -> str | None:
-    """The forward of a class as source, docstring and annotations dropped (what makes two forwards identical)."""
+def _class_node(path: str) -> ast.ClassDef:
     module, _, name = path.rpartition(".")
     file = Path(transformers.models.__file__).parent.joinpath(*module.split(".")).with_suffix(".py")
-    node = next(n for n in _parsed(file).body if isinstance(n, ast.ClassDef) and n.name == name)
-    forward = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+    return next(n for n in _parsed(file).body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _method(path: str, name: str) -> ast.FunctionDef | None:
+    return next((n for n in _class_node(path).body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+class _SameMeaning(ast.NodeTransformer):
+    """Rewrites what reads the same two ways: the loss_function's positional arguments named as ForCausalLMLoss
+    names them (logits, labels, vocab_size: the only loss the layers fuse), a local's annotation dropped, and a base
+    model output's `[0]` read as its `last_hidden_state` (its first field, always set)."""
+
+    def visit_Call(self, node: ast.Call) -> ast.Call:
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "loss_function" and len(node.args) <= 3:
+            named = [
+                ast.keyword(arg=n, value=a) for n, a in zip(("logits", "labels", "vocab_size"), node.args, strict=False)
+            ]
+            node.args, node.keywords = [], [*named, *node.keywords]
+        return node
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.Assign:
+        self.generic_visit(node)
+        return ast.Assign(targets=[node.target], value=node.value, lineno=node.lineno)
+
+    def visit_Subscript(self, node: ast.Subscript) -> ast.expr:
+        self.generic_visit(node)
+        outputs = isinstance(node.value, ast.Name) and node.value.id.endswith("outputs")
+        if outputs and isinstance(node.slice, ast.Constant) and node.slice.value == 0:
+            return ast.Attribute(value=node.value, attr="last_hidden_state", ctx=ast.Load())
+        return node
+
+
+@functools.cache
+def _forward_source(path: str) -> str | None:
+    """The forward of a class as source, docstring and annotations dropped, read by `_SameMeaning` (what makes two
+    forwards identical)."""
+    forward = _method(path, "forward")
     if forward is None:
         return None
     body = forward.body[1:] if isinstance(forward.body[0], ast.Expr) else forward.body
@@ -62,7 +104,7 @@ def _forward_source(path: str) -> str | None:
     for arg in (*forward.args.args, *forward.args.kwonlyargs, forward.args.kwarg):
         if arg is not None:
             arg.annotation = None
-    return ast.unparse(forward)
+    return ast.unparse(_SameMeaning().visit(forward))
 
 
 @functools.cache
@@ -89,7 +131,7 @@ def test_every_causal_lm_class_of_transformers_is_decided():
     assert _causal_lm_classes() - listed - set(table.LEFT_OUT) == set()
     assert (listed | set(table.LEFT_OUT)) - _causal_lm_classes() == set(), "listed classes missing from transformers"
     assert all(table.LEFT_OUT.values())
-    assert (len(table.SWAPPED["CausalLM"]), len(table.SWAPPED["MoeCausalLM"]), len(table.LEFT_OUT)) == (32, 20, 117)
+    assert (len(table.SWAPPED["CausalLM"]), len(table.SWAPPED["MoeCausalLM"]), len(table.LEFT_OUT)) == (34, 21, 100)
 
 
 def test_every_listed_class_has_its_layers_forward_and_the_layer_its_signature(card):
@@ -102,9 +144,122 @@ def test_every_listed_class_has_its_layers_forward_and_the_layer_its_signature(c
         assert [(p.name, p.kind, p.default) for p in ours] == [(p.name, p.kind, p.default) for p in theirs]
 
 
+_STANDARD_FIELDS = {"loss", "logits", "past_key_values", "hidden_states", "attentions"}
+
+
+def _wiring_of_the_forward(path: str) -> dict:
+    """What a class's forward calls and returns around its lm_head + loss lines, read from its (normalised) source:
+    the fields of layers.Wiring, the output class and its extra fields."""
+    forward = ast.parse(_forward_source(path)).body[0]
+    calls = [n for n in forward.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)]
+    base = next(n.value for n in calls if ast.unparse(n.value.func).startswith("self."))
+    passed = [a.id for a in base.args] + [k.arg for k in base.keywords if k.arg not in (None, "return_dict")]
+    assert all(ast.unparse(k.value) == k.arg for k in base.keywords if k.arg not in (None, "return_dict")), path
+    loss = next(n for n in ast.walk(forward) if isinstance(n, ast.Call) and ast.unparse(n.func) == "self.loss_function")
+    output = forward.body[-1].value
+    fields = {k.arg: ast.unparse(k.value) for k in output.keywords} if isinstance(output, ast.Call) else {}
+    extra = tuple(name for name in fields if name not in _STANDARD_FIELDS)
+    assert all(fields[name].endswith(f"outputs.{name}") for name in extra), path
+    return {
+        "base_model": ast.unparse(base.func).removeprefix("self."),
+        "model_inputs": set(passed),
+        "kwargs_to_model": any(k.arg is None for k in base.keywords),
+        "lm_head": ".".join(_head_calls(path)),
+        "vocab_size": next(ast.unparse(k.value) for k in loss.keywords if k.arg == "vocab_size").removeprefix("self."),
+        "output": ast.unparse(output.func) if isinstance(output, ast.Call) else None,
+        "extra": extra,
+    }
+
+
+def _wiring_of_the_layer(layers: ModuleType, layer: str) -> dict | None:
+    """The same, read from the layer's call of the card's shared forward (None for a layer that does not call it)."""
+    source = textwrap.dedent(inspect.getsource(getattr(layers, layer).forward))
+    call = next((n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call)), None)
+    if call is None or ast.unparse(call.func) != "_causal_lm_forward":
+        return None
+    output, extra, *wiring = (eval(ast.unparse(arg), vars(layers)) for arg in call.args[3:])
+    wiring = wiring[0] if wiring else layers.LLAMA
+    return {**vars(wiring), "model_inputs": set(wiring.model_inputs), "output": output, "extra": extra}
+
+
+def test_each_layer_calls_what_its_group_calls_and_returns_what_it_returns(card):
+    """The layer's Wiring, output class and extra fields are its group's forward's, read from the source."""
+    checked = set()
+    for layer, path in GROUP_OF.items():
+        ours = _wiring_of_the_layer(card.layers, layer)
+        if ours is not None:
+            assert ours == _wiring_of_the_forward(path), layer
+            checked.add(layer)
+    assert checked >= set(OTHER_FORMS)
+
+
 def test_no_left_out_class_has_a_swapped_forward():
     swapped = {_forward_source(path) for path in GROUP_OF.values()}
     assert [path for path in table.LEFT_OUT if _forward_source(path) in swapped] == []
+
+
+def test_the_layers_of_the_card_are_its_tables():
+    assert set(table.SWAPPED) == set(CARDS["npu_fused_linear_cross_entropy"].layers)
+
+
+def _head_calls(path: str) -> list[str]:
+    """The `self.<attribute>` modules the forward calls to make its logits (its first `logits = ...` line)."""
+    assign = (n for n in ast.walk(_method(path, "forward")) if isinstance(n, ast.Assign))
+    line = next(n for n in assign if ast.unparse(n.targets[0]) in ("logits", "lm_logits"))
+    calls = (n.func for n in ast.walk(line.value) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute))
+    return [f.attr for f in calls if isinstance(f.value, ast.Name) and f.value.id == "self"]
+
+
+def _built_in_init(path: str, attribute: str) -> str:
+    """What the class's __init__ assigns to `self.<attribute>`, as source."""
+    for node in ast.walk(_method(path, "__init__")):
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == f"self.{attribute}":
+            return ast.unparse(node.value)
+    raise AssertionError(f"{path}.__init__ assigns no self.{attribute}")
+
+
+def _linear_head(path: str) -> bool:
+    """The logits are made by nn.Linear modules only (the class's __init__ builds each as one)."""
+    return all(_built_in_init(path, head).startswith("nn.Linear(") for head in _head_calls(path))
+
+
+def _default_loss_lines(path: str) -> bool:
+    """A Linear lm_head on the hidden states, then the model's loss_function on those logits and the labels, with
+    nothing between (no soft-capping, no scaling)."""
+    source = _forward_source(path)
+    loss_line = "self.loss_function(logits=logits, labels=labels, vocab_size=" in source
+    return loss_line and _linear_head(path) and not any(word in source for word in ("tanh", "soft_cap", " * ", " / "))
+
+
+_REASON_FACTS = {
+    table._HEAD_TRANSFORM: lambda path: not _linear_head(path),
+    table._Z_LOSS: lambda path: "z_loss" in _forward_source(path),
+    table._CODEBOOK_HEADS: lambda path: "codebooks_head" in _forward_source(path),
+    table._IMAGE_TOKENS_DROPPED: lambda path: "num_image_tokens" in _forward_source(path),
+    table._CAPTURED_OUTPUTS: lambda path: "@capture_outputs" in _forward_source(path) and _default_loss_lines(path),
+    table._STATE_SPACE: lambda path: (
+        {"cache_params", "state"} & {a.arg for a in _method(path, "forward").args.args} and _default_loss_lines(path)
+    ),
+    table._SOFTCAP: lambda path: any(word in _forward_source(path) for word in ("tanh", "soft_cap")),
+    table._SCALED: lambda path: any(word in _forward_source(path) for word in (" * ", " / ")),
+    table._OWN_LOSS: lambda path: "self.loss_function(" not in _forward_source(path),
+    table._OWN_FORM: _default_loss_lines,
+}
+"""Reason -> what the class's source must show for it (so that a reason is not picked by mistake)."""
+
+
+def test_each_reason_a_class_is_left_out_for_shows_in_its_source():
+    """Every reason but the auxiliary loss (its own survey) is checked on the forward (and __init__) it names."""
+    checked = {reason.split("{")[0]: facts for reason, facts in _REASON_FACTS.items()}
+    wrong, unchecked = [], set()
+    for path, reason in table.LEFT_OUT.items():
+        facts = next((facts for prefix, facts in checked.items() if reason.startswith(prefix)), None)
+        if facts is None:
+            unchecked.add(reason)
+        elif not facts(path):
+            wrong.append(f"{path}: {reason}")
+    assert wrong == []
+    assert unchecked == {table._AUX_LOSS}
 
 
 # --- op level -------------------------------------------------------------------------------------------------
@@ -294,11 +449,52 @@ def test_autocast_elsewhere_or_on_float64_keeps_the_eager_path(card):
 # --- model level ----------------------------------------------------------------------------------------------
 
 FUSED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "glm4", "deepseek_v3")
+OTHER_FORMS = {
+    "CausalLM": "persimmon",  # the loss's arguments positional
+    "MoeCausalLM": "llama4_text",  # the base model's output read as outputs[0]
+    "GPTNeoXCausalLM": "gpt_neox",
+    "NemotronCausalLM": "nemotron",
+    "BloomCausalLM": "bloom",
+    "FalconCausalLM": "falcon",
+    "GPTJCausalLM": "gptj",
+    "GPTNeoCausalLM": "gpt_neo",
+    "GPTBigCodeCausalLM": "gpt_bigcode",
+    "OPTCausalLM": "opt",
+    "BioGptCausalLM": "biogpt",
+    "GPTNeoXJapaneseCausalLM": "gpt_neox_japanese",
+}
+"""Layer -> a family of a form other than Llama's and DeepSeek-V3's that the layer replaces (each layer has one)."""
+_OTHER_FORM_CONFIGS = {
+    "llama4_text": {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 96},
+    "falcon": {"head_dim": None},  # derived from the widths: not a value FalconConfig takes
+    "gptj": {"rotary_dim": 8},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
+    "gpt_bigcode": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "opt": {"ffn_dim": 96, "word_embed_proj_dim": 64, "dropout": 0.0},
+    "biogpt": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+    "gpt_neox_japanese": {"attention_dropout": 0.0},
+}
+"""Config values of the other forms' tiny families beyond the shared tiny ones, dropout off (TINY_CONFIGS, which the
+demo and the bench run through, holds the Llama-form families)."""
+
+
+def _tiny(model_type: str, **overrides):
+    if model_type in TINY_CONFIGS:
+        return tiny_causal_lm(model_type, **overrides)
+    values = {**tiny_config_values("llama"), **_OTHER_FORM_CONFIGS.get(model_type, {}), **overrides}
+    values = {name: value for name, value in values.items() if value is not None}
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **values)).eval()
+
+
+_EAGER_ON_NPU = {"llama4_text"}
+"""Families whose eager reference runs on the emulated npu too: Llama4's attention gradients there differ from the
+host's already without any card (its complex-valued rotary), so the host is not its reference."""
 
 
 def _pair(model_type: str, **overrides):
-    eager = tiny_causal_lm(model_type, **overrides).train()
-    fused = tiny_causal_lm(model_type, **overrides).train().to("npu")
+    eager = _tiny(model_type, **overrides).train().to("npu" if model_type in _EAGER_ON_NPU else "cpu")
+    fused = _tiny(model_type, **overrides).train().to("npu")
     return eager, kernelize(fused, mode=Mode.TRAINING, device="npu")
 
 
@@ -308,20 +504,26 @@ def _labels(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
+@pytest.mark.parametrize("model_type", (*FUSED_FAMILIES, *OTHER_FORMS.values()))
 def test_model_loss_and_every_gradient_match_eager_with_the_fused_ops_counted(npu_kernels, model_type):
+    """Also the base model's outputs the layer hands on (hidden states asked for) and the output class."""
     eager, fused = _pair(model_type)
     assert [s.module for s in swapped_modules(fused) if s.card == "npu-linear-cross-entropy"] == [ROOT_MODULE]
-    ids = token_ids()
-    want = eager(input_ids=ids, labels=_labels(ids))
-    want.loss.backward()
+    ids, device = token_ids(), eager.device
     with emulation.count_op_calls() as calls:
-        got = fused(input_ids=ids.to("npu"), labels=_labels(ids).to("npu"))
+        want = eager(input_ids=ids.to(device), labels=_labels(ids).to(device), output_hidden_states=True)
+        want.loss.backward()
+    assert calls[OPS[0]] == 0
+    with emulation.count_op_calls() as calls:
+        got = fused(input_ids=ids.to("npu"), labels=_labels(ids).to("npu"), output_hidden_states=True)
         got.loss.backward()
-    assert [calls[op] for op in OPS] == [1, 1] and got.logits is None
-    torch.testing.assert_close(got.loss.cpu(), want.loss, rtol=1e-5, atol=1e-6)
+    assert [calls[op] for op in OPS] == [1, 1] and got.logits is None and type(got) is type(want)
+    torch.testing.assert_close(got.loss.cpu(), want.loss.cpu(), rtol=1e-5, atol=1e-6)
+    assert len(got.hidden_states) == len(want.hidden_states) == eager.config.num_hidden_layers + 1
+    for g, w in zip(got.hidden_states, want.hidden_states, strict=True):
+        torch.testing.assert_close(g.detach().cpu(), w.detach().cpu(), rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(eager.named_parameters(), fused.parameters(), strict=True):
-        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(q.grad.cpu(), p.grad.cpu(), rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_a_left_out_class_keeps_its_forward(npu_kernels):
@@ -332,6 +534,31 @@ def test_a_left_out_class_keeps_its_forward(npu_kernels):
         got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"))
     assert [calls[op] for op in OPS] == [0, 0]
     torch.testing.assert_close(got.loss.cpu(), eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", OTHER_FORMS.values())
+def test_other_forms_are_eager_without_a_training_step_and_fuse_as_tuples(npu_kernels, model_type):
+    """Each other form's fallbacks: evaluation with labels and a training step without them run the class's forward,
+    logits included (no fused op); return_dict=False fuses and returns eager's tuple without the logits, with
+    Trainer's num_items_in_batch keyword going where the class sends its **kwargs (the loss, or the base model too)."""
+    eager, fused = _pair(model_type)
+    ids = token_ids()
+    npu, ids = ids.to("npu"), ids.to(eager.device)
+    with emulation.count_op_calls() as calls:
+        no_labels = fused(input_ids=npu)
+        fused.eval(), eager.eval()
+        evaluation = fused(input_ids=npu, labels=npu)
+    assert calls[OPS[0]] == 0
+    want = eager(input_ids=ids, labels=ids)
+    torch.testing.assert_close(evaluation.loss.cpu(), want.loss.cpu(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(evaluation.logits.cpu(), want.logits.cpu(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(no_labels.logits.detach().cpu(), want.logits.cpu(), rtol=1e-5, atol=1e-5)
+    fused.train(), eager.train()
+    with emulation.count_op_calls() as calls:
+        got = fused(input_ids=npu, labels=npu, return_dict=False, num_items_in_batch=torch.tensor(20))
+    want = eager(input_ids=ids, labels=ids, return_dict=False, num_items_in_batch=torch.tensor(20))
+    assert calls[OPS[0]] == 1 and isinstance(got, tuple) and len(got) == len(want) - 1
+    torch.testing.assert_close(got[0].cpu(), want[0].cpu(), rtol=1e-5, atol=1e-6)
 
 
 def test_tied_embeddings_get_both_gradients(npu_kernels):

@@ -1,16 +1,19 @@
 """The layers that `kernels.kernelize` swaps into transformers' `*ForCausalLM` classes (their forward, no state).
 
-Each reproduces one group of identical forwards of transformers 5.22.2 (the base model, `lm_head` on the last
-hidden states, `self.loss_function` with the labels, a `CausalLMOutputWithPast`-like output) and computes the lm_head
-and loss with `linear_cross_entropy`, in a training step (the module in train() and grad enabled) with labels. Any
-other call (evaluation, generation, no labels, another loss function, `logits_to_keep`) runs the class's own
-forward, exactly eager. When the loss is fused, the output's `logits` is None: the full logits are what the card
-never makes. Where a later kernelize replaced accelerate's mixed-precision wrapper of the model's forward
-(`from_pretrained(..., use_kernels=True)` kernelizes again at every train()/eval() switch), the layer runs the call as
-that wrapper does.
+Each reproduces one group of identical forwards of transformers 5.22.2 (the base model, the lm_head on the last
+hidden states, `self.loss_function` with the labels, a `CausalLMOutputWithPast`-like output; which base model, head,
+inputs and vocabulary size: the group's `Wiring`) and computes the lm_head and loss with `linear_cross_entropy`, in
+a training step (the module in train() and grad enabled) with labels. Any other call (evaluation, generation, no
+labels, another loss function, `logits_to_keep`) runs the class's own forward, exactly eager. When the loss is
+fused, the output's `logits` is None: the full logits are what the card never makes. Where a later kernelize
+replaced accelerate's mixed-precision wrapper of the model's forward (`from_pretrained(..., use_kernels=True)`
+kernelizes again at every train()/eval() switch), the layer runs the call as that wrapper does.
 """
 
 from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -64,30 +67,314 @@ class MoeCausalLM(nn.Module):
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
 
 
-def _causal_lm_forward(module: nn.Module, arguments: dict, kwargs: dict, output_class: str, extra: tuple[str, ...]):
+@dataclass(frozen=True)
+class Wiring:
+    """How a group of forwards reaches its base model, lm_head and vocabulary size (Llama's by default)."""
+
+    base_model: str = "model"  # attribute path of the base model on the *ForCausalLM
+    model_inputs: tuple[str, ...] = _MODEL_INPUTS  # the forward's arguments it passes the base model, by name
+    kwargs_to_model: bool = True  # whether the forward passes its **kwargs to the base model too (else: loss only)
+    lm_head: str = "lm_head"
+    vocab_size: str = "config.vocab_size"  # attribute path of the vocabulary size the loss is given
+
+
+LLAMA = Wiring()
+
+# The groups whose forwards differ from Llama's only in how they reach the base model and the lm_head, and in what
+# they take and return: each layer's signature is its group's (the kernels loader requires it).
+_OLD_STYLE = ("use_cache", "output_attentions", "output_hidden_states")  # and return_dict, asked for True here
+_GPTJ_INPUTS = ("input_ids", "past_key_values", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+_BLOOM_INPUTS = ("input_ids", "past_key_values", "attention_mask", "inputs_embeds", *_OLD_STYLE)
+_NEOX_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "past_key_values")
+GPT_NEOX = Wiring("gpt_neox", (*_NEOX_INPUTS, "use_cache"))
+NEMOTRON = Wiring(vocab_size="vocab_size")
+BLOOM = Wiring("transformer", _BLOOM_INPUTS, kwargs_to_model=False)
+FALCON = Wiring("transformer", (*_BLOOM_INPUTS, "position_ids"), kwargs_to_model=False)
+GPTJ = Wiring("transformer", (*_GPTJ_INPUTS, *_OLD_STYLE), kwargs_to_model=False)
+GPT_NEO = Wiring("transformer", (*_GPTJ_INPUTS, *_OLD_STYLE))
+GPT_BIGCODE = Wiring("transformer", (*_GPTJ_INPUTS, "encoder_hidden_states", "encoder_attention_mask", "use_cache"))
+OPT = Wiring("model.decoder")
+BIOGPT = Wiring("biogpt", lm_head="output_projection")
+GPT_NEOX_JAPANESE = Wiring(
+    "gpt_neox_japanese", (*_NEOX_INPUTS, *_OLD_STYLE), kwargs_to_model=False, lm_head="embed_out"
+)
+_CROSS = "CausalLMOutputWithCrossAttentions"
+
+
+class GPTNeoXCausalLM(nn.Module):
+    """GPT-NeoX (`self.gpt_neox`; its own argument order): the loss through `linear_cross_entropy`."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        past_key_values=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, "CausalLMOutputWithPast", (), GPT_NEOX)
+
+
+class NemotronCausalLM(nn.Module):
+    """Llama's form, the loss given the model's own `self.vocab_size` (Nemotron, Zamba, Zamba2)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, "CausalLMOutputWithPast", (), NEMOTRON)
+
+
+class BloomCausalLM(nn.Module):
+    """`self.transformer` with return_dict, no **kwargs to it (Bloom, MPT): CausalLMOutputWithCrossAttentions."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        past_key_values=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, _CROSS, (), BLOOM)
+
+
+class FalconCausalLM(nn.Module):
+    """Bloom's form with position_ids (Falcon)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        past_key_values=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, _CROSS, (), FALCON)
+
+
+class GPTJCausalLM(nn.Module):
+    """`self.transformer` with token_type_ids and return_dict, no **kwargs to it (GPT-J, CodeGen)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        past_key_values=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, "CausalLMOutputWithPast", (), GPTJ)
+
+
+class GPTNeoCausalLM(nn.Module):
+    """GPT-J's form that also passes its **kwargs to `self.transformer` (GPT-Neo)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        past_key_values=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, "CausalLMOutputWithPast", (), GPT_NEO)
+
+
+class GPTBigCodeCausalLM(nn.Module):
+    """`self.transformer` with encoder states (GPTBigCode): CausalLMOutputWithCrossAttentions, cross_attentions."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        past_key_values=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, _CROSS, ("cross_attentions",), GPT_BIGCODE)
+
+
+class OPTCausalLM(nn.Module):
+    """`self.model.decoder` (OPT): the loss through `linear_cross_entropy`."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        position_ids=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, "CausalLMOutputWithPast", (), OPT)
+
+
+class BioGptCausalLM(nn.Module):
+    """`self.biogpt` and its `output_projection` head (BioGPT): CausalLMOutputWithCrossAttentions."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        past_key_values=None,
+        labels=None,
+        use_cache=None,
+        position_ids=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, _CROSS, ("cross_attentions",), BIOGPT)
+
+
+class GPTNeoXJapaneseCausalLM(nn.Module):
+    """`self.gpt_neox_japanese` with return_dict and its `embed_out` head (GPT-NeoX-Japanese)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        past_key_values=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(self, locals(), kwargs, "CausalLMOutputWithPast", (), GPT_NEOX_JAPANESE)
+
+
+def _causal_lm_forward(
+    module: nn.Module,
+    arguments: dict,
+    kwargs: dict,
+    output_class: str,
+    extra: tuple[str, ...],
+    wiring: Wiring = LLAMA,
+):
     """The class's forward with its lm_head + loss lines fused, inside accelerate's mixed-precision wrapper where a
     later kernelize replaced that wrapper; its own forward where the loss cannot be fused."""
+    args = (module, arguments, kwargs, output_class, extra, wiring)
     if _accelerates_autocast_wrapper_dropped(module):
-        return _as_accelerates_autocast_wrapper(_fused_where_possible, module, arguments, kwargs, output_class, extra)
-    return _fused_where_possible(module, arguments, kwargs, output_class, extra)
+        return _as_accelerates_autocast_wrapper(_fused_where_possible, *args)
+    return _fused_where_possible(*args)
 
 
-def _fused_where_possible(module: nn.Module, arguments: dict, kwargs: dict, output_class: str, extra: tuple[str, ...]):
+def _fused_where_possible(
+    module: nn.Module,
+    arguments: dict,
+    kwargs: dict,
+    output_class: str,
+    extra: tuple[str, ...],
+    wiring: Wiring = LLAMA,
+):
     """The class's forward with its lm_head + loss lines fused; its own forward where the loss cannot be."""
     labels, logits_to_keep = arguments["labels"], arguments["logits_to_keep"]
-    named = {name: arguments[name] for name in (*_MODEL_INPUTS, "labels")}
+    named = {name: value for name, value in arguments.items() if name not in ("self", "kwargs")}
     # a training step only: evaluation (eval() or no grad) and generation keep the class's forward and its logits
     training_step = module.training and torch.is_grad_enabled()
     plain_call = labels is None or not training_step or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
     if plain_call or not is_default_causal_lm_loss(module.loss_function):
-        return type(module).forward(module, **named, logits_to_keep=logits_to_keep, **kwargs)
-    return_dict = kwargs.pop("return_dict", None)
+        return type(module).forward(module, **named, **kwargs)
+    # a forward with a return_dict argument passes it to its base model: asked for True here, to read its fields
+    own_return_dict = "return_dict" in arguments
+    return_dict = arguments["return_dict"] if own_return_dict else kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(module.config, "return_dict", True)
-    outputs = module.model(**{name: arguments[name] for name in _MODEL_INPUTS}, **kwargs)
+    model_inputs = {name: arguments[name] for name in wiring.model_inputs}
+    if own_return_dict:
+        model_inputs["return_dict"] = True
+    base_model = operator.attrgetter(wiring.base_model)(module)
+    outputs = base_model(**model_inputs, **(kwargs if wiring.kwargs_to_model else {}))
     loss, logits = linear_cross_entropy(
-        outputs.last_hidden_state, module.lm_head, labels, module.config.vocab_size,
-        loss_function=module.loss_function, **kwargs,
+        outputs.last_hidden_state, operator.attrgetter(wiring.lm_head)(module), labels,
+        operator.attrgetter(wiring.vocab_size)(module), loss_function=module.loss_function, **kwargs,
     )  # fmt: skip
     # transformers is there whenever one of its models runs; the card imports it only then
     from transformers import modeling_outputs

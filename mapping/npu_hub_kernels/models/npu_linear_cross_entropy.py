@@ -1,10 +1,12 @@
 """npu-linear-cross-entropy: the transformers `*ForCausalLM` classes its layers replace, and those it leaves out.
 
 Established from the forward of every `*ForCausalLM` class of transformers 5.22.2, read as source (docstring and
-annotations dropped) and grouped by identical text: the layers reproduce the two largest groups, whose lm_head and
-loss lines are exactly `logits = self.lm_head(hidden_states)` then `self.loss_function(logits=logits, labels=labels,
-vocab_size=self.config.vocab_size, **kwargs)`. tests/test_npu_linear_cross_entropy.py re-proves that every listed
-class has its group's forward and that every `*ForCausalLM` class is listed or left out.
+annotations dropped, the loss_function's positional arguments named as ForCausalLMLoss names them, a base model
+output's `[0]` read as its `last_hidden_state`) and grouped by identical text. Each layer reproduces one group whose
+lm_head and loss lines are exactly `logits = self.<head>(hidden_states)` then `self.loss_function(logits=logits,
+labels=labels, vocab_size=..., **kwargs)`; the groups differ in how they reach the base model and the head, what they
+take and what they return (layers.Wiring). tests/test_npu_linear_cross_entropy.py re-proves that every listed class
+has its group's forward, that every `*ForCausalLM` class is listed or left out, and each reason from the source.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ _CAUSAL_LM = (  # self.model, lm_head on the last hidden states, self.loss_funct
     "olmo2.modeling_olmo2.Olmo2ForCausalLM",
     "olmo3.modeling_olmo3.Olmo3ForCausalLM",
     "olmo_hybrid.modeling_olmo_hybrid.OlmoHybridForCausalLM",
+    "persimmon.modeling_persimmon.PersimmonForCausalLM",
     "phi.modeling_phi.PhiForCausalLM",
     "phi3.modeling_phi3.Phi3ForCausalLM",
     "qwen2.modeling_qwen2.Qwen2ForCausalLM",
@@ -40,6 +43,7 @@ _CAUSAL_LM = (  # self.model, lm_head on the last hidden states, self.loss_funct
     "qwen3_5.modeling_qwen3_5.Qwen3_5ForCausalLM",
     "seed_oss.modeling_seed_oss.SeedOssForCausalLM",
     "smollm3.modeling_smollm3.SmolLM3ForCausalLM",
+    "stablelm.modeling_stablelm.StableLmForCausalLM",
     "starcoder2.modeling_starcoder2.Starcoder2ForCausalLM",
     "youtu.modeling_youtu.YoutuForCausalLM",
 )
@@ -60,6 +64,7 @@ _MOE_CAUSAL_LM = (  # the same, MoeCausalLMOutputWithPast with the base model's 
     "kimi_linear.modeling_kimi_linear.KimiLinearForCausalLM",
     "kolibri1.modeling_kolibri1.Kolibri1ForCausalLM",
     "lfm2_moe.modeling_lfm2_moe.Lfm2MoeForCausalLM",
+    "llama4.modeling_llama4.Llama4ForCausalLM",
     "longcat_flash.modeling_longcat_flash.LongcatFlashForCausalLM",
     "mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashForCausalLM",
     "mistral4.modeling_mistral4.Mistral4ForCausalLM",
@@ -67,7 +72,26 @@ _MOE_CAUSAL_LM = (  # the same, MoeCausalLMOutputWithPast with the base model's 
 )
 
 
-SWAPPED: dict[str, tuple[str, ...]] = {"CausalLM": _CAUSAL_LM, "MoeCausalLM": _MOE_CAUSAL_LM}
+# The groups that differ from those two only in how they reach the base model and the lm_head, what they take and
+# what they return (layers.Wiring): their lm_head and loss lines are the default ones.
+_OTHER_FORMS = {
+    "GPTNeoXCausalLM": ("gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM",),
+    "NemotronCausalLM": (  # the loss given self.vocab_size
+        "nemotron.modeling_nemotron.NemotronForCausalLM",
+        "zamba.modeling_zamba.ZambaForCausalLM",
+        "zamba2.modeling_zamba2.Zamba2ForCausalLM",
+    ),
+    "BloomCausalLM": ("bloom.modeling_bloom.BloomForCausalLM", "mpt.modeling_mpt.MptForCausalLM"),
+    "FalconCausalLM": ("falcon.modeling_falcon.FalconForCausalLM",),
+    "GPTJCausalLM": ("codegen.modeling_codegen.CodeGenForCausalLM", "gptj.modeling_gptj.GPTJForCausalLM"),
+    "GPTNeoCausalLM": ("gpt_neo.modeling_gpt_neo.GPTNeoForCausalLM",),
+    "GPTBigCodeCausalLM": ("gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeForCausalLM",),
+    "OPTCausalLM": ("opt.modeling_opt.OPTForCausalLM",),
+    "BioGptCausalLM": ("biogpt.modeling_biogpt.BioGptForCausalLM",),
+    "GPTNeoXJapaneseCausalLM": ("gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseForCausalLM",),
+}
+
+SWAPPED: dict[str, tuple[str, ...]] = {"CausalLM": _CAUSAL_LM, "MoeCausalLM": _MOE_CAUSAL_LM, **_OTHER_FORMS}
 """Layer -> the classes whose forward it replaces. Per call, the loss is fused only with labels, transformers'
 ForCausalLMLoss as the model's loss_function and a plain lm_head (linear_cross_entropy_unavailable_reason)."""
 
@@ -75,42 +99,60 @@ _AUX_LOSS = "adds the MoE router auxiliary loss to the loss (output_router_logit
 _SOFTCAP = "final logit soft-capping (tanh) between the lm_head and the loss"
 _SCALED = "scales the hidden states or the logits between the last layer and the loss (logits_scaling, logit_scale)"
 _OWN_LOSS = "computes its own loss (CrossEntropyLoss or another), not the model's loss_function"
-_NOT_SURVEYED = "its forward differs from both swapped forms (other inputs, outputs or lines): not surveyed yet"
+_HEAD_TRANSFORM = (
+    "its head transforms the last hidden states (dense, activation, LayerNorm: a BERT-style prediction head) before "
+    "the vocabulary Linear; the layers fuse a Linear lm_head on the last hidden states"
+)
+_Z_LOSS = "adds a z-loss (the squared logsumexp of the logits) to the loss when config.z_loss_coefficient > 0"
+_CODEBOOK_HEADS = "one head per audio codebook (codebooks_head, chosen by position), the loss from position 1 on"
+_IMAGE_TOKENS_DROPPED = "drops the image tokens' logits (num_image_tokens) and shifts the labels itself for the loss"
+_CAPTURED_OUTPUTS = (
+    "the default loss, but its forward is wrapped in capture_outputs (hidden states and attentions recorded by "
+    "hooks) and merge_with_config_defaults, which a swapped-in forward would drop"
+)
+_STATE_SPACE = (
+    "the default loss, but a recurrent model's forward: its cache (cache_params or state) in and out of the backbone "
+    "and an output class without past_key_values and attentions, which no layer builds"
+)
+_OWN_FORM = "the default loss, in a forward form no layer reproduces (one or two classes have it): {}"
+_ROUTER_LOGITS_WITHOUT_AUX = _OWN_FORM.format(
+    "output_router_logits (config default) to the base model, no aux loss, self.vocab_size"
+)
 
 LEFT_OUT: dict[str, str] = {
-    "afmoe.modeling_afmoe.AfmoeForCausalLM": _NOT_SURVEYED,
-    "bamba.modeling_bamba.BambaForCausalLM": _NOT_SURVEYED,
+    "afmoe.modeling_afmoe.AfmoeForCausalLM": _ROUTER_LOGITS_WITHOUT_AUX,
+    "bamba.modeling_bamba.BambaForCausalLM": _Z_LOSS,
     "bart.modeling_bart.BartForCausalLM": _OWN_LOSS,
     "beam.modeling_beam.BeamForCausalLM": _SOFTCAP,
-    "big_bird.modeling_big_bird.BigBirdForCausalLM": _NOT_SURVEYED,
+    "big_bird.modeling_big_bird.BigBirdForCausalLM": _HEAD_TRANSFORM,
     "bigbird_pegasus.modeling_bigbird_pegasus.BigBirdPegasusForCausalLM": _OWN_LOSS,
-    "biogpt.modeling_biogpt.BioGptForCausalLM": _NOT_SURVEYED,
     "blenderbot.modeling_blenderbot.BlenderbotForCausalLM": _OWN_LOSS,
     "blenderbot_small.modeling_blenderbot_small.BlenderbotSmallForCausalLM": _OWN_LOSS,
-    "bloom.modeling_bloom.BloomForCausalLM": _NOT_SURVEYED,
-    "blt.modeling_blt.BltForCausalLM": _NOT_SURVEYED,
-    "camembert.modeling_camembert.CamembertForCausalLM": _NOT_SURVEYED,
+    "blt.modeling_blt.BltForCausalLM": _OWN_FORM.format(
+        "cross-attention arguments, logits cast to float32, self.vocab_size"
+    ),
+    "camembert.modeling_camembert.CamembertForCausalLM": _HEAD_TRANSFORM,
     "clvp.modeling_clvp.ClvpForCausalLM": _OWN_LOSS,
-    "codegen.modeling_codegen.CodeGenForCausalLM": _NOT_SURVEYED,
     "cohere.modeling_cohere.CohereForCausalLM": _SCALED,
     "cohere2.modeling_cohere2.Cohere2ForCausalLM": _SCALED,
     "cohere2_moe.modeling_cohere2_moe.Cohere2MoeForCausalLM": _SCALED,
     "cohere_compass.modeling_cohere_compass.CohereCompassForCausalLM": _SCALED,
     "cpmant.modeling_cpmant.CpmAntForCausalLM": _OWN_LOSS,
-    "csm.modeling_csm.CsmDepthDecoderForCausalLM": _NOT_SURVEYED,
-    "data2vec.modeling_data2vec_text.Data2VecTextForCausalLM": _NOT_SURVEYED,
+    "csm.modeling_csm.CsmDepthDecoderForCausalLM": _CODEBOOK_HEADS,
+    "data2vec.modeling_data2vec_text.Data2VecTextForCausalLM": _HEAD_TRANSFORM,
     "dbrx.modeling_dbrx.DbrxForCausalLM": _AUX_LOSS,
     "deepseek_v4.modeling_deepseek_v4.DeepseekV4ForCausalLM": _AUX_LOSS,
     "doge.modeling_doge.DogeForCausalLM": _AUX_LOSS,
-    "electra.modeling_electra.ElectraForCausalLM": _NOT_SURVEYED,
-    "ernie.modeling_ernie.ErnieForCausalLM": _NOT_SURVEYED,
+    "electra.modeling_electra.ElectraForCausalLM": _HEAD_TRANSFORM,
+    "ernie.modeling_ernie.ErnieForCausalLM": _HEAD_TRANSFORM,
     "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeForCausalLM": _AUX_LOSS,
-    "falcon.modeling_falcon.FalconForCausalLM": _NOT_SURVEYED,
-    "falcon_h1.modeling_falcon_h1.FalconH1ForCausalLM": _NOT_SURVEYED,
-    "falcon_mamba.modeling_falcon_mamba.FalconMambaForCausalLM": _NOT_SURVEYED,
+    "falcon_h1.modeling_falcon_h1.FalconH1ForCausalLM": _SCALED,
+    "falcon_mamba.modeling_falcon_mamba.FalconMambaForCausalLM": _STATE_SPACE,
     "flex_olmo.modeling_flex_olmo.FlexOlmoForCausalLM": _AUX_LOSS,
     "flint.modeling_flint.FlintForCausalLM": _AUX_LOSS,
-    "fuyu.modeling_fuyu.FuyuForCausalLM": _NOT_SURVEYED,
+    "fuyu.modeling_fuyu.FuyuForCausalLM": _OWN_FORM.format(
+        "image patches to the base model, the text config's vocab_size"
+    ),
     "gemma2.modeling_gemma2.Gemma2ForCausalLM": _SOFTCAP,
     "gemma3.modeling_gemma3.Gemma3ForCausalLM": _SOFTCAP,
     "gemma3n.modeling_gemma3n.Gemma3nForCausalLM": _SOFTCAP,
@@ -118,56 +160,56 @@ LEFT_OUT: dict[str, str] = {
     "gemma4_assistant.modeling_gemma4_assistant.Gemma4AssistantForCausalLM": _OWN_LOSS,
     "gemma4_unified.modeling_gemma4_unified.Gemma4UnifiedForCausalLM": _SOFTCAP,
     "gemma4_unified_assistant.modeling_gemma4_unified_assistant.Gemma4UnifiedAssistantForCausalLM": _OWN_LOSS,
-    "git.modeling_git.GitForCausalLM": _NOT_SURVEYED,
-    "gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeForCausalLM": _NOT_SURVEYED,
-    "gpt_neo.modeling_gpt_neo.GPTNeoForCausalLM": _NOT_SURVEYED,
-    "gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM": _NOT_SURVEYED,
-    "gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseForCausalLM": _NOT_SURVEYED,
+    "git.modeling_git.GitForCausalLM": _IMAGE_TOKENS_DROPPED,
     "gpt_oss.modeling_gpt_oss.GptOssForCausalLM": _AUX_LOSS,
-    "gptj.modeling_gptj.GPTJForCausalLM": _NOT_SURVEYED,
     "granite.modeling_granite.GraniteForCausalLM": _SCALED,
     "granite_swa.modeling_granite_swa.GraniteSWAForCausalLM": _SCALED,
     "granitemoe.modeling_granitemoe.GraniteMoeForCausalLM": _SCALED,
     "granitemoe_swa.modeling_granitemoe_swa.GraniteMoeSWAForCausalLM": _SCALED,
     "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridForCausalLM": _SCALED,
     "granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedForCausalLM": _SCALED,
-    "hrm_text.modeling_hrm_text.HrmTextForCausalLM": _NOT_SURVEYED,
+    "hrm_text.modeling_hrm_text.HrmTextForCausalLM": _OWN_FORM.format("token_type_ids to the base model"),
     "hy_v3.modeling_hy_v3.HYV3ForCausalLM": _AUX_LOSS,
-    "hy_v4.modeling_hy_v4.HYV4ForCausalLM": _NOT_SURVEYED,
+    "hy_v4.modeling_hy_v4.HYV4ForCausalLM": _OWN_FORM.format("hidden states cast to the lm_head's dtype, MoE outputs"),
     "hyperclovax.modeling_hyperclovax.HyperCLOVAXForCausalLM": _SCALED,
     "inkling.modeling_inkling.InklingForCausalLM": _SCALED,
     "jamba.modeling_jamba.JambaForCausalLM": _AUX_LOSS,
     "jetmoe.modeling_jetmoe.JetMoeForCausalLM": _AUX_LOSS,
-    "kosmos2.modeling_kosmos2.Kosmos2TextForCausalLM": _NOT_SURVEYED,
-    "kosmos2_5.modeling_kosmos2_5.Kosmos2_5TextForCausalLM": _NOT_SURVEYED,
+    "kosmos2.modeling_kosmos2.Kosmos2TextForCausalLM": _OWN_FORM.format(
+        "image embeddings and encoder states to the base model"
+    ),
+    "kosmos2_5.modeling_kosmos2_5.Kosmos2_5TextForCausalLM": _OWN_FORM.format("image embeddings to the base model"),
     "laguna.modeling_laguna.LagunaForCausalLM": _AUX_LOSS,
-    "llama4.modeling_llama4.Llama4ForCausalLM": _NOT_SURVEYED,
-    "mamba.modeling_mamba.MambaForCausalLM": _NOT_SURVEYED,
-    "mamba2.modeling_mamba2.Mamba2ForCausalLM": _NOT_SURVEYED,
+    "mamba.modeling_mamba.MambaForCausalLM": _STATE_SPACE,
+    "mamba2.modeling_mamba2.Mamba2ForCausalLM": _STATE_SPACE,
     "marian.modeling_marian.MarianForCausalLM": _OWN_LOSS,
     "mbart.modeling_mbart.MBartForCausalLM": _OWN_LOSS,
-    "megatron_bert.modeling_megatron_bert.MegatronBertForCausalLM": _NOT_SURVEYED,
+    "megatron_bert.modeling_megatron_bert.MegatronBertForCausalLM": _HEAD_TRANSFORM,
     "mellum.modeling_mellum.MellumForCausalLM": _AUX_LOSS,
     "minicpm3.modeling_minicpm3.MiniCPM3ForCausalLM": _SCALED,
     "minimax.modeling_minimax.MiniMaxForCausalLM": _AUX_LOSS,
     "minimax_m2.modeling_minimax_m2.MiniMaxM2ForCausalLM": _AUX_LOSS,
     "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLForCausalLM": _AUX_LOSS,
     "mixtral.modeling_mixtral.MixtralForCausalLM": _AUX_LOSS,
-    "mllama.modeling_mllama.MllamaForCausalLM": _NOT_SURVEYED,
-    "modernbert_decoder.modeling_modernbert_decoder.ModernBertDecoderForCausalLM": _NOT_SURVEYED,
-    "moshi.modeling_moshi.MoshiForCausalLM": _NOT_SURVEYED,
-    "mpt.modeling_mpt.MptForCausalLM": _NOT_SURVEYED,
+    "mllama.modeling_mllama.MllamaForCausalLM": _OWN_FORM.format(
+        "cross-attention inputs, logits cast to float32, self.vocab_size"
+    ),
+    "modernbert_decoder.modeling_modernbert_decoder.ModernBertDecoderForCausalLM": _HEAD_TRANSFORM,
+    "moshi.modeling_moshi.MoshiForCausalLM": _OWN_FORM.format(
+        "MoshiCausalLMOutputWithPast, with the last hidden state"
+    ),
     "musicgen.modeling_musicgen.MusicgenForCausalLM": _OWN_LOSS,
     "musicgen_melody.modeling_musicgen_melody.MusicgenMelodyForCausalLM": _OWN_LOSS,
     "mvp.modeling_mvp.MvpForCausalLM": _OWN_LOSS,
     "nanochat.modeling_nanochat.NanoChatForCausalLM": _SOFTCAP,
-    "nemotron.modeling_nemotron.NemotronForCausalLM": _NOT_SURVEYED,
-    "nemotron_h.modeling_nemotron_h.NemotronHForCausalLM": _NOT_SURVEYED,
+    "nemotron_h.modeling_nemotron_h.NemotronHForCausalLM": _OWN_FORM.format(
+        "logits cast to float32, self.vocab_size, MoE outputs"
+    ),
     "olmoe.modeling_olmoe.OlmoeForCausalLM": _AUX_LOSS,
-    "opt.modeling_opt.OPTForCausalLM": _NOT_SURVEYED,
     "pegasus.modeling_pegasus.PegasusForCausalLM": _OWN_LOSS,
-    "persimmon.modeling_persimmon.PersimmonForCausalLM": _NOT_SURVEYED,
-    "phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalForCausalLM": _NOT_SURVEYED,
+    "phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalForCausalLM": _OWN_FORM.format(
+        "image and audio inputs to the base model, self.vocab_size"
+    ),
     "phimoe.modeling_phimoe.PhimoeForCausalLM": _AUX_LOSS,
     "plbart.modeling_plbart.PLBartForCausalLM": _OWN_LOSS,
     "prophetnet.modeling_prophetnet.ProphetNetForCausalLM": _OWN_LOSS,
@@ -176,24 +218,21 @@ LEFT_OUT: dict[str, str] = {
     "qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM": _AUX_LOSS,
     "qwen3_next.modeling_qwen3_next.Qwen3NextForCausalLM": _AUX_LOSS,
     "qwen4_exp.modeling_qwen4_exp.Qwen4ExpForCausalLM": _AUX_LOSS,
-    "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaForCausalLM": _NOT_SURVEYED,
-    "rembert.modeling_rembert.RemBertForCausalLM": _NOT_SURVEYED,
-    "roberta.modeling_roberta.RobertaForCausalLM": _NOT_SURVEYED,
-    "roberta_prelayernorm.modeling_roberta_prelayernorm.RobertaPreLayerNormForCausalLM": _NOT_SURVEYED,
-    "roc_bert.modeling_roc_bert.RoCBertForCausalLM": _NOT_SURVEYED,
-    "roformer.modeling_roformer.RoFormerForCausalLM": _NOT_SURVEYED,
-    "rwkv.modeling_rwkv.RwkvForCausalLM": _NOT_SURVEYED,
-    "stablelm.modeling_stablelm.StableLmForCausalLM": _NOT_SURVEYED,
+    "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaForCausalLM": _SOFTCAP,
+    "rembert.modeling_rembert.RemBertForCausalLM": _HEAD_TRANSFORM,
+    "roberta.modeling_roberta.RobertaForCausalLM": _HEAD_TRANSFORM,
+    "roberta_prelayernorm.modeling_roberta_prelayernorm.RobertaPreLayerNormForCausalLM": _HEAD_TRANSFORM,
+    "roc_bert.modeling_roc_bert.RoCBertForCausalLM": _HEAD_TRANSFORM,
+    "roformer.modeling_roformer.RoFormerForCausalLM": _HEAD_TRANSFORM,
+    "rwkv.modeling_rwkv.RwkvForCausalLM": _STATE_SPACE,
     "trocr.modeling_trocr.TrOCRForCausalLM": _OWN_LOSS,
     "vaultgemma.modeling_vaultgemma.VaultGemmaForCausalLM": _SOFTCAP,
     "whisper.modeling_whisper.WhisperForCausalLM": _OWN_LOSS,
-    "xglm.modeling_xglm.XGLMForCausalLM": _NOT_SURVEYED,
-    "xlm_roberta.modeling_xlm_roberta.XLMRobertaForCausalLM": _NOT_SURVEYED,
-    "xlm_roberta_xl.modeling_xlm_roberta_xl.XLMRobertaXLForCausalLM": _NOT_SURVEYED,
-    "xlstm.modeling_xlstm.xLSTMForCausalLM": _NOT_SURVEYED,
-    "xmod.modeling_xmod.XmodForCausalLM": _NOT_SURVEYED,
-    "zamba.modeling_zamba.ZambaForCausalLM": _NOT_SURVEYED,
-    "zamba2.modeling_zamba2.Zamba2ForCausalLM": _NOT_SURVEYED,
-    "zaya.modeling_zaya.ZayaForCausalLM": _NOT_SURVEYED,
+    "xglm.modeling_xglm.XGLMForCausalLM": _CAPTURED_OUTPUTS,
+    "xlm_roberta.modeling_xlm_roberta.XLMRobertaForCausalLM": _HEAD_TRANSFORM,
+    "xlm_roberta_xl.modeling_xlm_roberta_xl.XLMRobertaXLForCausalLM": _HEAD_TRANSFORM,
+    "xlstm.modeling_xlstm.xLSTMForCausalLM": _SOFTCAP,
+    "xmod.modeling_xmod.XmodForCausalLM": _HEAD_TRANSFORM,
+    "zaya.modeling_zaya.ZayaForCausalLM": _ROUTER_LOGITS_WITHOUT_AUX,
 }
 """Class -> why no layer reproduces it."""
