@@ -110,6 +110,64 @@ def test_device_behaves_like_a_device():
     assert torch.npu.is_available() and torch.npu.device_count() == 1
 
 
+def _same_as_on_the_host(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.device.type == "npu" and got.device == torch.device("npu", 0)
+    assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda device: torch.arange(512, device=device),
+        lambda device: torch.arange(2, 11, 3, device=device),
+        lambda device: torch.arange(0.0, 1.0, 0.125, device=device, dtype=torch.bfloat16),
+    ],
+    ids=["arange", "arange-step", "arange-bf16"],
+)
+def test_factories_that_fill_an_out_tensor_give_it_their_size(make):
+    """arange with device="npu" fills an empty npu tensor through its out= form, which resizes it."""
+    _same_as_on_the_host(make("npu"), make("cpu"))
+
+
+A, B = torch.randn(3, 4), torch.randn(4, 5)
+OUT_CALLS = {
+    "add": lambda out, device: torch.add(A.to(device), A.to(device), out=out),
+    "cat": lambda out, device: torch.cat([A.to(device), A.to(device)], dim=1, out=out),
+    "mm": lambda out, device: torch.mm(A.to(device), B.to(device), out=out),
+    "arange": lambda out, device: torch.arange(1, 8, out=out),
+    "sum": lambda out, device: torch.sum(A.to(device), dim=0, out=out),
+}
+
+
+@pytest.mark.parametrize("name", OUT_CALLS)
+def test_out_ops_resize_their_out_tensor_as_on_the_host(name):
+    """An empty `out=` tensor is resized by the op: the npu tensor the call returns, and is, reads the op's sizes."""
+    call = OUT_CALLS[name]
+    want = call(torch.empty(0), "cpu")
+    out = torch.empty(0, device="npu")
+    got = call(out, "npu")
+    assert got is out
+    _same_as_on_the_host(out, want)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.unsqueeze_(0),
+        lambda t: t.t_(),
+        lambda t: t.resize_(2, 5),
+        lambda t: t.as_strided_((2, 2), (1, 3), 1),
+    ],
+    ids=["unsqueeze_", "t_", "resize_", "as_strided_"],
+)
+def test_in_place_ops_that_change_sizes_change_the_npu_tensor(change):
+    x = torch.arange(12.0).reshape(3, 4)
+    on_npu = x.to("npu")
+    assert change(on_npu) is on_npu
+    _same_as_on_the_host(on_npu, change(x))
+
+
 def test_host_reports_cann_and_kernels_sees_it():
     from npu_hub_kernels._kernels_compat import backend as _backend
 
