@@ -80,6 +80,19 @@ def test_npu_rms_norm_backward_matches_fp64_autograd():
     torch.testing.assert_close(gamma_npu.grad.cpu(), gamma.grad, rtol=1e-4, atol=1e-4)
 
 
+def test_npu_rms_norm_backward_node_gives_dgamma_in_float32_which_autograd_casts():
+    """The op's node returns npu_rms_norm_backward's outputs: dgamma in float32 (its meta registration); the
+    gradient gamma receives is autograd's cast of it to gamma's dtype."""
+    x = torch.randn(3, 8, device="npu", dtype=torch.bfloat16, requires_grad=True)
+    gamma = torch.randn(8, device="npu", dtype=torch.bfloat16, requires_grad=True)
+    y, _ = torch_npu.npu_rms_norm(x, gamma)
+    grad_y = torch.randn_like(y)
+    grad_x, grad_gamma, _ = y.grad_fn.apply(grad_y, None)
+    assert (grad_x.dtype, grad_gamma.dtype) == (torch.bfloat16, torch.float32)
+    y.backward(grad_y)
+    assert gamma.grad.dtype == torch.bfloat16 and torch.equal(gamma.grad, grad_gamma.to(torch.bfloat16))
+
+
 def test_ops_count_their_calls_and_refuse_host_tensors():
     x = torch.randn(2, 8)
     with emulation.count_op_calls() as calls:
