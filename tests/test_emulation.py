@@ -80,6 +80,19 @@ def test_npu_rms_norm_backward_matches_fp64_autograd():
     torch.testing.assert_close(gamma_npu.grad.cpu(), gamma.grad, rtol=1e-4, atol=1e-4)
 
 
+def test_npu_rms_norm_backward_node_gives_dgamma_in_float32_which_autograd_casts():
+    """The op's node returns npu_rms_norm_backward's outputs: dgamma in float32 (its meta registration); the
+    gradient gamma receives is autograd's cast of it to gamma's dtype."""
+    x = torch.randn(3, 8, device="npu", dtype=torch.bfloat16, requires_grad=True)
+    gamma = torch.randn(8, device="npu", dtype=torch.bfloat16, requires_grad=True)
+    y, _ = torch_npu.npu_rms_norm(x, gamma)
+    grad_y = torch.randn_like(y)
+    grad_x, grad_gamma, _ = y.grad_fn.apply(grad_y, None)
+    assert (grad_x.dtype, grad_gamma.dtype) == (torch.bfloat16, torch.float32)
+    y.backward(grad_y)
+    assert gamma.grad.dtype == torch.bfloat16 and torch.equal(gamma.grad, grad_gamma.to(torch.bfloat16))
+
+
 def test_ops_count_their_calls_and_refuse_host_tensors():
     x = torch.randn(2, 8)
     with emulation.count_op_calls() as calls:
@@ -108,6 +121,64 @@ def test_device_behaves_like_a_device():
     with pytest.raises(RuntimeError, match="same device"):
         on_npu + x
     assert torch.npu.is_available() and torch.npu.device_count() == 1
+
+
+def _same_as_on_the_host(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.device.type == "npu" and got.device == torch.device("npu", 0)
+    assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda device: torch.arange(512, device=device),
+        lambda device: torch.arange(2, 11, 3, device=device),
+        lambda device: torch.arange(0.0, 1.0, 0.125, device=device, dtype=torch.bfloat16),
+    ],
+    ids=["arange", "arange-step", "arange-bf16"],
+)
+def test_factories_that_fill_an_out_tensor_give_it_their_size(make):
+    """arange with device="npu" fills an empty npu tensor through its out= form, which resizes it."""
+    _same_as_on_the_host(make("npu"), make("cpu"))
+
+
+A, B = torch.randn(3, 4), torch.randn(4, 5)
+OUT_CALLS = {
+    "add": lambda out, device: torch.add(A.to(device), A.to(device), out=out),
+    "cat": lambda out, device: torch.cat([A.to(device), A.to(device)], dim=1, out=out),
+    "mm": lambda out, device: torch.mm(A.to(device), B.to(device), out=out),
+    "arange": lambda out, device: torch.arange(1, 8, out=out),
+    "sum": lambda out, device: torch.sum(A.to(device), dim=0, out=out),
+}
+
+
+@pytest.mark.parametrize("name", OUT_CALLS)
+def test_out_ops_resize_their_out_tensor_as_on_the_host(name):
+    """An empty `out=` tensor is resized by the op: the npu tensor the call returns, and is, reads the op's sizes."""
+    call = OUT_CALLS[name]
+    want = call(torch.empty(0), "cpu")
+    out = torch.empty(0, device="npu")
+    got = call(out, "npu")
+    assert got is out
+    _same_as_on_the_host(out, want)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.unsqueeze_(0),
+        lambda t: t.t_(),
+        lambda t: t.resize_(2, 5),
+        lambda t: t.as_strided_((2, 2), (1, 3), 1),
+    ],
+    ids=["unsqueeze_", "t_", "resize_", "as_strided_"],
+)
+def test_in_place_ops_that_change_sizes_change_the_npu_tensor(change):
+    x = torch.arange(12.0).reshape(3, 4)
+    on_npu = x.to("npu")
+    assert change(on_npu) is on_npu
+    _same_as_on_the_host(on_npu, change(x))
 
 
 def test_host_reports_cann_and_kernels_sees_it():

@@ -27,7 +27,8 @@ the gathered elements; scatters into a tensor (`index_add_`, `index_put_`, `scat
 only as many elements as their source holds. An op that overwrites a tensor (`copy_`, `fill_`, `out=`)
 does not read it. A fused op reads its tensor inputs and writes its outputs; its backward reads the
 output gradients plus what the torch_npu backward kernel reads (`FusedOp.backward_reads`) and writes
-the input gradients (in the inputs' dtypes).
+the input gradients, in the inputs' dtypes or in float32 where the kernel writes float32
+(`FusedOp.float32_grads`): autograd's cast of such a gradient to its input's dtype counts as the op it is.
 
 Routing of MoE layers depends on data, which fake tensors lack: with `experts=E`, data-dependent ops
 on fake tensors are answered as balanced routing would answer them (every expert receives
@@ -245,12 +246,16 @@ class FusedOp:
         memory between forward and backward, `memory`), unless `keeps` says otherwise.
     keeps: what the op's autograd node keeps for backward, where that differs from what its backward kernel
         reads (docs/torch-npu-ops.md's table); None: `backward_reads`.
+    float32_grads: the arguments (of `grads_for`) whose gradient the backward kernel writes in float32 whatever
+        their dtype (npu_rms_norm's dgamma). Autograd casts such a gradient to its argument's dtype, one op of its
+        own, which the count records as it records any op autograd runs.
     """
 
     outputs: Callable[[dict[str, Any]], Any]
     grads_for: tuple[str, ...] = ()
     backward_reads: Callable[[dict[str, Any], Any], list] = lambda args, out: []
     keeps: Callable[[dict[str, Any], Any], list] | None = None
+    float32_grads: tuple[str, ...] = ()
 
     def kept(self, args: dict[str, Any], out: Any) -> list[torch.Tensor]:
         """The tensors the op's autograd node keeps for backward."""
@@ -307,12 +312,16 @@ def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tall
         arguments = bound.arguments
         outputs = spec.outputs(arguments)
         tally.add(name, _sum_bytes(arguments), _sum_bytes(outputs))
-        inputs = [arguments[n] for n in spec.grads_for if isinstance(arguments.get(n), torch.Tensor)]
+        names = [n for n in spec.grads_for if isinstance(arguments.get(n), torch.Tensor)]
+        inputs = [arguments[n] for n in names]
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             return outputs
         flat, tree = tree_flatten(outputs)
         reads = _sum_bytes(spec.backward_reads(arguments, outputs))
-        layouts = [(t.shape, t.dtype, t.device) for t in inputs]
+        layouts = [
+            (t.shape, torch.float32 if n in spec.float32_grads else t.dtype, t.device)
+            for n, t in zip(names, inputs, strict=True)
+        ]
 
         def on_backward(grads: tuple, needed: tuple[bool, ...]) -> list[torch.Tensor | None]:
             input_grads = [

@@ -1,6 +1,12 @@
 """npu-rms-norm's bench spec (the contract: scripts/bench/cards/__init__.py).
 
 Floor: 1 op reading x and weight, writing y. Backward: 1 op reading dy, x, weight, writing dx, dweight.
+The card's backward is npu_rms_norm's node: npu_rms_norm_backward writes dweight in float32 (docs/torch-npu-ops.md),
+which autograd casts to the weight's dtype, one op more where the weight is not float32 (the measured models'
+bfloat16 weights). So the card is held to the floor's op count forward, and to the floor's 2 ops plus that cast in
+fwd+bwd (3 = 1.5 x floor); and to the floor's bytes within tolerance in both phases (per weight element,
+2 bytes more written by the backward and the cast's 4 read and 2 written: small next to the activations).
+
 Kept for backward: nothing beyond x and the weight (the region's input and parameter): the backward recomputes
 the row's rstd from x. (npu_rms_norm keeps its float32 rstd, one value per row, as well.)
 """
@@ -33,7 +39,8 @@ def floor_saved(module: nn.Module, x: torch.Tensor, *_) -> int:
 
 
 COUNTED_TARGETS = (
-    CountedTarget("ops", PHASES, 1),
+    CountedTarget("ops", ("fwd",), 1),
+    CountedTarget("ops", ("fwd+bwd",), 1.5),  # the floor's 2, and autograd's cast of the float32 dweight
     CountedTarget("bytes", PHASES, BYTES_TOLERANCE),
 )
 
@@ -45,7 +52,9 @@ def _rms_norm_outputs(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 FUSED_OPS = {
-    "npu_rms_norm": FusedOp(_rms_norm_outputs, ("x", "gamma"), lambda a, out: [a["x"], a["gamma"], out[1]]),
+    "npu_rms_norm": FusedOp(
+        _rms_norm_outputs, ("x", "gamma"), lambda a, out: [a["x"], a["gamma"], out[1]], float32_grads=("gamma",)
+    ),
 }
 
 

@@ -17,6 +17,7 @@ from collections import OrderedDict
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
@@ -135,6 +136,7 @@ class NpuTensor(torch.Tensor):
         cpu_args = tree_map(_to_inner, args)
         cpu_kwargs = tree_map(_to_inner, kwargs)
         out = _DEVICE_KERNELS.get(func, func)(*cpu_args, **cpu_kwargs)
+        _follow_written_host_tensors(func, args, kwargs)
         if target is not None and torch.device(target).type != "npu":
             return out
         if torch.is_inference_mode_enabled() and _is_view_of_normal_tensor(func, args):
@@ -143,6 +145,44 @@ class NpuTensor(torch.Tensor):
             with torch.inference_mode(False):
                 return tree_map(_wrap, out)
         return tree_map(_wrap, out)
+
+
+@functools.cache
+def _written_arguments(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument `func` writes (`Tensor(a!)` in its schema: `out=`, an in-place op's self)."""
+    arguments = func._schema.arguments
+    return tuple((i, arg.name) for i, arg in enumerate(arguments) if arg.alias_info and arg.alias_info.is_write)
+
+
+def _follow_written_host_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    """Give each npu tensor `func` wrote the sizes its host data now has. An op may resize what it writes (an
+    `out=` tensor of the wrong size, as `torch.arange(n, device=...)` passes an empty one; `resize_`, `unsqueeze_`),
+    and it did so on the host tensor only."""
+    for position, name in _written_arguments(func):
+        written = args[position] if position < len(args) else kwargs.get(name)
+        for tensor in written if isinstance(written, (list, tuple)) else (written,):
+            if isinstance(tensor, NpuTensor):
+                _follow_host_metadata(tensor)
+
+
+def _follow_host_metadata(wrapper: NpuTensor) -> None:
+    """Set the wrapper's sizes, strides and storage offset to its host tensor's, as a device's resize sets a
+    tensor's own. The wrapper's storage holds no data (its metadata lives on the meta device): torch's meta
+    kernel of `set_` resets the metadata, with no dispatch to this class."""
+    cpu = wrapper._cpu
+    if (wrapper.shape, wrapper.stride(), wrapper.storage_offset()) == (cpu.shape, cpu.stride(), cpu.storage_offset()):
+        return
+    _track_storage(cpu)  # `set_` may have given it another buffer
+    meta_included = torch._C._meta_in_tls_dispatch_include()
+    with no_dispatch():
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            storage = torch._C.TensorBase.untyped_storage(wrapper)
+            torch.ops.aten.set_.source_Storage_storage_offset(
+                wrapper, storage, cpu.storage_offset(), cpu.shape, cpu.stride()
+            )
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_included)
 
 
 def _is_view_of_normal_tensor(func, args) -> bool:

@@ -47,7 +47,7 @@ class _RmsNorm(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor, _grad_rstd):
         x, gamma, rstd = ctx.saved_tensors
         grad_x, grad_gamma = rms_norm_grads(grad_y, x, gamma, rstd)
-        return grad_x, grad_gamma.to(gamma.dtype), None
+        return grad_x, grad_gamma, None  # dgamma in float32, as the op's node returns it: autograd casts it
 
 
 def rms_norm_grads(
