@@ -23,16 +23,21 @@ from kernels import Mode, get_local_kernel, kernelize
 from numerics import relative_error, train_steps
 from torch import nn
 
-from npu_hub_kernels import swapped_modules
+from npu_hub_kernels import apply_npu_kernels, swapped_modules
 from npu_hub_kernels.models import MODEL_CLASSES
 from npu_hub_kernels.models import npu_linear_cross_entropy as table
 from npu_hub_kernels.report import ROOT_MODULE
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import VOCAB, tiny_causal_lm, token_ids
 
-RULES = MODEL_CLASSES["npu_fused_linear_cross_entropy"]
+KERNEL_ID = "npu_fused_linear_cross_entropy"
+RULES = MODEL_CLASSES[KERNEL_ID]
 OPS = ("npu_cross_entropy_loss", "npu_cross_entropy_loss_backward")
-GROUP_OF = {"CausalLM": "llama.modeling_llama.LlamaForCausalLM", "MoeCausalLM": RULES[-1].path}
+GROUP_OF = {
+    "CausalLM": "llama.modeling_llama.LlamaForCausalLM",
+    "MoeCausalLM": "deepseek_v3.modeling_deepseek_v3.DeepseekV3ForCausalLM",
+    "MoeCausalLMWithAuxLoss": "mixtral.modeling_mixtral.MixtralForCausalLM",
+}
 """A class of each layer's group: every class the layer replaces has this class's forward."""
 
 
@@ -89,7 +94,7 @@ def test_every_causal_lm_class_of_transformers_is_decided():
     assert _causal_lm_classes() - listed - set(table.LEFT_OUT) == set()
     assert (listed | set(table.LEFT_OUT)) - _causal_lm_classes() == set(), "listed classes missing from transformers"
     assert all(table.LEFT_OUT.values())
-    assert (len(table.SWAPPED["CausalLM"]), len(table.SWAPPED["MoeCausalLM"]), len(table.LEFT_OUT)) == (32, 20, 117)
+    assert [len(classes) for classes in table.SWAPPED.values()] == [32, 20, 19] and len(table.LEFT_OUT) == 98
 
 
 def test_every_listed_class_has_its_layers_forward_and_the_layer_its_signature(card):
@@ -324,9 +329,112 @@ def test_model_loss_and_every_gradient_match_eager_with_the_fused_ops_counted(np
         torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_left_out_class_keeps_its_forward(npu_kernels):
-    """Negative control: Qwen3-MoE adds the router's auxiliary loss, so its class is left out: no fused op runs."""
+AUX_LOSS_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+"""Tiny families of MoeCausalLMWithAuxLoss: the router's auxiliary loss added to the fused loss as the class adds it."""
+ROUTER_LOGITS = {
+    "off": ({}, {}),  # the configs' default: output_router_logits=False, no auxiliary loss
+    "argument": ({}, {"output_router_logits": True}),
+    "config": ({"output_router_logits": True, "router_aux_loss_coef": 0.5}, {}),
+}
+"""How the forward is asked for the router logits: (config overrides, call arguments)."""
+
+
+def _aux_loss_step(model, ids: torch.Tensor, **call):
+    """A training step with labels and a padding mask (the auxiliary loss reads it): the output, after backward."""
+    device = next(model.parameters()).device
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0
+    outputs = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=_labels(ids).to(device), **call)
+    outputs.loss.backward()
+    return outputs
+
+
+@pytest.mark.parametrize("asked", ROUTER_LOGITS)
+@pytest.mark.parametrize("model_type", AUX_LOSS_FAMILIES)
+def test_moe_auxiliary_loss_added_as_eager_adds_it_to_the_fused_loss(npu_kernels, model_type, asked):
+    """The loss (LM loss + coefficient x load-balancing loss), the output's aux_loss and every parameter's gradient
+    (the routers' too, through the auxiliary loss) are eager's, with the fused ops counted."""
+    config, call = ROUTER_LOGITS[asked]
+    eager, fused = _pair(model_type, **config)
+    assert [s.module for s in swapped_modules(fused) if s.card == "npu-linear-cross-entropy"] == [ROOT_MODULE]
+    ids = token_ids()
+    want = _aux_loss_step(eager, ids, **call)
+    with emulation.count_op_calls() as calls:
+        got = _aux_loss_step(fused, ids, **call)
+    assert [calls[op] for op in OPS] == [1, 1] and got.logits is None
+    assert (got.aux_loss is None) == (want.aux_loss is None) == (asked == "off")
+    if asked != "off":
+        torch.testing.assert_close(got.aux_loss.cpu(), want.aux_loss, rtol=1e-5, atol=1e-6)
+        assert len(got.router_logits) == len(want.router_logits) == 2
+    torch.testing.assert_close(got.loss.cpu(), want.loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_moe_auxiliary_loss_in_evaluation_keeps_the_class_forward(npu_kernels):
+    """Negative control: in evaluation the class's forward runs (no fused op), its logits and auxiliary loss eager's."""
+    eager, fused = _pair("mixtral")
+    eager.eval(), fused.eval()
+    ids = token_ids()
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), output_router_logits=True)
+        want = eager(input_ids=ids, labels=ids, output_router_logits=True)
+    assert calls[OPS[0]] == 0 and got.logits is not None
+    for name in ("loss", "aux_loss", "logits"):
+        torch.testing.assert_close(getattr(got, name).cpu(), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_moe_auxiliary_loss_with_return_dict_false(npu_kernels):
+    """The tuple holds what eager's does but the logits (None, left out as to_tuple leaves it out)."""
     eager, fused = _pair("qwen3_moe")
+    ids = token_ids()
+    with emulation.count_op_calls() as calls:
+        got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), output_router_logits=True, return_dict=False)
+    assert calls[OPS[0]] == 1
+    want = eager(input_ids=ids, labels=ids, output_router_logits=True, return_dict=False)
+    assert isinstance(got, tuple) and len(got) == len(want) - 1
+    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)  # the loss
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-6)  # the auxiliary loss
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_auxiliary_loss_bfloat16_error_at_most_twice_eagers_against_float64(npu_kernels, model_type):
+    """bfloat16 training step with the auxiliary loss, this card alone applied: the loss and the lm_head's, the
+    embedding's and the routers' gradients are within twice eager's error against a float64 eager reference."""
+    ids = token_ids()
+    weights = tiny_causal_lm(model_type, output_router_logits=True).to(torch.bfloat16).state_dict()
+
+    def step(dtype, device, kernelized):
+        model = tiny_causal_lm(model_type, output_router_logits=True).train()
+        model.load_state_dict(weights)  # the same bfloat16 weights, exactly, in every run
+        model = model.to(dtype).to(device)
+        if dtype == torch.float64:  # the default grouped matmul of the experts takes no float64
+            model.set_experts_implementation("eager")
+        if kernelized:
+            model = apply_npu_kernels(model, kernels=KERNEL_ID, local_dir=npu_kernels)
+        outputs = _aux_loss_step(model, ids)
+        grads = {name: p.grad.cpu().double() for name, p in model.named_parameters() if _compared(name)}
+        return {"loss": outputs.loss.detach().cpu().double(), **grads}
+
+    reference = step(torch.float64, "cpu", False)
+    eager = step(torch.bfloat16, "cpu", False)
+    with emulation.count_op_calls() as calls:
+        fused = step(torch.bfloat16, "npu", True)
+    assert calls[OPS[0]] == 1 and len(reference) > 3
+    for name, r in reference.items():
+        fused_error, eager_error = relative_error(fused[name], r), relative_error(eager[name], r)
+        assert fused_error <= 2 * eager_error + 1e-6, (name, fused_error, eager_error)
+    assert relative_error(eager["lm_head.weight"], reference["lm_head.weight"]) > 1e-4  # eager did run in bfloat16
+
+
+def _compared(name: str) -> bool:
+    """The parameters the bfloat16 test compares: the lm_head, the embedding and the routers (`gate` modules)."""
+    return name.startswith(("lm_head", "model.embed_tokens")) or name.endswith("mlp.gate.weight")
+
+
+def test_a_left_out_class_keeps_its_forward(npu_kernels):
+    """Negative control: Gemma2 soft-caps its logits before the loss, so its class is left out: no fused op runs."""
+    eager, fused = _pair("gemma2")
     ids = token_ids()
     with emulation.count_op_calls() as calls:
         got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"))

@@ -12,6 +12,9 @@ that wrapper does.
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -61,34 +64,113 @@ class MoeCausalLM(nn.Module):
         return _causal_lm_forward(self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",))
 
 
+@dataclass(frozen=True)
+class _RouterAuxLoss:
+    """How a MoE group's forward adds the router's auxiliary loss, read as its lines are: `output_router_logits` from
+    the argument, else `config.output_router_logits`, passed to the base model; with it on, `aux_loss =
+    load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)` (the
+    function the class's forward calls, from its own modeling module), `loss += self.<coefficient> *
+    aux_loss.to(loss.device)`, and `aux_loss` in the output. The loss is over `self.vocab_size`."""
+
+    coefficient: str
+
+    @staticmethod
+    def requested(module: nn.Module, output_router_logits: bool | None) -> bool:
+        """The forward's `output_router_logits`: the argument, else the config's."""
+        return output_router_logits if output_router_logits is not None else module.config.output_router_logits
+
+    def added(self, module: nn.Module, loss: torch.Tensor, outputs, requested: bool, attention_mask):
+        """(the loss with the auxiliary loss added, the auxiliary loss) when requested, else (loss, None)."""
+        if not requested:
+            return loss, None
+        # the name the class's forward resolves in its own module's globals (under the decorators that wrap it)
+        load_balancing_loss = inspect.unwrap(type(module).forward).__globals__["load_balancing_loss_func"]
+        aux_loss = load_balancing_loss(
+            outputs.router_logits, module.num_experts, module.num_experts_per_tok, attention_mask
+        )
+        loss += getattr(module, self.coefficient) * aux_loss.to(loss.device)
+        return loss, aux_loss
+
+
+_ROUTER_AUX_LOSS_COEF = _RouterAuxLoss(coefficient="router_aux_loss_coef")
+
+
+class MoeCausalLMWithAuxLoss(nn.Module):
+    """MoE `*ForCausalLM` that add `router_aux_loss_coef` times the router's load-balancing loss (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE, GPT-OSS, ...): MoeCausalLMOutputWithPast with aux_loss and router_logits."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_router_logits=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(
+            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), aux_loss=_ROUTER_AUX_LOSS_COEF
+        )
+
+
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
 
 
-def _causal_lm_forward(module: nn.Module, arguments: dict, kwargs: dict, output_class: str, extra: tuple[str, ...]):
+def _causal_lm_forward(
+    module: nn.Module,
+    arguments: dict,
+    kwargs: dict,
+    output_class: str,
+    extra: tuple[str, ...],
+    aux_loss: _RouterAuxLoss | None = None,
+):
     """The class's forward with its lm_head + loss lines fused, inside accelerate's mixed-precision wrapper where a
     later kernelize replaced that wrapper; its own forward where the loss cannot be fused."""
+    forward_args = (module, arguments, kwargs, output_class, extra, aux_loss)
     if _accelerates_autocast_wrapper_dropped(module):
-        return _as_accelerates_autocast_wrapper(_fused_where_possible, module, arguments, kwargs, output_class, extra)
-    return _fused_where_possible(module, arguments, kwargs, output_class, extra)
+        return _as_accelerates_autocast_wrapper(_fused_where_possible, *forward_args)
+    return _fused_where_possible(*forward_args)
 
 
-def _fused_where_possible(module: nn.Module, arguments: dict, kwargs: dict, output_class: str, extra: tuple[str, ...]):
-    """The class's forward with its lm_head + loss lines fused; its own forward where the loss cannot be."""
+def _fused_where_possible(
+    module: nn.Module,
+    arguments: dict,
+    kwargs: dict,
+    output_class: str,
+    extra: tuple[str, ...],
+    aux_loss: _RouterAuxLoss | None = None,
+):
+    """The class's forward with its lm_head + loss lines fused (and, given `aux_loss`, the router's auxiliary loss
+    added as the class adds it); its own forward where the loss cannot be."""
     labels, logits_to_keep = arguments["labels"], arguments["logits_to_keep"]
-    named = {name: arguments[name] for name in (*_MODEL_INPUTS, "labels")}
+    named = {name: value for name, value in arguments.items() if name not in ("self", "kwargs")}  # its parameters
     # a training step only: evaluation (eval() or no grad) and generation keep the class's forward and its logits
     training_step = module.training and torch.is_grad_enabled()
     plain_call = labels is None or not training_step or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
     if plain_call or not is_default_causal_lm_loss(module.loss_function):
-        return type(module).forward(module, **named, logits_to_keep=logits_to_keep, **kwargs)
+        return type(module).forward(module, **named, **kwargs)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(module.config, "return_dict", True)
-    outputs = module.model(**{name: arguments[name] for name in _MODEL_INPUTS}, **kwargs)
+    model_inputs = {name: arguments[name] for name in _MODEL_INPUTS}
+    if aux_loss is not None:
+        model_inputs["output_router_logits"] = aux_loss.requested(module, arguments["output_router_logits"])
+    outputs = module.model(**model_inputs, **kwargs)
+    vocab_size = module.config.vocab_size if aux_loss is None else module.vocab_size  # as each group's forward reads it
     loss, logits = linear_cross_entropy(
-        outputs.last_hidden_state, module.lm_head, labels, module.config.vocab_size,
-        loss_function=module.loss_function, **kwargs,
+        outputs.last_hidden_state, module.lm_head, labels, vocab_size, loss_function=module.loss_function, **kwargs,
     )  # fmt: skip
+    fields = {name: getattr(outputs, name) for name in extra}
+    if aux_loss is not None:
+        requested = model_inputs["output_router_logits"]
+        loss, fields["aux_loss"] = aux_loss.added(module, loss, outputs, requested, arguments["attention_mask"])
     # transformers is there whenever one of its models runs; the card imports it only then
     from transformers import modeling_outputs
 
@@ -98,7 +180,7 @@ def _fused_where_possible(module: nn.Module, arguments: dict, kwargs: dict, outp
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
-        **{name: getattr(outputs, name) for name in extra},
+        **fields,
     )
     return output if return_dict else output.to_tuple()
 

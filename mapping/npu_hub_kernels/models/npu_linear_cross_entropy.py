@@ -1,10 +1,12 @@
 """npu-linear-cross-entropy: the transformers `*ForCausalLM` classes its layers replace, and those it leaves out.
 
 Established from the forward of every `*ForCausalLM` class of transformers 5.22.2, read as source (docstring and
-annotations dropped) and grouped by identical text: the layers reproduce the two largest groups, whose lm_head and
+annotations dropped) and grouped by identical text: the layers reproduce the three largest groups, whose lm_head and
 loss lines are exactly `logits = self.lm_head(hidden_states)` then `self.loss_function(logits=logits, labels=labels,
-vocab_size=self.config.vocab_size, **kwargs)`. tests/test_npu_linear_cross_entropy.py re-proves that every listed
-class has its group's forward and that every `*ForCausalLM` class is listed or left out.
+vocab_size=self.config.vocab_size, **kwargs)` (the MoE group that adds the router's auxiliary loss: `self.vocab_size`,
+then `loss += self.router_aux_loss_coef * aux_loss.to(loss.device)` when output_router_logits is on).
+tests/test_npu_linear_cross_entropy.py re-proves that every listed class has its group's forward and that every
+`*ForCausalLM` class is listed or left out.
 """
 
 from __future__ import annotations
@@ -66,12 +68,53 @@ _MOE_CAUSAL_LM = (  # the same, MoeCausalLMOutputWithPast with the base model's 
     "solar_open.modeling_solar_open.SolarOpenForCausalLM",
 )
 
+_MOE_CAUSAL_LM_WITH_AUX_LOSS = (  # the same, output_router_logits, adds router_aux_loss_coef * load_balancing_loss_func
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4ForCausalLM",
+    "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeForCausalLM",
+    "flex_olmo.modeling_flex_olmo.FlexOlmoForCausalLM",
+    "flint.modeling_flint.FlintForCausalLM",
+    "gpt_oss.modeling_gpt_oss.GptOssForCausalLM",
+    "jamba.modeling_jamba.JambaForCausalLM",
+    "laguna.modeling_laguna.LagunaForCausalLM",
+    "mellum.modeling_mellum.MellumForCausalLM",
+    "minimax.modeling_minimax.MiniMaxForCausalLM",
+    "minimax_m2.modeling_minimax_m2.MiniMaxM2ForCausalLM",
+    "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLForCausalLM",
+    "mixtral.modeling_mixtral.MixtralForCausalLM",
+    "olmoe.modeling_olmoe.OlmoeForCausalLM",
+    "phimoe.modeling_phimoe.PhimoeForCausalLM",
+    "qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM",
+    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM",
+    "qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM",
+    "qwen3_next.modeling_qwen3_next.Qwen3NextForCausalLM",
+    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpForCausalLM",
+)
 
-SWAPPED: dict[str, tuple[str, ...]] = {"CausalLM": _CAUSAL_LM, "MoeCausalLM": _MOE_CAUSAL_LM}
+
+SWAPPED: dict[str, tuple[str, ...]] = {
+    "CausalLM": _CAUSAL_LM,
+    "MoeCausalLM": _MOE_CAUSAL_LM,
+    "MoeCausalLMWithAuxLoss": _MOE_CAUSAL_LM_WITH_AUX_LOSS,
+}
 """Layer -> the classes whose forward it replaces. Per call, the loss is fused only with labels, transformers'
 ForCausalLMLoss as the model's loss_function and a plain lm_head (linear_cross_entropy_unavailable_reason)."""
 
-_AUX_LOSS = "adds the MoE router auxiliary loss to the loss (output_router_logits): another forward; not handled yet"
+_DBRX_AUX_LOSS = (
+    "adds the router auxiliary loss as MoeCausalLMWithAuxLoss's classes do, but its base model is self.transformer, "
+    "not self.model: another forward, no layer yet"
+)
+_JETMOE_AUX_LOSS = (
+    "adds self.aux_loss_coef (not router_aux_loss_coef) times the router auxiliary loss, its loss over "
+    "config.vocab_size, and takes logits_to_keep before output_router_logits: another forward, no layer yet"
+)
+_DOGE_AUX_LOSS = (
+    "output_router_logits only with config.is_moe, and its load_balancing_loss_func takes num_keys "
+    "(floor(sqrt(num_experts))) before top_k: another auxiliary loss, no layer yet"
+)
+_EXPLICIT_NO_AUX_LOSS = (
+    "adds no auxiliary loss: MoeCausalLM's forward but for an explicit aux_loss=None in its output, so not "
+    "identical text; no layer yet"
+)
 _SOFTCAP = "final logit soft-capping (tanh) between the lm_head and the loss"
 _SCALED = "scales the hidden states or the logits between the last layer and the loss (logits_scaling, logit_scale)"
 _OWN_LOSS = "computes its own loss (CrossEntropyLoss or another), not the model's loss_function"
@@ -99,17 +142,13 @@ LEFT_OUT: dict[str, str] = {
     "cpmant.modeling_cpmant.CpmAntForCausalLM": _OWN_LOSS,
     "csm.modeling_csm.CsmDepthDecoderForCausalLM": _NOT_SURVEYED,
     "data2vec.modeling_data2vec_text.Data2VecTextForCausalLM": _NOT_SURVEYED,
-    "dbrx.modeling_dbrx.DbrxForCausalLM": _AUX_LOSS,
-    "deepseek_v4.modeling_deepseek_v4.DeepseekV4ForCausalLM": _AUX_LOSS,
-    "doge.modeling_doge.DogeForCausalLM": _AUX_LOSS,
+    "dbrx.modeling_dbrx.DbrxForCausalLM": _DBRX_AUX_LOSS,
+    "doge.modeling_doge.DogeForCausalLM": _DOGE_AUX_LOSS,
     "electra.modeling_electra.ElectraForCausalLM": _NOT_SURVEYED,
     "ernie.modeling_ernie.ErnieForCausalLM": _NOT_SURVEYED,
-    "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeForCausalLM": _AUX_LOSS,
     "falcon.modeling_falcon.FalconForCausalLM": _NOT_SURVEYED,
     "falcon_h1.modeling_falcon_h1.FalconH1ForCausalLM": _NOT_SURVEYED,
     "falcon_mamba.modeling_falcon_mamba.FalconMambaForCausalLM": _NOT_SURVEYED,
-    "flex_olmo.modeling_flex_olmo.FlexOlmoForCausalLM": _AUX_LOSS,
-    "flint.modeling_flint.FlintForCausalLM": _AUX_LOSS,
     "fuyu.modeling_fuyu.FuyuForCausalLM": _NOT_SURVEYED,
     "gemma2.modeling_gemma2.Gemma2ForCausalLM": _SOFTCAP,
     "gemma3.modeling_gemma3.Gemma3ForCausalLM": _SOFTCAP,
@@ -123,7 +162,6 @@ LEFT_OUT: dict[str, str] = {
     "gpt_neo.modeling_gpt_neo.GPTNeoForCausalLM": _NOT_SURVEYED,
     "gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM": _NOT_SURVEYED,
     "gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseForCausalLM": _NOT_SURVEYED,
-    "gpt_oss.modeling_gpt_oss.GptOssForCausalLM": _AUX_LOSS,
     "gptj.modeling_gptj.GPTJForCausalLM": _NOT_SURVEYED,
     "granite.modeling_granite.GraniteForCausalLM": _SCALED,
     "granite_swa.modeling_granite_swa.GraniteSWAForCausalLM": _SCALED,
@@ -132,27 +170,20 @@ LEFT_OUT: dict[str, str] = {
     "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridForCausalLM": _SCALED,
     "granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedForCausalLM": _SCALED,
     "hrm_text.modeling_hrm_text.HrmTextForCausalLM": _NOT_SURVEYED,
-    "hy_v3.modeling_hy_v3.HYV3ForCausalLM": _AUX_LOSS,
+    "hy_v3.modeling_hy_v3.HYV3ForCausalLM": _EXPLICIT_NO_AUX_LOSS,
     "hy_v4.modeling_hy_v4.HYV4ForCausalLM": _NOT_SURVEYED,
     "hyperclovax.modeling_hyperclovax.HyperCLOVAXForCausalLM": _SCALED,
     "inkling.modeling_inkling.InklingForCausalLM": _SCALED,
-    "jamba.modeling_jamba.JambaForCausalLM": _AUX_LOSS,
-    "jetmoe.modeling_jetmoe.JetMoeForCausalLM": _AUX_LOSS,
+    "jetmoe.modeling_jetmoe.JetMoeForCausalLM": _JETMOE_AUX_LOSS,
     "kosmos2.modeling_kosmos2.Kosmos2TextForCausalLM": _NOT_SURVEYED,
     "kosmos2_5.modeling_kosmos2_5.Kosmos2_5TextForCausalLM": _NOT_SURVEYED,
-    "laguna.modeling_laguna.LagunaForCausalLM": _AUX_LOSS,
     "llama4.modeling_llama4.Llama4ForCausalLM": _NOT_SURVEYED,
     "mamba.modeling_mamba.MambaForCausalLM": _NOT_SURVEYED,
     "mamba2.modeling_mamba2.Mamba2ForCausalLM": _NOT_SURVEYED,
     "marian.modeling_marian.MarianForCausalLM": _OWN_LOSS,
     "mbart.modeling_mbart.MBartForCausalLM": _OWN_LOSS,
     "megatron_bert.modeling_megatron_bert.MegatronBertForCausalLM": _NOT_SURVEYED,
-    "mellum.modeling_mellum.MellumForCausalLM": _AUX_LOSS,
     "minicpm3.modeling_minicpm3.MiniCPM3ForCausalLM": _SCALED,
-    "minimax.modeling_minimax.MiniMaxForCausalLM": _AUX_LOSS,
-    "minimax_m2.modeling_minimax_m2.MiniMaxM2ForCausalLM": _AUX_LOSS,
-    "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLForCausalLM": _AUX_LOSS,
-    "mixtral.modeling_mixtral.MixtralForCausalLM": _AUX_LOSS,
     "mllama.modeling_mllama.MllamaForCausalLM": _NOT_SURVEYED,
     "modernbert_decoder.modeling_modernbert_decoder.ModernBertDecoderForCausalLM": _NOT_SURVEYED,
     "moshi.modeling_moshi.MoshiForCausalLM": _NOT_SURVEYED,
@@ -163,19 +194,12 @@ LEFT_OUT: dict[str, str] = {
     "nanochat.modeling_nanochat.NanoChatForCausalLM": _SOFTCAP,
     "nemotron.modeling_nemotron.NemotronForCausalLM": _NOT_SURVEYED,
     "nemotron_h.modeling_nemotron_h.NemotronHForCausalLM": _NOT_SURVEYED,
-    "olmoe.modeling_olmoe.OlmoeForCausalLM": _AUX_LOSS,
     "opt.modeling_opt.OPTForCausalLM": _NOT_SURVEYED,
     "pegasus.modeling_pegasus.PegasusForCausalLM": _OWN_LOSS,
     "persimmon.modeling_persimmon.PersimmonForCausalLM": _NOT_SURVEYED,
     "phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalForCausalLM": _NOT_SURVEYED,
-    "phimoe.modeling_phimoe.PhimoeForCausalLM": _AUX_LOSS,
     "plbart.modeling_plbart.PLBartForCausalLM": _OWN_LOSS,
     "prophetnet.modeling_prophetnet.ProphetNetForCausalLM": _OWN_LOSS,
-    "qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM": _AUX_LOSS,
-    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM": _AUX_LOSS,
-    "qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM": _AUX_LOSS,
-    "qwen3_next.modeling_qwen3_next.Qwen3NextForCausalLM": _AUX_LOSS,
-    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpForCausalLM": _AUX_LOSS,
     "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaForCausalLM": _NOT_SURVEYED,
     "rembert.modeling_rembert.RemBertForCausalLM": _NOT_SURVEYED,
     "roberta.modeling_roberta.RobertaForCausalLM": _NOT_SURVEYED,
