@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -64,37 +65,6 @@ class MoeCausalLM(nn.Module):
         return _causal_lm_forward(self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",))
 
 
-@dataclass(frozen=True)
-class _RouterAuxLoss:
-    """How a MoE group's forward adds the router's auxiliary loss, read as its lines are: `output_router_logits` from
-    the argument, else `config.output_router_logits`, passed to the base model; with it on, `aux_loss =
-    load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)` (the
-    function the class's forward calls, from its own modeling module), `loss += self.<coefficient> *
-    aux_loss.to(loss.device)`, and `aux_loss` in the output. The loss is over `self.vocab_size`."""
-
-    coefficient: str
-
-    @staticmethod
-    def requested(module: nn.Module, output_router_logits: bool | None) -> bool:
-        """The forward's `output_router_logits`: the argument, else the config's."""
-        return output_router_logits if output_router_logits is not None else module.config.output_router_logits
-
-    def added(self, module: nn.Module, loss: torch.Tensor, outputs, requested: bool, attention_mask):
-        """(the loss with the auxiliary loss added, the auxiliary loss) when requested, else (loss, None)."""
-        if not requested:
-            return loss, None
-        # the name the class's forward resolves in its own module's globals (under the decorators that wrap it)
-        load_balancing_loss = inspect.unwrap(type(module).forward).__globals__["load_balancing_loss_func"]
-        aux_loss = load_balancing_loss(
-            outputs.router_logits, module.num_experts, module.num_experts_per_tok, attention_mask
-        )
-        loss += getattr(module, self.coefficient) * aux_loss.to(loss.device)
-        return loss, aux_loss
-
-
-_ROUTER_AUX_LOSS_COEF = _RouterAuxLoss(coefficient="router_aux_loss_coef")
-
-
 class MoeCausalLMWithAuxLoss(nn.Module):
     """MoE `*ForCausalLM` that add `router_aux_loss_coef` times the router's load-balancing loss (Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE, GPT-OSS, ...): MoeCausalLMOutputWithPast with aux_loss and router_logits."""
@@ -115,9 +85,86 @@ class MoeCausalLMWithAuxLoss(nn.Module):
         logits_to_keep=0,
         **kwargs,
     ):
-        return _causal_lm_forward(
-            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), aux_loss=_ROUTER_AUX_LOSS_COEF
-        )
+        return _causal_lm_forward(self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), _AUX_LOSS)
+
+
+class DbrxCausalLM(nn.Module):
+    """DBRX's `*ForCausalLM`: MoeCausalLMWithAuxLoss's forward on the base model `self.transformer`."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_router_logits=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        lines = _AUX_LOSS_ON_TRANSFORMER
+        return _causal_lm_forward(self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), lines)
+
+
+class JetMoeCausalLM(nn.Module):
+    """JetMoe's `*ForCausalLM`: `aux_loss_coef` times the router's load-balancing loss, the loss over
+    `config.vocab_size`, `logits_to_keep` before `output_router_logits`."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        output_router_logits=None,
+        **kwargs,
+    ):
+        lines = _JETMOE_AUX_LOSS
+        return _causal_lm_forward(self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), lines)
+
+
+@dataclass(frozen=True)
+class _Lines:
+    """What a group's forward reads where the groups differ, by attribute path on the module: its base model, the
+    vocabulary size its loss line passes, and, in the MoE groups that add the router's auxiliary loss, the
+    coefficient (None: no auxiliary loss). With a coefficient, the forward resolves `output_router_logits` (the
+    argument, else `config.output_router_logits`) and passes it to the base model; when it is on, `aux_loss =
+    load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)`
+    (the function the class's forward calls, from its own modeling module), `loss += <coefficient> *
+    aux_loss.to(loss.device)`, and `aux_loss` goes into the output."""
+
+    base_model: str = "model"
+    vocab_size: str = "config.vocab_size"
+    aux_loss_coefficient: str | None = None
+
+
+_DEFAULT_LINES = _Lines()
+_AUX_LOSS = _Lines(vocab_size="vocab_size", aux_loss_coefficient="router_aux_loss_coef")
+_AUX_LOSS_ON_TRANSFORMER = _Lines(
+    base_model="transformer", vocab_size="vocab_size", aux_loss_coefficient="router_aux_loss_coef"
+)
+_JETMOE_AUX_LOSS = _Lines(aux_loss_coefficient="aux_loss_coef")
+
+
+def _with_aux_loss(module: nn.Module, loss: torch.Tensor, coefficient: str, router_logits, attention_mask):
+    """(loss + coefficient x the class's load-balancing loss, that auxiliary loss), as the class's lines add it."""
+    # the name the class's forward resolves in its own module's globals (under the decorators that wrap it)
+    load_balancing_loss = inspect.unwrap(type(module).forward).__globals__["load_balancing_loss_func"]
+    aux_loss = load_balancing_loss(router_logits, module.num_experts, module.num_experts_per_tok, attention_mask)
+    loss += attrgetter(coefficient)(module) * aux_loss.to(loss.device)
+    return loss, aux_loss
 
 
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "use_cache")
@@ -129,11 +176,11 @@ def _causal_lm_forward(
     kwargs: dict,
     output_class: str,
     extra: tuple[str, ...],
-    aux_loss: _RouterAuxLoss | None = None,
+    lines: _Lines = _DEFAULT_LINES,
 ):
     """The class's forward with its lm_head + loss lines fused, inside accelerate's mixed-precision wrapper where a
     later kernelize replaced that wrapper; its own forward where the loss cannot be fused."""
-    forward_args = (module, arguments, kwargs, output_class, extra, aux_loss)
+    forward_args = (module, arguments, kwargs, output_class, extra, lines)
     if _accelerates_autocast_wrapper_dropped(module):
         return _as_accelerates_autocast_wrapper(_fused_where_possible, *forward_args)
     return _fused_where_possible(*forward_args)
@@ -145,10 +192,10 @@ def _fused_where_possible(
     kwargs: dict,
     output_class: str,
     extra: tuple[str, ...],
-    aux_loss: _RouterAuxLoss | None = None,
+    lines: _Lines = _DEFAULT_LINES,
 ):
-    """The class's forward with its lm_head + loss lines fused (and, given `aux_loss`, the router's auxiliary loss
-    added as the class adds it); its own forward where the loss cannot be."""
+    """The class's forward with its lm_head + loss lines fused (the router's auxiliary loss added where its `lines`
+    add one); its own forward where the loss cannot be."""
     labels, logits_to_keep = arguments["labels"], arguments["logits_to_keep"]
     named = {name: value for name, value in arguments.items() if name not in ("self", "kwargs")}  # its parameters
     # a training step only: evaluation (eval() or no grad) and generation keep the class's forward and its logits
@@ -160,17 +207,22 @@ def _fused_where_possible(
     if return_dict is None:
         return_dict = getattr(module.config, "return_dict", True)
     model_inputs = {name: arguments[name] for name in _MODEL_INPUTS}
-    if aux_loss is not None:
-        model_inputs["output_router_logits"] = aux_loss.requested(module, arguments["output_router_logits"])
-    outputs = module.model(**model_inputs, **kwargs)
-    vocab_size = module.config.vocab_size if aux_loss is None else module.vocab_size  # as each group's forward reads it
+    adds_aux_loss = lines.aux_loss_coefficient is not None
+    if adds_aux_loss:
+        requested = arguments["output_router_logits"]
+        model_inputs["output_router_logits"] = (
+            requested if requested is not None else module.config.output_router_logits
+        )
+    outputs = attrgetter(lines.base_model)(module)(**model_inputs, **kwargs)
     loss, logits = linear_cross_entropy(
-        outputs.last_hidden_state, module.lm_head, labels, vocab_size, loss_function=module.loss_function, **kwargs,
+        outputs.last_hidden_state, module.lm_head, labels, attrgetter(lines.vocab_size)(module),
+        loss_function=module.loss_function, **kwargs,
     )  # fmt: skip
     fields = {name: getattr(outputs, name) for name in extra}
-    if aux_loss is not None:
-        requested = model_inputs["output_router_logits"]
-        loss, fields["aux_loss"] = aux_loss.added(module, loss, outputs, requested, arguments["attention_mask"])
+    if adds_aux_loss and model_inputs["output_router_logits"]:
+        loss, fields["aux_loss"] = _with_aux_loss(
+            module, loss, lines.aux_loss_coefficient, outputs.router_logits, arguments["attention_mask"]
+        )
     # transformers is there whenever one of its models runs; the card imports it only then
     from transformers import modeling_outputs
 

@@ -2,9 +2,11 @@
 
 Established from the forward of every `*ForCausalLM` class of transformers 5.22.2, read as source (docstring and
 annotations dropped) and grouped by identical text: the layers reproduce the three largest groups, whose lm_head and
-loss lines are exactly `logits = self.lm_head(hidden_states)` then `self.loss_function(logits=logits, labels=labels,
-vocab_size=self.config.vocab_size, **kwargs)` (the MoE group that adds the router's auxiliary loss: `self.vocab_size`,
-then `loss += self.router_aux_loss_coef * aux_loss.to(loss.device)` when output_router_logits is on).
+loss lines are exactly `logits = self.lm_head(hidden_states)` then the model's `self.loss_function` with the labels,
+the MoE group that adds the router's auxiliary loss (`loss += self.router_aux_loss_coef * aux_loss.to(loss.device)`
+when output_router_logits is on) included, and the two single classes whose auxiliary-loss forward differs from that
+group's only in names it reads (DBRX, JetMoe). HYV3's forward is MoeCausalLM's with an explicit `aux_loss=None`, the
+output field's default.
 tests/test_npu_linear_cross_entropy.py re-proves that every listed class has its group's forward and that every
 `*ForCausalLM` class is listed or left out.
 """
@@ -59,6 +61,7 @@ _MOE_CAUSAL_LM = (  # the same, MoeCausalLMOutputWithPast with the base model's 
     "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteForCausalLM",
     "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaForCausalLM",
     "hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1ForCausalLM",
+    "hy_v3.modeling_hy_v3.HYV3ForCausalLM",  # with an explicit aux_loss=None, the output field's default
     "kimi_linear.modeling_kimi_linear.KimiLinearForCausalLM",
     "kolibri1.modeling_kolibri1.Kolibri1ForCausalLM",
     "lfm2_moe.modeling_lfm2_moe.Lfm2MoeForCausalLM",
@@ -95,25 +98,15 @@ SWAPPED: dict[str, tuple[str, ...]] = {
     "CausalLM": _CAUSAL_LM,
     "MoeCausalLM": _MOE_CAUSAL_LM,
     "MoeCausalLMWithAuxLoss": _MOE_CAUSAL_LM_WITH_AUX_LOSS,
+    "DbrxCausalLM": ("dbrx.modeling_dbrx.DbrxForCausalLM",),  # the same on its base model self.transformer
+    "JetMoeCausalLM": ("jetmoe.modeling_jetmoe.JetMoeForCausalLM",),  # aux_loss_coef, config.vocab_size
 }
 """Layer -> the classes whose forward it replaces. Per call, the loss is fused only with labels, transformers'
 ForCausalLMLoss as the model's loss_function and a plain lm_head (linear_cross_entropy_unavailable_reason)."""
 
-_DBRX_AUX_LOSS = (
-    "adds the router auxiliary loss as MoeCausalLMWithAuxLoss's classes do, but its base model is self.transformer, "
-    "not self.model: another forward, no layer yet"
-)
-_JETMOE_AUX_LOSS = (
-    "adds self.aux_loss_coef (not router_aux_loss_coef) times the router auxiliary loss, its loss over "
-    "config.vocab_size, and takes logits_to_keep before output_router_logits: another forward, no layer yet"
-)
 _DOGE_AUX_LOSS = (
     "output_router_logits only with config.is_moe, and its load_balancing_loss_func takes num_keys "
     "(floor(sqrt(num_experts))) before top_k: another auxiliary loss, no layer yet"
-)
-_EXPLICIT_NO_AUX_LOSS = (
-    "adds no auxiliary loss: MoeCausalLM's forward but for an explicit aux_loss=None in its output, so not "
-    "identical text; no layer yet"
 )
 _SOFTCAP = "final logit soft-capping (tanh) between the lm_head and the loss"
 _SCALED = "scales the hidden states or the logits between the last layer and the loss (logits_scaling, logit_scale)"
@@ -142,7 +135,6 @@ LEFT_OUT: dict[str, str] = {
     "cpmant.modeling_cpmant.CpmAntForCausalLM": _OWN_LOSS,
     "csm.modeling_csm.CsmDepthDecoderForCausalLM": _NOT_SURVEYED,
     "data2vec.modeling_data2vec_text.Data2VecTextForCausalLM": _NOT_SURVEYED,
-    "dbrx.modeling_dbrx.DbrxForCausalLM": _DBRX_AUX_LOSS,
     "doge.modeling_doge.DogeForCausalLM": _DOGE_AUX_LOSS,
     "electra.modeling_electra.ElectraForCausalLM": _NOT_SURVEYED,
     "ernie.modeling_ernie.ErnieForCausalLM": _NOT_SURVEYED,
@@ -170,11 +162,9 @@ LEFT_OUT: dict[str, str] = {
     "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridForCausalLM": _SCALED,
     "granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedForCausalLM": _SCALED,
     "hrm_text.modeling_hrm_text.HrmTextForCausalLM": _NOT_SURVEYED,
-    "hy_v3.modeling_hy_v3.HYV3ForCausalLM": _EXPLICIT_NO_AUX_LOSS,
     "hy_v4.modeling_hy_v4.HYV4ForCausalLM": _NOT_SURVEYED,
     "hyperclovax.modeling_hyperclovax.HyperCLOVAXForCausalLM": _SCALED,
     "inkling.modeling_inkling.InklingForCausalLM": _SCALED,
-    "jetmoe.modeling_jetmoe.JetMoeForCausalLM": _JETMOE_AUX_LOSS,
     "kosmos2.modeling_kosmos2.Kosmos2TextForCausalLM": _NOT_SURVEYED,
     "kosmos2_5.modeling_kosmos2_5.Kosmos2_5TextForCausalLM": _NOT_SURVEYED,
     "llama4.modeling_llama4.Llama4ForCausalLM": _NOT_SURVEYED,
