@@ -11,6 +11,7 @@ labels are eager's, and a few training steps follow eager's losses.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -395,13 +396,33 @@ COEFFICIENT = {"dbrx": "router_aux_loss_coef", "jetmoe": "aux_loss_coef"}
 
 
 def _aux_loss_step(model, ids: torch.Tensor, **call):
-    """A training step with labels and a padding mask (the auxiliary loss reads it): the output, after backward."""
+    """A training step with labels and a padding mask (the auxiliary loss reads it): the output, after backward, and
+    the keywords the base model got (`_base_model_keywords`)."""
     device = next(model.parameters()).device
     mask = torch.ones_like(ids)
     mask[0, -2:] = 0
-    outputs = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=_labels(ids).to(device), **call)
+    with _base_model_keywords(model) as keywords:
+        outputs = model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), labels=_labels(ids).to(device), **call
+        )
     outputs.loss.backward()
-    return outputs
+    return outputs, keywords
+
+
+@contextlib.contextmanager
+def _base_model_keywords(model):
+    """Yields a dict filled, on the model's call, with the keywords its base model got (tensors as "tensor"): the
+    layer must pass it what the class's forward passes, nothing more."""
+    keywords = {}
+
+    def record(module, args, kwargs):
+        keywords.update({name: "tensor" if torch.is_tensor(v) else v for name, v in kwargs.items()})
+
+    handle = model.base_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield keywords
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("asked", ROUTER_LOGITS)
@@ -415,10 +436,11 @@ def test_moe_auxiliary_loss_added_as_eager_adds_it_to_the_fused_loss(npu_kernels
     for model in (eager, fused):  # a coefficient the auxiliary loss weighs in with (the configs' are 0.01 or less)
         setattr(model, COEFFICIENT.get(model_type, "router_aux_loss_coef"), 0.5)
     ids = token_ids()
-    want = _aux_loss_step(eager, ids, **call)
+    want, want_keywords = _aux_loss_step(eager, ids, **call)
     with emulation.count_op_calls() as calls:
-        got = _aux_loss_step(fused, ids, **call)
+        got, keywords = _aux_loss_step(fused, ids, **call)
     assert [calls[op] for op in OPS] == [1, 1] and got.logits is None
+    assert keywords == want_keywords and keywords["output_router_logits"] == (asked != "off")
     assert (got.aux_loss is None) == (want.aux_loss is None) == (asked == "off")
     if asked != "off":
         torch.testing.assert_close(got.aux_loss.cpu(), want.aux_loss, rtol=1e-5, atol=1e-6)
@@ -428,15 +450,18 @@ def test_moe_auxiliary_loss_added_as_eager_adds_it_to_the_fused_loss(npu_kernels
         torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_moe_auxiliary_loss_in_evaluation_keeps_the_class_forward(npu_kernels):
-    """Negative control: in evaluation the class's forward runs (no fused op), its logits and auxiliary loss eager's."""
-    eager, fused = _pair("mixtral")
+@pytest.mark.parametrize("model_type", AUX_LOSS_FAMILIES)
+def test_moe_auxiliary_loss_in_evaluation_keeps_the_class_forward(npu_kernels, model_type):
+    """Negative control: in evaluation the class's forward runs (no fused op) with the layer's arguments, its logits
+    and auxiliary loss eager's."""
+    eager, fused = _pair(model_type)
     eager.eval(), fused.eval()
     ids = token_ids()
-    with torch.no_grad(), emulation.count_op_calls() as calls:
+    with torch.no_grad(), emulation.count_op_calls() as calls, _base_model_keywords(fused) as keywords:
         got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), output_router_logits=True)
+    with torch.no_grad(), _base_model_keywords(eager) as want_keywords:
         want = eager(input_ids=ids, labels=ids, output_router_logits=True)
-    assert calls[OPS[0]] == 0 and got.logits is not None
+    assert calls[OPS[0]] == 0 and got.logits is not None and keywords == want_keywords
     for name in ("loss", "aux_loss", "logits"):
         torch.testing.assert_close(getattr(got, name).cpu(), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
 
@@ -469,7 +494,7 @@ def test_moe_auxiliary_loss_bfloat16_error_at_most_twice_eagers_against_float64(
             model.set_experts_implementation("eager")
         if kernelized:
             model = apply_npu_kernels(model, kernels=KERNEL_ID, local_dir=npu_kernels)
-        outputs = _aux_loss_step(model, ids)
+        outputs, _ = _aux_loss_step(model, ids)
         grads = {name: p.grad.cpu().double() for name, p in model.named_parameters() if _compared(name)}
         return {"loss": outputs.loss.detach().cpu().double(), **grads}
 

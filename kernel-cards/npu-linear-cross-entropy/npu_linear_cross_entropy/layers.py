@@ -107,8 +107,9 @@ class DbrxCausalLM(nn.Module):
         logits_to_keep=0,
         **kwargs,
     ):
-        lines = _AUX_LOSS_ON_TRANSFORMER
-        return _causal_lm_forward(self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), lines)
+        return _causal_lm_forward(
+            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), _AUX_LOSS_ON_TRANSFORMER
+        )
 
 
 class JetMoeCausalLM(nn.Module):
@@ -131,8 +132,9 @@ class JetMoeCausalLM(nn.Module):
         output_router_logits=None,
         **kwargs,
     ):
-        lines = _JETMOE_AUX_LOSS
-        return _causal_lm_forward(self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), lines)
+        return _causal_lm_forward(
+            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), _JETMOE_AUX_LOSS
+        )
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,8 @@ def _causal_lm_forward(
     lines: _Lines = _DEFAULT_LINES,
 ):
     """The class's forward with its lm_head + loss lines fused, inside accelerate's mixed-precision wrapper where a
-    later kernelize replaced that wrapper; its own forward where the loss cannot be fused."""
+    later kernelize replaced that wrapper; its own forward where the loss cannot be fused. `arguments`: the layer
+    forward's `locals()`, taken before any other name is bound (its parameters, passed on as they are)."""
     forward_args = (module, arguments, kwargs, output_class, extra, lines)
     if _accelerates_autocast_wrapper_dropped(module):
         return _as_accelerates_autocast_wrapper(_fused_where_possible, *forward_args)
