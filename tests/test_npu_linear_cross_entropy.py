@@ -5,7 +5,8 @@ Op level (the built card's `linear_cross_entropy` on the emulated npu, several c
 match eager's closely; in bfloat16, and under autocast on float32 weights, the error against a float64 reference is
 at most twice eager's (flash-attention's idiom). Model level (kernelize on the tiny families): the loss and every
 parameter's gradient match eager, the fused ops are counted with a negative control, generate() and calls without
-labels are eager's, and a few training steps follow eager's losses.
+labels are eager's, and a few training steps follow eager's losses; the MoE classes that add the router's auxiliary
+loss get it added as eager adds it (float32 equal, bfloat16 within the idiom, with and without router logits).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Each reproduces one group of identical forwards of transformers 5.22.2 (the base
 hidden states, `self.loss_function` with the labels, a `CausalLMOutputWithPast`-like output) and computes the lm_head
 and loss with `linear_cross_entropy`, in a training step (the module in train() and grad enabled) with labels. Any
 other call (evaluation, generation, no labels, another loss function, `logits_to_keep`) runs the class's own
-forward, exactly eager. When the loss is fused, the output's `logits` is None: the full logits are what the card
+forward, exactly eager. The MoE layers whose classes add the router's auxiliary loss add it to the fused loss as the
+class's lines do (`_Lines`). When the loss is fused, the output's `logits` is None: the full logits are what the card
 never makes. Where a later kernelize replaced accelerate's mixed-precision wrapper of the model's forward
 (`from_pretrained(..., use_kernels=True)` kernelizes again at every train()/eval() switch), the layer runs the call as
 that wrapper does.
