@@ -42,6 +42,7 @@ GROUP_OF = {
     "MoeCausalLMWithAuxLoss": "mixtral.modeling_mixtral.MixtralForCausalLM",
     "DbrxCausalLM": "dbrx.modeling_dbrx.DbrxForCausalLM",
     "JetMoeCausalLM": "jetmoe.modeling_jetmoe.JetMoeForCausalLM",
+    "DogeCausalLM": "doge.modeling_doge.DogeForCausalLM",
 }
 """A class of each layer's group: every class the layer replaces has this class's forward."""
 
@@ -99,7 +100,7 @@ def test_every_causal_lm_class_of_transformers_is_decided():
     assert _causal_lm_classes() - listed - set(table.LEFT_OUT) == set()
     assert (listed | set(table.LEFT_OUT)) - _causal_lm_classes() == set(), "listed classes missing from transformers"
     assert all(table.LEFT_OUT.values())
-    assert [len(classes) for classes in table.SWAPPED.values()] == [32, 21, 19, 1, 1] and len(table.LEFT_OUT) == 95
+    assert [len(classes) for classes in table.SWAPPED.values()] == [32, 21, 19, 1, 1, 1] and len(table.LEFT_OUT) == 94
 
 
 def _form(path: str, source: str | None = None) -> str:
@@ -348,6 +349,10 @@ ONLY_HERE = {
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, kv_channels=16,
         intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
     ),
+    "doge": dict(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, keep_window_size=64, is_moe=True, num_experts=16, num_experts_per_tok=4,
+    ),
 }  # fmt: skip
 """Tiny configs of the single-class layers' families, which only this card's tests build."""
 
@@ -356,7 +361,8 @@ def _tiny(model_type: str, **overrides):
     """The tiny model of a family: npu_hub_kernels.testing's, or one of ONLY_HERE with random weights."""
     if model_type not in ONLY_HERE:
         return tiny_causal_lm(model_type, **overrides)
-    config = transformers.AutoConfig.for_model(model_type, vocab_size=VOCAB, **ONLY_HERE[model_type], **overrides)
+    values = {"vocab_size": VOCAB, **ONLY_HERE[model_type], **overrides}
+    config = transformers.AutoConfig.for_model(model_type, **values)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -383,9 +389,9 @@ def test_model_loss_and_every_gradient_match_eager_with_the_fused_ops_counted(np
         torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-AUX_LOSS_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "dbrx", "jetmoe")
+AUX_LOSS_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "dbrx", "jetmoe", "doge")
 """Tiny families of the layers that add the router's auxiliary loss (MoeCausalLMWithAuxLoss, DbrxCausalLM,
-JetMoeCausalLM)."""
+JetMoeCausalLM, DogeCausalLM)."""
 ROUTER_LOGITS = {
     "off": ({}, {}),  # the configs' default: output_router_logits=False, no auxiliary loss
     "argument": ({}, {"output_router_logits": True}),
@@ -448,7 +454,9 @@ def test_moe_auxiliary_loss_added_as_eager_adds_it_to_the_fused_loss(npu_kernels
         assert len(got.router_logits) == len(want.router_logits) > 0
     torch.testing.assert_close(got.loss.cpu(), want.loss, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), fused.parameters(), strict=True):
-        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        assert (q.grad is None) == (p.grad is None), name  # Doge's A and dt_proj get none here, in both
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("model_type", AUX_LOSS_FAMILIES)
@@ -465,6 +473,19 @@ def test_moe_auxiliary_loss_in_evaluation_keeps_the_class_forward(npu_kernels, m
     assert calls[OPS[0]] == 0 and got.logits is not None and keywords == want_keywords
     for name in ("loss", "aux_loss", "logits"):
         torch.testing.assert_close(getattr(got, name).cpu(), getattr(want, name), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_doge_without_moe_asks_no_router_logits_as_its_class(npu_kernels):
+    """Doge's forward asks its base model for router logits only with config.is_moe: a dense Doge asked for them
+    gets none and adds no auxiliary loss, in the fused step as in eager's."""
+    eager, fused = _pair("doge", is_moe=False)
+    ids = token_ids()
+    want, want_keywords = _aux_loss_step(eager, ids, output_router_logits=True)
+    with emulation.count_op_calls() as calls:
+        got, keywords = _aux_loss_step(fused, ids, output_router_logits=True)
+    assert calls[OPS[0]] == 1 and keywords == want_keywords and keywords["output_router_logits"] is False
+    assert got.aux_loss is None and want.aux_loss is None
+    torch.testing.assert_close(got.loss.cpu(), want.loss, rtol=1e-5, atol=1e-6)
 
 
 def test_moe_auxiliary_loss_with_return_dict_false(npu_kernels):

@@ -14,6 +14,7 @@ that wrapper does.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -138,19 +139,47 @@ class JetMoeCausalLM(nn.Module):
         )
 
 
+class DogeCausalLM(nn.Module):
+    """Doge's `*ForCausalLM`: router logits only with `config.is_moe`, its load-balancing loss given
+    `floor(sqrt(num_experts))` keys, `logits_to_keep` before `output_router_logits`."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        output_router_logits=None,
+        **kwargs,
+    ):
+        return _causal_lm_forward(
+            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), _DOGE_AUX_LOSS
+        )
+
+
 @dataclass(frozen=True)
 class _Lines:
     """What a group's forward reads where the groups differ, by attribute path on the module: its base model, the
     vocabulary size its loss line passes, and, in the MoE groups that add the router's auxiliary loss, the
     coefficient (None: no auxiliary loss). With a coefficient, the forward resolves `output_router_logits` (the
-    argument, else `config.output_router_logits`) and passes it to the base model; when it is on, `aux_loss =
-    load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)`
-    (the function the class's forward calls, from its own modeling module), `loss += <coefficient> *
-    aux_loss.to(loss.device)`, and `aux_loss` goes into the output."""
+    argument, else `config.output_router_logits`; and the config attribute `router_logits_only_if`, if named) and
+    passes it to the base model; when it is on, `aux_loss = load_balancing_loss_func(outputs.router_logits,
+    self.num_experts, self.num_experts_per_tok, attention_mask)` (the function the class's forward calls, from its
+    own modeling module; with `num_keys`, `floor(sqrt(self.num_experts))` goes before the top-k), `loss +=
+    <coefficient> * aux_loss.to(loss.device)`, and `aux_loss` goes into the output."""
 
     base_model: str = "model"
     vocab_size: str = "config.vocab_size"
     aux_loss_coefficient: str | None = None
+    router_logits_only_if: str | None = None
+    num_keys: bool = False
 
 
 _DEFAULT_LINES = _Lines()
@@ -159,14 +188,28 @@ _AUX_LOSS_ON_TRANSFORMER = _Lines(
     base_model="transformer", vocab_size="vocab_size", aux_loss_coefficient="router_aux_loss_coef"
 )
 _JETMOE_AUX_LOSS = _Lines(aux_loss_coefficient="aux_loss_coef")
+_DOGE_AUX_LOSS = _Lines(
+    vocab_size="vocab_size", aux_loss_coefficient="router_aux_loss_coef", router_logits_only_if="is_moe", num_keys=True
+)
 
 
-def _with_aux_loss(module: nn.Module, loss: torch.Tensor, coefficient: str, router_logits, attention_mask):
+def _output_router_logits(module: nn.Module, lines: _Lines, argument: bool | None) -> bool:
+    """The `output_router_logits` the class's forward passes its base model."""
+    requested = argument if argument is not None else module.config.output_router_logits
+    if lines.router_logits_only_if is not None:
+        requested = requested and getattr(module.config, lines.router_logits_only_if)
+    return requested
+
+
+def _with_aux_loss(module: nn.Module, loss: torch.Tensor, lines: _Lines, router_logits, attention_mask):
     """(loss + coefficient x the class's load-balancing loss, that auxiliary loss), as the class's lines add it."""
     # the name the class's forward resolves in its own module's globals (under the decorators that wrap it)
     load_balancing_loss = inspect.unwrap(type(module).forward).__globals__["load_balancing_loss_func"]
-    aux_loss = load_balancing_loss(router_logits, module.num_experts, module.num_experts_per_tok, attention_mask)
-    loss += attrgetter(coefficient)(module) * aux_loss.to(loss.device)
+    experts = (module.num_experts,)
+    if lines.num_keys:
+        experts += (math.floor(math.sqrt(module.num_experts)),)
+    aux_loss = load_balancing_loss(router_logits, *experts, module.num_experts_per_tok, attention_mask)
+    loss += attrgetter(lines.aux_loss_coefficient)(module) * aux_loss.to(loss.device)
     return loss, aux_loss
 
 
@@ -213,10 +256,7 @@ def _fused_where_possible(
     model_inputs = {name: arguments[name] for name in _MODEL_INPUTS}
     adds_aux_loss = lines.aux_loss_coefficient is not None
     if adds_aux_loss:
-        requested = arguments["output_router_logits"]
-        model_inputs["output_router_logits"] = (
-            requested if requested is not None else module.config.output_router_logits
-        )
+        model_inputs["output_router_logits"] = _output_router_logits(module, lines, arguments["output_router_logits"])
     outputs = attrgetter(lines.base_model)(module)(**model_inputs, **kwargs)
     loss, logits = linear_cross_entropy(
         outputs.last_hidden_state, module.lm_head, labels, attrgetter(lines.vocab_size)(module),
@@ -225,7 +265,7 @@ def _fused_where_possible(
     fields = {name: getattr(outputs, name) for name in extra}
     if adds_aux_loss and model_inputs["output_router_logits"]:
         loss, fields["aux_loss"] = _with_aux_loss(
-            module, loss, lines.aux_loss_coefficient, outputs.router_logits, arguments["attention_mask"]
+            module, loss, lines, outputs.router_logits, arguments["attention_mask"]
         )
     # transformers is there whenever one of its models runs; the card imports it only then
     from transformers import modeling_outputs

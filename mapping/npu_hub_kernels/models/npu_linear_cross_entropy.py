@@ -4,9 +4,9 @@ Established from the forward of every `*ForCausalLM` class of transformers 5.22.
 annotations dropped) and grouped by identical text: the layers reproduce the three largest groups, whose lm_head and
 loss lines are exactly `logits = self.lm_head(hidden_states)` then the model's `self.loss_function` with the labels,
 the MoE group that adds the router's auxiliary loss (`loss += self.router_aux_loss_coef * aux_loss.to(loss.device)`
-when output_router_logits is on) included, and the two single classes whose auxiliary-loss forward differs from that
-group's only in names it reads (DBRX, JetMoe). HYV3's forward is MoeCausalLM's with an explicit `aux_loss=None`, the
-output field's default.
+when output_router_logits is on) included, and the three single classes whose auxiliary-loss forward differs from
+that group's in names it reads or arguments it passes (DBRX, JetMoe, Doge). HYV3's forward is MoeCausalLM's with
+an explicit `aux_loss=None`, the output field's default.
 tests/test_npu_linear_cross_entropy.py re-proves that every listed class has its group's forward and that every
 `*ForCausalLM` class is listed or left out.
 """
@@ -100,14 +100,11 @@ SWAPPED: dict[str, tuple[str, ...]] = {
     "MoeCausalLMWithAuxLoss": _MOE_CAUSAL_LM_WITH_AUX_LOSS,
     "DbrxCausalLM": ("dbrx.modeling_dbrx.DbrxForCausalLM",),  # the same on its base model self.transformer
     "JetMoeCausalLM": ("jetmoe.modeling_jetmoe.JetMoeForCausalLM",),  # aux_loss_coef, config.vocab_size
+    "DogeCausalLM": ("doge.modeling_doge.DogeForCausalLM",),  # is_moe, num_keys in the load-balancing loss
 }
 """Layer -> the classes whose forward it replaces. Per call, the loss is fused only with labels, transformers'
 ForCausalLMLoss as the model's loss_function and a plain lm_head (linear_cross_entropy_unavailable_reason)."""
 
-_DOGE_AUX_LOSS = (
-    "output_router_logits only with config.is_moe, and its load_balancing_loss_func takes num_keys "
-    "(floor(sqrt(num_experts))) before top_k: another auxiliary loss, no layer yet"
-)
 _SOFTCAP = "final logit soft-capping (tanh) between the lm_head and the loss"
 _SCALED = "scales the hidden states or the logits between the last layer and the loss (logits_scaling, logit_scale)"
 _OWN_LOSS = "computes its own loss (CrossEntropyLoss or another), not the model's loss_function"
@@ -135,7 +132,6 @@ LEFT_OUT: dict[str, str] = {
     "cpmant.modeling_cpmant.CpmAntForCausalLM": _OWN_LOSS,
     "csm.modeling_csm.CsmDepthDecoderForCausalLM": _NOT_SURVEYED,
     "data2vec.modeling_data2vec_text.Data2VecTextForCausalLM": _NOT_SURVEYED,
-    "doge.modeling_doge.DogeForCausalLM": _DOGE_AUX_LOSS,
     "electra.modeling_electra.ElectraForCausalLM": _NOT_SURVEYED,
     "ernie.modeling_ernie.ErnieForCausalLM": _NOT_SURVEYED,
     "falcon.modeling_falcon.FalconForCausalLM": _NOT_SURVEYED,
