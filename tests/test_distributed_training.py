@@ -227,7 +227,13 @@ norms fused, exact, in one process (tests/test_mapping.py, tests/test_training_s
 FUSED_EVERY_STEP = {
     # npu-linear-cross-entropy too: the lm_head belongs to the root unit, whose parameters are plain in its forward
     "llama": {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_cross_entropy_loss"},
-    "qwen3_moe": {"npu_rms_norm", "npu_rotary_mul", "npu_grouped_matmul", "npu_moe_token_permute"},
+    "qwen3_moe": {
+        "npu_rms_norm",
+        "npu_rotary_mul",
+        "npu_grouped_matmul",
+        "npu_moe_token_permute",
+        "npu_cross_entropy_loss",
+    },
 }
 """Ops that must be among each kernelized step's calls (the rest is whatever the plain model calls). With LoRA,
 gate_proj/up_proj are peft Linears (base layer plus adapter): whether the SwiGLU card fuses them is the card's

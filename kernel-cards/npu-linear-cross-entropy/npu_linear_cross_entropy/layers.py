@@ -4,7 +4,8 @@ Each reproduces one group of identical forwards of transformers 5.22.2 (the base
 hidden states, `self.loss_function` with the labels, a `CausalLMOutputWithPast`-like output; which base model, head,
 inputs and vocabulary size: the group's `Wiring`) and computes the lm_head and loss with `linear_cross_entropy`, in
 a training step (the module in train() and grad enabled) with labels. Any other call (evaluation, generation, no
-labels, another loss function, `logits_to_keep`) runs the class's own forward, exactly eager. When the loss is
+labels, another loss function, `logits_to_keep`) runs the class's own forward, exactly eager. The MoE layers whose
+classes add the router's auxiliary loss add it to the fused loss as the class's lines do (`AuxLoss`). When the loss is
 fused, the output's `logits` is None: the full logits are what the card never makes. Where a later kernelize
 replaced accelerate's mixed-precision wrapper of the model's forward (`from_pretrained(..., use_kernels=True)`
 kernelizes again at every train()/eval() switch), the layer runs the call as that wrapper does.
@@ -12,6 +13,8 @@ kernelizes again at every train()/eval() switch), the layer runs the call as tha
 
 from __future__ import annotations
 
+import inspect
+import math
 import operator
 from dataclasses import dataclass
 
@@ -99,6 +102,134 @@ GPT_NEOX_JAPANESE = Wiring(
     "gpt_neox_japanese", (*_NEOX_INPUTS, *_OLD_STYLE), kwargs_to_model=False, lm_head="embed_out"
 )
 _CROSS = "CausalLMOutputWithCrossAttentions"
+
+
+@dataclass(frozen=True)
+class AuxLoss:
+    """How a MoE group's forward adds the router's auxiliary loss to its loss: `<coefficient> *
+    load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)`,
+    moved to the loss's device, when `output_router_logits` is on (the argument, else `config.output_router_logits`;
+    and the config attribute `router_logits_only_if`, if named), and `aux_loss` in the output. The function is the one
+    the class's forward calls, from its own modeling module; with `num_keys`, `floor(sqrt(self.num_experts))` goes
+    before the top-k."""
+
+    coefficient: str  # attribute path of the coefficient on the *ForCausalLM
+    router_logits_only_if: str | None = None
+    num_keys: bool = False
+
+
+_AUX_INPUTS = (*_MODEL_INPUTS, "output_router_logits")
+AUX_WIRING = Wiring(model_inputs=_AUX_INPUTS, vocab_size="vocab_size")
+AUX_WIRING_CONFIG_VOCAB = Wiring(model_inputs=_AUX_INPUTS)
+DBRX = Wiring("transformer", _AUX_INPUTS, vocab_size="vocab_size")
+ROUTER_AUX_LOSS = AuxLoss("router_aux_loss_coef")
+JETMOE_AUX_LOSS = AuxLoss("aux_loss_coef")
+DOGE_AUX_LOSS = AuxLoss("router_aux_loss_coef", router_logits_only_if="is_moe", num_keys=True)
+
+
+class MoeCausalLMWithAuxLoss(nn.Module):
+    """MoE `*ForCausalLM` that add `router_aux_loss_coef` times the router's load-balancing loss (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE, GPT-OSS, ...): MoeCausalLMOutputWithPast with aux_loss and router_logits."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_router_logits=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(
+            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), AUX_WIRING, aux=ROUTER_AUX_LOSS
+        )
+
+
+class DbrxCausalLM(nn.Module):
+    """DBRX's `*ForCausalLM`: MoeCausalLMWithAuxLoss's forward on the base model `self.transformer`."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_router_logits=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return _causal_lm_forward(
+            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), DBRX, aux=ROUTER_AUX_LOSS
+        )
+
+
+class JetMoeCausalLM(nn.Module):
+    """JetMoe's `*ForCausalLM`: `aux_loss_coef` times the router's load-balancing loss, the loss over
+    `config.vocab_size`, `logits_to_keep` before `output_router_logits`."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        output_router_logits=None,
+        **kwargs,
+    ):
+        return _causal_lm_forward(
+            self,
+            locals(),
+            kwargs,
+            "MoeCausalLMOutputWithPast",
+            ("router_logits",),
+            AUX_WIRING_CONFIG_VOCAB,
+            aux=JETMOE_AUX_LOSS,
+        )
+
+
+class DogeCausalLM(nn.Module):
+    """Doge's `*ForCausalLM`: router logits only with `config.is_moe`, its load-balancing loss given
+    `floor(sqrt(num_experts))` keys, `logits_to_keep` before `output_router_logits`."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        output_router_logits=None,
+        **kwargs,
+    ):
+        return _causal_lm_forward(
+            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), AUX_WIRING, aux=DOGE_AUX_LOSS
+        )
 
 
 class GPTNeoXCausalLM(nn.Module):
@@ -330,6 +461,26 @@ class GPTNeoXJapaneseCausalLM(nn.Module):
         return _causal_lm_forward(self, locals(), kwargs, "CausalLMOutputWithPast", (), GPT_NEOX_JAPANESE)
 
 
+def _output_router_logits(module: nn.Module, aux: AuxLoss, argument: bool | None) -> bool:
+    """The `output_router_logits` the class's forward passes its base model."""
+    requested = argument if argument is not None else module.config.output_router_logits
+    if aux.router_logits_only_if is not None:
+        requested = requested and getattr(module.config, aux.router_logits_only_if)
+    return requested
+
+
+def _with_aux_loss(module: nn.Module, loss: torch.Tensor, aux: AuxLoss, router_logits, attention_mask):
+    """(loss + coefficient x the class's load-balancing loss, that auxiliary loss), as the class's lines add it."""
+    # the name the class's forward resolves in its own module's globals (under the decorators that wrap it)
+    load_balancing_loss = inspect.unwrap(type(module).forward).__globals__["load_balancing_loss_func"]
+    experts = (module.num_experts,)
+    if aux.num_keys:
+        experts += (math.floor(math.sqrt(module.num_experts)),)
+    aux_loss = load_balancing_loss(router_logits, *experts, module.num_experts_per_tok, attention_mask)
+    loss += operator.attrgetter(aux.coefficient)(module) * aux_loss.to(loss.device)
+    return loss, aux_loss
+
+
 def _causal_lm_forward(
     module: nn.Module,
     arguments: dict,
@@ -337,10 +488,12 @@ def _causal_lm_forward(
     output_class: str,
     extra: tuple[str, ...],
     wiring: Wiring = LLAMA,
+    aux: AuxLoss | None = None,
 ):
     """The class's forward with its lm_head + loss lines fused, inside accelerate's mixed-precision wrapper where a
-    later kernelize replaced that wrapper; its own forward where the loss cannot be fused."""
-    args = (module, arguments, kwargs, output_class, extra, wiring)
+    later kernelize replaced that wrapper; its own forward where the loss cannot be fused. `arguments`: the layer
+    forward's `locals()`, taken before any other name is bound (its parameters, passed on as they are)."""
+    args = (module, arguments, kwargs, output_class, extra, wiring, aux)
     if _accelerates_autocast_wrapper_dropped(module):
         return _as_accelerates_autocast_wrapper(_fused_where_possible, *args)
     return _fused_where_possible(*args)
@@ -353,8 +506,10 @@ def _fused_where_possible(
     output_class: str,
     extra: tuple[str, ...],
     wiring: Wiring = LLAMA,
+    aux: AuxLoss | None = None,
 ):
-    """The class's forward with its lm_head + loss lines fused; its own forward where the loss cannot be."""
+    """The class's forward with its lm_head + loss lines fused (the router's auxiliary loss added where `aux` says
+    the class adds one); its own forward where the loss cannot be."""
     labels, logits_to_keep = arguments["labels"], arguments["logits_to_keep"]
     named = {name: value for name, value in arguments.items() if name not in ("self", "kwargs")}
     # a training step only: evaluation (eval() or no grad) and generation keep the class's forward and its logits
@@ -370,12 +525,17 @@ def _fused_where_possible(
     model_inputs = {name: arguments[name] for name in wiring.model_inputs}
     if own_return_dict:
         model_inputs["return_dict"] = True
+    if aux is not None:
+        model_inputs["output_router_logits"] = _output_router_logits(module, aux, arguments["output_router_logits"])
     base_model = operator.attrgetter(wiring.base_model)(module)
     outputs = base_model(**model_inputs, **(kwargs if wiring.kwargs_to_model else {}))
     loss, logits = linear_cross_entropy(
         outputs.last_hidden_state, operator.attrgetter(wiring.lm_head)(module), labels,
         operator.attrgetter(wiring.vocab_size)(module), loss_function=module.loss_function, **kwargs,
     )  # fmt: skip
+    fields = {name: getattr(outputs, name) for name in extra}
+    if aux is not None and model_inputs["output_router_logits"]:
+        loss, fields["aux_loss"] = _with_aux_loss(module, loss, aux, outputs.router_logits, arguments["attention_mask"])
     # transformers is there whenever one of its models runs; the card imports it only then
     from transformers import modeling_outputs
 
@@ -385,7 +545,7 @@ def _fused_where_possible(
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
-        **{name: getattr(outputs, name) for name in extra},
+        **fields,
     )
     return output if return_dict else output.to_tuple()
 

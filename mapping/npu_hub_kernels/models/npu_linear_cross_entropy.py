@@ -7,6 +7,9 @@ lm_head and loss lines are exactly `logits = self.<head>(hidden_states)` then `s
 labels=labels, vocab_size=..., **kwargs)`; the groups differ in how they reach the base model and the head, what they
 take and what they return (layers.Wiring). tests/test_npu_linear_cross_entropy.py re-proves that every listed class
 has its group's forward, that every `*ForCausalLM` class is listed or left out, and each reason from the source.
+The MoE groups that add the router's auxiliary loss (`loss += <coefficient> * aux_loss.to(loss.device)` when
+output_router_logits is on) have layers of their own, which add it as the class does (layers.AuxLoss); HYV3's forward
+is MoeCausalLM's with an explicit `aux_loss=None`, the output field's default.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ _MOE_CAUSAL_LM = (  # the same, MoeCausalLMOutputWithPast with the base model's 
     "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteForCausalLM",
     "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaForCausalLM",
     "hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1ForCausalLM",
+    "hy_v3.modeling_hy_v3.HYV3ForCausalLM",  # with an explicit aux_loss=None, the output field's default
     "kimi_linear.modeling_kimi_linear.KimiLinearForCausalLM",
     "kolibri1.modeling_kolibri1.Kolibri1ForCausalLM",
     "lfm2_moe.modeling_lfm2_moe.Lfm2MoeForCausalLM",
@@ -72,8 +76,30 @@ _MOE_CAUSAL_LM = (  # the same, MoeCausalLMOutputWithPast with the base model's 
 )
 
 
-# The groups that differ from those two only in how they reach the base model and the lm_head, what they take and
-# what they return (layers.Wiring): their lm_head and loss lines are the default ones.
+_MOE_CAUSAL_LM_WITH_AUX_LOSS = (  # the same, output_router_logits, adds router_aux_loss_coef * load_balancing_loss_func
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4ForCausalLM",
+    "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeForCausalLM",
+    "flex_olmo.modeling_flex_olmo.FlexOlmoForCausalLM",
+    "flint.modeling_flint.FlintForCausalLM",
+    "gpt_oss.modeling_gpt_oss.GptOssForCausalLM",
+    "jamba.modeling_jamba.JambaForCausalLM",
+    "laguna.modeling_laguna.LagunaForCausalLM",
+    "mellum.modeling_mellum.MellumForCausalLM",
+    "minimax.modeling_minimax.MiniMaxForCausalLM",
+    "minimax_m2.modeling_minimax_m2.MiniMaxM2ForCausalLM",
+    "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLForCausalLM",
+    "mixtral.modeling_mixtral.MixtralForCausalLM",
+    "olmoe.modeling_olmoe.OlmoeForCausalLM",
+    "phimoe.modeling_phimoe.PhimoeForCausalLM",
+    "qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM",
+    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM",
+    "qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM",
+    "qwen3_next.modeling_qwen3_next.Qwen3NextForCausalLM",
+    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpForCausalLM",
+)
+
+# The groups that differ from the Llama and MoE ones only in how they reach the base model and the lm_head, what they
+# take and what they return (layers.Wiring): their lm_head and loss lines are the default ones.
 _OTHER_FORMS = {
     "GPTNeoXCausalLM": ("gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM",),
     "NemotronCausalLM": (  # the loss given self.vocab_size
@@ -91,11 +117,18 @@ _OTHER_FORMS = {
     "GPTNeoXJapaneseCausalLM": ("gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseForCausalLM",),
 }
 
-SWAPPED: dict[str, tuple[str, ...]] = {"CausalLM": _CAUSAL_LM, "MoeCausalLM": _MOE_CAUSAL_LM, **_OTHER_FORMS}
+SWAPPED: dict[str, tuple[str, ...]] = {
+    "CausalLM": _CAUSAL_LM,
+    "MoeCausalLM": _MOE_CAUSAL_LM,
+    "MoeCausalLMWithAuxLoss": _MOE_CAUSAL_LM_WITH_AUX_LOSS,
+    "DbrxCausalLM": ("dbrx.modeling_dbrx.DbrxForCausalLM",),  # the same on its base model self.transformer
+    "JetMoeCausalLM": ("jetmoe.modeling_jetmoe.JetMoeForCausalLM",),  # aux_loss_coef, config.vocab_size
+    "DogeCausalLM": ("doge.modeling_doge.DogeForCausalLM",),  # is_moe, num_keys in the load-balancing loss
+    **_OTHER_FORMS,
+}
 """Layer -> the classes whose forward it replaces. Per call, the loss is fused only with labels, transformers'
 ForCausalLMLoss as the model's loss_function and a plain lm_head (linear_cross_entropy_unavailable_reason)."""
 
-_AUX_LOSS = "adds the MoE router auxiliary loss to the loss (output_router_logits): another forward; not handled yet"
 _SOFTCAP = "final logit soft-capping (tanh) between the lm_head and the loss"
 _SCALED = "scales the hidden states or the logits between the last layer and the loss (logits_scaling, logit_scale)"
 _OWN_LOSS = "computes its own loss (CrossEntropyLoss or another), not the model's loss_function"
@@ -140,16 +173,10 @@ LEFT_OUT: dict[str, str] = {
     "cpmant.modeling_cpmant.CpmAntForCausalLM": _OWN_LOSS,
     "csm.modeling_csm.CsmDepthDecoderForCausalLM": _CODEBOOK_HEADS,
     "data2vec.modeling_data2vec_text.Data2VecTextForCausalLM": _HEAD_TRANSFORM,
-    "dbrx.modeling_dbrx.DbrxForCausalLM": _AUX_LOSS,
-    "deepseek_v4.modeling_deepseek_v4.DeepseekV4ForCausalLM": _AUX_LOSS,
-    "doge.modeling_doge.DogeForCausalLM": _AUX_LOSS,
     "electra.modeling_electra.ElectraForCausalLM": _HEAD_TRANSFORM,
     "ernie.modeling_ernie.ErnieForCausalLM": _HEAD_TRANSFORM,
-    "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeForCausalLM": _AUX_LOSS,
     "falcon_h1.modeling_falcon_h1.FalconH1ForCausalLM": _SCALED,
     "falcon_mamba.modeling_falcon_mamba.FalconMambaForCausalLM": _STATE_SPACE,
-    "flex_olmo.modeling_flex_olmo.FlexOlmoForCausalLM": _AUX_LOSS,
-    "flint.modeling_flint.FlintForCausalLM": _AUX_LOSS,
     "fuyu.modeling_fuyu.FuyuForCausalLM": _OWN_FORM.format(
         "image patches to the base model, the text config's vocab_size"
     ),
@@ -161,7 +188,6 @@ LEFT_OUT: dict[str, str] = {
     "gemma4_unified.modeling_gemma4_unified.Gemma4UnifiedForCausalLM": _SOFTCAP,
     "gemma4_unified_assistant.modeling_gemma4_unified_assistant.Gemma4UnifiedAssistantForCausalLM": _OWN_LOSS,
     "git.modeling_git.GitForCausalLM": _IMAGE_TOKENS_DROPPED,
-    "gpt_oss.modeling_gpt_oss.GptOssForCausalLM": _AUX_LOSS,
     "granite.modeling_granite.GraniteForCausalLM": _SCALED,
     "granite_swa.modeling_granite_swa.GraniteSWAForCausalLM": _SCALED,
     "granitemoe.modeling_granitemoe.GraniteMoeForCausalLM": _SCALED,
@@ -169,28 +195,19 @@ LEFT_OUT: dict[str, str] = {
     "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridForCausalLM": _SCALED,
     "granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedForCausalLM": _SCALED,
     "hrm_text.modeling_hrm_text.HrmTextForCausalLM": _OWN_FORM.format("token_type_ids to the base model"),
-    "hy_v3.modeling_hy_v3.HYV3ForCausalLM": _AUX_LOSS,
     "hy_v4.modeling_hy_v4.HYV4ForCausalLM": _OWN_FORM.format("hidden states cast to the lm_head's dtype, MoE outputs"),
     "hyperclovax.modeling_hyperclovax.HyperCLOVAXForCausalLM": _SCALED,
     "inkling.modeling_inkling.InklingForCausalLM": _SCALED,
-    "jamba.modeling_jamba.JambaForCausalLM": _AUX_LOSS,
-    "jetmoe.modeling_jetmoe.JetMoeForCausalLM": _AUX_LOSS,
     "kosmos2.modeling_kosmos2.Kosmos2TextForCausalLM": _OWN_FORM.format(
         "image embeddings and encoder states to the base model"
     ),
     "kosmos2_5.modeling_kosmos2_5.Kosmos2_5TextForCausalLM": _OWN_FORM.format("image embeddings to the base model"),
-    "laguna.modeling_laguna.LagunaForCausalLM": _AUX_LOSS,
     "mamba.modeling_mamba.MambaForCausalLM": _STATE_SPACE,
     "mamba2.modeling_mamba2.Mamba2ForCausalLM": _STATE_SPACE,
     "marian.modeling_marian.MarianForCausalLM": _OWN_LOSS,
     "mbart.modeling_mbart.MBartForCausalLM": _OWN_LOSS,
     "megatron_bert.modeling_megatron_bert.MegatronBertForCausalLM": _HEAD_TRANSFORM,
-    "mellum.modeling_mellum.MellumForCausalLM": _AUX_LOSS,
     "minicpm3.modeling_minicpm3.MiniCPM3ForCausalLM": _SCALED,
-    "minimax.modeling_minimax.MiniMaxForCausalLM": _AUX_LOSS,
-    "minimax_m2.modeling_minimax_m2.MiniMaxM2ForCausalLM": _AUX_LOSS,
-    "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLForCausalLM": _AUX_LOSS,
-    "mixtral.modeling_mixtral.MixtralForCausalLM": _AUX_LOSS,
     "mllama.modeling_mllama.MllamaForCausalLM": _OWN_FORM.format(
         "cross-attention inputs, logits cast to float32, self.vocab_size"
     ),
@@ -205,19 +222,12 @@ LEFT_OUT: dict[str, str] = {
     "nemotron_h.modeling_nemotron_h.NemotronHForCausalLM": _OWN_FORM.format(
         "logits cast to float32, self.vocab_size, MoE outputs"
     ),
-    "olmoe.modeling_olmoe.OlmoeForCausalLM": _AUX_LOSS,
     "pegasus.modeling_pegasus.PegasusForCausalLM": _OWN_LOSS,
     "phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalForCausalLM": _OWN_FORM.format(
         "image and audio inputs to the base model, self.vocab_size"
     ),
-    "phimoe.modeling_phimoe.PhimoeForCausalLM": _AUX_LOSS,
     "plbart.modeling_plbart.PLBartForCausalLM": _OWN_LOSS,
     "prophetnet.modeling_prophetnet.ProphetNetForCausalLM": _OWN_LOSS,
-    "qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM": _AUX_LOSS,
-    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeForCausalLM": _AUX_LOSS,
-    "qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM": _AUX_LOSS,
-    "qwen3_next.modeling_qwen3_next.Qwen3NextForCausalLM": _AUX_LOSS,
-    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpForCausalLM": _AUX_LOSS,
     "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaForCausalLM": _SOFTCAP,
     "rembert.modeling_rembert.RemBertForCausalLM": _HEAD_TRANSFORM,
     "roberta.modeling_roberta.RobertaForCausalLM": _HEAD_TRANSFORM,
