@@ -38,6 +38,7 @@ hooks) keep the eager path, with the reason.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import torch
@@ -245,20 +246,17 @@ def _loss_of_logits(logits, labels, vocab_size: int, loss_function: object, loss
 def _linear_class(lm_head: nn.Module) -> type:
     """The class whose forward lm_head runs: its own, or under FSDP2 (`fully_shard` makes the module's class a subclass
     `FSDP<cls>` of FSDPModule and cls, which adds no forward) that cls."""
-    cls = type(lm_head)
-    first = cls.__mro__[1]
-    if (first.__module__, first.__name__) == ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule"):
-        return cls.__bases__[1]
-    return cls
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard ran
+    if fsdp is not None and isinstance(lm_head, fsdp.FSDPModule):
+        return type(lm_head).__mro__[type(lm_head)._orig_cls_mro_index]
+    return type(lm_head)
 
 
 def _fsdp2_output_dtype(lm_head: nn.Module) -> torch.dtype | None:
     """The dtype FSDP2 casts lm_head's output to (its MixedPrecisionPolicy's output_dtype) when lm_head is a unit."""
     if _linear_class(lm_head) is type(lm_head):
         return None
-    from torch.distributed.fsdp import fully_shard
-
-    return fully_shard.state(lm_head)._mp_policy.output_dtype
+    return sys.modules["torch.distributed.fsdp"].fully_shard.state(lm_head)._mp_policy.output_dtype
 
 
 def _engine(hook) -> bool:
