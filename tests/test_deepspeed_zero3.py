@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-3 on the emulated npu, 2 processes on 127.0.0.1: the cards train exactly as eager does.
+"""DeepSpeed ZeRO-3 on the emulated npu, 2 processes on 127.0.0.1: the cards train as eager does (see below).
 
 Each rank runs DeepSpeed's NPU accelerator (DS_ACCELERATOR=npu, which imports the emulated torch_npu) with ZeRO-3
 partitioning every parameter over the 2 ranks, 3 AdamW steps per model, once without kernels and once kernelized in
