@@ -21,6 +21,9 @@ batches, AdamW, STEPS steps. What each kernelized run must show, per rank:
   emulation/device.py) after each step, gradients dropped, measured from the same baseline, is no larger than
   the run without kernels. A kernel that keeps a second copy of weights resident (a packed gate/up buffer next to
   FSDP's shards) shows here.
+- the loss with the lm_head a unit of its own (Llama): fused every step as above (computed as the lm_head's call,
+  which FSDP2's hooks unshard and reshard around); an lm_head unit whose MixedPrecisionPolicy sets output_dtype (it
+  would cast the loss) says why it runs eager, and runs exactly eager, no fused op.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from __future__ import annotations
 import datetime
 import gc
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from kernels import Mode
+from kernels import Mode, get_local_kernel
 from numerics import relative_error
 from peft import LoraConfig, get_peft_model
 from torch import nn
@@ -65,6 +69,11 @@ LORA_LEFT_OUT = {
     "without kernels too (a DTensor meets a plain tensor)",
 }
 """Model type -> why its LoRA engine is not run."""
+LM_HEAD_UNIT_LEFT_OUT = {
+    "qwen3_moe": "npu-linear-cross-entropy leaves Qwen3-MoE's forward (with the router's auxiliary loss) unswapped: "
+    "its lm_head as a unit of its own would show only what the plain FSDP2 run shows",
+}
+"""Model type -> why its lm_head-unit engine is not run."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ class Engine:
     reshard_after_forward: bool = True
     bf16: bool = False
     lora: bool = False
+    lm_head_unit: bool = False  # lm_head sharded as a unit of its own before the decoder layers and the root
 
 
 ENGINES = {
@@ -83,6 +93,7 @@ ENGINES = {
     "fsdp2, reshard_after_forward=False": Engine("fsdp2", reshard_after_forward=False),
     "fsdp2, bf16 mixed precision": Engine("fsdp2", bf16=True),
     "fsdp2, LoRA leaves sharded on their own": Engine("fsdp2", lora=True),
+    "fsdp2, lm_head a unit of its own": Engine("fsdp2", lm_head_unit=True),
 }
 FP32_REFERENCE = {"fsdp2, bf16 mixed precision": "fsdp2"}
 """bf16 run -> the float32 run (without kernels) its errors are measured against."""
@@ -108,8 +119,9 @@ class Run:
 # --- In each rank ----------------------------------------------------------------------------------------------
 
 
-def train_every_engine(model_type: str, built_cards: str) -> dict[str, dict[bool, Run]]:
-    """One rank: every engine of ENGINES without kernels, then with them. Returns {engine: {kernels: Run}}."""
+def train_every_engine(model_type: str, built_cards: str) -> tuple[dict[str, dict[bool, Run]], dict | None]:
+    """One rank: every engine of ENGINES without kernels, then with them. Returns {engine: {kernels: Run}}, and
+    `lm_head_unit_casting_its_output` where the lm_head-unit engine runs."""
     dist.init_process_group("hccl", timeout=datetime.timedelta(seconds=60))
     gc.collect()
     gc.freeze()  # the libraries' objects: later collections (before each memory reading) scan only the runs' own
@@ -117,11 +129,29 @@ def train_every_engine(model_type: str, built_cards: str) -> dict[str, dict[bool
     for with_kernels in (False, True):
         for name, engine in engines(model_type).items():
             runs[name][with_kernels] = train(model_type, engine, built_cards if with_kernels else None)
-    return runs
+    return runs, None if model_type in LM_HEAD_UNIT_LEFT_OUT else lm_head_unit_casting_its_output(built_cards)
+
+
+def lm_head_unit_casting_its_output(built_cards: str) -> dict:
+    """An lm_head FSDP2 unit whose MixedPrecisionPolicy sets output_dtype, which would cast the loss where eager casts
+    the logits: the card's reason, its fused op calls, and whether its (loss, logits) are eager's."""
+    card = get_local_kernel(Path(built_cards) / "npu-linear-cross-entropy")
+    torch.manual_seed(0)
+    head = fully_shard(nn.Linear(16, 32).to("npu"), mp_policy=MixedPrecisionPolicy(output_dtype=torch.float16))
+    hidden, labels = torch.randn(2, 5, 16, device="npu", requires_grad=True), torch.randint(0, 32, (2, 5)).to("npu")
+    reason = card.linear_cross_entropy_unavailable_reason(hidden, head, labels, 32)
+    with emulation.count_op_calls() as calls:
+        got = card.linear_cross_entropy(hidden, head, labels, 32)
+    want = card.linear_cross_entropy_eager(hidden, head, labels, 32)
+    return {"reason": reason, "calls": dict(calls), "eager": all(map(torch.equal, got, want))}
 
 
 def engines(model_type: str) -> dict[str, Engine]:
-    return {name: e for name, e in ENGINES.items() if not (e.lora and model_type in LORA_LEFT_OUT)}
+    return {
+        name: e
+        for name, e in ENGINES.items()
+        if not (e.lora and model_type in LORA_LEFT_OUT) and not (e.lm_head_unit and model_type in LM_HEAD_UNIT_LEFT_OUT)
+    }
 
 
 def new_model(model_type: str, engine: Engine, built_cards: str | None) -> nn.Module:
@@ -190,6 +220,8 @@ def wrap(model: nn.Module, engine: Engine) -> nn.Module:
         for module in model.modules():
             if next(module.children(), None) is None and any(p.requires_grad for p in module.parameters(False)):
                 fully_shard(module, **shard)
+    if engine.lm_head_unit:  # its hooks gather its weight for its own call, in which the card computes the loss
+        fully_shard(model.lm_head, **shard)
     for layer in decoder_layers(model):
         fully_shard(layer, **shard)
     fully_shard(model, **shard)
@@ -225,7 +257,8 @@ Qwen3 (a Llama plus q/k norms, the same RMSNorm card on the same sharded decoder
 the dense path: it is trained on 2 ranks under DeepSpeed ZeRO-3 (tests/test_deepspeed_zero3.py), and its q/k
 norms fused, exact, in one process (tests/test_mapping.py, tests/test_training_stacks.py)."""
 FUSED_EVERY_STEP = {
-    # npu-linear-cross-entropy too: the lm_head belongs to the root unit, whose parameters are plain in its forward
+    # npu-linear-cross-entropy too: the lm_head in the root unit (its parameters plain in the root's forward), or a
+    # unit of its own (the loss computed as lm_head's call, inside which FSDP2 has unsharded its weight)
     "llama": {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_cross_entropy_loss"},
     "qwen3_moe": {
         "npu_rms_norm",
@@ -246,7 +279,11 @@ NOT_REQUIRED_WITH_LORA = {"npu_swiglu"}
 def test_kernelized_training_under_ddp_and_fsdp2_equals_eager(built_cards, model_type):
     ranks = run_distributed(train_every_engine, model_type, str(built_cards), world_size=2, timeout=170)
     problems = []
-    for rank, runs in enumerate(ranks):
+    for rank, (runs, casting_unit) in enumerate(ranks):
+        if casting_unit is not None and not (
+            "output" in casting_unit["reason"] and casting_unit["calls"] == {} and casting_unit["eager"]
+        ):
+            problems.append(f"rank {rank}: an lm_head unit casting its output fused or is not eager: {casting_unit}")
         for name, engine in engines(model_type).items():
             eager, fused = runs[name][False], runs[name][True]
             where = f"rank {rank}, {name}"

@@ -344,3 +344,36 @@ def test_two_threads_first_call_of_fresh_models(npu_kernels, interleaved):
             results = run_together(*(inference(model, ids) for ids in batches))
         assert dict(calls) == times(one_forward, 2 * REPEATS)
         assert all(torch.equal(out, want) for outs, want in zip(results, expected, strict=True) for out in outs)
+
+
+def training_losses(model, ids):
+    """Training forwards with labels (the loss fused, its gradients made in forward), no backward: threads that share
+    a model must not write its gradients at once (torch's own zero_grad and accumulation race there)."""
+
+    def job():
+        model.train()
+        return [model(ids.to("npu"), labels=ids.to("npu")).loss.item() for _ in range(REPEATS)]
+
+    return job
+
+
+def test_two_threads_fuse_the_loss_of_one_model_while_a_third_computes_logits(npu_kernels, interleaved):
+    """One kernelized model: two threads run training forwards (the loss fused as lm_head's call, lm_head's forward
+    stood in for that call) while a third computes logits without grad (lm_head's own forward, in the meantime too):
+    each thread's losses and logits are one thread's, the fused calls add up, and lm_head holds no forward of its own
+    afterwards."""
+    ids = token_ids()
+    twin = kernelize(tiny_model("llama").to("npu"), mode=Mode.TRAINING, device="npu")
+    with emulation.count_op_calls() as one_training:
+        want_losses = training_losses(twin, ids)()
+    with emulation.count_op_calls() as one_inference:
+        want_logits = inference(twin, ids)()
+    assert one_training["npu_cross_entropy_loss"] == REPEATS and "npu_cross_entropy_loss" not in one_inference
+    model = kernelize(tiny_model("llama").to("npu"), mode=Mode.TRAINING, device="npu")
+    jobs = (training_losses(model, ids), training_losses(model, ids), inference(model, ids))
+    with emulation.count_op_calls() as calls:
+        losses, losses_too, logits = run_together(*jobs)
+    assert losses == losses_too == want_losses
+    assert all(torch.equal(got, want) for got, want in zip(logits, want_logits, strict=True))
+    assert calls == one_training + one_training + one_inference
+    assert "forward" not in vars(model.lm_head)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import enum
 import functools
 import importlib
 import inspect
@@ -398,8 +399,11 @@ def _fallbacks():
         ("custom loss", lambda p: {**p, "loss_function": _custom_loss}, "_custom_loss"),
         ("logits_to_keep", lambda p: {**p, "logits_to_keep": 3, "labels": p["labels"][:, -3:]}, "logits_to_keep"),
         ("wrapped lm_head", lambda p: {**p, "lm_head": _retyped(p["lm_head"])}, "plain nn.Linear"),
-        ("hooked lm_head", lambda p: {**p, "lm_head": _hooked(p["lm_head"])}, "hooks"),
-        ("ZeRO-3 weight", lambda p: {**p, "lm_head": _zero3(p["lm_head"])}, "ZeRO-3"),
+        ("hooked lm_head", lambda p: {**p, "lm_head": _hooked(p["lm_head"])}, "forward hooks of its own"),
+        ("backward hook", lambda p: {**p, "lm_head": _backward_hooked(p["lm_head"])}, "backward hooks"),
+        ("accelerate hook", lambda p: {**p, "lm_head": _accelerate_hooked(p["lm_head"])}, "_hf_hook"),
+        ("replaced forward", lambda p: {**p, "lm_head": _forward_replaced(p["lm_head"])}, "forward is replaced"),
+        ("partitioned ZeRO-3 weight", lambda p: {**p, "lm_head": _partitioned(p["lm_head"])}, "partitioned"),
         ("host tensors", lambda p: {k: _to_cpu(v) for k, v in p.items()}, "not on an npu"),
         ("float64", lambda p: {**p, "hidden": p["hidden"].double(), "lm_head": p["lm_head"].double()}, "dtypes"),
         ("vocabulary", lambda p: {**p, "vocab_size": 7}, "vocabulary"),
@@ -421,8 +425,29 @@ def _hooked(head: nn.Linear) -> nn.Linear:
     return head
 
 
-def _zero3(head: nn.Linear) -> nn.Linear:
-    head.weight.ds_id = 0  # what DeepSpeed ZeRO-3 sets on a partitioned parameter
+def _backward_hooked(head: nn.Linear) -> nn.Linear:
+    head.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    return head
+
+
+def _accelerate_hooked(head: nn.Linear) -> nn.Linear:
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    return add_hook_to_module(head, ModelHook())  # what device placement and offload put on a module
+
+
+def _forward_replaced(head: nn.Linear) -> nn.Linear:
+    head.forward = functools.partial(nn.Linear.forward, head)
+    return head
+
+
+_ZeroParamStatus = enum.Enum("ZeroParamStatus", "AVAILABLE NOT_AVAILABLE INFLIGHT")
+"""DeepSpeed's (deepspeed.runtime.zero.partition_parameters), by name: the card reads a parameter's `ds_status.name`."""
+
+
+def _partitioned(head: nn.Linear) -> nn.Linear:
+    """A weight marked as DeepSpeed ZeRO-3 marks one that is partitioned (its data kept, so eager can run)."""
+    head.weight.ds_id, head.weight.ds_status = 0, _ZeroParamStatus.NOT_AVAILABLE
     return head
 
 
@@ -449,6 +474,24 @@ def test_each_fallback_says_why_and_is_exactly_eager(card, name, change, words):
     assert calls[OPS[0]] == 0
     for g, w in zip(got, want, strict=True):
         assert (g is None and w is None) or torch.equal(g, w)
+
+
+def test_module_hooks_for_every_module_keep_the_eager_path(card):
+    """A hook registered for every module's call (torch's global module hooks) would see lm_head's call return the
+    loss: the eager path, with the reason, exactly eager's numbers."""
+    lm_head, h, labels = _problem()
+    lm_head, h, labels, vocab = lm_head.to("npu"), h.to("npu"), labels.to("npu"), lm_head.out_features
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        reason = card.linear_cross_entropy_unavailable_reason(h, lm_head, labels, vocab)
+        with emulation.count_op_calls() as calls:
+            got = card.linear_cross_entropy(h, lm_head, labels, vocab)
+        want = card.linear_cross_entropy_eager(h, lm_head, labels, vocab)
+    finally:
+        handle.remove()
+    assert "every module" in reason and calls[OPS[0]] == 0
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert card.linear_cross_entropy_unavailable_reason(h, lm_head, labels, vocab) is None  # the control
 
 
 @pytest.mark.parametrize("bias", [False, True])

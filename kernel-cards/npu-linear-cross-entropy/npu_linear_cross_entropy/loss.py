@@ -18,21 +18,43 @@ Under autocast (on the npu, in float16 or bfloat16: accelerate's and Trainer's b
 autocast's dtype as eager's autocast lm_head does: hidden states, weight and bias cast to it once (autocast off
 inside, so nothing is cast twice), the gradients cast back to their dtypes by autograd, as the casts' backward.
 Whatever the op cannot compute runs `linear_cross_entropy_eager`: the lm_head and transformers' loss, op for op.
+
+The fused loss is computed as lm_head's call (`_call_with_forward`): `lm_head(hidden)` with this computation standing
+in for its forward, so every hook lm_head carries runs around it as around the logits. That is how the engines that
+own lm_head's parameters work unchanged: DeepSpeed ZeRO-3's pre-forward hook gathers the weight (and hooks the
+hidden states to release it after backward), its post-forward hook releases it and hooks the loss to gather it again
+before backward, so the Function's dL/dW has the full weight's shape where DeepSpeed reduces and partitions it; an
+FSDP2 unit of its own (`fully_shard(model.lm_head)`) unshards, reshards, casts the inputs and reduce-scatters the same
+way. The parameters are judged inside that call, where those hooks have made them whole. The alternative,
+`deepspeed.zero.register_external_parameter(model, lm_head.weight)`, serves ZeRO-3 only, and holds the weight
+gathered through the whole model's forward and backward (the model's hooks gather it); DeepSpeed (0.19.8) does the
+same by itself when a forward inside its engine reads a partitioned parameter outside its owner's call
+(`ZeROOrderedDict.__getitem__` registers it as an external parameter of the running module and gathers it), so this
+module never reads a parameter through the module's attribute outside lm_head's call (`_parameters_of`). Hooks that
+see or change what the Linear computes (the model's own, accelerate's `_hf_hook`, backward hooks, global module
+hooks) keep the eager path, with the reason.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 CHUNK_ELEMENTS = 1 << 29
 """Most logits elements per chunk (tokens x vocabulary) by default: each float32 buffer of a chunk at most 2 GiB."""
 DEFAULT_LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
+ENGINE_HOOK_PACKAGES = ("deepspeed.", "torch.distributed.fsdp._fully_shard.")
+"""Where the forward hooks that may run around the fused loss are defined: DeepSpeed ZeRO-3's and FSDP2's. They gather
+and release the parameters and hook the tensors going in and out for backward; none computes on the output (FSDP2's
+output dtype cast aside, which `_call_unavailable_reason` checks), so a loss goes through them as the logits would."""
 
 
 def default_chunk_tokens(tokens: int, vocab_size: int) -> int:
@@ -59,7 +81,20 @@ def linear_cross_entropy_unavailable_reason(
     loss_function: object = None,
     logits_to_keep: int | torch.Tensor = 0,
 ) -> str | None:
-    """Why the chunked fused loss will not run for this call, or None when it will."""
+    """Why the chunked fused loss will not run for this call, or None when it will.
+
+    The parameters are judged as they are now. `linear_cross_entropy` judges them inside lm_head's call, where an
+    engine's hooks (DeepSpeed ZeRO-3, an FSDP2 unit of its own) have gathered them: called outside that call, such an
+    lm_head gets the reason its partitioned or sharded weight gives."""
+    return _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep) or _tensors_unavailable_reason(
+        hidden_states, lm_head, labels, vocab_size
+    )
+
+
+def _call_unavailable_reason(
+    lm_head: nn.Module, labels: torch.Tensor | None, loss_function: object, logits_to_keep: int | torch.Tensor
+) -> str | None:
+    """Why the loss cannot be lm_head's call, whatever its tensors: the call's arguments, lm_head's class and hooks."""
     if labels is None:
         return "no labels (inference or generation): the logits are computed and returned as eager computes them"
     if loss_function is not None and not is_default_causal_lm_loss(loss_function):
@@ -67,15 +102,39 @@ def linear_cross_entropy_unavailable_reason(
         return f"the model's loss_function is {name}, not transformers' ForCausalLMLoss"
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         return "logits_to_keep is set: the loss of a slice of the positions keeps the eager path"
-    if type(lm_head) is not nn.Linear:
+    if _linear_class(lm_head) is not nn.Linear:
         return f"lm_head is a {type(lm_head).__qualname__}, not a plain nn.Linear (LoRA, quantised, wrapped)"
-    if lm_head._forward_hooks or lm_head._forward_pre_hooks:
-        return "lm_head has forward hooks (DeepSpeed ZeRO-3, accelerate offload, an FSDP2 unit): it must run itself"
-    weight, bias = lm_head.weight, lm_head.bias
+    if hasattr(lm_head, "_hf_hook"):
+        return "lm_head carries accelerate's hook (_hf_hook: offload, device placement), which replaces its forward"
+    forward = vars(lm_head).get("forward")
+    if forward is not None and not isinstance(forward, _StandInForward):
+        return "lm_head's forward is replaced on the module: it must run itself"
+    if lm_head._backward_hooks or lm_head._backward_pre_hooks:
+        return "lm_head has backward hooks: they would see the loss's gradient, not the logits'"
+    own = [
+        hook for hook in (*lm_head._forward_pre_hooks.values(), *lm_head._forward_hooks.values()) if not _engine(hook)
+    ]
+    if own:
+        names = ", ".join(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in own)
+        return f"lm_head has forward hooks of its own ({names}): they would see the loss, not the logits"
+    if _has_global_module_hooks():
+        return "module hooks are registered for every module (register_module_forward_hook): they would see the loss"
+    output_dtype = _fsdp2_output_dtype(lm_head)
+    if output_dtype is not None:
+        return f"lm_head is an FSDP2 unit whose MixedPrecisionPolicy casts its output (the logits) to {output_dtype}"
+    return None
+
+
+def _tensors_unavailable_reason(
+    hidden_states: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, vocab_size: int
+) -> str | None:
+    """Why the fused op cannot take these hidden states, labels and lm_head's parameters as they are now."""
+    weight, bias = _parameters_of(lm_head)
+    status = getattr(weight, "ds_status", None)
+    if status is not None and status.name != "AVAILABLE":
+        return "lm_head.weight is a DeepSpeed ZeRO-3 parameter, partitioned here: gathered in lm_head's own call"
     if weight.dim() != 2 or weight.shape[0] != vocab_size:
         return f"lm_head.weight {tuple(weight.shape)} for a vocabulary of {vocab_size}: eager's view decides"
-    if hasattr(weight, "ds_id"):
-        return "lm_head.weight is a DeepSpeed ZeRO-3 parameter: only lm_head's own forward gathers it"
     params = (weight,) if bias is None else (weight, bias)
     reason = npu_unavailable_reason(hidden_states, *params, labels)
     if reason is not None:
@@ -104,15 +163,35 @@ def linear_cross_entropy(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(loss, logits) of `lm_head` then transformers' causal-LM loss: chunked npu_cross_entropy_loss with logits None,
     or `linear_cross_entropy_eager`'s. loss_kwargs: what the model's forward passes its loss_function
-    (num_items_in_batch, ignore_index, shift_labels, and others it ignores)."""
-    reason = linear_cross_entropy_unavailable_reason(
-        hidden_states, lm_head, labels, vocab_size, loss_function=loss_function, logits_to_keep=logits_to_keep
-    )
+    (num_items_in_batch, ignore_index, shift_labels, and others it ignores).
+
+    Computed as lm_head's call (see the module's docstring), whose forward decides on the parameters as its hooks
+    made them: the fused loss, or the Linear's logits, which eager's loss then takes."""
+    reason = _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep)
     if reason is not None:
         return linear_cross_entropy_eager(
             hidden_states, lm_head, labels, vocab_size, loss_function=loss_function, logits_to_keep=logits_to_keep,
             **loss_kwargs,
         )  # fmt: skip
+    fused = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if _tensors_unavailable_reason(hidden, lm_head, labels, vocab_size) is not None:
+            return _LINEAR_FORWARD(lm_head, hidden)
+        fused.append(True)
+        return _fused_loss(hidden, lm_head, labels, vocab_size, chunk_tokens, loss_kwargs)
+
+    output = _call_with_forward(lm_head, forward, hidden_states)
+    if fused:
+        return output, None
+    return _loss_of_logits(output, labels, vocab_size, loss_function, loss_kwargs), output
+
+
+def _fused_loss(
+    hidden_states: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, vocab_size: int,
+    chunk_tokens: int | None, loss_kwargs: dict,
+) -> torch.Tensor:  # fmt: skip
+    """The chunked loss of lm_head's (whole) parameters on these hidden states: `_ChunkedLinearCrossEntropy`."""
     ignore_index = loss_kwargs.get("ignore_index", -100)
     shift_labels = loss_kwargs.get("shift_labels")
     if shift_labels is None:
@@ -124,7 +203,7 @@ def linear_cross_entropy(
         divisor = counted.sum()
     elif not torch.is_tensor(divisor):
         divisor = torch.tensor(divisor, device=hidden_states.device)
-    hidden, weight, bias = hidden_states.reshape(-1, hidden_states.shape[-1]), lm_head.weight, lm_head.bias
+    hidden, (weight, bias) = hidden_states.reshape(-1, hidden_states.shape[-1]), _parameters_of(lm_head)
     if not torch.is_grad_enabled():  # the Function would see requires_grad and make gradients no one asked for
         hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
     chunk = chunk_tokens or default_chunk_tokens(hidden.shape[0], vocab_size)
@@ -133,11 +212,10 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight, bias = (None if t is None else t.to(dtype) for t in (hidden, weight, bias))
     with torch.autocast(device_type, enabled=False):  # the chunks' matmuls in that dtype, nothing cast again
-        loss = _ChunkedLinearCrossEntropy.apply(
+        return _ChunkedLinearCrossEntropy.apply(
             hidden, weight, bias, torch.where(counted, targets, 0), counted,
             divisor.to(hidden.device, torch.float32), chunk,
         )  # fmt: skip
-    return loss, None
 
 
 def linear_cross_entropy_eager(
@@ -156,8 +234,93 @@ def linear_cross_entropy_eager(
     logits = lm_head(hidden_states[:, positions, :])
     if labels is None:
         return None, logits
+    return _loss_of_logits(logits, labels, vocab_size, loss_function, loss_kwargs), logits
+
+
+def _loss_of_logits(logits, labels, vocab_size: int, loss_function: object, loss_kwargs: dict) -> torch.Tensor:
+    """The model's loss_function (ForCausalLMLoss's math when none is given) on the logits, as the forward calls it."""
     loss_function = loss_function or causal_lm_loss_eager
-    return loss_function(logits=logits, labels=labels, vocab_size=vocab_size, **loss_kwargs), logits
+    return loss_function(logits=logits, labels=labels, vocab_size=vocab_size, **loss_kwargs)
+
+
+def _linear_class(lm_head: nn.Module) -> type:
+    """The class whose forward lm_head runs: its own, or under FSDP2 (`fully_shard` makes the module's class a subclass
+    `FSDP<cls>` of FSDPModule and cls, which adds no forward) that cls."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard ran
+    if fsdp is not None and isinstance(lm_head, fsdp.FSDPModule):
+        return type(lm_head).__mro__[type(lm_head)._orig_cls_mro_index]
+    return type(lm_head)
+
+
+def _fsdp2_output_dtype(lm_head: nn.Module) -> torch.dtype | None:
+    """The dtype FSDP2 casts lm_head's output to (its MixedPrecisionPolicy's output_dtype) when lm_head is a unit."""
+    if _linear_class(lm_head) is type(lm_head):
+        return None
+    return sys.modules["torch.distributed.fsdp"].fully_shard.state(lm_head)._mp_policy.output_dtype
+
+
+def _engine(hook) -> bool:
+    """Whether a forward hook is DeepSpeed's or FSDP2's (ENGINE_HOOK_PACKAGES)."""
+    return (getattr(hook, "__module__", None) or "").startswith(ENGINE_HOOK_PACKAGES)
+
+
+def _has_global_module_hooks() -> bool:
+    """Whether hooks for every module's call are registered (torch.nn.modules.module.register_module_*_hook)."""
+    return any(
+        getattr(torch_module, f"_global_{kind}_hooks")
+        for kind in ("forward_pre", "forward", "backward_pre", "backward")
+    )
+
+
+def _parameters_of(lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) as lm_head holds them, read from its parameter dict without its `__getitem__`: DeepSpeed's
+    (ZeROOrderedDict) gathers a partitioned parameter read inside its engine's forward and makes it an external
+    parameter of the running module, resident from then on through that module's forward and backward."""
+    return dict.get(lm_head._parameters, "weight"), dict.get(lm_head._parameters, "bias")
+
+
+_LINEAR_FORWARD = nn.Linear.forward
+
+
+class _StandInForward:
+    """lm_head's forward while `_call_with_forward` calls are under way: runs, in a thread that set one, the forward
+    given for its call (once); in every other thread, and in that one afterwards, nn.Linear's forward."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.calls = 0
+        self.pending = threading.local()
+
+    def __call__(self, *args, **kwargs):
+        forward = getattr(self.pending, "forward", None)
+        if forward is None:
+            return _LINEAR_FORWARD(self.module, *args, **kwargs)
+        self.pending.forward = None
+        return forward(*args, **kwargs)
+
+
+_STAND_IN_LOCK = threading.Lock()
+
+
+def _call_with_forward(module: nn.Module, forward, *args):
+    """`module(*args)` with `forward` in place of its forward for this call only: its hooks run around `forward` as
+    around its own. The module's own forward is nn.Linear's and held by no instance attribute
+    (`_call_unavailable_reason`): the stand-in is an instance attribute while calls are under way, then removed;
+    calls of other threads in the meantime run nn.Linear's forward."""
+    with _STAND_IN_LOCK:
+        stand_in = vars(module).get("forward")
+        if stand_in is None:
+            stand_in = module.forward = _StandInForward(module)
+        stand_in.calls += 1
+    stand_in.pending.forward = forward
+    try:
+        return module(*args)
+    finally:
+        stand_in.pending.forward = None
+        with _STAND_IN_LOCK:
+            stand_in.calls -= 1
+            if stand_in.calls == 0:
+                del module.forward
 
 
 def causal_lm_loss_eager(
