@@ -170,17 +170,14 @@ def _before_card(card: Card, target: BeforeCardTarget, rows: list[Row]) -> list[
     out = []
     variant = f"without {card.repo_name}"
     before = [r for r in rows if r.study == BEFORE_CARD_STUDY and r.variant == variant and r.phase == "fwd+bwd"]
+    layers = {
+        (r.model, r.unit, r.batch, r.seq): r
+        for r in rows
+        if (r.study, r.kind, r.phase) == ("layer", LAYER, "fwd+bwd") and r.kernelized is not None
+    }
     for b in before:
-        default = next(
-            (
-                r
-                for r in rows
-                if (r.study, r.kind, r.model, r.phase, r.unit, r.batch, r.seq)
-                == ("layer", LAYER, b.model, b.phase, b.unit, b.batch, b.seq)
-            ),
-            None,
-        )
-        if default is None or default.kernelized is None:
+        default = layers.get((b.model, b.unit, b.batch, b.seq))
+        if default is None:
             continue
         where = f"{b.model} {LAYER} with {card.repo_name}"
         shape = f"fwd+bwd, batch {b.batch} x seq {b.seq}"

@@ -119,8 +119,8 @@ class AuxLoss:
 
 
 _AUX_INPUTS = (*_MODEL_INPUTS, "output_router_logits")
-AUX_WIRING = Wiring(model_inputs=_AUX_INPUTS, vocab_size="vocab_size")
-AUX_WIRING_CONFIG_VOCAB = Wiring(model_inputs=_AUX_INPUTS)
+MIXTRAL = Wiring(model_inputs=_AUX_INPUTS, vocab_size="vocab_size")
+JETMOE = Wiring(model_inputs=_AUX_INPUTS)
 DBRX = Wiring("transformer", _AUX_INPUTS, vocab_size="vocab_size")
 ROUTER_AUX_LOSS = AuxLoss("router_aux_loss_coef")
 JETMOE_AUX_LOSS = AuxLoss("aux_loss_coef")
@@ -148,7 +148,7 @@ class MoeCausalLMWithAuxLoss(nn.Module):
         **kwargs,
     ):
         return _causal_lm_forward(
-            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), AUX_WIRING, aux=ROUTER_AUX_LOSS
+            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), MIXTRAL, aux=ROUTER_AUX_LOSS
         )
 
 
@@ -202,7 +202,7 @@ class JetMoeCausalLM(nn.Module):
             kwargs,
             "MoeCausalLMOutputWithPast",
             ("router_logits",),
-            AUX_WIRING_CONFIG_VOCAB,
+            JETMOE,
             aux=JETMOE_AUX_LOSS,
         )
 
@@ -228,7 +228,7 @@ class DogeCausalLM(nn.Module):
         **kwargs,
     ):
         return _causal_lm_forward(
-            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), AUX_WIRING, aux=DOGE_AUX_LOSS
+            self, locals(), kwargs, "MoeCausalLMOutputWithPast", ("router_logits",), MIXTRAL, aux=DOGE_AUX_LOSS
         )
 
 
