@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ORG ?=
 
-.PHONY: setup build demo bench publish test lint clean
+.PHONY: setup build demo bench publish test lint ledger clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ bench: build
 publish: build
 	@test -n "$(ORG)" || { echo "error: make publish needs ORG=<Hub organisation>"; exit 1; }
 	$(PY) scripts/publish_cards.py --org '$(ORG)' $(if $(CARDS),--cards $(CARDS)) $(if $(DRY_RUN),--dry-run)
+
+# The constraint ledger's tables in docs/torch-npu-ops.md, rendered from the emulated ops' rules.
+ledger: setup
+	$(PY) scripts/write_ledger_docs.py
 
 lint: setup
 	$(PY) -m ruff check .

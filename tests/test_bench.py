@@ -122,7 +122,7 @@ def test_fused_op_rules_give_the_emulated_ops_shapes():
     }
     permuted, order = torch_npu.npu_moe_token_permute(tokens, indices)
     calls["npu_moe_token_unpermute"] = ((permuted, order), {"probs": torch.rand(5, 2, **npu)})
-    grouped_k = ([torch.randn(4, 6, **npu)], [torch.randn(6, 5, **npu)])
+    grouped_k = ([torch.randn(6, 4, **npu).t()], [torch.randn(6, 5, **npu)])  # group_type 2 takes x transposed
     with count_device_ops():  # refuses to run if an emulated op has no rule
         pass
     for name, (args, kwargs) in [

@@ -58,14 +58,14 @@ def test_npu_rms_norm_bf16_input_with_fp32_gamma():
 @pytest.mark.parametrize(
     ("x", "gamma", "message"),
     [
-        (torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), "not supported"),
-        (torch.randn(4, 8), torch.randn(8, dtype=torch.bfloat16), "gamma dtype"),
-        (torch.randn(8), torch.randn(8), "2 to 8 dims"),
-        (torch.randn(4, 8), torch.randn(6), "trailing dims"),
+        (torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), "npu_rms_norm/x-dtype"),
+        (torch.randn(4, 8), torch.randn(8, dtype=torch.bfloat16), "npu_rms_norm/gamma-dtype"),
+        (torch.randn(8), torch.randn(8), "npu_rms_norm/x-rank"),
+        (torch.randn(4, 8), torch.randn(6), "npu_rms_norm/gamma-shape"),
     ],
 )
 def test_npu_rms_norm_rejects_what_the_real_op_rejects(x, gamma, message):
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(emulation.DeviceRefusal, match=message):
         torch_npu.npu_rms_norm(x.to("npu"), gamma.to("npu"))
 
 
@@ -244,19 +244,25 @@ def test_npu_rotary_mul_matches_the_formula(dtype, mode):
 @pytest.mark.parametrize(
     ("x_shape", "r_shape", "mode", "message"),
     [
-        ((2, 4, 5, 63), (1, 1, 5, 63), "half", "even and < 896"),
-        ((1, 2, 3, 896), (1, 1, 3, 896), "half", "even and < 896"),
-        ((1000, 2, 3, 8), (1, 1, 3, 8), "half", "B and N < 1000"),
-        ((2, 1000, 3, 8), (1, 1, 3, 8), "half", "B and N < 1000"),
-        ((10, 100, 3, 8), (1, 1, 3, 8), "interleave", "B\\*N < 1000"),
-        ((2, 4, 3, 8), (2, 1, 3, 8), "interleave", "without a batch dim"),
-        ((5, 8), (5, 8), "half", "3-D or 4-D"),
+        ((2, 4, 5, 63), (1, 1, 5, 63), "half", "npu_rotary_mul/head-dim"),
+        ((1, 2, 3, 896), (1, 1, 3, 896), "half", "npu_rotary_mul/head-dim"),
+        ((1000, 2, 3, 8), (1, 1, 3, 8), "half", "npu_rotary_mul/half-limits"),
+        ((2, 1000, 3, 8), (1, 1, 3, 8), "half", "npu_rotary_mul/half-limits"),
+        ((10, 100, 3, 8), (1, 1, 3, 8), "interleave", "npu_rotary_mul/interleave-limits"),
+        ((2, 4, 3, 8), (2, 1, 3, 8), "interleave", "npu_rotary_mul/interleave-forms"),
+        ((5, 8), (5, 8), "half", "npu_rotary_mul/rank"),
     ],
 )
 def test_npu_rotary_mul_enforces_the_layout_limits(x_shape, r_shape, mode, message):
     x, r = torch.randn(x_shape, device="npu"), torch.randn(r_shape, device="npu")
     with pytest.raises(RuntimeError, match=message):
         torch_npu.npu_rotary_mul(x, r, r, rotary_mode=mode)
+
+
+def test_npu_rotary_mul_rotate_matrix_is_not_emulated():
+    x, r = torch.randn(2, 5, 4, 8, device="npu"), torch.randn(1, 5, 1, 8, device="npu")
+    with pytest.raises(NotImplementedError, match="rotate matrix"):
+        torch_npu.npu_rotary_mul(x, r, r, "half", torch.eye(8, device="npu"))
 
 
 def test_npu_rotary_mul_backward_reaches_x_r1_and_r2():
@@ -294,13 +300,13 @@ def test_npu_swiglu_gates_the_first_half(dtype):
 @pytest.mark.parametrize(
     ("x", "message"),
     [
-        (torch.randn(4, 7), "must be even"),
-        (torch.randn(8, 6).t(), "contiguous"),
-        (torch.randn(4, 6, dtype=torch.float64), "not supported"),
+        (torch.randn(4, 7), "npu_swiglu/x-even"),
+        (torch.randn(8, 6).t(), "npu_swiglu/x-contiguous"),
+        (torch.randn(4, 6, dtype=torch.float64), "npu_swiglu/x-dtype"),
     ],
 )
 def test_npu_swiglu_enforces_its_input_rules(x, message):
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(emulation.DeviceRefusal, match=message):
         torch_npu.npu_swiglu(x.to("npu"))
 
 
@@ -336,10 +342,10 @@ def test_npu_rotary_mul_takes_each_layout_and_returns_it_row_major(x_shape, r_sh
 @pytest.mark.parametrize(
     ("x_shape", "r_shape", "mode", "message"),
     [
-        ((2, 5, 1000, 8), (1, 5, 1, 8), "half", r"B and N < 1000 \(BSND\)"),
-        ((2, 5, 4, 8), (1, 5, 4, 8), "half", "not one of the forms"),
-        ((2, 5, 4, 8), (2, 5, 1, 8), "interleave", "not the first form"),
-        ((2, 5, 600, 8), (1, 5, 1, 8), "interleave", r"B\*N < 1000 \(BSND\)"),
+        ((2, 5, 1000, 8), (1, 5, 1, 8), "half", "npu_rotary_mul/half-limits"),
+        ((2, 5, 4, 8), (1, 5, 4, 8), "half", "npu_rotary_mul/half-forms"),
+        ((2, 5, 4, 8), (2, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-forms"),
+        ((2, 5, 600, 8), (1, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-limits"),
     ],
 )
 def test_npu_rotary_mul_checks_the_limits_of_the_layout_it_reads(x_shape, r_shape, mode, message):
@@ -362,11 +368,11 @@ def test_npu_apply_rotary_pos_emb_rotates_q_and_k_in_place():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"layout": "BNSD"}, "layout 'BSND' or 'TND'"),
-        ({"head_dim": 80}, "head dim 64 or 128"),
-        ({"cos_batch": 1}, "no broadcast"),
-        ({"cos_dtype": torch.float16}, "one float dtype"),
-        ({"grad": True}, "no backward"),
+        ({"layout": "BNSD"}, "npu_apply_rotary_pos_emb/layout"),
+        ({"head_dim": 80}, "npu_apply_rotary_pos_emb/head-dim"),
+        ({"cos_batch": 1}, "npu_apply_rotary_pos_emb/leading-dims"),
+        ({"cos_dtype": torch.float16}, "npu_apply_rotary_pos_emb/same-dtype"),
+        ({"grad": True}, "npu_apply_rotary_pos_emb/no-autograd"),
     ],
 )
 def test_npu_apply_rotary_pos_emb_enforces_its_limits(change, message):

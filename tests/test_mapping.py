@@ -27,7 +27,7 @@ from npu_hub_kernels import (
     unregister_npu_kernels,
 )
 from npu_hub_kernels.testing import emulation
-from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, gating_op_routers, norm_module_count, token_ids
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 
@@ -100,8 +100,9 @@ def experts_count(model) -> int:
 
 def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, int]:
     """Fused op calls of one forward (and backward) of a kernelized model: per Experts module one
-    permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute; per fused
-    router one npu_moe_gating_top_k (its backward is the op's derivative, no call of its own); per fused decoder
+    permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute; per router
+    that calls the op (`gating_op_routers`: not a softmax router while autograd records) one npu_moe_gating_top_k
+    (its backward is the op's derivative, no call of its own); per fused decoder
     layer one npu_add_rms_norm in place of its post_attention_layernorm's npu_rms_norm, and one
     npu_rms_norm_backward in backward."""
     expected = EXPECTED[model_type]
@@ -116,7 +117,7 @@ def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, 
         "npu_moe_token_permute": experts,
         "npu_grouped_matmul": (6 if backward else 2) * experts,
         "npu_moe_token_unpermute": experts,
-        "npu_moe_gating_top_k": experts_count(model) if expected.router else 0,
+        "npu_moe_gating_top_k": gating_op_routers(model, training=backward) if expected.router else 0,
     }
     return {op: n for op, n in calls.items() if n}
 
@@ -446,11 +447,13 @@ def test_moe_training_converges_like_eager(npu_kernels, model_type):
         return train_steps(model, batches, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
 
     eager_losses, eager_updates = train(tiny_model(model_type))
+    model = kernelized(model_type, mode=Mode.TRAINING)
     with emulation.count_op_calls() as calls:
-        losses, updates = train(kernelized(model_type, mode=Mode.TRAINING))
+        losses, updates = train(model)
     moe_layers = experts_count(tiny_model(model_type))
     assert calls["npu_grouped_matmul"] == 6 * moe_layers * len(batches)
-    assert calls["npu_moe_gating_top_k"] == (moe_layers * len(batches) if EXPECTED[model_type].router else 0)
+    routers = gating_op_routers(model, training=True) if EXPECTED[model_type].router else 0
+    assert calls["npu_moe_gating_top_k"] == routers * len(batches)
     torch.testing.assert_close(losses, eager_losses, rtol=1e-4, atol=1e-5)
     moved = {name: relative_error(update, eager_updates[name]) for name, update in updates.items()}
     assert max(moved.values()) <= 1e-3, max(moved.items(), key=lambda item: item[1])

@@ -166,6 +166,13 @@ FALLBACKS = {
         "gamma in the input dtype",
     ),
     "float64": (lambda: make_norm("plain", torch.float64), torch.float64, "plain", LLAMA, "not supported"),
+    "negative epsilon (npu_add_rms_norm takes at least 0)": (
+        lambda: LlamaRMSNorm(HIDDEN, eps=-1e-6),
+        torch.float32,
+        "plain",
+        LLAMA,
+        "epsilon -1e-06 is negative",
+    ),
 }
 
 
@@ -189,6 +196,7 @@ def test_every_fallback_says_why_skips_the_op_and_equals_eager(card, case):
         ((2, 3, HIDDEN), (1, 3, HIDDEN), torch.float32, "broadcasts"),
         ((2, 3, HIDDEN), (2, 3, HIDDEN), torch.float16, "promotes the sum"),
         ((0, 3, HIDDEN), (0, 3, HIDDEN), torch.float32, "empty"),
+        ((HIDDEN,), (HIDDEN,), torch.float32, "npu_rms_norm_backward (the backward) 2 to 8"),
         ((2, 3, HIDDEN * 2), (2, 3, HIDDEN * 2), torch.float32, "does not match"),
     ],
 )

@@ -40,6 +40,9 @@ from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, VOCAB, tiny_causal
 KERNEL_ID = "npu_fused_linear_cross_entropy"
 RULES = MODEL_CLASSES[KERNEL_ID]
 OPS = ("npu_cross_entropy_loss", "npu_cross_entropy_loss_backward")
+LOG_PROB_FORM = [1, 0]
+"""A tiny model's training step: the log-probability form, one op call, whose own autograd node runs its backward
+(the chunked form calls the backward op itself, once per chunk)."""
 GROUP_OF = {
     "CausalLM": "llama.modeling_llama.LlamaForCausalLM",
     "MoeCausalLM": "deepseek_v3.modeling_deepseek_v3.DeepseekV3ForCausalLM",
@@ -377,15 +380,55 @@ def test_num_items_in_batch_shift_labels_and_another_ignore_index_are_eagers(car
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_default_chunks_are_equal_and_within_the_element_budget(card):
-    budget = 1 << 29
-    assert card.default_chunk_tokens(1, 10**9) == 1
-    for tokens, vocab in ((32768, 128_256), (32768, 151_936), (7, 96), (5000, 10**6)):
-        chunk = card.default_chunk_tokens(tokens, vocab)
+def test_default_chunks_are_equal_and_within_the_rows_and_the_hidden_budget(card):
+    """Equal chunks of at most 1.15 x the hidden size and 200,000 tokens (npu_cross_entropy_loss's row limit)."""
+    assert card.default_chunk_tokens(1, 4096) == 1
+    for tokens, hidden in ((32768, 4096), (7, 96), (5000, 16), (10**6, 10**6)):
+        chunk = card.default_chunk_tokens(tokens, hidden)
         chunks = -(-tokens // chunk)
-        assert chunk * vocab <= budget
-        assert chunks == max(1, -(-tokens * vocab // budget))
-    assert card.default_chunk_tokens(32768, 128_256) == 4096
+        assert chunk <= min(200_000, 1.15 * hidden) and chunks == -(-tokens // min(200_000, int(1.15 * hidden)))
+    assert card.default_chunk_tokens(32768, 4096) == 4682  # 7 chunks: issue 26's targets at 8 x 4096
+    assert card.default_chunk_tokens(10**6, 10**6) == 200_000
+
+
+def test_the_form_is_chosen_by_tokens_per_hidden_size(card):
+    """The chunked form from 2 tokens per unit of hidden size with a gradient; the log-probability form below it or
+    without a gradient (its memory is eager's, its bytes fewer)."""
+    assert card.chunked_form_pays(8192, 4096, True) and not card.chunked_form_pays(8191, 4096, True)
+    assert not card.chunked_form_pays(10**6, 4096, False)
+
+
+@pytest.mark.parametrize("chunk", [None, 64], ids=["log-probability form", "chunked form"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_forms_within_twice_eagers_error(card, dtype, chunk):
+    """Both forms in bf16/fp16 (the chunked one hands the backward op grad_loss in log_prob's float32, the only dtype
+    it takes): loss and gradients within twice eager's error against float64."""
+    lm_head, h, labels = _problem(tokens=256, hidden=160, vocab=1000, seed=3)  # 256 < 2 x 160: the log-prob form
+    reference = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")
+    low = (lm_head.to(dtype), h.to(dtype), labels)
+    eager = _run(card.linear_cross_entropy_eager, *low, "cpu")
+    with emulation.count_op_calls() as calls:
+        fused = _run(card.linear_cross_entropy, *low, "npu", chunk_tokens=chunk)
+    assert [calls[op] for op in OPS] == ([1, 0] if chunk is None else [4, 4])
+    for name, f, e, r in zip(("loss", "dh", "dW"), fused, eager, reference, strict=False):
+        fused_error, eager_error = relative_error(f, r), relative_error(e, r)
+        assert fused_error <= 2 * eager_error + 1e-6, (name, fused_error, eager_error)
+
+
+def test_more_tokens_than_the_op_takes_rows_go_in_chunks_of_200000(card):
+    """npu_cross_entropy_loss takes at most 200,000 rows: 200,001 tokens make two op calls, each form, eager's loss."""
+    lm_head = nn.Linear(2, 3, bias=False)
+    h, labels = torch.randn(1, 200_001, 2), torch.randint(0, 3, (1, 200_001))
+    want = card.linear_cross_entropy_eager(h, lm_head, labels, 3)[0]
+    lm_head_npu = nn.Linear(2, 3, bias=False).to("npu")
+    lm_head_npu.load_state_dict(lm_head.state_dict())
+    for chunk in (None, 10**6):  # the log-probability form (no grad), the chunked form asked for larger chunks
+        with torch.set_grad_enabled(chunk is not None), emulation.count_op_calls() as calls:
+            got, _ = card.linear_cross_entropy(h.to("npu"), lm_head_npu, labels.to("npu"), 3, chunk_tokens=chunk)
+            if chunk is not None:
+                got.backward()
+        assert calls[OPS[0]] == 2
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
 
 
 class _Subclassed(nn.Linear):
@@ -625,7 +668,7 @@ def test_model_loss_and_every_gradient_match_eager_with_the_fused_ops_counted(np
     with emulation.count_op_calls() as calls:
         got = fused(input_ids=ids.to("npu"), labels=_labels(ids).to("npu"), output_hidden_states=True)
         got.loss.backward()
-    assert [calls[op] for op in OPS] == [1, 1] and got.logits is None and type(got) is type(want)
+    assert [calls[op] for op in OPS] == LOG_PROB_FORM and got.logits is None and type(got) is type(want)
     torch.testing.assert_close(got.loss.cpu(), want.loss.cpu(), rtol=1e-5, atol=1e-6)
     assert len(got.hidden_states) == len(want.hidden_states) == eager.config.num_hidden_layers + 1
     for g, w in zip(got.hidden_states, want.hidden_states, strict=True):
@@ -691,7 +734,7 @@ def test_moe_auxiliary_loss_added_as_eager_adds_it_to_the_fused_loss(npu_kernels
     want, want_keywords = _aux_loss_step(eager, ids, **call)
     with emulation.count_op_calls() as calls:
         got, keywords = _aux_loss_step(fused, ids, **call)
-    assert [calls[op] for op in OPS] == [1, 1] and got.logits is None
+    assert [calls[op] for op in OPS] == LOG_PROB_FORM and got.logits is None
     assert keywords == want_keywords and keywords["output_router_logits"] == (asked != "off")
     assert (got.aux_loss is None) == (want.aux_loss is None) == (asked == "off")
     if asked != "off":
@@ -845,7 +888,7 @@ def test_return_dict_false_in_a_training_step(npu_kernels):
     ids = token_ids()
     with emulation.count_op_calls() as calls:
         got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), return_dict=False)
-    assert [calls[op] for op in OPS] == [1, 1]
+    assert [calls[op] for op in OPS] == LOG_PROB_FORM
     want = eager(input_ids=ids, labels=ids, return_dict=False)
     assert isinstance(got, tuple) and len(got) == len(want) - 1  # the logits (None) are left out, as to_tuple does
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)
@@ -899,9 +942,8 @@ def test_training_converges_like_eager(npu_kernels):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-3-8b", "qwen3-8b"])
 def test_counted_targets_met_at_batch_8_x_4096(npu_kernels, model):
-    """Forward+backward, bfloat16, on fake tensors: the card at its default chunks moves no more bytes than eager and
-    its peak of live bytes is at most 1/8 of eager's; a chunk of 8192 tokens (the negative control) breaks the
-    peak."""
+    """Forward+backward, bfloat16, on fake tensors: the card's default moves no more bytes than eager and its peak of
+    live bytes is at most 1/8 of eager's; a chunk of 8192 tokens (the negative control) breaks the peak."""
     pytest.importorskip("bench.memory", reason="the memory measure, scripts/bench/memory.py (branch memory)")
     from bench.cards import npu_linear_cross_entropy as spec
 
@@ -911,6 +953,22 @@ def test_counted_targets_met_at_batch_8_x_4096(npu_kernels, model):
     assert fused["bytes"] <= eager["bytes"] and fused["peak bytes"] <= spec.PEAK_SHARE * eager["peak bytes"]
     large = spec.measure(model, vocab, 8192, *spec.SHAPE)
     assert large["peak bytes"] > spec.PEAK_SHARE * eager["peak bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "shape"), [("llama-3-8b", (1, 512)), ("qwen3-8b", (1, 2048))], ids=str)
+def test_micro_batches_never_above_eager_in_bytes_or_peak(npu_kernels, model, shape):
+    """Issue 26: at micro-batch sizes the card's default (the log-probability form) moves fewer bytes than eager and
+    holds no more; the chunked form there (the negative control) holds more than eager (its float32 dL/dW)."""
+    pytest.importorskip("bench.memory", reason="the memory measure, scripts/bench/memory.py")
+    from bench.cards import npu_linear_cross_entropy as spec
+
+    vocab = spec.MODELS[model]
+    eager = spec.measure(model, vocab, None, *shape)
+    fused = spec.measure(model, vocab, 0, *shape)
+    assert fused["bytes"] <= eager["bytes"] and fused["peak bytes"] <= eager["peak bytes"]
+    chunked = spec.measure(model, vocab, 512, *shape)
+    assert chunked["bytes"] > eager["bytes"] or chunked["peak bytes"] > eager["peak bytes"]
 
 
 @pytest.fixture

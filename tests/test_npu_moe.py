@@ -163,6 +163,22 @@ def test_backward_gives_input_weight_and_routing_gradients(card):
         torch.testing.assert_close(got.grad.cpu().double(), want.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_one_expert_trains_on_the_grouped_path(card):
+    """One expert: its count goes to npu_grouped_matmul as a cumsum (group_list_type 0), since the op refuses a
+    counts list of length 1 (rule npu_grouped_matmul/group-list-length); forward and backward stay fused."""
+    index, weights = routing(5, 1, 1, random.Random(23))
+    gate_up, down = expert_weights(1, 8, 4, seed=23)
+    x = torch.randn(5, 8)
+    leaves = [t.clone().double().requires_grad_() for t in (x, weights, gate_up, down)]
+    loop_reference(leaves[0], index, *leaves[1:]).pow(2).sum().backward()
+    npu_leaves = [t.clone().to("npu").requires_grad_() for t in (x, weights, gate_up, down)]
+    with emulation.count_op_calls() as calls:
+        card.swiglu_experts(npu_leaves[0], index.to("npu"), *npu_leaves[1:], SILU).pow(2).sum().backward()
+    assert calls["npu_grouped_matmul"] == 6
+    for name, got, want in zip(("x", "weights", "gate_up_proj", "down_proj"), npu_leaves, leaves, strict=True):
+        torch.testing.assert_close(got.grad.cpu().double(), want.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_grouped_matmul_has_no_autograd_of_its_own():
     """The reason for the card's backward: the device op's outputs carry no graph."""
     torch_npu = emulation.install()

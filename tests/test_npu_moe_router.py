@@ -14,6 +14,7 @@ import importlib
 import pytest
 import torch
 from kernels import Mode, get_local_kernel, kernelize
+from numerics import relative_error
 
 from npu_hub_kernels import swapped_modules
 from npu_hub_kernels.models import MODEL_CLASSES, ClassRule
@@ -75,49 +76,153 @@ def assert_same_routing(expected, got) -> None:
     torch.testing.assert_close(got_weights[untied], weights[untied], rtol=rtol, atol=0)
 
 
-FUSING = {"SoftmaxTopKRouter": False, "SigmoidGroupTopKRouter": True}
-"""The norm_topk_prob under which each layer's class is what npu_moe_gating_top_k computes."""
+FUSING = {
+    "SoftmaxTopKRouter": False,
+    "RenormalisedSoftmaxTopKRouter": True,
+    "RenormalisedFloat32SoftmaxTopKRouter": True,
+    "SigmoidGroupTopKRouter": True,
+}
+"""The norm_topk_prob under which each layer's class is what it fuses (the op, or for the renormalised softmax
+layers the top-k logits' softmax)."""
+TOP_LOGITS_LAYERS = ("RenormalisedSoftmaxTopKRouter", "RenormalisedFloat32SoftmaxTopKRouter")
+
+
+def aten_ops(fn) -> list[tuple[str, tuple[int, ...]]]:
+    """The aten ops `fn()` runs, each with the shape of its first tensor argument (how a form is proven to run)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            seen.append((func.overloadpacket.__name__, tuple(first.shape) if first is not None else ()))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return seen
+
+
+def assert_top_logits_form(ops: list[tuple[str, tuple[int, ...]]], tokens: int, experts: int, top_k: int) -> None:
+    """Proof the renormalised softmax ran as two ops: top-k of the [T, E] logits, softmax of the [T, k] only."""
+    assert ("topk", (tokens, experts)) in ops, ops
+    softmaxes = [shape for name, shape in ops if name == "_softmax"]
+    assert softmaxes == [(tokens, top_k)], ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.path.rpartition(".")[2])
-def test_swapped_router_gives_its_class_result_with_one_fused_op(npu_kernels, rule, dtype):
+def test_swapped_router_gives_its_class_result_fused(npu_kernels, rule, dtype):
+    """One op (softmax without renormalisation, sigmoid), or the two-op softmax of the top-k logits."""
     holder, expected, got, calls = run_both(rule, dtype, FUSING[rule.layer])
     assert [s.layer for s in swapped_modules(holder)] == [rule.layer]
-    assert calls[OP] == 1
+    assert calls[OP] == (0 if rule.layer in TOP_LOGITS_LAYERS else 1)
     assert_same_routing(expected, got)
+    if rule.layer in TOP_LOGITS_LAYERS:
+        x = torch.randn(24, 16).to(dtype).to("npu")
+        with torch.no_grad():
+            assert_top_logits_form(aten_ops(lambda: holder[0](x)), tokens=24, experts=32, top_k=4)
 
 
-@pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.path.rpartition(".")[2])
+@pytest.mark.parametrize("rule", [r for r in RULES if r.layer not in TOP_LOGITS_LAYERS], ids=lambda rule: rule.path)
 def test_router_the_op_does_not_reproduce_keeps_its_class_math(npu_kernels, rule):
-    """Negative control: the other norm_topk_prob (renormalised softmax, sigmoid without renormalisation)."""
+    """Negative control: the other norm_topk_prob (sigmoid without renormalisation: eager; renormalised softmax:
+    the top-k logits' softmax)."""
     _, expected, got, calls = run_both(rule, torch.float32, not FUSING[rule.layer])
     assert calls[OP] == 0
     assert_same_routing(expected, got)
 
 
-@pytest.mark.parametrize("rule", [RULES[0], RULES[-1]], ids=lambda rule: rule.layer)
-def test_gradients_through_the_fused_router(npu_kernels, rule):
-    """Training: the op's backward (from the norm_out it keeps, so out_flag is on) gives autograd's gradients."""
-    router = bare_router(rule, experts=32, hidden=16, top_k=4, renormalize=FUSING[rule.layer])
+def test_softmax_router_trains_without_the_op_its_backward_refuses(npu_kernels):
+    """npu_moe_gating_top_k_backward takes norm_type 1 only: a softmax router that autograd records runs eager
+    (no op call), with eager's gradients; without grad the same router calls the op."""
+    rule = next(r for r in RULES if r.layer == "SoftmaxTopKRouter")
+    router = bare_router(rule, experts=32, hidden=16, top_k=4, renormalize=False)
+    module = kernelize(torch.nn.Sequential(router).to("npu"), mode=Mode.TRAINING, device="npu")[0]
     x = torch.randn(12, 16, generator=torch.Generator().manual_seed(2))
-    grads = []
-    for device in ("cpu", "npu"):
-        module = (
-            router
-            if device == "cpu"
-            else kernelize(torch.nn.Sequential(router).to("npu"), mode=Mode.TRAINING, device="npu")[0]
-        )
-        leaf = x.clone().to(device).requires_grad_()
+    leaf = x.clone().to("npu").requires_grad_()
+    with emulation.count_op_calls() as calls:
+        _, weights, ids = module(leaf)
+        (in_id_order(weights, ids)[0] * torch.arange(1.0, 5.0, device="npu")).sum().backward()
+    assert calls[OP] == 0
+    reference = x.clone().requires_grad_()
+    cpu_router = bare_router(rule, experts=32, hidden=16, top_k=4, renormalize=False)
+    _, weights, ids = cpu_router(reference)
+    (in_id_order(weights, ids)[0] * torch.arange(1.0, 5.0)).sum().backward()
+    torch.testing.assert_close(leaf.grad.cpu(), reference.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(module.weight.grad.cpu(), cpu_router.weight.grad, rtol=1e-6, atol=1e-7)
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        module(x.to("npu"))
+    assert calls[OP] == 1
+
+
+@pytest.mark.parametrize(
+    "layer", ["SigmoidGroupTopKRouter", "RenormalisedSoftmaxTopKRouter", "RenormalisedFloat32SoftmaxTopKRouter"]
+)
+def test_gradients_through_the_fused_router(npu_kernels, layer):
+    """Training: the sigmoid op's backward (from the norm_out it keeps, so out_flag is on) gives the class's
+    gradients; autograd through the top-k logits' softmax is at most twice the class's error against float64 (the
+    class's softmax is float32 whatever its input, so the reference is the routing's math in float64; relative L2
+    errors over 256 tokens, as numerics.relative_error measures them)."""
+    rule = next(r for r in RULES if r.layer == layer)
+    router = bare_router(rule, experts=32, hidden=16, top_k=4, renormalize=FUSING[rule.layer])
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(2))
+    scale = torch.arange(1.0, 5.0)
+    grads = {}
+    for run in ("eager", "npu"):
+        module = router
+        if run == "npu":
+            module = kernelize(torch.nn.Sequential(router).to("npu"), mode=Mode.TRAINING, device="npu")[0]
+        leaf = x.clone().to(scale.device if run == "eager" else "npu").requires_grad_()
         with emulation.count_op_calls() as calls:
             _, weights, ids = module(leaf)
-            weights = in_id_order(weights, ids)[0]
-            (weights * torch.arange(1.0, 5.0, device=device)).sum().backward()
-        grads.append((leaf.grad.cpu(), module.weight.grad.cpu()))
+            (in_id_order(weights, ids)[0] * scale.to(leaf.device)).sum().backward()
+        grads[run] = (leaf.grad.cpu().double(), module.weight.grad.cpu().double())
         module.weight.grad = None
-    assert calls[OP] == 1
-    for got, want in zip(grads[1], grads[0], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert calls[OP] == (0 if layer in TOP_LOGITS_LAYERS else 1)
+    if layer not in TOP_LOGITS_LAYERS:
+        for got, want in zip(grads["npu"], grads["eager"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        return
+    x64, weight64 = x.double().requires_grad_(), router.weight.detach().cpu().double().requires_grad_()
+    probs = torch.softmax(x64 @ weight64.t(), dim=-1)
+    top = probs.topk(4, dim=-1)
+    (in_id_order(top.values / top.values.sum(-1, keepdim=True), top.indices)[0] * scale).sum().backward()
+    for got, eager, reference in zip(grads["npu"], grads["eager"], (x64.grad, weight64.grad), strict=True):
+        assert relative_error(got, reference) <= 2 * relative_error(eager, reference)
+
+
+def test_tied_probabilities_pick_the_larger_logit_with_eager_weights(card):
+    """Where eager's float32 probabilities of two experts tie though their logits differ (a few ulps apart), the
+    top-k logits' softmax picks the larger logit and gives the tied weight; eager picks one of the tied experts."""
+    base = torch.tensor(1.0)
+    for ulps in range(1, 64):  # the smallest logit step whose softmax probabilities still round equal
+        step = torch.nextafter(base, torch.tensor(2.0)) - base
+        logits = torch.tensor([[base, base + ulps * step, -3.0, -4.0, -5.0]])
+        probs = torch.softmax(logits, dim=-1)
+        if probs[0, 0] == probs[0, 1] and logits[0, 1] > logits[0, 0]:
+            break
+    else:
+        pytest.skip("no float32 tie of distinct logits found")
+    eager_weights, eager_ids = card.moe_router_top_k_eager(logits, 1, scoring="softmax", renormalize=True)
+    weights, ids = card.moe_router_top_k(logits.to("npu"), 1, scoring="softmax", renormalize=True)
+    assert ids.item() == 1 and eager_ids.item() in (0, 1)
+    assert torch.equal(weights.cpu(), eager_weights)
+
+
+def test_renormalised_softmax_weights_within_the_idiom_of_a_float64_reference(card):
+    """The top-k logits' softmax is no farther from float64 than eager's renormalised top-k (bf16 and fp32)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(64, 60, generator=torch.Generator().manual_seed(5)).to(dtype)
+        probs = torch.softmax(logits.double(), dim=-1).topk(8, dim=-1)
+        reference = probs.values / probs.values.sum(-1, keepdim=True)
+        eager, _ = card.moe_router_top_k_eager(logits, 8, scoring="softmax", renormalize=True)
+        fused, ids = card.moe_router_top_k(logits.to("npu"), 8, scoring="softmax", renormalize=True)
+        untied = torch.tensor([row.unique().numel() == row.numel() for row in logits])
+        assert torch.equal(ids.cpu()[untied], probs.indices[untied]) and untied.any()
+        eager_error = (eager.double() - reference).abs().max()
+        assert (fused.cpu().double() - reference).abs().max() <= 2 * eager_error + 1e-7
 
 
 def test_bfloat16_softmax_weights_within_the_idiom_of_a_float64_reference(card):
@@ -139,13 +244,23 @@ def test_bfloat16_softmax_weights_within_the_idiom_of_a_float64_reference(card):
     [
         ({"device": "cpu"}, "not on an npu device"),
         ({"renormalize": True}, "softmax mode does not renormalise"),
+        ({"experts": 2, "top_k": 1}, "more than 2 per group (one group too)"),
         ({"scoring": "sigmoid", "renormalize": False}, "sigmoid mode always renormalises"),
         ({"experts": 2050}, "at most 2048"),
         ({"scoring": "sigmoid", "renormalize": True, "num_groups": 25}, "more than 2 per group"),
         ({"top_k": 40}, "outside [1, 32]"),
         ({"dtype": torch.float64}, "not supported"),
     ],
-    ids=["host", "softmax renormalised", "sigmoid plain", "2050 experts", "groups of 2", "k above", "float64"],
+    ids=[
+        "host",
+        "softmax renormalised",
+        "two experts",
+        "sigmoid plain",
+        "2050 experts",
+        "groups of 2",
+        "k above",
+        "float64",
+    ],
 )
 def test_fallback_reasons_and_the_eager_result(card, change, reason):
     """Each limit of the op: the reason says why, and the eager math runs (no fused call) with the same result."""
@@ -155,8 +270,8 @@ def test_fallback_reasons_and_the_eager_result(card, change, reason):
     kwargs = {k: settings[k] for k in ("scoring", "renormalize")} | {"num_groups": settings.get("num_groups", 1)}
     on_device = logits.to(settings["device"])
     assert reason in card.moe_router_top_k_unavailable_reason(on_device, settings["top_k"], **kwargs)
-    if settings["top_k"] > settings["experts"]:
-        return
+    if settings["top_k"] > settings["experts"] or change == {"renormalize": True}:
+        return  # renormalised softmax: the top-k logits' softmax runs (its own tests above)
     with emulation.count_op_calls() as calls:
         got = card.moe_router_top_k(on_device, settings["top_k"], **kwargs)
     want = card.moe_router_top_k_eager(logits, settings["top_k"], **kwargs)

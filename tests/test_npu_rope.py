@@ -354,6 +354,67 @@ def test_outside_its_limits_the_one_call_op_is_not_used_and_the_reason_is_given(
         torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.fixture
+def cann_version():
+    """Set the CANN version the emulated host reports for one test, then restore it."""
+    before = torch.version.cann
+    yield emulation.set_cann_version
+    emulation.set_cann_version(before)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "cann", "in_place"), [(64, "9.1.0", True), (64, "8.5.0", False), (128, "8.5.0", True)]
+)
+def test_the_one_call_op_takes_head_dim_64_from_cann_9_1(card, cann_version, head_dim, cann, in_place):
+    """npu_apply_rotary_pos_emb's head dim 64 is documented from op-plugin 26.1.0 (CANN 9.1); the CANN kernel docs
+    before it take 128 only: on older CANN a head dim of 64 takes the two-call path."""
+    cann_version(cann)
+    q, k, cos, sin = projected_qk(head_dim=head_dim)
+    with torch.inference_mode():
+        q, k = q.clone(), k.clone()
+        expected = card.apply_rotary_pos_emb_eager(q.clone(), k.clone(), cos, sin)
+        reason = card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin, in_place=True)
+        with emulation.count_op_calls() as calls:
+            fused = card.apply_rotary_pos_emb(q, k, cos, sin)
+    assert (reason is None) == in_place and (in_place or "CANN 9.1" in reason)
+    assert dict(calls) == ({"npu_apply_rotary_pos_emb": 1} if in_place else {"npu_rotary_mul": 2})
+    for got, want in zip(fused, expected, strict=True):
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_heads", "fits"),
+    [(torch.float32, 12, True), (torch.float32, 13, False), (torch.bfloat16, 13, False), (torch.float16, 88, True),
+     (torch.float16, 89, False)],
+)  # fmt: skip
+def test_the_one_call_op_takes_the_heads_its_on_chip_memory_holds(card, dtype, kv_heads, fits):
+    """aclnnApplyRotaryPosEmb's UB formula on A2/A3's 192 KiB: 76 q and k heads in all in float32 and bfloat16, 152
+    in float16. More take the two-call path."""
+    q, k, cos, sin = projected_qk(batch=1, q_heads=64, kv_heads=kv_heads, seq=2, head_dim=128, dtype=dtype)
+    with torch.inference_mode():
+        q, k = q.clone(), k.clone()
+        reason = card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin, in_place=True)
+        with emulation.count_op_calls() as calls:
+            card.apply_rotary_pos_emb(q, k, cos, sin)
+    assert (reason is None) == fits and (fits or "on-chip memory" in reason)
+    assert dict(calls) == ({"npu_apply_rotary_pos_emb": 1} if fits else {"npu_rotary_mul": 2})
+
+
+def test_cos_and_sin_need_one_shape_and_either_needing_gradients_holds_the_backward_limit(card):
+    """npu_rotary_mul takes r1 and r2 of one shape; its backward computes dcos/dsin when either requires grad, with
+    batch x heads at most 1024. The card runs eager otherwise."""
+    q, k, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32, cos_batch=1)
+    wide_sin = sin.expand(2, 5, 64).contiguous()
+    assert "differ in shape" in card.apply_rotary_pos_emb_unavailable_reason(*npu(q, k, cos, wide_sin))
+    q, k, cos, sin = npu(*rotary_inputs(5, 205, 205, 1, 8, torch.float32, cos_batch=1))
+    assert card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin) is None
+    sin.requires_grad_()
+    assert "above 1024" in card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin)
+    with emulation.count_op_calls() as calls:
+        sum(t.sum() for t in card.apply_rotary_pos_emb(q, k, cos, sin)).backward()
+    assert calls["npu_rotary_mul"] == 0 and sin.grad is not None
+
+
 def _views_of_one_buffer(k_offset: int):
     """q and k as transformers passes them ([B, H, S, D] transposes of BSND memory), k starting `k_offset`
     elements after q in one buffer; and the angles."""

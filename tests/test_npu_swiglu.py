@@ -390,6 +390,25 @@ def test_unsupported_inputs_take_the_exact_eager_path(card, shape, case):
     assert torch.equal(got.cpu(), expected)
 
 
+@pytest.mark.parametrize("shape", ["split", "fused"])
+def test_a_nine_dim_input_fuses_as_rows_in_the_split_mlp_and_runs_eager_in_the_gate_up_mlp(card, shape):
+    """npu_swiglu takes 1 to 8 dims: gate_up_proj(x) has x's dims, the split MLP's `[2, T, I]` buffer three."""
+    mlp = make(shape, 16, 24, torch.float32)
+    x = torch.randn(1, 1, 1, 1, 1, 1, 2, 3, 16)
+    with torch.no_grad():
+        expected = mlp(x)
+        npu_mlp = on_npu(card, mlp)
+        reason = unavailable_reason(card, npu_mlp, x.to("npu"))
+        with emulation.count_op_calls() as calls:
+            got = kernel_output(card, npu_mlp, x.to("npu")).cpu()
+    if shape == "fused":
+        assert "npu_swiglu takes 1 to 8 dims, got 9" in reason and calls["npu_swiglu"] == 0
+        assert torch.equal(got, expected)
+    else:
+        assert reason is None and calls["npu_swiglu"] == 1
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_non_contiguous_input_is_fused_and_correct(card):
     mlp = make("split", 16, 24, torch.float32)
     x = torch.randn(16, 5).t()  # [5, 16], not contiguous

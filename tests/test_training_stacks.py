@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from npu_hub_kernels import swapped_modules
 from npu_hub_kernels.testing import emulation
-from npu_hub_kernels.testing.tiny_models import VOCAB, norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import VOCAB, gating_op_routers, norm_module_count, token_ids
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 
@@ -73,7 +73,7 @@ AUTOCAST_CALLS = {
         "npu_moe_token_permute": 2,
         "npu_grouped_matmul": 12,
         "npu_moe_token_unpermute": 2,
-        "npu_moe_gating_top_k": 2,  # the routers (norm_topk_prob off in the tiny config): bfloat16 logits
+        # the routers (norm_topk_prob off in the tiny config) record autograd: softmax and top-k, no op call
     },
 }
 
@@ -106,7 +106,7 @@ def test_autocast_forward_and_backward_within_the_eager_idiom(npu_kernels, model
     model = kernelize(tiny_model(model_type).to("npu"), mode=Mode.TRAINING, device="npu")
     with emulation.count_op_calls() as calls:
         loss, logits, grads = autocast_loss_and_gradients(model, ids)
-    expected = {**AUTOCAST_CALLS[model_type], **dict.fromkeys(LOSS_OPS, fused_loss(model))}
+    expected = {**AUTOCAST_CALLS[model_type], LOSS_OP: fused_loss(model)}
     assert dict(calls) == {op: n for op, n in expected.items() if n}
     assert (logits is None) == bool(fused_loss(model))
     if logits is None:
@@ -232,7 +232,7 @@ def per_step_calls(model, *, checkpointing: bool = True) -> dict[str, int]:
     experts = experts_count(model)
     decoders = fused_decoder_count(model)
     calls = {
-        **dict.fromkeys(LOSS_OPS, fused_loss(model)),
+        "npu_cross_entropy_loss": fused_loss(model),
         "npu_rms_norm": (norm_module_count(model) - 1 - decoders) * forwards + 1,
         "npu_add_rms_norm": decoders * forwards,
         "npu_rms_norm_backward": decoders,
@@ -241,7 +241,7 @@ def per_step_calls(model, *, checkpointing: bool = True) -> dict[str, int]:
         "npu_moe_token_permute": experts * forwards,
         "npu_grouped_matmul": experts * (2 * forwards + 4),  # dx and dW of both grouped linears in backward
         "npu_moe_token_unpermute": experts * forwards,
-        "npu_moe_gating_top_k": experts * forwards,  # one router per Experts module
+        "npu_moe_gating_top_k": gating_op_routers(model, training=True) * forwards,
     }
     return {op: n for op, n in calls.items() if n}
 
@@ -431,8 +431,9 @@ def logits_of(model, ids) -> torch.Tensor:
         return model(ids.to(next(model.parameters()).device)).logits.cpu()
 
 
-LOSS_OPS = ("npu_cross_entropy_loss", "npu_cross_entropy_loss_backward")
-"""The ops of npu-linear-cross-entropy's fused loss: one of each per training step with labels."""
+LOSS_OP = "npu_cross_entropy_loss"
+"""npu-linear-cross-entropy's fused loss: one call per training step with labels (a tiny model's step takes the
+log-probability form, whose backward is the op's own autograd node: no call of npu_cross_entropy_loss_backward)."""
 
 
 def fused_loss(model) -> int:
@@ -447,7 +448,7 @@ def forward_calls(model, *, backward: bool = False, mlps: bool = True) -> dict[s
     experts = experts_count(model)
     decoders = fused_decoder_count(model)
     calls = {
-        **dict.fromkeys(LOSS_OPS, fused_loss(model) if backward else 0),
+        LOSS_OP: fused_loss(model) if backward else 0,
         "npu_rms_norm": norm_module_count(model) - decoders,
         "npu_add_rms_norm": decoders,
         "npu_rms_norm_backward": decoders if backward else 0,
@@ -456,7 +457,7 @@ def forward_calls(model, *, backward: bool = False, mlps: bool = True) -> dict[s
         "npu_moe_token_permute": experts,
         "npu_grouped_matmul": (6 if backward else 2) * experts,
         "npu_moe_token_unpermute": experts,
-        "npu_moe_gating_top_k": experts,  # one router per Experts module
+        "npu_moe_gating_top_k": gating_op_routers(model, training=backward),
     }
     return {op: n for op, n in calls.items() if n}
 

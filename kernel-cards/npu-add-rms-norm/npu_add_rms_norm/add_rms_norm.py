@@ -39,8 +39,11 @@ def _norm_problem(norm: nn.Module, family: str | None) -> str | None:
     names = [name for name, _ in norm.named_parameters(recurse=True)]
     if names != ["weight"]:
         return f"the norm has the parameters {names}, not just a weight (a bias or other state the op has no input for)"
-    if not isinstance(epsilon_of(norm), float):
+    eps = epsilon_of(norm)
+    if not isinstance(eps, float):
         return "the norm has no float epsilon (variance_epsilon or eps)"
+    if eps < 0:
+        return f"the norm's epsilon {eps} is negative: npu_add_rms_norm takes an epsilon of at least 0"
     if norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks or norm._backward_pre_hooks:
         return "the norm has hooks (DeepSpeed ZeRO-3 gathers its weight in one): calling it keeps them"
     return None
@@ -76,8 +79,8 @@ def add_rms_norm_unavailable_reason(
             f"a (1 + weight) norm in {residual.dtype} (weight {weight.dtype}): npu_add_rms_norm takes gamma in the "
             "input dtype, and rounding 1 + weight to it would change the result (fused in float32 only)"
         )
-    if not 1 <= residual.dim() <= 8:
-        return f"npu_add_rms_norm takes 1 to 8 dims, got {residual.dim()}"
+    if not 2 <= residual.dim() <= 8:
+        return f"{residual.dim()} dims: npu_add_rms_norm takes 1 to 8, and npu_rms_norm_backward (the backward) 2 to 8"
     if residual.numel() == 0:
         return "empty input"
     if tuple(weight.shape) != tuple(residual.shape[-1:]):

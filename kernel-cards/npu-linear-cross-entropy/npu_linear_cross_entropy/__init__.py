@@ -4,6 +4,7 @@
 from . import layers
 from ._build import VARIANT
 from .loss import (
+    chunked_form_pays,
     default_chunk_tokens,
     linear_cross_entropy,
     linear_cross_entropy_eager,
@@ -12,6 +13,7 @@ from .loss import (
 
 __all__ = [
     "VARIANT",
+    "chunked_form_pays",
     "default_chunk_tokens",
     "layers",
     "linear_cross_entropy",

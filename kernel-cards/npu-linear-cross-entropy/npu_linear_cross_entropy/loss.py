@@ -1,19 +1,27 @@
 """transformers' causal-LM loss (`lm_head`, then `ForCausalLMLoss`) chunked over the tokens, without the full logits.
 
 Eager holds the logits `[T, V]` in the model dtype, a float32 copy, their log-softmax for backward and, in
-backward, two float32 gradients of that size: at 8 x 4096 tokens and a 152k vocabulary, 20 GB each. Here the
-tokens go in chunks of `chunk_tokens`; per chunk, in forward:
-- `logits = h_c @ W^T (+ b)` in the model dtype, then float32 (eager's two roundings, row for row);
-- `npu_cross_entropy_loss(logits, targets, reduction="none")`: the per-token losses, summed over the counted
-  tokens (label != ignore_index) into a float32 total, and the log-probabilities;
-- when a gradient is needed, `npu_cross_entropy_loss_backward(mask, log_prob, ...)` gives `softmax - onehot` of
-  the counted rows in the model dtype, which two matmuls turn into this chunk's `dL/dh_c` (kept in float32) and
-  its share of `dL/dW` (summed in float32).
-So the gradients are made in forward (as Liger's fused linear cross-entropy does) and backward only scales them
-by the incoming gradient and by `1 / n` (n: the counted tokens, or `num_items_in_batch`), with one final cast:
-the logits are never recomputed, at the price of keeping dL/dW (float32, [V, H]) and dL/dh from forward to
-backward. The op ignores no row itself: with a gradient, its 'mean' mode takes no ignore_index and a negative
-ignore_index ignores nothing, so ignored rows get target 0 and a zero mask.
+backward, two float32 gradients of that size: at 8 x 4096 tokens and a 152k vocabulary, 20 GB each. This module
+computes the same loss in one of two forms, chosen per call (`chunked_form_pays`), both never above eager in bytes
+moved and in peak memory:
+- few tokens (fewer than 2 x the hidden size, or no gradient wanted): **the log-probability form**. Per chunk of at
+  most 200,000 tokens (npu_cross_entropy_loss's row limit): `logits = h_c @ W^T (+ b)` in the model dtype, then
+  float32 (eager's two roundings, row for row), `npu_cross_entropy_loss(logits, targets, reduction="none")`, the
+  counted tokens' losses summed; autograd does the rest (the op's own backward from the float32 log-probabilities
+  its node keeps, as eager keeps its log-softmax). Eager's memory, in fewer bytes: one op where eager runs
+  log_softmax and nll_loss each way.
+- many tokens: **the chunked form**, `_ChunkedLinearCrossEntropy`. The tokens go in chunks of `chunk_tokens`; per
+  chunk, in forward, the logits as above, `npu_cross_entropy_loss` (per-token losses and float32 log-probabilities)
+  and, when a gradient is needed, `npu_cross_entropy_loss_backward(mask, log_prob, ...)` with the mask in
+  log_prob's dtype (float32: the op takes grad_loss in log_prob's dtype), giving `softmax - onehot` of the counted
+  rows in float32, which two matmuls turn into this chunk's `dL/dh_c` (kept in the model dtype, as its matmul
+  rounds it) and its share of `dL/dW` (summed in float32). Backward then only scales them by the incoming gradient
+  and `1 / n` (n: the counted tokens, or `num_items_in_batch`), each rounded once to its dtype: the logits are never
+  recomputed and never held whole, at the price of keeping dL/dW (float32, [V, H]) and dL/dh from forward to
+  backward, which pays only when the tokens are many.
+The op ignores no row itself (with a gradient, its 'mean' mode takes no ignore_index and a negative ignore_index
+ignores nothing), so ignored rows get target 0 and count nothing: their losses are not summed (`torch.where`, so a
+batch with no counted token gives eager's NaN loss and zero gradients, never NaN gradients).
 Under autocast (on the npu, in float16 or bfloat16: accelerate's and Trainer's bf16/fp16) the chunks compute in
 autocast's dtype as eager's autocast lm_head does: hidden states, weight and bias cast to it once (autocast off
 inside, so nothing is cast twice), the gradients cast back to their dtypes by autograd, as the casts' backward.
@@ -48,8 +56,18 @@ from torch.nn.modules import module as torch_module
 
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
-CHUNK_ELEMENTS = 1 << 29
-"""Most logits elements per chunk (tokens x vocabulary) by default: each float32 buffer of a chunk at most 2 GiB."""
+MAX_ROWS = 200_000
+"""npu_cross_entropy_loss takes at most 200,000 rows (its 约束说明: N in (0, 200000]): no chunk is larger."""
+CHUNKED_FORM_TOKENS_PER_HIDDEN = 2
+"""The chunked form runs from this many tokens per unit of hidden size H: there the float32 dL/dW [V, H] it keeps
+(4 V H bytes) is at most half the float32 log-probabilities [T, V] the log-probability form keeps."""
+CHUNK_TOKENS_PER_HIDDEN = 1.15
+"""The chunked form's chunks: equal, of at most this many tokens per unit of hidden size. Counted per chunk of C
+tokens (bfloat16): about 36 bytes per logit where eager moves 51, plus about 12 per element of W (read by two
+matmuls, dL/dW read and written); its peak about 8 bytes per logit of one chunk plus dL/dW. So bytes <= eager needs
+C of about H or more, and the peak shrinks with C: at 1.15 H (4682 tokens for H = 4096) both issue 26's targets
+hold at 8 x 4096 tokens for Llama-3-8B and Qwen3-8B with a few percent to spare
+(scripts/bench/cards/npu_linear_cross_entropy.py counts it, with the trade for other chunks)."""
 DEFAULT_LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
 ENGINE_HOOK_PACKAGES = ("deepspeed.", "torch.distributed.fsdp._fully_shard.")
 """Where the forward hooks that may run around the fused loss are defined: DeepSpeed ZeRO-3's and FSDP2's. They gather
@@ -57,14 +75,18 @@ and release the parameters and hook the tensors going in and out for backward; n
 output dtype cast aside, which `_call_unavailable_reason` checks), so a loss goes through them as the logits would."""
 
 
-def default_chunk_tokens(tokens: int, vocab_size: int) -> int:
-    """Tokens per chunk: the fewest equal chunks whose logits hold at most CHUNK_ELEMENTS elements each.
+def default_chunk_tokens(tokens: int, hidden_size: int) -> int:
+    """Tokens per chunk of the chunked form: the fewest equal chunks of at most CHUNK_TOKENS_PER_HIDDEN x hidden_size
+    tokens and at most MAX_ROWS."""
+    largest = min(MAX_ROWS, max(1, int(CHUNK_TOKENS_PER_HIDDEN * hidden_size)))
+    return max(1, math.ceil(tokens / math.ceil(tokens / largest)))
 
-    Fewer chunks read W fewer times (three reads, and dL/dW read and written, per chunk); smaller ones hold less at
-    once. At 2^29 elements both of issue 19's targets hold for Llama-3-8B and Qwen3-8B at 8 x 4096 tokens (the
-    trade: scripts/bench/cards/npu_linear_cross_entropy.py)."""
-    chunks = max(1, math.ceil(tokens * vocab_size / CHUNK_ELEMENTS))
-    return max(1, math.ceil(tokens / chunks))
+
+def chunked_form_pays(tokens: int, hidden_size: int, needs_grad: bool) -> bool:
+    """Whether the chunked form (gradients made in forward) moves fewer bytes and holds less than the
+    log-probability form for this call: a gradient wanted and at least CHUNKED_FORM_TOKENS_PER_HIDDEN tokens per
+    unit of hidden size (see the module's docstring)."""
+    return needs_grad and tokens >= CHUNKED_FORM_TOKENS_PER_HIDDEN * hidden_size
 
 
 def is_default_causal_lm_loss(loss_function: object) -> bool:
@@ -179,7 +201,7 @@ def linear_cross_entropy(
         if _tensors_unavailable_reason(hidden, lm_head, labels, vocab_size) is not None:
             return _LINEAR_FORWARD(lm_head, hidden)
         fused.append(True)
-        return _fused_loss(hidden, lm_head, labels, vocab_size, chunk_tokens, loss_kwargs)
+        return _fused_loss(hidden, lm_head, labels, chunk_tokens, loss_kwargs)
 
     output = _call_with_forward(lm_head, forward, hidden_states)
     if fused:
@@ -188,10 +210,10 @@ def linear_cross_entropy(
 
 
 def _fused_loss(
-    hidden_states: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, vocab_size: int,
-    chunk_tokens: int | None, loss_kwargs: dict,
-) -> torch.Tensor:  # fmt: skip
-    """The chunked loss of lm_head's (whole) parameters on these hidden states: `_ChunkedLinearCrossEntropy`."""
+    hidden_states: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, chunk_tokens: int | None, loss_kwargs: dict
+) -> torch.Tensor:
+    """The fused loss of lm_head's (whole) parameters on these hidden states, in the form `chunked_form_pays` picks
+    (or the chunked form at `chunk_tokens` when it is given)."""
     ignore_index = loss_kwargs.get("ignore_index", -100)
     shift_labels = loss_kwargs.get("shift_labels")
     if shift_labels is None:
@@ -206,16 +228,30 @@ def _fused_loss(
     hidden, (weight, bias) = hidden_states.reshape(-1, hidden_states.shape[-1]), _parameters_of(lm_head)
     if not torch.is_grad_enabled():  # the Function would see requires_grad and make gradients no one asked for
         hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
-    chunk = chunk_tokens or default_chunk_tokens(hidden.shape[0], vocab_size)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):  # as autocast's linear: operands cast once, gradients cast back
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight, bias = (None if t is None else t.to(dtype) for t in (hidden, weight, bias))
+    targets, divisor = torch.where(counted, targets, 0), divisor.to(hidden.device, torch.float32)
+    needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     with torch.autocast(device_type, enabled=False):  # the chunks' matmuls in that dtype, nothing cast again
-        return _ChunkedLinearCrossEntropy.apply(
-            hidden, weight, bias, torch.where(counted, targets, 0), counted,
-            divisor.to(hidden.device, torch.float32), chunk,
-        )  # fmt: skip
+        if chunk_tokens is None and not chunked_form_pays(hidden.shape[0], hidden.shape[1], needs_grad):
+            return _loss_keeping_log_probs(hidden, weight, bias, targets, counted) / divisor
+        chunk = min(chunk_tokens or default_chunk_tokens(*hidden.shape), MAX_ROWS)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, divisor, chunk)
+
+
+def _loss_keeping_log_probs(hidden, weight, bias, targets, counted) -> torch.Tensor:
+    """The log-probability form: the counted tokens' summed loss, chunks of at most MAX_ROWS tokens, autograd through
+    the op (which keeps each chunk's float32 log-probabilities, as eager keeps its log-softmax)."""
+    total = None
+    for start in range(0, hidden.shape[0], MAX_ROWS):
+        rows = slice(start, start + MAX_ROWS)
+        logits = F.linear(hidden[rows], weight, bias).float()
+        per_token = torch_npu.npu_cross_entropy_loss(logits, targets[rows], reduction="none")[0]
+        chunk_sum = torch.where(counted[rows], per_token, 0.0).sum()
+        total = chunk_sum if total is None else total + chunk_sum
+    return total
 
 
 def linear_cross_entropy_eager(
@@ -355,27 +391,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, counted, divisor, chunk: int):
         needs_grad = ctx.needs_input_grad[:3]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_grad[0] else None
+        # dL/dh in the model dtype: each chunk's matmul rounds it to that dtype anyway (as eager's does)
+        grad_hidden = torch.empty_like(hidden) if needs_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad[1] else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_grad[2] else None
         grads = (grad_hidden, grad_weight, grad_bias)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             total += _chunk(hidden[rows], weight, bias, targets[rows], counted[rows], rows, grads)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, divisor)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
+        # no counted token: every gradient is 0, as eager's (its loss is 0 / 0 too); 1 / divisor must not make NaN
+        scale = torch.where(counted.any(), 1.0 / divisor, 0.0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, scale)
+        ctx.weight_dtype = weight.dtype
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight, grad_bias, divisor = ctx.saved_tensors
-        hidden_dtype, weight_dtype = ctx.dtypes
-        scale = grad_loss.float() / divisor
-        # scaled in place (autograd needs them no more), then one cast each: no second float32 copy of dL/dW
+        grad_hidden, grad_weight, grad_bias, scale = ctx.saved_tensors
+        weight_dtype = ctx.weight_dtype
+        scale = grad_loss.float() * scale
+        # new tensors (the saved ones stay as they are for a second backward), then one cast each
         return (
-            None if grad_hidden is None else grad_hidden.mul_(scale).to(hidden_dtype),
-            None if grad_weight is None else grad_weight.mul_(scale).to(weight_dtype),
-            None if grad_bias is None else grad_bias.mul_(scale).to(weight_dtype),
+            None if grad_hidden is None else grad_hidden * scale,  # rounded once to its dtype, as eager's
+            None if grad_weight is None else (grad_weight * scale).to(weight_dtype),
+            None if grad_bias is None else (grad_bias * scale).to(weight_dtype),
             None,
             None,
             None,
@@ -390,23 +429,16 @@ def _chunk(h, weight, bias, target, mask, rows: slice, grads: tuple) -> torch.Te
     logits = F.linear(h, weight, bias).float()
     per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
     del logits
+    chunk_loss = torch.where(mask, per_token, 0.0).sum()
     if all(grad is None for grad in grads):
-        return (per_token * mask).sum()
-    # softmax - onehot of the counted rows, 0 elsewhere, in the model dtype (1/divisor comes last)
-    grad_logits = torch_npu.npu_cross_entropy_loss_backward(mask.to(h.dtype), log_prob, target, reduction="none")
+        return chunk_loss
+    # softmax - onehot of the counted rows, 0 elsewhere, in float32: grad_loss in log_prob's dtype (1/divisor last)
+    grad_logits = torch_npu.npu_cross_entropy_loss_backward(mask.to(log_prob.dtype), log_prob, target, reduction="none")
     del log_prob
-    if grad_hidden is not None:
-        grad_hidden[rows] = grad_logits @ weight
-    if grad_weight is not None:
-        _accumulate(grad_weight, grad_logits.t(), h)
+    if grad_weight is not None:  # float32 operands, summed in place: no product buffer of W's size
+        grad_weight.addmm_(grad_logits.t(), h.float())
     if grad_bias is not None:
-        grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
-    return (per_token * mask).sum()
-
-
-def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """`total += a @ b` in float32: in place for float32 operands, else the product in their dtype, then added."""
-    if a.dtype == total.dtype:
-        total.addmm_(a, b)
-    else:
-        total += a @ b
+        grad_bias += grad_logits.sum(dim=0)
+    if grad_hidden is not None:
+        grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
+    return chunk_loss

@@ -22,6 +22,32 @@ class SoftmaxTopKRouter(nn.Module):
         return router_logits, weights, ids
 
 
+class RenormalisedSoftmaxTopKRouter(nn.Module):
+    """Qwen3-VL-MoE style: softmax top-k always renormalised, cast to the logits' dtype (the top-k logits' softmax)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        weights, ids = moe_router_top_k(router_logits, self.top_k, scoring="softmax", renormalize=True)
+        return router_logits, weights, ids
+
+
+class RenormalisedFloat32SoftmaxTopKRouter(nn.Module):
+    """Mixtral style: softmax top-k always renormalised, the weights left in float32 (the top-k logits' softmax)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        weights, ids = moe_router_top_k(
+            router_logits, self.top_k, scoring="softmax", renormalize=True, cast_weights=False
+        )
+        return router_logits, weights, ids
+
+
 class SigmoidGroupTopKRouter(nn.Module):
     """DeepSeek-V3 style: float32 logits, sigmoid, group top-k on scores + correction bias, renormalised, scaled."""
 

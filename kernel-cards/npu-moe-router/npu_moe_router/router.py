@@ -1,14 +1,20 @@
 """MoE routing (scores, top-k experts, weights) in one `torch_npu.npu_moe_gating_top_k` call.
 
 transformers' routers compute, from the router logits `[T, E]`, the k experts of each token and their
-weights in about ten small ops. npu_moe_gating_top_k does the same in one op (with a backward) for two
-styles, the ones this module fuses:
+weights in about ten small ops. npu_moe_gating_top_k does the same in one op for two styles:
 - softmax: `probs = softmax(logits in float32)`, top-k of probs, weights cast to the logits' dtype,
-  NOT renormalised (the op's softmax mode never divides by the top-k sum: docs/torch-npu-ops.md);
+  NOT renormalised (the op's softmax mode never divides by the top-k sum: docs/torch-npu-ops.md). Its backward
+  takes the sigmoid mode only (`npu_moe_gating_top_k_backward`: norm_type 1), so the op runs a softmax router only
+  where autograd does not record (inference, evaluation);
 - sigmoid: `scores = sigmoid(logits)`, experts chosen on `scores + bias` within the `topk_groups` best
   of `num_groups` groups (scored by the sum of their two best), weights `scores[idx] / (sum + eps)`
-  times `routed_scaling_factor` (the op's sigmoid mode always renormalises).
+  times `routed_scaling_factor` (the op's sigmoid mode always renormalises), with its backward.
 The op gives int32 ids; transformers' experts index with int64 (`one_hot`), so the ids are widened.
+A renormalised softmax router (Qwen3-MoE, Mixtral) needs no op: softmax is monotone, so the top-k of the
+probabilities is the top-k of the logits, and the probabilities renormalised over the k are the softmax of the k
+logits: `top_logits_softmax`, two ops (topk, softmax) where eager runs five, with autograd's own backward. Where
+eager's float32 probabilities of two experts tie while their logits differ (logits a few float32 ulps apart), it
+picks the expert of the larger logit, eager whichever torch.topk returns; the weights are the same.
 Anything else, or inputs outside the op's limits, runs `moe_router_top_k_eager`: transformers' math.
 """
 
@@ -38,7 +44,15 @@ def moe_router_top_k_unavailable_reason(
     if scoring not in SCORINGS:
         return f"scoring {scoring!r} is not one of {SCORINGS}"
     if scoring == "softmax" and renormalize:
-        return "renormalised softmax weights: npu_moe_gating_top_k's softmax mode does not renormalise"
+        return (
+            "renormalised softmax weights: npu_moe_gating_top_k's softmax mode does not renormalise "
+            "(top_logits_softmax runs: the softmax of the top-k logits)"
+        )
+    if scoring == "softmax" and torch.is_grad_enabled() and router_logits.requires_grad:
+        return (
+            "softmax routing while autograd records: npu_moe_gating_top_k_backward takes the sigmoid mode only "
+            "(norm_type 1), so training runs the eager softmax and top-k"
+        )
     if scoring == "sigmoid" and not renormalize:
         return "sigmoid weights without renormalisation: npu_moe_gating_top_k's sigmoid mode always renormalises"
     reason = npu_unavailable_reason(router_logits, *(() if bias is None else (bias,)))
@@ -54,8 +68,11 @@ def moe_router_top_k_unavailable_reason(
     if num_groups < 1 or experts % num_groups or not 1 <= topk_groups <= num_groups:
         return f"{num_groups} groups, {topk_groups} kept, for {experts} experts"
     per_group = experts // num_groups
-    if num_groups > 1 and (per_group <= 2 or num_groups * math.ceil(per_group / 32) * 32 > MAX_EXPERTS):
-        return f"{num_groups} groups of {per_group} experts: the op wants more than 2 per group, 2048 aligned in all"
+    if per_group <= 2 or num_groups * math.ceil(per_group / 32) * 32 > MAX_EXPERTS:
+        return (
+            f"{num_groups} group(s) of {per_group} experts: the op wants more than 2 per group (one group too), "
+            f"at most {MAX_EXPERTS} with each group rounded up to 32"
+        )
     if not 1 <= top_k <= per_group * topk_groups:
         return f"top-k {top_k} outside [1, {per_group * topk_groups}]"
     return None
@@ -72,16 +89,22 @@ def moe_router_top_k(
     num_groups: int = 1,
     topk_groups: int = 1,
     routed_scaling_factor: float = 1.0,
+    cast_weights: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k], int64 expert ids [T, k]) of transformers' router math: one npu_moe_gating_top_k, or eager."""
+    """(weights [T, k], int64 expert ids [T, k]) of transformers' router math: one npu_moe_gating_top_k,
+    `top_logits_softmax` (renormalised softmax), or eager. Weights in the logits' dtype, or float32 with
+    `cast_weights=False` (Mixtral's routers return the float32 softmax)."""
     groups = {"num_groups": num_groups, "topk_groups": topk_groups}
     reason = moe_router_top_k_unavailable_reason(
         router_logits, top_k, scoring=scoring, renormalize=renormalize, bias=bias, **groups
     )
     if reason is not None:
+        if scoring == "softmax" and renormalize and bias is None and num_groups == 1 and routed_scaling_factor == 1.0:
+            weights, ids = top_logits_softmax(router_logits, top_k)
+            return (weights.to(router_logits.dtype) if cast_weights else weights), ids
         return moe_router_top_k_eager(
             router_logits, top_k, scoring=scoring, renormalize=renormalize, eps=eps, bias=bias,
-            routed_scaling_factor=routed_scaling_factor, **groups,
+            routed_scaling_factor=routed_scaling_factor, cast_weights=cast_weights, **groups,
         )  # fmt: skip
     weights, ids, _ = torch_npu.npu_moe_gating_top_k(
         router_logits,
@@ -96,7 +119,29 @@ def moe_router_top_k(
         routed_scaling_factor=routed_scaling_factor,
         eps=eps,
     )
+    if weights.requires_grad:
+        weights = _ContiguousGradient.apply(weights)
     return weights, ids.long()
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands on its gradient contiguous: npu_moe_gating_top_k_backward takes no other
+    grad_y (its doc: 不支持非连续 Tensor), and autograd may give a strided one (a sum's expanded gradient)."""
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor) -> torch.Tensor:
+        return weights.view_as(weights)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def top_logits_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights, int64 ids) of a renormalised softmax router in two ops: the top-k logits, then their
+    float32 softmax (equal to `softmax(logits)[top-k] / sum`; see the module's docstring for ties)."""
+    top = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top.values, dim=-1, dtype=torch.float32), top.indices
 
 
 def moe_router_top_k_eager(
@@ -110,8 +155,10 @@ def moe_router_top_k_eager(
     num_groups: int = 1,
     topk_groups: int = 1,
     routed_scaling_factor: float = 1.0,
+    cast_weights: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same routing with transformers' ops, op for op (Qwen2-MoE's and DeepSeek-V3's routers)."""
+    """The same routing with transformers' ops, op for op (Qwen2-MoE's, Mixtral's and DeepSeek-V3's routers); the
+    weights in the logits' dtype, or float32 with `cast_weights=False` (Mixtral)."""
     if scoring == "softmax":
         probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
     elif scoring == "sigmoid":
@@ -134,4 +181,4 @@ def moe_router_top_k_eager(
         weights = weights / (total + eps if eps else total)
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
-    return weights.to(router_logits.dtype), ids
+    return (weights.to(router_logits.dtype) if cast_weights else weights), ids

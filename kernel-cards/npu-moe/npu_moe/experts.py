@@ -32,16 +32,26 @@ from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 MAX_GROUPS = 1024
 """npu_grouped_matmul takes at most 1024 groups with a single 3-D weight."""
 MAX_INNER_DIM = 65536
+"""npu_grouped_matmul's inner-axis limit: the stored last dims (hidden, 2 * intermediate) stay below it."""
 MAX_TOP_K = 512
+MAX_TOKEN_COPIES = 16777215
+"""npu_moe_token_permute sorts fewer than this many token copies (top_k_index.numel())."""
+INDEX_DTYPES = (torch.int32, torch.int64)
 GROUPED_MM_ROWS_PER_EXPERT = 128
 """Below this many token copies per expert on average, the host fallback uses torch's grouped matmul
 rather than a loop over experts (measured on CPU: see `make bench`)."""
 
 
 def swiglu_experts_unavailable_reason(
-    hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn,
+    top_k_weights: torch.Tensor | None = None,
 ) -> str | None:
-    """Why the grouped-matmul path will not run for these inputs, or None when it will."""
+    """Why the grouped-matmul path will not run for these inputs, or None when it will (`top_k_weights`, when
+    given, is checked too: npu_moe_token_unpermute takes it as its probs)."""
     if not is_silu(act_fn):
         return f"activation {act_fn!r} is not SiLU"
     reason = npu_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj)
@@ -51,17 +61,34 @@ def swiglu_experts_unavailable_reason(
         return f"dtype {hidden_states.dtype} is not supported (float16, bfloat16, float32)"
     if gate_up_proj.dtype != hidden_states.dtype or down_proj.dtype != hidden_states.dtype:
         return f"expert weights in {gate_up_proj.dtype}, hidden states in {hidden_states.dtype}"
-    if hidden_states.dim() != 2 or top_k_index.dim() != 2:
-        return "hidden_states must be [tokens, hidden] and top_k_index [tokens, k]"
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2 or gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        return "hidden_states must be [tokens, hidden], top_k_index [tokens, k] and the expert weights 3-D"
+    if top_k_index.dtype not in INDEX_DTYPES:
+        return f"top_k_index in {top_k_index.dtype}: npu_moe_token_permute takes int32 or int64 expert ids"
+    if top_k_index.shape[0] != hidden_states.shape[0]:
+        return f"{top_k_index.shape[0]} rows of top_k_index for {hidden_states.shape[0]} tokens"
     if hidden_states.shape[0] == 0:
         return "no tokens"
+    if top_k_weights is not None:
+        if top_k_weights.dtype not in FUSED_DTYPES:
+            return f"routing weights in {top_k_weights.dtype}: npu_moe_token_unpermute takes float16/32, bfloat16"
+        if top_k_weights.shape != top_k_index.shape:
+            return f"routing weights {tuple(top_k_weights.shape)} for top_k_index {tuple(top_k_index.shape)}"
     experts, double_inner, hidden = gate_up_proj.shape
+    if double_inner % 2 or tuple(down_proj.shape) != (experts, hidden, double_inner // 2):
+        return f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} do not pair"
+    if min(hidden, double_inner) == 0:
+        return f"hidden size {hidden}, intermediate size {double_inner // 2}: the MoE backward ops refuse empty sizes"
     if experts > MAX_GROUPS:
         return f"{experts} experts: npu_grouped_matmul takes at most {MAX_GROUPS} groups"
     if max(hidden, double_inner) >= MAX_INNER_DIM:
         return f"inner dims {hidden}, {double_inner} must be below {MAX_INNER_DIM}"
+    if top_k_index.shape[1] == 0:
+        return "top-k 0: no token copies (npu_moe_token_unpermute takes top-k 1 to 512)"
     if top_k_index.shape[1] > MAX_TOP_K:
         return f"top-k {top_k_index.shape[1]} above {MAX_TOP_K}"
+    if top_k_index.numel() >= MAX_TOKEN_COPIES:
+        return f"{top_k_index.numel()} token copies: npu_moe_token_permute sorts fewer than {MAX_TOKEN_COPIES}"
     return None
 
 
@@ -81,15 +108,21 @@ class _GroupedLinear(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:  # dW[e] = grad[rows of e].T @ x[rows of e]: the K-split grouped matmul
             grad_weight = torch_npu.npu_grouped_matmul(
-                [grad.t()], [x], group_list=counts, group_type=2, group_list_type=1, split_item=2
+                [grad.t()], [x], group_list=counts, group_type=2, group_list_type=_list_type(counts), split_item=2
             )[0]
         return grad_x, grad_weight, None
 
 
 def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch_npu.npu_grouped_matmul(
-        [x], [weight], group_list=counts, group_type=0, group_list_type=1, split_item=2
+        [x], [weight], group_list=counts, group_type=0, group_list_type=_list_type(counts), split_item=2
     )[0]
+
+
+def _list_type(counts: torch.Tensor) -> int:
+    """group_list_type for the per-expert counts: 1 (counts), or 0 (cumsum) for a single expert, whose one count
+    is its cumsum: npu_grouped_matmul refuses a counts list of length 1."""
+    return 1 if counts.numel() > 1 else 0
 
 
 def swiglu_experts(
@@ -101,7 +134,9 @@ def swiglu_experts(
     act_fn: Callable,
 ) -> torch.Tensor:
     """transformers' Experts forward: grouped matmuls on the NPU, `swiglu_experts_eager` where they do not apply."""
-    reason = swiglu_experts_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj, act_fn)
+    reason = swiglu_experts_unavailable_reason(
+        hidden_states, top_k_index, gate_up_proj, down_proj, act_fn, top_k_weights=top_k_weights
+    )
     experts = gate_up_proj.shape[0]
     counts = _expert_counts(top_k_index, experts) if reason is None else None
     if counts is None or counts.numel() > experts:  # id E: expert-parallel placeholders, skipped as eager does
@@ -166,7 +201,7 @@ def swiglu_experts_eager(
 
 def _grouped_mm_takes(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> bool:
     """Whether torch's F.grouped_mm (torch >= 2.9) accepts these: float32/16 or bfloat16, 16-byte aligned rows."""
-    if not hasattr(F, "grouped_mm") or x.dtype not in FUSED_DTYPES or x.shape[0] == 0:
+    if not hasattr(F, "grouped_mm") or x.dtype not in FUSED_DTYPES or 0 in (*x.shape, *gate_up_proj.shape[1:]):
         return False
     if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
         return False

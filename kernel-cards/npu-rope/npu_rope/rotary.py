@@ -69,17 +69,21 @@ Style = str
 """A key of STYLES."""
 
 
-def _rotary_mul_unavailable_reason(x: torch.Tensor, cos: torch.Tensor, rotation: Rotation = "half") -> str | None:
+def _rotary_mul_unavailable_reason(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation = "half"
+) -> str | None:
     """Why `npu_rotary_mul` will not rotate 4-D x by cos/sin, or None."""
-    reason = npu_unavailable_reason(x, cos)
+    reason = npu_unavailable_reason(x, cos, sin)
     if reason is not None:
         return reason
     if x.dtype not in FUSED_DTYPES:
         return f"dtype {x.dtype} is not supported by npu_rotary_mul (float16, bfloat16, float32)"
-    if cos.dtype != x.dtype:
-        return f"cos/sin dtype {cos.dtype} differs from {x.dtype}: eager promotes the output dtype"
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return f"cos/sin dtype {cos.dtype}/{sin.dtype} differs from {x.dtype}: eager promotes the output dtype"
     if x.dim() != 4 or cos.dim() != 4:
         return f"npu_rotary_mul takes 4-D q/k and cos/sin here, got {x.dim()}-D and {cos.dim()}-D"
+    if sin.shape != cos.shape:
+        return f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} differ in shape (npu_rotary_mul takes one shape)"
     if x.numel() == 0:
         return "empty input"
     head_dim = x.shape[-1]
@@ -92,7 +96,8 @@ def _rotary_mul_unavailable_reason(x: torch.Tensor, cos: torch.Tensor, rotation:
     if broadcast != x.shape:
         return f"cos {tuple(cos.shape)} does not broadcast to {tuple(x.shape)}"
     x_op, cos_op, _, _ = _operands(x, cos, cos)
-    reasons = [_limits_reason(x_op, cos, batch, heads, rotation) for batch, heads in _layouts(x_op, cos_op, rotation)]
+    needs_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    reasons = [_limits_reason(batch, heads, rotation, needs_grad) for batch, heads in _layouts(x_op, cos_op, rotation)]
     if not reasons:
         return (
             f"cos {tuple(cos.shape)} is not a form npu_rotary_mul takes for x {tuple(x.shape)} in {rotation!r} mode "
@@ -116,14 +121,15 @@ def _layouts(x: torch.Tensor, cos: torch.Tensor, rotation: Rotation) -> list[tup
     return found
 
 
-def _limits_reason(x: torch.Tensor, cos: torch.Tensor, batch: int, heads: int, rotation: Rotation) -> str | None:
-    """Why npu_rotary_mul refuses x read with these batch and heads sizes, or None."""
+def _limits_reason(batch: int, heads: int, rotation: Rotation, needs_grad: bool) -> str | None:
+    """Why npu_rotary_mul (or, when cos/sin need gradients, its backward) refuses x read with these batch and heads
+    sizes, or None."""
     if rotation == "interleave" and batch * heads >= 1000:
         return f"batch x heads = {batch * heads} must be below 1000 in interleave mode"
     if rotation == "half" and (batch >= 1000 or heads >= 1000):
         return f"batch {batch} and heads {heads} must both be below 1000"
-    if cos.requires_grad and batch * heads > 1024:
-        return f"batch x heads = {batch * heads} above 1024 with cos/sin requiring gradients"
+    if needs_grad and batch * heads > 1024:
+        return f"batch x heads = {batch * heads} above 1024 with cos/sin requiring gradients (npu_rotary_mul_backward)"
     return None
 
 
@@ -143,7 +149,7 @@ def rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation = "half", fused: bool = True
 ) -> torch.Tensor:
     """`x * cos + rotation(x) * sin`, fused on npu tensors (unless `fused` is False); cos/sin broadcast to x."""
-    if fused and _rotary_mul_unavailable_reason(x, cos, rotation) is None:
+    if fused and _rotary_mul_unavailable_reason(x, cos, sin, rotation) is None:
         return _rotary_mul(x, cos, sin, rotation)
     return (x * cos) + ((rotate_half(x) if rotation == "half" else rotate_pairs(x)) * sin)
 
@@ -167,26 +173,62 @@ def _operands(
     return x, cos, sin, False
 
 
+def _cann_version() -> tuple[int, int] | None:
+    """(major, minor) of the CANN torch_npu reports as `torch.version.cann` ("9.1.0", "8.3.RC1"), or None."""
+    try:
+        major, minor = _cann_text().split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def _cann_text() -> str:
+    return str(getattr(torch.version, "cann", None))
+
+
+_UB_BYTES = 192 * 1024
+"""The on-chip unified buffer of an Atlas A2/A3 AI core, which npu_apply_rotary_pos_emb's q and k heads must fit."""
+
+
+def _in_place_ub_bytes(heads: int, q: torch.Tensor) -> int:
+    """The on-chip memory npu_apply_rotary_pos_emb needs for q's and k's `heads` in all, in q's dtype
+    (aclnnApplyRotaryPosEmbV2's `ub_required`, with its head dim of 128 whatever the head dim)."""
+    cast = int(q.dtype == torch.bfloat16)
+    dtype_size = q.element_size()
+    cast_size = 4 if cast else dtype_size
+    return heads * 128 * cast_size * 5 + 128 * dtype_size * 4 + cast * 128 * 4 * 2
+
+
 def _in_place_unavailable_reason(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int = 1, style: Style = "llama"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+    style: Style = "llama",
 ) -> str | None:
-    """Why q and k (cos as transformers passes it, [B or 1, S, D]) are not rotated by one in-place
+    """Why q and k (cos/sin as transformers passes them, [B or 1, S, D]) are not rotated by one in-place
     `npu_apply_rotary_pos_emb` call, or None when they are."""
     if not torch.is_inference_mode_enabled():
         return "not in inference mode (npu_apply_rotary_pos_emb has no backward and writes q/k in place)"
     if style != "llama":
         return f"style {style!r}: npu_apply_rotary_pos_emb computes Llama's 'half' rotation only"
-    reason = npu_unavailable_reason(q, k, cos)
+    reason = npu_unavailable_reason(q, k, cos, sin)
     if reason is not None:
         return reason
     if not hasattr(torch_npu, "npu_apply_rotary_pos_emb"):
         return "this torch_npu has no npu_apply_rotary_pos_emb (torch_npu >= 2.7 has it)"
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or unsqueeze_dim not in (1, 2):
         return "q/k must be 4-D and cos/sin [B, S, D]"
-    if q.dtype not in FUSED_DTYPES or len({q.dtype, k.dtype, cos.dtype}) != 1:
-        return f"q, k and cos/sin must share one of {FUSED_DTYPES}, got {q.dtype}, {k.dtype}, {cos.dtype}"
+    if sin.shape != cos.shape:
+        return f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} differ in shape"
+    if q.dtype not in FUSED_DTYPES or len({q.dtype, k.dtype, cos.dtype, sin.dtype}) != 1:
+        return f"q, k and cos/sin must share one of {FUSED_DTYPES}, got {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}"
     if q.shape[-1] not in (64, 128) or cos.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1]:
         return f"head dim {q.shape[-1]} (rotary dim {cos.shape[-1]}): the op rotates all of a 64 or 128 head dim"
+    cann = _cann_version()
+    if q.shape[-1] == 64 and (cann is None or cann < (9, 1)):
+        return f"head dim 64 needs CANN 9.1 or later in npu_apply_rotary_pos_emb (CANN {_cann_text()})"
     q_bsnd, k_bsnd = (t.transpose(1, 2) if unsqueeze_dim == 1 else t for t in (q, k))
     if not (q_bsnd.is_contiguous() and k_bsnd.is_contiguous()):
         return "q/k are not BSND in memory (the op would need a copy)"
@@ -194,6 +236,9 @@ def _in_place_unavailable_reason(
         return "empty input"
     if cos.shape[:2] != q_bsnd.shape[:2] or k_bsnd.shape[:2] != q_bsnd.shape[:2]:
         return f"cos {tuple(cos.shape)} must give every batch row its own angles (no broadcast over the batch)"
+    heads = q_bsnd.shape[2] + k_bsnd.shape[2]
+    if _in_place_ub_bytes(heads, q) > _UB_BYTES:
+        return f"{heads} q and k heads in all do not fit npu_apply_rotary_pos_emb's on-chip memory in {q.dtype}"
     if _share_memory(q_bsnd, k_bsnd):
         return "q and k share memory (the in-place op would rotate it twice)"
     return None
@@ -233,7 +278,7 @@ def apply_rotary_pos_emb(
         The rotated q and k. In inference mode, where the one-call op applies (see
         `apply_rotary_pos_emb_unavailable_reason(..., in_place=True)`), these are q and k, rotated in place.
     """
-    if fused and _in_place_unavailable_reason(q, k, cos, unsqueeze_dim, style) is None:
+    if fused and _in_place_unavailable_reason(q, k, cos, sin, unsqueeze_dim, style) is None:
         q_bsnd, k_bsnd = (t.transpose(1, 2) if unsqueeze_dim == 1 else t for t in (q, k))
         torch_npu.npu_apply_rotary_pos_emb(q_bsnd, k_bsnd, cos.unsqueeze(2), sin.unsqueeze(2), layout="BSND")
         return q, k
@@ -269,14 +314,14 @@ def apply_rotary_pos_emb_unavailable_reason(
     With `in_place=True`: why the one-call in-place `npu_apply_rotary_pos_emb` is not used (the
     two-call `npu_rotary_mul` path may still be), or None when it is.
     """
-    reason = _in_place_unavailable_reason(q, k, cos, unsqueeze_dim, style)
+    reason = _in_place_unavailable_reason(q, k, cos, sin, unsqueeze_dim, style)
     if in_place or reason is None:
         return reason
     rotary_style = STYLES[style]
     cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
     for name, x in (("q", q), ("k", k)):
-        x_rot, cos_rot, _, _ = _prepared(x, cos, sin, rotary_style)
-        reason = _rotary_mul_unavailable_reason(x_rot, cos_rot, rotary_style.rotation)
+        x_rot, cos_rot, sin_rot, _ = _prepared(x, cos, sin, rotary_style)
+        reason = _rotary_mul_unavailable_reason(x_rot, cos_rot, sin_rot, rotary_style.rotation)
         if reason is not None:
             return f"{name}: {reason}"
     return None

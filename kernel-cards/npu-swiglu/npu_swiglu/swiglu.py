@@ -247,4 +247,6 @@ def swiglu_gate_up_mlp_unavailable_reason(x: torch.Tensor, gate_up_proj: nn.Modu
         return f"gate_up_proj gives {weight.shape[0]} features: npu_swiglu halves an even size"
     if weight.dtype != x.dtype:
         return f"weight dtype {weight.dtype} differs from input dtype {x.dtype}"
+    if not 1 <= x.dim() <= 8:  # gate_up_proj(x), which npu_swiglu takes, has x's dims
+        return f"npu_swiglu takes 1 to 8 dims, got {x.dim()}"
     return _npu_swiglu_unavailable_reason(x, act_fn)

@@ -19,6 +19,15 @@ _SOFTMAX = (  # softmax in float32, top-k, renormalised when norm_topk_prob, cas
     "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextTopKRouter",
     "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextTopKRouter",
 )
+_RENORMALISED = (  # softmax in float32, top-k, always renormalised, cast to the logits' dtype
+    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter",
+    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeTextTopKRouter",
+    "qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextTopKRouter",
+)
+_RENORMALISED_FLOAT32 = (  # softmax of the float32 logits, top-k, always renormalised, weights left in float32
+    "minimax.modeling_minimax.MiniMaxTopKRouter",
+    "mixtral.modeling_mixtral.MixtralTopKRouter",
+)
 _SIGMOID_GROUPS = (  # float32 logits, sigmoid, top-2-sum group top-k on scores + bias (-inf), renormalised, scaled
     "axk1.modeling_axk1.AXK1TopkRouter",
     "bailing_hybrid.modeling_bailing_hybrid.BailingHybridTopkRouter",
@@ -38,13 +47,17 @@ _SIGMOID_GROUPS = (  # float32 logits, sigmoid, top-2-sum group top-k on scores 
     "solar_open.modeling_solar_open.SolarOpenTopkRouter",
 )
 
-SWAPPED: dict[str, tuple[str, ...]] = {"SoftmaxTopKRouter": _SOFTMAX, "SigmoidGroupTopKRouter": _SIGMOID_GROUPS}
-"""Layer -> the router classes it replaces. Per call, the fused op runs only where it is exact: softmax routers
-with norm_topk_prob False, sigmoid routers with norm_topk_prob True; the others keep the class's math."""
+SWAPPED: dict[str, tuple[str, ...]] = {
+    "SoftmaxTopKRouter": _SOFTMAX,
+    "RenormalisedSoftmaxTopKRouter": _RENORMALISED,
+    "RenormalisedFloat32SoftmaxTopKRouter": _RENORMALISED_FLOAT32,
+    "SigmoidGroupTopKRouter": _SIGMOID_GROUPS,
+}
+"""Layer -> the router classes it replaces. Per call, the fused op runs only where it is exact and the device has
+its backward: softmax routers with norm_topk_prob False where autograd does not record, sigmoid routers with
+norm_topk_prob True; renormalised softmax routers run the softmax of their top-k logits (two ops); the others keep
+the class's math."""
 
-_RENORMALISED_SOFTMAX = (
-    "softmax weights always renormalised over the top-k: npu_moe_gating_top_k's softmax mode does not renormalise"
-)
 _SOFTMAX_OF_TOP_LOGITS = "top-k on the logits, softmax over the k chosen: the op's softmax is over all experts"
 _NO_RENORM_SIGMOID = (
     "sigmoid weights not renormalised (or with another eps): the op's sigmoid mode divides by sum+1e-20"
@@ -74,7 +87,7 @@ LEFT_OUT: dict[str, str] = {
     "granitemoe_swa.modeling_granitemoe_swa.GraniteMoeSWATopKRouter": _SOFTMAX_OF_TOP_LOGITS,
     "granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridTopKRouter": _SOFTMAX_OF_TOP_LOGITS,
     "granitemoeshared.modeling_granitemoeshared.GraniteMoeSharedTopKRouter": _SOFTMAX_OF_TOP_LOGITS,
-    "hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Gate": _RENORMALISED_SOFTMAX,
+    "hunyuan_v1_moe.modeling_hunyuan_v1_moe.HunYuanMoEV1Gate": "its logits from an nn.Linear (wg), in float32",
     "hy_v3.modeling_hy_v3.HYV3TopKRouter": _OTHER_INPUTS,
     "inkling.modeling_inkling.InklingTopkRouter": "shared-expert logits, log-sigmoid weights",
     "jamba.modeling_jamba.JambaTopKRouter": "weights cast to the hidden states' dtype; not surveyed numerically",
@@ -83,19 +96,14 @@ LEFT_OUT: dict[str, str] = {
     "lfm2_moe.modeling_lfm2_moe.Lfm2MoeTopKRouter": _OTHER_INPUTS,
     "llama4.modeling_llama4.Llama4Router": "sigmoid of the top-k logits, scores scattered over all experts",
     "longcat_flash.modeling_longcat_flash.LongcatFlashTopkRouter": "its own top-k (zero experts, correction bias)",
-    "minimax.modeling_minimax.MiniMaxTopKRouter": _RENORMALISED_SOFTMAX,
     "minimax_m2.modeling_minimax_m2.MiniMaxM2TopKRouter": _OTHER_INPUTS,
     "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLTopKRouter": _UNGROUPED_BIASED_SIGMOID,
     "mistral4.modeling_mistral4.Mistral4TopkRouter": _SOFTMAX_GROUPS,
     "mistral_large4.modeling_mistral_large4.MistralLarge4TextTopkRouter": _SOFTMAX_GROUPS,
-    "mixtral.modeling_mixtral.MixtralTopKRouter": _RENORMALISED_SOFTMAX,
     "muse_spark.modeling_muse_spark.MuseSparkTopkRouter": "logit multiplier, renormalisation eps 1e-15",
     "nllb_moe.modeling_nllb_moe.NllbMoeTop2Router": "capacity-limited top-2 dispatch masks",
     "openai_privacy_filter.modeling_openai_privacy_filter.OpenAIPrivacyFilterTopKRouter": _SOFTMAX_OF_TOP_LOGITS,
     "phimoe.modeling_phimoe.PhimoeTopKRouter": "sparsemixer routing",
-    "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter": _RENORMALISED_SOFTMAX,
-    "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeTextTopKRouter": _RENORMALISED_SOFTMAX,
-    "qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextTopKRouter": _RENORMALISED_SOFTMAX,
     "step3p7.modeling_step3p7.Step3p7TopKRouter": _UNGROUPED_BIASED_SIGMOID,
     "switch_transformers.modeling_switch_transformers.SwitchTransformersTop1Router": "capacity-limited top-1",
     "zaya.modeling_zaya.ZayaRouter": "MLP router with a skip class",

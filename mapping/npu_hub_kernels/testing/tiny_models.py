@@ -129,3 +129,20 @@ def token_ids(batch: int = 2, seq: int = 7, seed: int = 1) -> torch.Tensor:
 def norm_module_count(model: PreTrainedModel) -> int:
     """RMSNorm modules of the language model: those a forward from token ids runs (not a vision tower's)."""
     return sum(1 for _, m in model.get_decoder().named_modules() if type(m).__name__.endswith("RMSNorm"))
+
+
+def gating_op_routers(model: torch.nn.Module, *, training: bool) -> int:
+    """Router modules of a kernelized model that call npu_moe_gating_top_k in one forward: sigmoid routers that
+    renormalise, and, where autograd does not record (`training` False), softmax routers that do not (the op's
+    backward takes the sigmoid mode only; renormalised softmax routers run the softmax of their top-k logits)."""
+    from npu_hub_kernels.report import swapped_modules
+
+    modules = dict(model.named_modules())
+    count = 0
+    for swap in swapped_modules(model, card="npu-moe-router"):
+        renormalise = getattr(modules[swap.module], "norm_topk_prob", None)
+        if swap.layer == "SigmoidGroupTopKRouter":
+            count += bool(renormalise)
+        elif swap.layer == "SoftmaxTopKRouter":
+            count += not renormalise and not training
+    return count

@@ -10,21 +10,18 @@ Floor: 1 op forward, one fused kernel reading h, W and the labels once and writi
 log-sum-exp of each token (float32 [T], what a backward needs not to keep the logits). Backward: 1 op reading h, W,
 the labels, the log-sum-exps and the loss gradient, recomputing the logits on chip, and writing dL/dh and dL/dW.
 
-What the card runs beyond it, per chunk of C tokens (the module doc of the card's loss.py): the logits in the model
-dtype and in float32, npu_cross_entropy_loss writing float32 log-probabilities [C, V], its backward writing the
-gradient [C, V] in the model dtype, and two matmuls; W is read three times per chunk and dL/dW, summed in float32,
-read and written once per chunk. So the bytes fall as chunks grow (W re-read less often) while the peak of live
-bytes rises (the chunk's [C, V] buffers): `STUDY_TABLE` shows that trade for the default chunk and others.
+What the card runs beyond it (the module doc of the card's loss.py): below 2 tokens per unit of hidden size, the
+log-probability form (per chunk of at most 200,000 tokens: the logits in the model dtype and in float32, then
+npu_cross_entropy_loss keeping its float32 log-probabilities, as eager keeps its log-softmax, and the op's own
+backward), which moves fewer bytes than eager and holds what eager holds. From there on, the chunked form, per chunk
+of C tokens: the logits twice as above, npu_cross_entropy_loss writing float32 log-probabilities [C, V], its backward
+writing the float32 gradient [C, V] (grad_loss in log_prob's dtype, as the op requires), cast once to the model dtype
+for dL/dh, and two matmuls; W is read twice per chunk and the float32 dL/dW read and written once per chunk. So the
+bytes fall as chunks grow (W re-read less often) while the peak of live bytes rises (the chunk's [C, V] buffers):
+`STUDY_TABLE` shows that trade for the default chunk (1.15 x the hidden size) and others at 8 x 4096.
 
-The trade, as counted (T tokens, V vocabulary, H hidden, bfloat16): eager moves about 51 bytes per logit (T x V) and
-its peak holds about 14 bytes per logit (the bf16 logits its output keeps, the float32 log-softmax it saves, and two
-float32 gradients in backward). The card moves about 26 bytes per logit, plus about 17.5 bytes per element of W per
-chunk (W read three times, dL/dW's bf16 product written, then read with the float32 sum and the sum written); its
-peak is about 8 bytes per logit of one chunk (float32 logits and log-probabilities together) plus the float32 dL/dW
-(4 bytes per element of W) and dL/dh. So bytes <= eager needs about 17.5 x V x H x T / C <= 25 x T x V, that is
-C >= 0.7 H (about 2900 tokens at H = 4096), and peak <= eager / 8 needs 8 x C x V + 4 x V x H <= 1.75 x T x V, that
-is C <= 5120 at 8 x 4096 tokens and H = 4096: between the two, the default (the fewest equal chunks of at most 2^29
-logits: 4096 tokens for Llama-3-8B, 3277 for Qwen3-8B) meets both.
+The targets (issue 26): bytes and peak live bytes at most eager's at every measured size (batch 1 x 512, 1 x 2048
+and 8 x 4096), and the peak at most 1/8 of eager's at 8 x 4096.
 """
 
 from __future__ import annotations
@@ -44,6 +41,8 @@ from ..targets import CountedTarget
 PEAK_SHARE = 1 / 8
 """Issue 19: the loss region's peak of live bytes at most 1/8 of eager's, batch 8 x 4096, forward+backward."""
 SHAPE = (8, 4096)
+SHAPES = ((1, 512), (1, 2048), SHAPE)
+"""The measured (batch, sequence): micro-batches people fine-tune with, and issue 19's large batch."""
 MODELS = {"llama-3-8b": 128_256, "qwen3-8b": 151_936}
 """The measured models (scripts/bench/configs.py CONFIGS keys) and their vocabulary (`vocab_size` of
 meta-llama/Meta-Llama-3-8B's and Qwen/Qwen3-8B's config.json)."""
@@ -69,7 +68,8 @@ def floor_saved(lm_head: nn.Module, hidden_states: torch.Tensor, labels: torch.T
 
 
 COUNTED_TARGETS = (
-    CountedTarget("bytes", ("fwd+bwd",), 1, SHAPE, against="eager"),
+    CountedTarget("bytes", ("fwd+bwd",), 1, against="eager"),
+    CountedTarget("peak bytes", ("fwd+bwd",), 1, against="eager"),
     CountedTarget("peak bytes", ("fwd+bwd",), PEAK_SHARE, SHAPE, against="eager"),
 )
 
@@ -125,11 +125,11 @@ def measure(model_key: str, vocab: int, chunk_tokens: int | None, batch: int, se
         hidden = torch.empty(batch, seq, lm_head.in_features, dtype=lm_head.weight.dtype, device="npu")
         hidden.requires_grad_()
         labels = torch.empty(batch, seq, dtype=torch.int64, device="npu")
+        asked = chunk_tokens or None  # None: the form and chunks the card picks
         if chunk_tokens is None:
             run = lambda: package.linear_cross_entropy_eager(hidden, lm_head, labels, vocab)  # noqa: E731
         else:
-            chunk_tokens = chunk_tokens or package.default_chunk_tokens(batch * seq, vocab)
-            run = lambda: package.linear_cross_entropy(hidden, lm_head, labels, vocab, chunk_tokens=chunk_tokens)  # noqa: E731
+            run = lambda: package.linear_cross_entropy(hidden, lm_head, labels, vocab, chunk_tokens=asked)  # noqa: E731
         with memory.tracking_memory() as tracker, count_device_ops() as tally:
             loss, logits = run()  # eager's logits stay referenced (the model's output) until the step ends
             torch.autograd.grad(loss, [hidden, lm_head.weight], torch.empty_like(loss))
@@ -137,39 +137,55 @@ def measure(model_key: str, vocab: int, chunk_tokens: int | None, batch: int, se
         floors = floor(lm_head, hidden, labels), floor_saved(lm_head, hidden, labels)
     kept = tracker.memory
     measured = {"ops": tally.ops, "bytes": tally.bytes, "saved bytes": kept.saved_bytes, "peak bytes": kept.peak_bytes}
-    return {**measured, "floor": floors, "memory": kept, "chunk": "eager" if chunk_tokens is None else chunk_tokens}
+    chunk = "eager" if chunk_tokens is None else (asked or _default_chunk(package, hidden))
+    return {**measured, "floor": floors, "memory": kept, "chunk": chunk}
+
+
+def _default_chunk(package: Any, hidden: torch.Tensor) -> int:
+    """The tokens per chunk the card picks by default: all of them in the log-probability form (one chunk at most
+    200,000 tokens), else its default chunk."""
+    tokens, hidden_size = hidden.numel() // hidden.shape[-1], hidden.shape[-1]
+    if not package.chunked_form_pays(tokens, hidden_size, True):
+        return min(tokens, 200_000)
+    return package.default_chunk_tokens(tokens, hidden_size)
 
 
 def region_rows(specs: list, quick: bool) -> list[Row]:
-    """The loss region's counted rows for the measured models of MODELS, forward+backward at batch 8 x 4096
-    (1 x 512 with --quick): eager against the card at its default chunks (study "layer", kind the card's region, so
-    the counted table and the targets take them) and, without --quick, at each chunk of CHUNK_SWEEP (study
+    """The loss region's counted rows for the measured models of MODELS, forward+backward at each of SHAPES (1 x 512
+    alone with --quick): eager against the card's default (study "layer", kind the card's region, so the counted
+    table and the targets take them) and, at SHAPE without --quick, at each chunk of CHUNK_SWEEP (study
     "loss chunks"); ops, bytes, peak live bytes."""
     from ..cards import card_named
     from ..configs import CONFIGS
     from ..floors import floor_peak
 
     kind = card_named("npu-linear-cross-entropy").region
-    batch, seq = (1, 512) if quick else SHAPE
     rows = []
     for key, vocab in MODELS.items():
         name = CONFIGS[key].name
         if CONFIGS[key] not in specs:
             continue
-        eager = measure(key, vocab, None, batch, seq)
-        ((fwd_ops, fwd_bytes), (bwd_ops, bwd_bytes)), saved = eager["floor"]
-        default = measure(key, vocab, 0, batch, seq)
-        peak = floor_peak(saved, [eager["memory"], default["memory"]])
-        floors = {"ops": fwd_ops + bwd_ops, "bytes": fwd_bytes + bwd_bytes, "saved bytes": saved, "peak bytes": peak}
-        swept = [measure(key, vocab, chunk, batch, seq) for chunk in (() if quick else CHUNK_SWEEP)]
-        for fused in [default, *(m for m in swept if m["chunk"] != default["chunk"])]:
-            for unit in UNITS:
-                rows.append(
-                    Row("counted", name, kind, "fwd+bwd", batch, seq, eager=eager[unit], kernelized=fused[unit],
-                        floor=floors[unit], unit=unit, study="layer" if fused is default else CHUNK_STUDY, kind=kind,
-                        model=name, path=str(fused["chunk"]))
-                )  # fmt: skip
-        log(f"  counted {name} lm_head + loss, batch {batch}, seq {seq}")
+        for batch, seq in SHAPES[:1] if quick else SHAPES:
+            eager = measure(key, vocab, None, batch, seq)
+            ((fwd_ops, fwd_bytes), (bwd_ops, bwd_bytes)), saved = eager["floor"]
+            default = measure(key, vocab, 0, batch, seq)
+            peak = floor_peak(saved, [eager["memory"], default["memory"]])
+            floors = {
+                "ops": fwd_ops + bwd_ops,
+                "bytes": fwd_bytes + bwd_bytes,
+                "saved bytes": saved,
+                "peak bytes": peak,
+            }
+            sweep = CHUNK_SWEEP if (batch, seq) == SHAPE and not quick else ()
+            swept = [measure(key, vocab, chunk, batch, seq) for chunk in sweep]
+            for fused in [default, *(m for m in swept if m["chunk"] != default["chunk"])]:
+                for unit in UNITS:
+                    rows.append(
+                        Row("counted", name, kind, "fwd+bwd", batch, seq, eager=eager[unit], kernelized=fused[unit],
+                            floor=floors[unit], unit=unit, study="layer" if fused is default else CHUNK_STUDY,
+                            kind=kind, model=name, path=str(fused["chunk"]))
+                    )  # fmt: skip
+            log(f"  counted {name} lm_head + loss, batch {batch}, seq {seq}")
     return rows
 
 
@@ -184,6 +200,8 @@ def study_table(rows: list[Row]) -> list[str]:
 
     kind = card_named("npu-linear-cross-entropy").region
     chosen = [r for r in rows if r.kind == kind and r.study in ("layer", CHUNK_STUDY) and r.unit in UNITS]
+    largest = max(((r.batch, r.seq) for r in chosen), key=lambda shape: shape[0] * shape[1], default=None)
+    chosen = [r for r in chosen if (r.batch, r.seq) == largest]
     body = []
     for model in dict.fromkeys(r.model for r in chosen):
         for chunk in sorted({r.path for r in chosen if r.model == model}, key=int):

@@ -15,10 +15,11 @@ so `kernels` resolves the `torch<XY>-cxx11-cann<XY>-<arch>-linux` build variants
 The emulated ops follow the contracts in docs/torch-npu-ops.md (one section per op, with sources).
 What lives where: `device.py` (the "npu" device: tensors, factories, module conversions),
 `streams.py` (streams, events, allocator statistics: what DDP, FSDP2 and DeepSpeed ask),
-`distributed.py` (the "hccl" process-group backend over gloo on host memory), `checks.py` (input checks
-and the call counter), `backward.py` (autograd that keeps for backward what the op keeps), and one file
+`distributed.py` (the "hccl" process-group backend over gloo on host memory), `ledger.py` (the documented limits
+of every op, which each op enforces: its rules live beside it, as `LEDGER`), `checks.py` (the call counter),
+`backward.py` (autograd that keeps for backward what the op keeps), and one file
 per card, named after its package: `ops/<card>.py` emulates the torch_npu ops that card calls (its `__all__`;
-an op two cards call, such as npu_swiglu, lives with one of them).
+an op two cards call, such as npu_swiglu, lives with one of them) and lists their rules (its `LEDGER`).
 
 Never use it on a real Ascend host: `install()` refuses when a real torch_npu is installed.
 The install is for the life of the process (torch allows one PrivateUse1 rename).
@@ -42,6 +43,7 @@ from ...cards import CARDS, Card, card_piece
 from .checks import OP_CALLS
 from .device import NpuTensor, install_device
 from .distributed import install_hccl
+from .ledger import DeviceRefusal, Rule
 
 TESTED_TORCH = "2.13"
 """The torch minor release the emulation is written and tested against: it relies on private torch hooks."""
@@ -57,16 +59,26 @@ def emulated_ops_of(card: Card) -> dict[str, Callable[..., Any]]:
     return {name: getattr(module, name) for name in module.__all__}
 
 
+def ledger_of(card: Card) -> tuple[Rule, ...]:
+    """The constraint-ledger rules of the ops `ops/<card package>.py` emulates (its `LEDGER`); () without that file."""
+    module = card_piece(f"{__name__}.ops", card)
+    return () if module is None else tuple(module.LEDGER)
+
+
 EMULATED_OPS: dict[str, Callable[..., Any]] = {
     name: op for card in CARDS.values() for name, op in emulated_ops_of(card).items()
 }
 """Every emulated torch_npu op, by name, gathered from the cards' `ops/<card>.py` files."""
+LEDGER: tuple[Rule, ...] = tuple(rule for card in CARDS.values() for rule in ledger_of(card))
+"""Every documented limit the emulated ops enforce (`ledger.py`), gathered from the cards' `ops/<card>.py` files."""
 _NOTEMULATED_OPS = ("npu_fusion_attention",)
 """Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated."""
 _state = {"cann_version": DEFAULT_CANN_VERSION}
 
 __all__ = [
     "DEFAULT_CANN_VERSION",
+    "LEDGER",
+    "DeviceRefusal",
     "NpuTensor",
     "count_op_calls",
     "install",

@@ -16,11 +16,76 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..checks import FLOAT_DTYPES, require_npu
+from ..ledger import OPS_NN, enforce, functions_yaml, op_doc, rules
 
 __all__ = ["npu_cross_entropy_loss", "npu_cross_entropy_loss_backward"]
 
 REDUCTIONS = ("mean", "sum", "none")
 MAX_ROWS = 200_000
+_GRAD_DOC = f"{OPS_NN}:loss/cross_entropy_loss_grad/docs/aclnnCrossEntropyLossGrad.md"
+
+
+def _targets_in_range(c, x) -> bool:
+    """Every target in [0, C), or equal to ignore_index >= 0 (a negative ignore_index ignores nothing)."""
+    counted = c.target if c.ignore_index < 0 else c.target[c.target != c.ignore_index]
+    return not counted.numel() or (int(counted.min()) >= 0 and int(counted.max()) < x.shape[1])
+
+
+def _weight_ok(c, x) -> bool:
+    return c.weight is None or (c.weight.dtype == torch.float32 and tuple(c.weight.shape) == (x.shape[1],))
+
+
+def _recording(c) -> bool:
+    return torch.is_grad_enabled() and c.input.requires_grad
+
+
+FORWARD_RULES = rules(
+    "npu_cross_entropy_loss",
+    ("input-rank", "input is 2-D [N, C]", op_doc(12045), lambda c: c.input.dim() == 2),
+    ("input-dtype", "input is float16, bfloat16 or float32", op_doc(12045), lambda c: c.input.dtype in FLOAT_DTYPES),
+    ("classes", "C > 0", op_doc(12045), lambda c: c.input.shape[1] > 0),
+    ("rows", f"0 < N <= {MAX_ROWS}", op_doc(12061), lambda c: 0 < c.input.shape[0] <= MAX_ROWS),
+    ("target", "target is int64 [N]", op_doc(12046),
+     lambda c: c.target.dtype == torch.int64 and tuple(c.target.shape) == (c.input.shape[0],)),
+    ("weight", "weight is float32 [C]", op_doc(12047), lambda c: _weight_ok(c, c.input)),
+    ("weight-range", "every class weight lies in (0, 1]", op_doc(12047),
+     lambda c: c.weight is None or bool(((c.weight > 0) & (c.weight <= 1)).all())),
+    ("reduction", f"reduction is one of {REDUCTIONS}", op_doc(12048), lambda c: c.reduction in REDUCTIONS),
+    ("ignore-index", "ignore_index < C", op_doc(12049), lambda c: c.ignore_index < c.input.shape[1]),
+    ("label-smoothing", "label_smoothing lies in [0, 1)", op_doc(12050), lambda c: 0.0 <= c.label_smoothing < 1.0),
+    ("zloss", "no z-loss: lse_square_scale_for_zloss 0 and return_zloss False (not supported yet)", op_doc(12051),
+     lambda c: c.lse_square_scale_for_zloss == 0.0 and not c.return_zloss),
+    ("target-range", "every target lies in [0, C) (or equals ignore_index >= 0: the grad's doc, the golden); the "
+     "device reads outside the row otherwise", op_doc(12046), lambda c: _targets_in_range(c, c.input),
+     f"also {_GRAD_DOC}:201"),
+    ("grad-mean-defaults", "with input.requires_grad, 'mean' takes only the defaults of weight, ignore_index and "
+     "label_smoothing", op_doc(12062),
+     lambda c: not (_recording(c) and c.reduction == "mean"
+                    and (c.weight is not None or c.ignore_index != -100 or c.label_smoothing != 0.0))),
+    ("grad-label-smoothing", "with input.requires_grad, 'sum' and 'none' take only label_smoothing 0", op_doc(12062),
+     lambda c: not (_recording(c) and c.label_smoothing != 0.0)),
+)  # fmt: skip
+BACKWARD_RULES = rules(
+    "npu_cross_entropy_loss_backward",
+    ("log-prob", "log_prob is 2-D [N, C > 0], float16, bfloat16 or float32", f"{_GRAD_DOC}:188",
+     lambda c: c.log_prob.dim() == 2 and c.log_prob.shape[1] > 0 and c.log_prob.dtype in FLOAT_DTYPES),
+    ("grad-loss-dtype", "grad_loss has log_prob's dtype (the gradient takes grad_loss's)", f"{_GRAD_DOC}:391",
+     lambda c: c.grad_loss.dtype == c.log_prob.dtype, f"the output's dtype: {functions_yaml(7197)}"),
+    ("grad-loss-shape", "grad_loss is [N] for 'none', one element otherwise", f"{_GRAD_DOC}:181",
+     lambda c: tuple(c.grad_loss.shape) in (((c.log_prob.shape[0],),) if c.reduction == "none" else ((1,), ())),
+     "the aclnn doc says 0-D for mean/sum; torch_npu's loss is [1] and its autograd passes that gradient"),
+    ("target", "target is int64 [N]", f"{_GRAD_DOC}:201",
+     lambda c: c.target.dtype == torch.int64 and tuple(c.target.shape) == (c.log_prob.shape[0],)),
+    ("target-range", "every target lies in [0, C), or equals ignore_index >= 0", f"{_GRAD_DOC}:201",
+     lambda c: _targets_in_range(c, c.log_prob)),
+    ("weight", "weight is float32 [C]", f"{_GRAD_DOC}:212", lambda c: _weight_ok(c, c.log_prob)),
+    ("reduction", f"reduction is one of {REDUCTIONS}", f"{_GRAD_DOC}:241", lambda c: c.reduction in REDUCTIONS),
+    ("zloss", "no z-loss inputs: grad_zloss empty or None, lse_square_scale_for_zloss 0 (not supported yet)",
+     f"{_GRAD_DOC}:392",
+     lambda c: (c.grad_zloss is None or not c.grad_zloss.numel()) and c.lse_square_scale_for_zloss == 0.0),
+)  # fmt: skip
+LEDGER = FORWARD_RULES + BACKWARD_RULES
+"""The documented limits of the loss op and its backward (ledger.py)."""
 
 
 def npu_cross_entropy_loss(
@@ -34,16 +99,11 @@ def npu_cross_entropy_loss(
     return_zloss: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     require_npu("npu_cross_entropy_loss", input=input, target=target, **({} if weight is None else {"weight": weight}))
-    if lse_square_scale_for_zloss != 0.0 or return_zloss:
-        raise NotImplementedError("npu_cross_entropy_loss: z-loss is not supported by the op (its docs: not yet)")
-    _check(input, target, weight, reduction, ignore_index, label_smoothing)
-    if torch.is_grad_enabled() and input.requires_grad:
-        defaults = weight is None and ignore_index == -100 and label_smoothing == 0.0
-        if (reduction == "mean" and not defaults) or label_smoothing != 0.0:
-            raise RuntimeError(
-                "npu_cross_entropy_loss: with input.requires_grad, 'mean' takes only the default weight, "
-                "ignore_index and label_smoothing, 'sum' and 'none' only label_smoothing 0"
-            )
+    enforce(
+        FORWARD_RULES, input=input, target=target, weight=weight, reduction=reduction, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, lse_square_scale_for_zloss=lse_square_scale_for_zloss,
+        return_zloss=return_zloss,
+    )  # fmt: skip
     settings = (reduction, ignore_index, label_smoothing)
     loss, log_prob = _CrossEntropy.apply(input, target, weight, settings)
     empty = input.new_empty(0)
@@ -63,33 +123,8 @@ def npu_cross_entropy_loss_backward(
     lse_square_scale_for_zloss: float = 0.0,
 ) -> torch.Tensor:
     require_npu("npu_cross_entropy_loss_backward", grad_loss=grad_loss, log_prob=log_prob, target=target)
-    if lse_square_scale_for_zloss != 0.0 or (grad_zloss is not None and grad_zloss.numel()):
-        raise NotImplementedError("npu_cross_entropy_loss_backward: z-loss is not supported by the op")
-    _check(log_prob, target, weight, reduction, ignore_index, label_smoothing)
-    expected = (log_prob.shape[0],) if reduction == "none" else (1,)
-    if grad_loss.dtype not in FLOAT_DTYPES or tuple(grad_loss.shape) not in (expected, ()):
-        raise RuntimeError(f"npu_cross_entropy_loss_backward: grad_loss must be {expected}, got {grad_loss.shape}")
-    return _backward(grad_loss, log_prob, target, weight, reduction, ignore_index, label_smoothing)
-
-
-def _check(x, target, weight, reduction, ignore_index, label_smoothing) -> None:
-    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or not 0 < x.shape[0] <= MAX_ROWS or x.shape[1] == 0:
-        raise RuntimeError(f"npu_cross_entropy_loss: input must be [N in (0, 200000], C > 0] fp16/bf16/fp32, got "
-                           f"{tuple(x.shape)} {x.dtype}")  # fmt: skip
-    classes = x.shape[1]
-    if target.dtype != torch.int64 or tuple(target.shape) != (x.shape[0],):
-        raise RuntimeError(f"npu_cross_entropy_loss: target must be int64 [{x.shape[0]}], got {target.dtype}")
-    if weight is not None and (weight.dtype != torch.float32 or tuple(weight.shape) != (classes,)):
-        raise RuntimeError(f"npu_cross_entropy_loss: weight must be float32 [{classes}]")
-    if reduction not in REDUCTIONS or ignore_index >= classes or not 0.0 <= label_smoothing < 1.0:
-        raise RuntimeError(
-            f"npu_cross_entropy_loss: reduction {reduction!r} not in {REDUCTIONS}, ignore_index {ignore_index} not "
-            f"below {classes}, or label_smoothing {label_smoothing} outside [0, 1)"
-        )
-    counted = target if ignore_index < 0 else target[target != ignore_index]
-    if counted.numel() and not (int(counted.min()) >= 0 and int(counted.max()) < classes):
-        # the op reads out of bounds there; the emulation refuses what the device would compute wrongly
-        raise RuntimeError(f"npu_cross_entropy_loss: targets must lie in [0, {classes}) or equal ignore_index >= 0")
+    zloss = {"grad_zloss": grad_zloss, "lse_square_scale_for_zloss": lse_square_scale_for_zloss}
+    return _backward(grad_loss, log_prob, target, weight, reduction, ignore_index, label_smoothing, **zloss)
 
 
 def _row_weights(target, weight, ignore_index, classes: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +161,21 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss: torch.Tensor, _grad_log_prob):
+        # derivatives.yaml: npu_cross_entropy_loss_backward(grads[0], result1, target, weight, grads[1], ...)
         log_prob, target, weight = ctx.saved_tensors
-        grad = _backward(grad_loss, log_prob, target, weight, *ctx.settings)
-        return grad.to(log_prob.dtype), None, None, None
+        return _backward(grad_loss, log_prob, target, weight, *ctx.settings), None, None, None
 
 
-def _backward(grad_loss, log_prob, target, weight, reduction, ignore_index, label_smoothing) -> torch.Tensor:
-    """d loss / d input from the kept log_prob, float32 inside, in grad_loss's dtype."""
+def _backward(
+    grad_loss, log_prob, target, weight, reduction, ignore_index, label_smoothing, grad_zloss=None,
+    lse_square_scale_for_zloss=0.0,
+) -> torch.Tensor:  # fmt: skip
+    """npu_cross_entropy_loss_backward within its rules: d loss / d input from the kept log_prob, float32 inside, in
+    grad_loss's dtype."""
+    enforce(
+        BACKWARD_RULES, grad_loss=grad_loss, log_prob=log_prob, target=target, weight=weight, reduction=reduction,
+        ignore_index=ignore_index, grad_zloss=grad_zloss, lse_square_scale_for_zloss=lse_square_scale_for_zloss,
+    )  # fmt: skip
     classes = log_prob.shape[1]
     w, w_target = _row_weights(target, weight, ignore_index, classes, log_prob.device)
     prob = log_prob.float().exp()

@@ -1,27 +1,84 @@
 """Emulated `torch_npu.npu_moe_gating_top_k` and its backward: the contract in docs/torch-npu-ops.md,
-section "npu_moe_gating_top_k".
+section "npu_moe_gating_top_k"; the limits of both in `LEDGER`.
 
 Per row, in float32: `norm = softmax(x)` or `sigmoid(x)`; experts are chosen on `norm + bias`, after
 masking to -inf all but the `k_group` best of `group_count` groups (scored by their maximum or the sum
 of their two largest values); ties go to the lower index (the golden's stable sort). `y = norm[idx]`,
 divided by `sum + eps` in sigmoid mode only, times `routed_scaling_factor`, cast once to x's dtype.
 norm_out is written only with `out_flag=True` (NaN here otherwise: unwritten on the device). The
-backward is the op's `npu_moe_gating_top_k_backward` from the norm_out and expert_idx it keeps.
+backward is the op's `npu_moe_gating_top_k_backward` from the norm_out and expert_idx it keeps, with what
+derivatives.yaml passes it (the forward's renorm and norm_type): it takes the sigmoid mode only, so a softmax
+forward that autograd recorded raises at backward, as on the device.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..checks import FLOAT_DTYPES, require_npu
+from ..ledger import derivatives, enforce, op_doc, rules
 
 __all__ = ["npu_moe_gating_top_k", "npu_moe_gating_top_k_backward"]
 
 MAX_EXPERTS = 2048
 SOFTMAX, SIGMOID = 0, 1
+
+
+def _experts(c) -> int:
+    return c.x.shape[-1]
+
+
+def _ceil32(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+FORWARD_RULES = rules(
+    "npu_moe_gating_top_k",
+    ("x-rank", "x is 2-D [tokens, experts]", op_doc(10823), lambda c: c.x.dim() == 2),
+    ("x-dtype", "x is float16, bfloat16 or float32", op_doc(10823), lambda c: c.x.dtype in FLOAT_DTYPES),
+    ("experts-max", f"at most {MAX_EXPERTS} experts (x's last dim)", op_doc(10823),
+     lambda c: _experts(c) <= MAX_EXPERTS),
+    ("bias-shape", "bias is 1-D, of x's last dim", op_doc(10829),
+     lambda c: c.bias is None or tuple(c.bias.shape) == (_experts(c),)),
+    ("bias-dtype", "bias has x's dtype", op_doc(10829), lambda c: c.bias is None or c.bias.dtype == c.x.dtype),
+    ("group-count", "group_count > 0 divides the experts", op_doc(10837),
+     lambda c: c.group_count > 0 and _experts(c) % c.group_count == 0),
+    ("experts-per-group", "more than 2 experts per group (experts / group_count > 2), with one group too",
+     op_doc(10837), lambda c: _experts(c) // c.group_count > 2),
+    ("groups-aligned", f"group_count * (experts per group rounded up to 32) <= {MAX_EXPERTS}", op_doc(10837),
+     lambda c: c.group_count * _ceil32(_experts(c) // c.group_count) <= MAX_EXPERTS),
+    ("k-group", "1 <= k_group <= group_count", op_doc(10835), lambda c: 1 <= c.k_group <= c.group_count),
+    ("k-range", "1 <= k <= experts / group_count * k_group", op_doc(10825),
+     lambda c: 1 <= c.k <= _experts(c) // c.group_count * c.k_group),
+    ("group-select-mode", "group_select_mode is 0 (a group's max) or 1 (the sum of its top 2)", op_doc(10839),
+     lambda c: c.group_select_mode in (0, 1)),
+    ("renorm", "renorm is 0 (norm, then top-k): the only mode supported", op_doc(10841), lambda c: c.renorm == 0),
+    ("norm-type", "norm_type is 0 (softmax) or 1 (sigmoid)", op_doc(10842),
+     lambda c: c.norm_type in (SOFTMAX, SIGMOID)),
+)  # fmt: skip
+BACKWARD_RULES = rules(
+    "npu_moe_gating_top_k_backward",
+    ("norm-type", "norm_type is 1: only the sigmoid mode has a backward (the forward's norm_type, which "
+     f"derivatives.yaml passes it: {derivatives(375)})", op_doc(10940), lambda c: c.norm_type == SIGMOID),
+    ("renorm", "renorm is 0 (a reserved flag; the forward takes only 0)", op_doc(10938), lambda c: c.renorm == 0),
+    ("x-norm-rank", "x_norm (the forward's norm_out) is 2-D [M, N]", op_doc(10932), lambda c: c.x_norm.dim() == 2),
+    ("x-norm-dtype", "x_norm is float32", op_doc(10932), lambda c: c.x_norm.dtype == torch.float32),
+    ("experts-range", f"2 <= N <= {MAX_EXPERTS} experts", op_doc(10932),
+     lambda c: 2 <= c.x_norm.shape[1] <= MAX_EXPERTS),
+    ("grad-y-shape", "grad_y is 2-D [M, K], with x_norm's M", op_doc(10934),
+     lambda c: c.grad_y.dim() == 2 and c.grad_y.shape[0] == c.x_norm.shape[0]),
+    ("grad-y-dtype", "grad_y is float16, bfloat16 or float32", op_doc(10934),
+     lambda c: c.grad_y.dtype in FLOAT_DTYPES),
+    ("grad-y-contiguous", "grad_y is contiguous", op_doc(10934), lambda c: c.grad_y.is_contiguous()),
+    ("k-range", "1 <= K <= N", op_doc(10934), lambda c: 1 <= c.grad_y.shape[1] <= c.x_norm.shape[1]),
+    ("expert-idx", "expert_idx is int32, contiguous, of grad_y's shape", op_doc(10936),
+     lambda c: c.expert_idx.dtype == torch.int32 and c.expert_idx.shape == c.grad_y.shape
+     and c.expert_idx.is_contiguous()),
+)  # fmt: skip
+LEDGER = FORWARD_RULES + BACKWARD_RULES
+"""The documented limits of the gating op and its backward (ledger.py). Hash routing (input_ids, tid2eid) is
+documented but not emulated: it raises NotImplementedError."""
 
 
 def npu_moe_gating_top_k(
@@ -41,10 +98,13 @@ def npu_moe_gating_top_k(
     eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     require_npu("npu_moe_gating_top_k", x=x, **({} if bias is None else {"bias": bias}))
-    _check(x, k, bias, k_group, group_count, group_select_mode, renorm, norm_type)
     if input_ids is not None or tid2eid is not None:
         raise NotImplementedError("npu_moe_gating_top_k: hash routing (input_ids, tid2eid) is not emulated")
-    settings = (k, k_group, group_count, group_select_mode, norm_type, out_flag, routed_scaling_factor, eps)
+    enforce(
+        FORWARD_RULES, x=x, k=k, bias=bias, k_group=k_group, group_count=group_count,
+        group_select_mode=group_select_mode, renorm=renorm, norm_type=norm_type,
+    )  # fmt: skip
+    settings = (k, k_group, group_count, group_select_mode, renorm, norm_type, out_flag, routed_scaling_factor, eps)
     return _GatingTopK.apply(x, bias, settings)
 
 
@@ -59,38 +119,13 @@ def npu_moe_gating_top_k_backward(
     eps: float = 1e-20,
 ) -> torch.Tensor:
     require_npu("npu_moe_gating_top_k_backward", x_norm=x_norm, grad_y=grad_y, expert_idx=expert_idx)
-    if renorm != 0 or norm_type not in (SOFTMAX, SIGMOID):
-        raise RuntimeError(f"npu_moe_gating_top_k_backward: renorm {renorm} must be 0, norm_type 0 or 1")
-    return _gating_backward(x_norm, grad_y, expert_idx, norm_type, routed_scaling_factor, eps)
-
-
-def _check(x, k, bias, k_group, group_count, group_select_mode, renorm, norm_type) -> None:
-    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
-        raise RuntimeError(f"npu_moe_gating_top_k: x must be 2-D fp16/bf16/fp32, got {x.dim()}-D {x.dtype}")
-    experts = x.shape[1]
-    if experts > MAX_EXPERTS:
-        raise RuntimeError(f"npu_moe_gating_top_k: {experts} experts, at most {MAX_EXPERTS}")
-    if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (experts,)):
-        raise RuntimeError(
-            f"npu_moe_gating_top_k: bias must be [{experts}] in {x.dtype}, got {bias.dtype} {bias.shape}"
-        )
-    if renorm != 0 or norm_type not in (SOFTMAX, SIGMOID) or group_select_mode not in (0, 1):
-        raise RuntimeError("npu_moe_gating_top_k: renorm must be 0, norm_type and group_select_mode 0 or 1")
-    if group_count < 1 or experts % group_count or not 1 <= k_group <= group_count:
-        raise RuntimeError(f"npu_moe_gating_top_k: group_count {group_count}, k_group {k_group} for {experts} experts")
-    per_group = experts // group_count
-    if group_count > 1 and per_group <= 2:
-        raise RuntimeError(f"npu_moe_gating_top_k: {per_group} experts per group, more than 2 needed")
-    if group_count > 1 and group_count * math.ceil(per_group / 32) * 32 > MAX_EXPERTS:
-        raise RuntimeError(f"npu_moe_gating_top_k: groups aligned to 32 experts exceed {MAX_EXPERTS}")
-    if not 1 <= k <= per_group * k_group:
-        raise RuntimeError(f"npu_moe_gating_top_k: k {k} must lie in [1, {per_group * k_group}]")
+    return _gating_backward(x_norm, grad_y, expert_idx, renorm, norm_type, routed_scaling_factor, eps)
 
 
 class _GatingTopK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, settings: tuple):
-        k, k_group, group_count, group_select_mode, norm_type, out_flag, scale, eps = settings
+        k, k_group, group_count, group_select_mode, renorm, norm_type, out_flag, scale, eps = settings
         x32 = x.float()
         norm = torch.softmax(x32, dim=-1) if norm_type == SOFTMAX else torch.sigmoid(x32)
         choice = norm if bias is None else norm + bias.float()
@@ -110,7 +145,7 @@ class _GatingTopK(torch.autograd.Function):
         y = (y * scale).to(x.dtype)
         norm_out = norm if out_flag else torch.full_like(norm, float("nan"))
         expert_idx = idx.to(torch.int32)
-        ctx.settings = (norm_type, scale, eps)
+        ctx.settings = (renorm, norm_type, scale, eps)
         ctx.save_for_backward(norm_out, expert_idx)
         ctx.mark_non_differentiable(expert_idx, norm_out)
         return y, expert_idx, norm_out
@@ -118,6 +153,7 @@ class _GatingTopK(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y: torch.Tensor, _grad_idx, _grad_norm):
+        # derivatives.yaml: npu_moe_gating_top_k_backward(result2, grad, result1, renorm, norm_type, scale, eps)
         norm_out, expert_idx = ctx.saved_tensors
         return _gating_backward(norm_out, grad_y, expert_idx, *ctx.settings), None, None
 
@@ -128,18 +164,16 @@ def _stable_top(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _gating_backward(
-    norm: torch.Tensor, grad_y: torch.Tensor, expert_idx: torch.Tensor, norm_type: int, scale: float, eps: float
-) -> torch.Tensor:
-    """d/dx of `y = scale * norm[idx] (/ (sum + eps) in sigmoid mode)`, `norm = softmax or sigmoid(x)`; float32."""
+    norm: torch.Tensor, grad_y: torch.Tensor, expert_idx: torch.Tensor, renorm: int, norm_type: int, scale: float,
+    eps: float,
+) -> torch.Tensor:  # fmt: skip
+    """npu_moe_gating_top_k_backward within its rules (sigmoid mode): d/dx of `y = scale * norm[idx] / (sum + eps)`,
+    `norm = sigmoid(x)`, float32 inside, in grad_y's dtype."""
+    enforce(BACKWARD_RULES, x_norm=norm, grad_y=grad_y, expert_idx=expert_idx, renorm=renorm, norm_type=norm_type)
     idx = expert_idx.long()
     grad = grad_y.float() * scale
-    if norm_type == SIGMOID:
-        chosen = norm.gather(1, idx)
-        total = chosen.sum(dim=-1, keepdim=True) + eps
-        grad = grad / total - (grad * chosen).sum(dim=-1, keepdim=True) / total.square()
+    chosen = norm.gather(1, idx)
+    total = chosen.sum(dim=-1, keepdim=True) + eps
+    grad = grad / total - (grad * chosen).sum(dim=-1, keepdim=True) / total.square()
     grad_norm = torch.zeros_like(norm).scatter_add_(1, idx, grad)
-    if norm_type == SIGMOID:
-        grad_x = grad_norm * norm * (1 - norm)
-    else:
-        grad_x = norm * (grad_norm - (grad_norm * norm).sum(dim=-1, keepdim=True))
-    return grad_x.to(grad_y.dtype)
+    return (grad_norm * norm * (1 - norm)).to(grad_y.dtype)

@@ -1,0 +1,84 @@
+"""npu-rms-norm: npu_rms_norm's rules (`CASES`), and the card at and just past each limit (`LIMITS`).
+
+npu_rms_norm_backward's rules, which npu_rms_norm's autograd node checks too, have their cases with the op in
+`ledger_cases/npu_add_rms_norm.py` (that card's emulated ops list them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch_npu
+
+from . import npu
+
+BF16, F16, F64 = torch.bfloat16, torch.float16, torch.float64
+ONES_8D = (1, 1, 1, 1, 1, 1, 2)
+
+
+def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, backward: bool = False) -> None:
+    y, _ = torch_npu.npu_rms_norm(x, gamma, epsilon=1e-6)
+    if backward:
+        y.float().pow(2).sum().backward()
+
+
+def _scalar(value: float = 1.0) -> torch.Tensor:
+    return torch.tensor(value).to("npu")
+
+
+CASES = {
+    "npu_rms_norm/x-dtype": (
+        lambda: _rms_norm(npu(4, 8, dtype=F16), npu(8, dtype=F16)),
+        lambda: _rms_norm(npu(4, 8, dtype=F64), npu(8, dtype=F64)),
+    ),
+    "npu_rms_norm/gamma-dtype": (
+        lambda: _rms_norm(npu(4, 8, dtype=BF16, grad=True), npu(8, grad=True), backward=True),
+        lambda: _rms_norm(npu(4, 8), npu(8, dtype=BF16)),
+    ),
+    "npu_rms_norm/x-rank": (
+        lambda: _rms_norm(npu(*ONES_8D, 8, grad=True), npu(8, grad=True), backward=True),
+        lambda: _rms_norm(npu(8), npu(8)),
+    ),
+    "npu_rms_norm/gamma-rank": (
+        lambda: _rms_norm(npu(2, 4, 8, grad=True), npu(4, 8, grad=True), backward=True),
+        lambda: _rms_norm(npu(2, 8), _scalar()),
+    ),
+    "npu_rms_norm/gamma-shape": (
+        lambda: _rms_norm(npu(4, 8), npu(8)),
+        lambda: _rms_norm(npu(4, 8), npu(6)),
+    ),
+    "npu_rms_norm/gamma-nonempty": (
+        lambda: _rms_norm(npu(0, 8), npu(8)),  # an empty x is accepted
+        lambda: _rms_norm(npu(4, 0), npu(0)),
+    ),
+}
+
+
+def _card_case(shape, dtype=torch.float32, weight_dtype=None, scaling="plain"):
+    """The card's `rms_norm` forward and backward on x of `shape` (its reason on the same inputs)."""
+
+    def make(card):
+        x = npu(*shape, dtype=dtype, grad=True)
+        weight = npu(*shape[-1:], dtype=weight_dtype or dtype, grad=True)
+
+        def run():
+            card.rms_norm(x, weight, 1e-6, scaling).float().pow(2).sum().backward()
+
+        return run, lambda: card.rms_norm_unavailable_reason(x, weight, scaling)
+
+    return make
+
+
+LIMITS = {
+    "2-D x (npu_rms_norm's fewest dims)": _card_case((4, 8)),
+    "1-D x (one dim fewer)": _card_case((8,)),
+    "8-D x (the most dims)": _card_case((*ONES_8D, 8)),
+    "9-D x (one dim more)": _card_case((*ONES_8D, 1, 8)),
+    "one row": _card_case((1, 8)),
+    "no rows (empty x)": _card_case((0, 8)),
+    "float32 weight with bfloat16 x (float32_scale: a pair of the dtype table)": _card_case(
+        (4, 8), BF16, torch.float32, "float32_scale"
+    ),
+    "float16 weight with bfloat16 x (float32_scale: not a pair)": _card_case((4, 8), BF16, F16, "float32_scale"),
+    "1 + weight in float32 with bfloat16 x (zero_centered)": _card_case((4, 8), BF16, BF16, "zero_centered"),
+    "float64 x (not a dtype of the op)": _card_case((4, 8), F64),
+}

@@ -1,0 +1,145 @@
+"""npu-swiglu: npu_swiglu's and npu_swiglu_backward's rules (`CASES`), and the card at and just past each limit
+(`LIMITS`). The backward's refusals go through npu_swiglu's autograd node where its gradient can be wrong
+(`grad_fn.apply`, or `backward` with a non-contiguous gradient), and through the op otherwise (what the node
+checks on x and dim, the forward has checked already).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch_npu
+from torch import nn
+
+from npu_hub_kernels.testing.emulation.ops.npu_swiglu import npu_swiglu_backward
+
+from . import npu
+
+BF16, F64 = torch.bfloat16, torch.float64
+ONES_8D = (1, 1, 1, 1, 1, 1, 2)
+
+
+def _swiglu(x: torch.Tensor, dim: int = -1, grad: torch.Tensor | None = None) -> None:
+    """npu_swiglu forward, and its backward with `grad` when given (x must require grad then)."""
+    out = torch_npu.npu_swiglu(x, dim=dim)
+    if grad is not None:
+        out.backward(grad)
+
+
+def _node(x: torch.Tensor, grad: torch.Tensor) -> None:
+    """npu_swiglu's autograd node called with `grad` as is: npu_swiglu_backward(grad, self, dim)."""
+    torch_npu.npu_swiglu(x.requires_grad_()).grad_fn.apply(grad)
+
+
+CASES = {
+    "npu_swiglu/x-dtype": (
+        lambda: _swiglu(npu(4, 8, dtype=BF16)),
+        lambda: _swiglu(npu(4, 8, dtype=F64)),
+    ),
+    "npu_swiglu/x-rank": (
+        lambda: _swiglu(npu(8)),
+        lambda: _swiglu(npu(*ONES_8D, 1, 8)),
+    ),
+    "npu_swiglu/dim-range": (
+        lambda: _swiglu(npu(4, 8), dim=-2),
+        lambda: _swiglu(npu(4, 8), dim=2),
+    ),
+    "npu_swiglu/x-contiguous": (
+        lambda: _swiglu(npu(6, 8)),
+        lambda: _swiglu(npu(8, 6).t()),
+    ),
+    "npu_swiglu/x-nonempty": (
+        lambda: _swiglu(npu(1, 8)),
+        lambda: _swiglu(npu(0, 8)),
+    ),
+    "npu_swiglu/x-even": (
+        lambda: _swiglu(npu(2, 4, 3), dim=1),
+        lambda: _swiglu(npu(4, 7)),
+    ),
+    "npu_swiglu_backward/x-dtype": (
+        lambda: _swiglu(npu(4, 8, dtype=BF16, grad=True), grad=npu(4, 4, dtype=BF16)),
+        lambda: npu_swiglu_backward(npu(4, 4, dtype=F64), npu(4, 8, dtype=F64)),
+    ),
+    "npu_swiglu_backward/grad_output-dtype": (
+        lambda: _node(npu(4, 8), npu(4, 4)),
+        lambda: _node(npu(4, 8), npu(4, 4, dtype=BF16)),
+    ),
+    "npu_swiglu_backward/x-rank": (
+        lambda: _swiglu(npu(*ONES_8D, 8, grad=True), grad=npu(*ONES_8D, 4)),
+        lambda: npu_swiglu_backward(npu(*ONES_8D, 1, 4), npu(*ONES_8D, 1, 8)),
+    ),
+    "npu_swiglu_backward/dim-range": (
+        lambda: _swiglu(npu(4, 8, grad=True), dim=0, grad=npu(2, 8)),
+        lambda: npu_swiglu_backward(npu(4, 4), npu(4, 8), dim=2),
+    ),
+    "npu_swiglu_backward/x-nonempty": (
+        lambda: npu_swiglu_backward(npu(1, 4), npu(1, 8)),
+        lambda: npu_swiglu_backward(npu(0, 4), npu(0, 8)),
+    ),
+    "npu_swiglu_backward/grad_output-nonempty": (
+        lambda: _node(npu(1, 8), npu(1, 4)),
+        lambda: _node(npu(1, 8), npu(0, 4)),
+    ),
+    "npu_swiglu_backward/grad_output-shape": (
+        lambda: _node(npu(4, 8), npu(4, 4)),
+        lambda: _node(npu(4, 8), npu(4, 8)),
+    ),
+    "npu_swiglu_backward/grad_output-contiguous": (
+        lambda: _swiglu(npu(4, 8, grad=True), grad=npu(4, 4)),
+        lambda: _swiglu(npu(4, 8, grad=True), grad=npu(4, 4).t().contiguous().t()),
+    ),
+}
+
+HIDDEN, INNER = 8, 4
+
+
+def _linear(inputs: int, outputs: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.Linear(inputs, outputs, bias=False).to(dtype).to("npu")
+
+
+def _split_case(shape, dtype=torch.float32):
+    """The card's `swiglu_mlp` (split gate_proj/up_proj) forward and backward on x of `shape`."""
+
+    def make(card):
+        x = npu(*shape, dtype=dtype, grad=True)
+        gate, up, down = _linear(HIDDEN, INNER, dtype), _linear(HIDDEN, INNER, dtype), _linear(INNER, HIDDEN, dtype)
+        act = nn.SiLU()
+
+        def run():
+            card.swiglu_mlp(x, gate, up, down, act).float().pow(2).sum().backward()
+
+        return run, lambda: card.swiglu_mlp_unavailable_reason(x, gate, up, act)
+
+    return make
+
+
+def _gate_up_case(shape, dtype=torch.float32):
+    """The card's `swiglu_gate_up_mlp` (one gate_up_proj) forward and backward on x of `shape`. (An odd number of
+    features, which the card's reason refuses too, is no MLP eager computes either.)"""
+
+    def make(card):
+        x = npu(*shape, dtype=dtype, grad=True)
+        gate_up, down = _linear(HIDDEN, 2 * INNER, dtype), _linear(INNER, HIDDEN, dtype)
+        act = nn.SiLU()
+
+        def run():
+            card.swiglu_gate_up_mlp(x, gate_up, down, act).float().pow(2).sum().backward()
+
+        return run, lambda: card.swiglu_gate_up_mlp_unavailable_reason(x, gate_up, act)
+
+    return make
+
+
+LIMITS = {
+    "gate_up: 1-D x (npu_swiglu's fewest dims)": _gate_up_case((HIDDEN,)),
+    "gate_up: 8-D x (the most dims)": _gate_up_case((*ONES_8D, HIDDEN)),
+    "gate_up: 9-D x (one dim more)": _gate_up_case((*ONES_8D, 1, HIDDEN)),
+    "gate_up: one token": _gate_up_case((1, HIDDEN)),
+    "gate_up: no tokens (empty x)": _gate_up_case((0, HIDDEN)),
+    "gate_up: float64 (not a dtype of the op)": _gate_up_case((4, HIDDEN), F64),
+    "split: 1-D x (as [1, H] rows: [2, 1, I] to the op)": _split_case((HIDDEN,)),
+    "split: 9-D x (as rows: [2, T, I] to the op)": _split_case((*ONES_8D, 1, HIDDEN)),
+    "split: one token": _split_case((1, HIDDEN)),
+    "split: no tokens (empty x)": _split_case((0, HIDDEN)),
+    "split: float64 (not a dtype of the op)": _split_case((4, HIDDEN), F64),
+    "split: bfloat16": _split_case((4, HIDDEN), BF16),
+}
