@@ -114,3 +114,31 @@ def test_npu_swiglu_gates_the_halves_of_dim_0_with_its_backward(built_cards):
         tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         torch.testing.assert_close(out[0].cpu().double(), expected.detach(), **tolerance)
         torch.testing.assert_close(leaf.grad.cpu().double(), reference.grad, **tolerance)
+
+
+@pytest.mark.parametrize(
+    "model_type", ["llama", "qwen2_moe", "deepseek_v3"], ids=["loss card", "softmax router", "sigmoid router"]
+)
+def test_one_bfloat16_training_step_on_the_device(built_cards, model_type):
+    """Issue 26's call forms on the device, in the default use_kernels path of a bf16 training step: the fused loss
+    (its backward op given grad_loss in log_prob's float32), a softmax router (no softmax-mode backward: it trains
+    eager) and a sigmoid group router (the op and its backward). Loss within bf16 reach of host eager, every
+    gradient finite, the weights updated."""
+    model = tiny_model(model_type, dtype=torch.bfloat16).train()
+    ids = token_ids()
+    labels = ids.clone()
+    labels[0, :3] = -100  # some ignored tokens, as an SFT prompt's
+    eager_loss = model(ids, labels=labels).loss.float()
+    register_npu_kernels(local_dir=built_cards)
+    try:
+        model = kernelize(model.npu(), mode=Mode.TRAINING, device="npu")
+        output = model(ids.npu(), labels=labels.npu())
+        output.loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        torch.optim.SGD(model.parameters(), lr=1e-2).step()
+    finally:
+        unregister_npu_kernels()
+    assert swapped_modules(model, card="npu-linear-cross-entropy") and output.logits is None
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters(), strict=True))
+    torch.testing.assert_close(output.loss.detach().float().cpu(), eager_loss, rtol=2e-2, atol=2e-2)
