@@ -604,3 +604,18 @@ def test_npu_cross_entropy_loss_keeps_log_prob_and_target_for_backward(reduction
     assert log_prob.dtype == loss.dtype == torch.bfloat16 and zloss.numel() == lse.numel() == 0
     math = torch.nn.functional.cross_entropy(x.float(), target, reduction=reduction).reshape(loss.shape)
     torch.testing.assert_close(_grads_of([x], loss)[0].float(), _grads_of([x], math)[0].float(), rtol=2e-2, atol=1e-3)
+
+
+def test_a_recorded_backward_of_an_op_without_a_derivative_warns_and_passes_no_second_order():
+    """create_graph=True through npu_rms_norm: its backward op has no derivative (derivatives.yaml), so torch_npu's
+    autograd fallback gives the first-order gradient a node that warns and passes nothing: a Hessian-vector product
+    through it misses the norm's second order, as on the device (the cards differentiate eager's math instead)."""
+    x = torch.randn(3, 16).to("npu").requires_grad_()
+    gamma = torch.randn(16).to("npu").requires_grad_()
+    y, _ = torch_npu.npu_rms_norm(x, gamma)
+    (grad_x,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    assert grad_x.requires_grad  # connected, as the fallback connects it
+    with pytest.warns(UserWarning, match="npu_rms_norm_backward: an autograd kernel was not registered"):
+        grad_x.sum().backward()
+    for leaf in (x, gamma):  # no second-order gradient reaches them
+        assert leaf.grad is None or not leaf.grad.cpu().any()

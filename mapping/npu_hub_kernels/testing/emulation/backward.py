@@ -6,45 +6,107 @@ backward runs `math` again on them under autograd: the same float32 ops, so the 
 through `math` would give, from what torch_npu's generated autograd node keeps (op-plugin derivatives.yaml).
 With `check_backward`, backward first calls `check_backward(grad, *inputs)` on the kept inputs: the backward op's
 own limits (its ledger rules), checked on what the op's autograd node hands that op.
+
+`device_backward(op)` decorates an emulated op's autograd backward with what the device does when autograd records
+that backward (`create_graph=True`): the backward op (`op`, e.g. npu_rms_norm_backward) has no derivative of its own
+(no derivatives.yaml entry), so torch_npu's autograd fallback (Ascend/pytorch
+`torch_npu/csrc/aten/VariableFallbackKernel.cpp`, PyTorch's "warn" mode) gives its outputs a node that, in the
+second backward, warns and passes no gradient. The first-order gradients are the op's; the second order through
+them is missing, silently but for the warning, as on the device.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
+
+
+def device_backward(op: str) -> Callable:
+    """Decorate an autograd Function's `backward(ctx, *grads)` that runs the device op `op`: computed without
+    recording, and, when autograd records it, its tensor results wrapped as torch_npu's fallback wraps an op without
+    a derivative (see the module's docstring)."""
+
+    def decorate(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            if not torch.is_grad_enabled():  # a plain backward (the saved tensors are unpacked once: checkpointing)
+                return backward(ctx, *grads)
+            sources = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+            with torch.no_grad():
+                results = backward(ctx, *grads)
+            if not sources:
+                return results
+            single = not isinstance(results, tuple)
+            wrapped = tuple(
+                _NoDerivative.apply(op, t, *sources) if isinstance(t, torch.Tensor) else t
+                for t in ((results,) if single else results)
+            )
+            return wrapped[0] if single else wrapped
+
+        return wrapper
+
+    return decorate
+
+
+class _NoDerivative(torch.autograd.Function):
+    """A result of `op` computed in a recorded backward: connected to the backward's inputs that require grad, as
+    torch_npu's fallback connects it; differentiating through it warns and gives them nothing."""
+
+    @staticmethod
+    def forward(ctx, op: str, result: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
+        ctx.op, ctx.sources = op, len(sources)
+        return result.view_as(result)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        warnings.warn(
+            f"{ctx.op}: an autograd kernel was not registered to the AutogradPrivateUse1 key, but we are trying to "
+            "backprop through it (torch_npu's autograd fallback): no gradient flows through it, so these "
+            "second-order gradients are incomplete",
+            stacklevel=2,
+        )
+        return None, None, *([None] * ctx.sources)
 
 
 def keeping_inputs(
     math: Callable[..., torch.Tensor],
     *inputs: torch.Tensor,
+    backward_op: str,
     check_backward: Callable[..., None] | None = None,
 ) -> torch.Tensor:
-    """`math(*inputs)`, differentiable in every input, keeping only the inputs for backward; backward first runs
-    `check_backward(grad, *inputs)` when given (it raises for a call the backward op refuses)."""
-    return _RecomputedFromInputs.apply(math, check_backward, *inputs)
+    """`math(*inputs)`, differentiable in every input, keeping only the inputs for backward, which is the device op
+    `backward_op` (`device_backward`); backward first runs `check_backward(grad, *inputs)` when given (it raises for a
+    call the backward op refuses)."""
+    return _RecomputedFromInputs.apply(math, backward_op, check_backward, *inputs)
 
 
 class _RecomputedFromInputs(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, math: Callable[..., torch.Tensor], check_backward: Callable[..., None] | None, *inputs: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.math = math
+        ctx, math: Callable[..., torch.Tensor], backward_op: str, check_backward: Callable[..., None] | None,
+        *inputs: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        ctx.math, ctx.backward_op = math, backward_op
         ctx.check_backward = check_backward
         ctx.save_for_backward(*inputs)
         return math(*inputs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        kept = ctx.saved_tensors
-        if ctx.check_backward is not None:
-            ctx.check_backward(grad, *kept)
-        needs = ctx.needs_input_grad[2:]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip(kept, needs, strict=True)]
-            out = ctx.math(*leaves)
-        grads = iter(torch.autograd.grad(out, [leaf for leaf in leaves if leaf.requires_grad], grad))
-        return None, None, *(next(grads) if need else None for need in needs)
+        return device_backward(ctx.backward_op)(_recomputed_backward)(ctx, grad)
+
+
+def _recomputed_backward(ctx, grad: torch.Tensor):
+    """The recomputing backward of `keeping_inputs`: the float32 forward again on the kept inputs, under autograd."""
+    kept = ctx.saved_tensors
+    if ctx.check_backward is not None:
+        ctx.check_backward(grad, *kept)
+    needs = ctx.needs_input_grad[3:]
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(kept, needs, strict=True)]
+        out = ctx.math(*leaves)
+    grads = iter(torch.autograd.grad(out, [leaf for leaf in leaves if leaf.requires_grad], grad.detach()))
+    return None, None, None, *(next(grads) if need else None for need in needs)

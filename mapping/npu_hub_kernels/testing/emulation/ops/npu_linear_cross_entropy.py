@@ -13,8 +13,8 @@ says, and its backward is `npu_cross_entropy_loss_backward`, whose gradient take
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..backward import device_backward
 from ..checks import FLOAT_DTYPES, require_npu
 from ..ledger import OPS_NN, enforce, functions_yaml, op_doc, rules
 
@@ -159,7 +159,7 @@ class _CrossEntropy(torch.autograd.Function):
         return loss.to(x.dtype), log_prob
 
     @staticmethod
-    @once_differentiable
+    @device_backward("npu_cross_entropy_loss_backward")
     def backward(ctx, grad_loss: torch.Tensor, _grad_log_prob):
         # derivatives.yaml: npu_cross_entropy_loss_backward(grads[0], result1, target, weight, grads[1], ...)
         log_prob, target, weight = ctx.saved_tensors

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backward import device_backward
 from ..checks import require_npu
 from ..ledger import OP_PLUGIN, OPS_TRANSFORMER, enforce, op_doc, rules
 
@@ -664,7 +665,7 @@ class _Permute(torch.autograd.Function):
         return permuted, sorted_indices
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @device_backward("npu_moe_token_permute_grad_v2")
     def backward(ctx, grad_permuted: torch.Tensor, _grad_sorted_indices):
         (sorted_indices,) = ctx.saved_tensors
         # derivatives.yaml:333: npu_moe_token_permute_grad_v2(grad, result1, tokens.sym_size(0), tokens.scalar_type(),
@@ -724,7 +725,7 @@ class _Unpermute(torch.autograd.Function):
         return gathered.sum(dim=1).to(permuted_tokens.dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @device_backward("npu_moe_token_unpermute_grad_v2")
     def backward(ctx, grad: torch.Tensor):
         sorted_indices, probs, permuted_tokens = ctx.saved_tensors
         # derivatives.yaml:338: npu_moe_token_unpermute_grad_v2(grad, sorted_indices, permuted_tokens.sym_size(0),

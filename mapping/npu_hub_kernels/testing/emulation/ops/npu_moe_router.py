@@ -14,8 +14,8 @@ forward that autograd recorded raises at backward, as on the device.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..backward import device_backward
 from ..checks import FLOAT_DTYPES, require_npu
 from ..ledger import derivatives, enforce, op_doc, rules
 
@@ -151,7 +151,7 @@ class _GatingTopK(torch.autograd.Function):
         return y, expert_idx, norm_out
 
     @staticmethod
-    @once_differentiable
+    @device_backward("npu_moe_gating_top_k_backward")
     def backward(ctx, grad_y: torch.Tensor, _grad_idx, _grad_norm):
         # derivatives.yaml: npu_moe_gating_top_k_backward(result2, grad, result1, renorm, norm_type, scale, eps)
         norm_out, expert_idx = ctx.saved_tensors

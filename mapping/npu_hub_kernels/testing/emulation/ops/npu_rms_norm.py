@@ -14,8 +14,8 @@ node checks on what op-plugin's derivatives.yaml hands it (`npu_rms_norm_backwar
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..backward import device_backward
 from ..checks import FLOAT_DTYPES, require_npu
 from ..ledger import OPS_NN, enforce, op_doc, rules
 
@@ -136,7 +136,7 @@ class _RmsNorm(torch.autograd.Function):
         return (x32 * rstd * gamma.float()).to(x.dtype), rstd
 
     @staticmethod
-    @once_differentiable
+    @device_backward("npu_rms_norm_backward")
     def backward(ctx, grad_y: torch.Tensor, _grad_rstd):
         x, gamma, rstd = ctx.saved_tensors
         # derivatives.yaml: self, gamma: npu_rms_norm_backward(grad, self, gamma, result1)

@@ -353,6 +353,7 @@ def npu_rotary_mul(
         x,
         r1,
         r2,
+        backward_op="npu_rotary_mul_backward",
         check_backward=functools.partial(_check_backward, rotary_mode=rotary_mode),
     )
 

@@ -12,8 +12,8 @@ derivatives.yaml hands it (`npu_swiglu_backward(grad, self, dim)`). `npu_swiglu_
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..backward import device_backward
 from ..checks import FLOAT_DTYPES, require_npu
 from ..ledger import OP_PLUGIN, OPS_NN, enforce, op_doc, rules
 
@@ -116,7 +116,7 @@ class _Swiglu(torch.autograd.Function):
         return _swiglu(x, dim)
 
     @staticmethod
-    @once_differentiable
+    @device_backward("npu_swiglu_backward")
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
         return npu_swiglu_backward(grad, x, ctx.dim), None
