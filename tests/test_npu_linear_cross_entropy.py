@@ -777,14 +777,14 @@ def test_doge_without_moe_asks_no_router_logits_as_its_class(npu_kernels):
 
 
 def test_moe_auxiliary_loss_with_return_dict_false(npu_kernels):
-    """The tuple holds what eager's does but the logits (None, left out as to_tuple leaves it out)."""
+    """The tuple holds what eager's does, the logits' slot None (so every field keeps eager's position)."""
     eager, fused = _pair("qwen3_moe")
     ids = token_ids()
     with emulation.count_op_calls() as calls:
         got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), output_router_logits=True, return_dict=False)
     assert calls[OPS[0]] == 1
     want = eager(input_ids=ids, labels=ids, output_router_logits=True, return_dict=False)
-    assert isinstance(got, tuple) and len(got) == len(want) - 1
+    assert isinstance(got, tuple) and len(got) == len(want) and got[2] is None  # (loss, aux_loss, logits, ...)
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)  # the loss
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-6)  # the auxiliary loss
 
@@ -855,7 +855,7 @@ def test_other_forms_are_eager_without_a_training_step_and_fuse_as_tuples(npu_ke
     with emulation.count_op_calls() as calls:
         got = fused(input_ids=npu, labels=npu, return_dict=False, num_items_in_batch=torch.tensor(20))
     want = eager(input_ids=ids, labels=ids, return_dict=False, num_items_in_batch=torch.tensor(20))
-    assert calls[OPS[0]] == 1 and isinstance(got, tuple) and len(got) == len(want) - 1
+    assert calls[OPS[0]] == 1 and isinstance(got, tuple) and len(got) == len(want) and got[1] is None
     torch.testing.assert_close(got[0].cpu(), want[0].cpu(), rtol=1e-5, atol=1e-6)
 
 
@@ -890,7 +890,8 @@ def test_return_dict_false_in_a_training_step(npu_kernels):
         got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), return_dict=False)
     assert [calls[op] for op in OPS] == LOG_PROB_FORM
     want = eager(input_ids=ids, labels=ids, return_dict=False)
-    assert isinstance(got, tuple) and len(got) == len(want) - 1  # the logits (None) are left out, as to_tuple does
+    # eager's (loss, logits, past_key_values): the logits' slot is None, so out[1] is never the cache
+    assert isinstance(got, tuple) and len(got) == len(want) and got[1] is None and type(got[2]) is type(want[2])
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)
 
 
@@ -1047,3 +1048,73 @@ def test_a_dropped_wrapper_whose_autocast_accelerate_cannot_say_raises_what_to_d
     ids = token_ids(batch=2, seq=8).to("npu")
     with pytest.raises(RuntimeError, match=r"accelerate's state \(not initialized\).*apply_npu_kernels"):
         model(ids, labels=ids)
+
+
+# --- eager's answer in every autograd and output form (issue 30) -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case", ["model", "num_items_in_batch 0", "several chunks"], ids=["model", "num_items_in_batch=0", "chunks"]
+)
+def test_a_batch_with_no_counted_label_gives_eagers_nan_loss_and_zero_gradients(npu_kernels, card, case):
+    """A truncated SFT prompt (every label -100): eager's loss is NaN (0 / 0) and every gradient 0; never a NaN
+    gradient (one optimizer step would write NaN into every weight)."""
+    if case == "model":
+        eager, fused = _pair("llama")
+        ids = token_ids()
+        labels = torch.full_like(ids, -100)
+        losses = []
+        for model in (eager, fused):
+            loss = model(input_ids=ids.to(model.device), labels=labels.to(model.device)).loss
+            loss.backward()
+            losses.append(loss.detach().cpu())
+        assert torch.isnan(losses[0]) and torch.isnan(losses[1])
+        for p in fused.parameters():
+            assert p.grad is None or torch.isfinite(p.grad.cpu()).all()
+        assert not fused.lm_head.weight.grad.cpu().any()
+        return
+    lm_head, h, _ = _problem(tokens=96)
+    labels = torch.full((1, 96), -100)
+    kwargs = {"num_items_in_batch": 0} if case == "num_items_in_batch 0" else {}
+    chunk = 20 if case == "several chunks" else None
+    want = _run(card.linear_cross_entropy_eager, lm_head, h, labels, "cpu", **kwargs)
+    with emulation.count_op_calls() as calls:
+        got = _run(card.linear_cross_entropy, lm_head, h, labels, "npu", chunk_tokens=chunk, **kwargs)
+    assert calls[OPS[0]] >= 1 and torch.isnan(got[0]) and torch.isnan(want[0])
+    for g, w in zip(got[1:3], want[1:3], strict=True):
+        assert torch.equal(g, w) and not g.any()
+
+
+@pytest.mark.parametrize("chunk", [None, 20], ids=["log-probability form", "chunked form"])
+def test_a_second_backward_and_a_double_backward_give_eagers_gradients(card, chunk):
+    """retain_graph=True twice adds the same gradients again (the chunked form's saved gradients are not scaled in
+    place); create_graph=True differentiates eager's ops (the device's loss backward has no derivative)."""
+    lm_head, h, labels = _problem(tokens=96)
+    results = []
+    for fn, device in ((card.linear_cross_entropy_eager, "cpu"), (card.linear_cross_entropy, "npu")):
+        head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False).to(device)
+        head.load_state_dict(lm_head.state_dict())
+        leaf = h.clone().to(device).requires_grad_()
+        kwargs = {} if fn is card.linear_cross_entropy_eager else {"chunk_tokens": chunk}
+        loss, _ = fn(leaf, head, labels.to(device), lm_head.out_features, **kwargs)
+        loss.backward(retain_graph=True)
+        loss.backward(retain_graph=True)
+        twice = (leaf.grad.cpu().clone(), head.weight.grad.cpu().clone())
+        leaf.grad = head.weight.grad = None
+        grad_h, grad_w = torch.autograd.grad(loss, (leaf, head.weight), create_graph=True)
+        (grad_h.pow(2).sum() + grad_w.pow(2).sum()).backward()
+        results.append((*twice, leaf.grad.cpu(), head.weight.grad.cpu()))
+    for got, want, name in zip(*results, ("2 x dh", "2 x dW", "d|g|^2/dh", "d|g|^2/dW"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_labels_on_the_host_are_moved_as_eagers_loss_moves_them(npu_kernels):
+    """Labels left on the host: eager's loss moves them to the logits' device; the fused loss moves them to the
+    hidden states' and still fuses (the memory saving is kept)."""
+    eager, fused = _pair("llama")
+    ids = token_ids()
+    want = eager(input_ids=ids.to(eager.device), labels=_labels(ids)).loss
+    with emulation.count_op_calls() as calls:
+        got = fused(input_ids=ids.to("npu"), labels=_labels(ids)).loss
+    assert calls[OPS[0]] == 1
+    torch.testing.assert_close(got.detach().cpu(), want.detach().cpu(), rtol=1e-5, atol=1e-6)

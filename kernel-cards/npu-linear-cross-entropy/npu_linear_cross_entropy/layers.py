@@ -547,7 +547,14 @@ def _fused_where_possible(
         attentions=outputs.attentions,
         **fields,
     )
-    return output if return_dict else output.to_tuple()
+    return output if return_dict else _as_tuple(output)
+
+
+def _as_tuple(output) -> tuple:
+    """`output.to_tuple()` with the logits' slot kept (None where the fused loss made none): eager's tuple has its
+    logits there, so every later field keeps its position (`out[1]` is never the cache)."""
+    values = ((name, getattr(output, name)) for name in output.__dataclass_fields__)
+    return tuple(value for name, value in values if value is not None or name == "logits")
 
 
 DROPPED_AUTOCAST = (

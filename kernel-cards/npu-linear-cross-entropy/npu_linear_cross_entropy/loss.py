@@ -16,12 +16,15 @@ moved and in peak memory:
   log_prob's dtype (float32: the op takes grad_loss in log_prob's dtype), giving `softmax - onehot` of the counted
   rows in float32, which two matmuls turn into this chunk's `dL/dh_c` (kept in the model dtype, as its matmul
   rounds it) and its share of `dL/dW` (summed in float32). Backward then only scales them by the incoming gradient
-  and `1 / n` (n: the counted tokens, or `num_items_in_batch`), each rounded once to its dtype: the logits are never
-  recomputed and never held whole, at the price of keeping dL/dW (float32, [V, H]) and dL/dh from forward to
-  backward, which pays only when the tokens are many.
+  (the loss's over `1 / n`, n: the counted tokens or `num_items_in_batch`), each rounded once to its dtype: never
+  recomputing the logits nor holding them whole, at the price of keeping dL/dW (float32, [V, H]) and dL/dh from
+  forward to backward, which pays only when the tokens are many.
 The op ignores no row itself (with a gradient, its 'mean' mode takes no ignore_index and a negative ignore_index
 ignores nothing), so ignored rows get target 0 and count nothing: their losses are not summed (`torch.where`, so a
-batch with no counted token gives eager's NaN loss and zero gradients, never NaN gradients).
+batch with no counted token gives eager's NaN loss and zero gradients, never NaN gradients). A backward that
+autograd records (create_graph=True) differentiates eager's ops on the same tensors (`_counted_loss_eager`), the
+device's loss backward having no derivative: second-order gradients are eager's. Labels may be on the host: they are
+moved to the hidden states' device, as eager's loss moves them to the logits'.
 Under autocast (on the npu, in float16 or bfloat16: accelerate's and Trainer's bf16/fp16) the chunks compute in
 autocast's dtype as eager's autocast lm_head does: hidden states, weight and bias cast to it once (autocast off
 inside, so nothing is cast twice), the gradients cast back to their dtypes by autograd, as the casts' backward.
@@ -54,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from ._double_backward import with_eager_double_backward
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 MAX_ROWS = 200_000
@@ -158,7 +162,7 @@ def _tensors_unavailable_reason(
     if weight.dim() != 2 or weight.shape[0] != vocab_size:
         return f"lm_head.weight {tuple(weight.shape)} for a vocabulary of {vocab_size}: eager's view decides"
     params = (weight,) if bias is None else (weight, bias)
-    reason = npu_unavailable_reason(hidden_states, *params, labels)
+    reason = npu_unavailable_reason(hidden_states, *params)  # labels anywhere: moved as eager's loss moves them
     if reason is not None:
         return reason
     if torch.is_autocast_enabled(hidden_states.device.type):
@@ -236,9 +240,19 @@ def _fused_loss(
     needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     with torch.autocast(device_type, enabled=False):  # the chunks' matmuls in that dtype, nothing cast again
         if chunk_tokens is None and not chunked_form_pays(hidden.shape[0], hidden.shape[1], needs_grad):
-            return _loss_keeping_log_probs(hidden, weight, bias, targets, counted) / divisor
-        chunk = min(chunk_tokens or default_chunk_tokens(*hidden.shape), MAX_ROWS)
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, divisor, chunk)
+            total = _loss_keeping_log_probs(hidden, weight, bias, targets, counted)
+        else:
+            chunk = min(chunk_tokens or default_chunk_tokens(*hidden.shape), MAX_ROWS)
+            total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, chunk)
+    # the division last: the loss is a tensor of its own, which a trainer may scale in place
+    return with_eager_double_backward(total, _counted_loss_eager, hidden, weight, bias, targets, counted) / divisor
+
+
+def _counted_loss_eager(hidden, weight, bias, targets, counted) -> torch.Tensor:
+    """The counted tokens' summed loss in eager's ops (float32 logits, cross-entropy): what a recorded backward
+    (create_graph) differentiates, the device's loss backward having no derivative."""
+    per_token = F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")
+    return torch.where(counted, per_token, 0.0).sum()
 
 
 def _loss_keeping_log_probs(hidden, weight, bias, targets, counted) -> torch.Tensor:
@@ -385,10 +399,10 @@ def causal_lm_loss_eager(
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum over counted tokens of CE(h W^T + b) / divisor; the gradients made in forward, chunk by chunk."""
+    """The sum over counted tokens of CE(h W^T + b); the gradients made in forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, counted, divisor, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, counted, chunk: int):
         needs_grad = ctx.needs_input_grad[:3]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         # dL/dh in the model dtype: each chunk's matmul rounds it to that dtype anyway (as eager's does)
@@ -399,23 +413,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             total += _chunk(hidden[rows], weight, bias, targets[rows], counted[rows], rows, grads)
-        # no counted token: every gradient is 0, as eager's (its loss is 0 / 0 too); 1 / divisor must not make NaN
-        scale = torch.where(counted.any(), 1.0 / divisor, 0.0)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, scale)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, counted.any())
         ctx.weight_dtype = weight.dtype
-        return total / divisor
+        return total
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight, grad_bias, scale = ctx.saved_tensors
-        weight_dtype = ctx.weight_dtype
-        scale = grad_loss.float() * scale
-        # new tensors (the saved ones stay as they are for a second backward), then one cast each
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight, grad_bias, any_counted = ctx.saved_tensors
+        # no counted token: every gradient is 0, as eager's, whatever the incoming one (1 / 0 when its loss is 0 / 0)
+        scale = torch.where(any_counted, grad_total.float(), 0.0)
+        # new tensors (the saved ones stay as they are for a second backward), each rounded once to its dtype
         return (
-            None if grad_hidden is None else grad_hidden * scale,  # rounded once to its dtype, as eager's
-            None if grad_weight is None else (grad_weight * scale).to(weight_dtype),
-            None if grad_bias is None else (grad_bias * scale).to(weight_dtype),
-            None,
+            None if grad_hidden is None else grad_hidden * scale,
+            None if grad_weight is None else (grad_weight * scale).to(ctx.weight_dtype),
+            None if grad_bias is None else (grad_bias * scale).to(ctx.weight_dtype),
             None,
             None,
             None,
