@@ -31,6 +31,8 @@ from types import ModuleType
 
 INTERFACE_MODULE = "llamafactory.v1.plugins.model_plugins.kernels.interface"
 """LLaMA-Factory v1's kernel interface: where `KernelPlugin` is importable from (0.9.5 and newer)."""
+PLUGIN_NAME = "npu_hub"
+"""The `kernel_config.name` that selects the cards."""
 DISABLE_ENV = "NPU_HUB_KERNELS_LLAMAFACTORY"
 """Set to "0" to leave LLaMA-Factory without the `npu_hub` plugin."""
 
@@ -50,11 +52,16 @@ def install() -> None:
 
 
 def register(interface: ModuleType) -> None:
-    """Register the `npu_hub` plugin in this imported kernel interface, once; log (never raise) a failure."""
+    """Register the `npu_hub` plugin in this imported kernel interface, once; log (never raise) a failure. Where the
+    environment cannot run npu-hub-kernels (`environment_problem`), the plugin registered refuses with that reason."""
     if any(module is interface for module in _attempted):
         return
     _attempted.append(interface)  # first: importing npu_hub_kernels below runs install() again
     try:
+        problem = environment_problem()
+        if problem is not None:
+            register_refusal(interface, problem)
+            return
         from npu_hub_kernels.llamafactory import register_plugin
 
         register_plugin(interface)
@@ -68,6 +75,66 @@ def register(interface: ModuleType) -> None:
             type(error).__name__,
             error,
         )
+
+
+DISTRIBUTION = "npu-hub-kernels"
+CHECKED = ("transformers", "kernels")
+"""The dependencies whose versions decide whether npu-hub-kernels imports at all (its pins in pyproject.toml)."""
+LLAMAFACTORY_PINS = (
+    "LLaMA-Factory 0.9.5 pins transformers<=5.6.0 (its main branch <=5.8.0), releases that cannot import next to "
+    "the kernels 0.17 npu-hub-kernels needs. Install LLaMA-Factory next to a supported stack instead, without its "
+    "pins: pip install 'npu-hub-kernels' && pip install --no-deps llamafactory==0.9.5, and set "
+    "DISABLE_VERSION_CHECK=1 for LLaMA-Factory's v0 CLI (docs/llamafactory.md)"
+)
+
+
+def environment_problem() -> str | None:
+    """Why npu-hub-kernels cannot run in this environment (an installed transformers or kernels outside its pins),
+    or None; read from the installed distributions' metadata, without importing either."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    from packaging.requirements import Requirement
+
+    try:
+        pins = [Requirement(line) for line in requires(DISTRIBUTION) or ()]
+    except PackageNotFoundError:  # a source checkout on sys.path: nothing installed to read the pins from
+        return None
+    problems = []
+    for pin in pins:
+        if pin.name not in CHECKED or pin.marker is not None:
+            continue
+        try:
+            installed = version(pin.name)
+        except PackageNotFoundError:
+            problems.append(f"{pin.name} is not installed (npu-hub-kernels needs {pin})")
+            continue
+        if not pin.specifier.contains(installed, prereleases=True):
+            problems.append(f"{pin.name} {installed} is installed, npu-hub-kernels needs {pin}")
+    if not problems:
+        return None
+    return f"npu-hub-kernels' plugin 'npu_hub' cannot run here: {'; '.join(problems)}. {LLAMAFACTORY_PINS}."
+
+
+def register_refusal(interface: ModuleType, problem: str) -> None:
+    """Register an `npu_hub` plugin that raises RuntimeError(problem) when LLaMA-Factory uses it (either registry
+    kind: 0.9.5's functions, or newer `BaseKernel` classes, which refuse at `check_device`)."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(problem)
+
+    base_kernel = kernel_class_base(interface)
+    if base_kernel is not None:
+        refusal = type("NpuHubKernelRefusal", (base_kernel,), {"check_device": staticmethod(refuse), "_apply": refuse})
+        interface.KernelPlugin(PLUGIN_NAME).register()(refusal)
+    else:
+        interface.KernelPlugin(PLUGIN_NAME).register()(refuse)
+
+
+def kernel_class_base(interface: ModuleType) -> type | None:
+    """The `BaseKernel` plugins subclass where the interface's registry takes classes (newer LLaMA-Factory: with
+    `check_device`, next to `KernelPlugin`); None where it takes functions (0.9.5)."""
+    base_kernel = getattr(sys.modules[interface.KernelPlugin.__module__], "BaseKernel", None)
+    return base_kernel if base_kernel is not None and hasattr(base_kernel, "check_device") else None
 
 
 class _RegisterOnImport:

@@ -12,6 +12,7 @@ Hub path (no registration yet, `$NPU_HUB_KERNELS_ORG`) is tested in a fresh proc
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import shutil
@@ -420,3 +421,27 @@ def test_the_wheel_installs_the_pth_file_at_the_root_of_site_packages(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert PTH.name in names and "_npu_hub_kernels_llamafactory.py" in names
     assert zipfile.ZipFile(wheel).read(PTH.name) == PTH.read_bytes()
+
+
+def test_an_environment_outside_the_pins_gets_one_clear_refusal_in_either_registry(monkeypatch, newer_interface):
+    """LLaMA-Factory 0.9.5 resolves transformers<=5.6.0, which cannot import next to kernels 0.17: the plugin then
+    registered refuses with one message that says what is installed, what is needed and how to get a working pair,
+    instead of a deep import error (or no plugin at all)."""
+    installed = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "5.6.0" if name == "transformers" else installed(name)
+    )
+    problem = hook.environment_problem()
+    assert "transformers 5.6.0 is installed, npu-hub-kernels needs transformers" in problem
+    assert "pip install --no-deps llamafactory==0.9.5" in problem and "DISABLE_VERSION_CHECK=1" in problem
+    functions = ModuleType("llamafactory_0_9_5_kernels_interface")
+    functions.KernelPlugin = type("KernelPlugin", (NewerPlugin,), {"__module__": functions.__name__})
+    monkeypatch.setitem(sys.modules, functions.__name__, functions)
+    for interface in (functions, newer_interface):
+        hook.register(interface)
+        registered = interface.KernelPlugin._registry[PLUGIN_NAME]
+        call = registered if interface is functions else registered.apply
+        with pytest.raises(RuntimeError, match=r"cannot run here: transformers 5\.6\.0 is installed"):
+            call(model=torch.nn.Linear(2, 2), include_kernels="auto")
+    monkeypatch.setattr(importlib.metadata, "version", installed)
+    assert hook.environment_problem() is None  # the pinned stack of this test environment

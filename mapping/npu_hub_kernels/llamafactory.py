@@ -13,19 +13,16 @@ at `import npu_hub_kernels`) calls `register_plugin` when LLaMA-Factory's kernel
 from __future__ import annotations
 
 import logging
-import sys
 from types import ModuleType
 
 import torch
+from _npu_hub_kernels_llamafactory import PLUGIN_NAME, kernel_class_base
 from torch import nn
 
 from .registry import KernelSelection, apply_npu_kernels, registration, select_kernels
 from .report import swapped_modules
 
 logger = logging.getLogger(__name__)
-
-PLUGIN_NAME = "npu_hub"
-"""The `kernel_config.name` that selects the cards."""
 
 
 def apply_npu_hub_kernels(model: nn.Module, include_kernels: KernelSelection = None) -> nn.Module:
@@ -77,12 +74,11 @@ def register_plugin(interface: ModuleType) -> None:
     `check_device` and `_apply`, called as `KernelPlugin(name).apply(model=..., config=kernel_config)`): told apart
     by the `BaseKernel` next to `KernelPlugin`.
     """
-    kernel_plugin = interface.KernelPlugin
-    base_kernel = getattr(sys.modules[kernel_plugin.__module__], "BaseKernel", None)
-    if base_kernel is not None and hasattr(base_kernel, "check_device"):
-        kernel_plugin(PLUGIN_NAME).register()(kernel_class(base_kernel))
+    base_kernel = kernel_class_base(interface)
+    if base_kernel is not None:
+        interface.KernelPlugin(PLUGIN_NAME).register()(kernel_class(base_kernel))
     else:
-        kernel_plugin(PLUGIN_NAME).register()(apply_npu_hub_kernels)
+        interface.KernelPlugin(PLUGIN_NAME).register()(apply_npu_hub_kernels)
 
 
 def kernel_class(base_kernel: type) -> type:
