@@ -12,7 +12,9 @@ that backward (`create_graph=True`): the backward op (`op`, e.g. npu_rms_norm_ba
 (no derivatives.yaml entry), so torch_npu's autograd fallback (Ascend/pytorch
 `torch_npu/csrc/aten/VariableFallbackKernel.cpp`, PyTorch's "warn" mode) gives its outputs a node that, in the
 second backward, warns and passes no gradient. The first-order gradients are the op's; the second order through
-them is missing, silently but for the warning, as on the device.
+them is missing, silently but for the warning, as on the device. Where no gradient reaches an op's output, its
+backward op does not run (the nodes set `ctx.set_materialize_grads(False)`, as torch's generated nodes skip an
+undefined gradient), so a card that routes a recorded backward elsewhere leaves no warning behind.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def device_backward(op: str) -> Callable:
     def decorate(backward: Callable) -> Callable:
         @functools.wraps(backward)
         def wrapper(ctx, *grads):
+            if all(grad is None for grad in grads):  # no gradient reaches the op: its backward op does not run
+                return (None,) * len(ctx.needs_input_grad)
             if not torch.is_grad_enabled():  # a plain backward (the saved tensors are unpacked once: checkpointing)
                 return backward(ctx, *grads)
             sources = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -89,6 +93,7 @@ class _RecomputedFromInputs(torch.autograd.Function):
         ctx, math: Callable[..., torch.Tensor], backward_op: str, check_backward: Callable[..., None] | None,
         *inputs: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
+        ctx.set_materialize_grads(False)  # an unused output: no gradient, no backward op run
         ctx.math, ctx.backward_op = math, backward_op
         ctx.check_backward = check_backward
         ctx.save_for_backward(*inputs)

@@ -284,6 +284,12 @@ def npu_memory_allocated() -> int:
     return sum(storage.nbytes() for storage in storages)
 
 
+DEVICE_NAME = "Ascend910B3"
+"""What `torch.npu.get_device_name()` answers: torch_npu returns CANN's SoC name (`aclrtGetSocName`), "Ascend910B3"
+on an Atlas 800T A2 training server (as LLaMA-Factory's `llamafactory-cli env` prints it: "NPU type: Ascend910B3").
+The emulation stands for the Atlas A2 training series (docs/torch-npu-ops.md), the series its ops' contracts take."""
+
+
 class EmulatedNpuModule(EmulatedNpuStreams):
     """What `torch.npu` offers that transformers, accelerate, kernels, DDP, FSDP2 and DeepSpeed ask of it (streams,
     events and allocator statistics: `streams.EmulatedNpuStreams`)."""
@@ -322,6 +328,18 @@ class EmulatedNpuModule(EmulatedNpuStreams):
     def set_device(device) -> None:
         if torch.device(device).index not in (None, 0):
             raise RuntimeError(f"emulated npu has one device; got {device}")
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        """torch_npu's answer: the SoC name CANN reports for the device (`aclrtGetSocName`), here DEVICE_NAME.
+
+        `device` is an index, "npu:<i>", a torch.device or None (the current device); one that is not the one
+        device raises AssertionError("Invalid device id"), as torch_npu's check does. TRL's trainers ask it at
+        construction (the telemetry's "gpu")."""
+        index = device if isinstance(device, int) else torch.device(device or "npu").index or 0
+        if index != 0:
+            raise AssertionError("Invalid device id")
+        return DEVICE_NAME
 
     @staticmethod
     def synchronize(device=None) -> None:

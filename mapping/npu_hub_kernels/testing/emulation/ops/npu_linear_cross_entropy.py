@@ -138,6 +138,7 @@ def _row_weights(target, weight, ignore_index, classes: int, device) -> tuple[to
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, settings: tuple):
+        ctx.set_materialize_grads(False)  # an unused output: no gradient, no backward op run
         reduction, ignore_index, label_smoothing = settings
         log_prob = torch.log_softmax(x.float(), dim=-1)
         w, w_target = _row_weights(target, weight, ignore_index, x.shape[1], x.device)

@@ -656,6 +656,7 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens: torch.Tensor, indices: torch.Tensor, top_k: int):
+        ctx.set_materialize_grads(False)  # an unused output: no gradient, no backward op run
         order = indices.flatten().argsort(stable=True)
         permuted = tokens[order // top_k]
         sorted_indices = order.argsort().to(torch.int32)
@@ -716,6 +717,7 @@ class _Unpermute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None):
+        ctx.set_materialize_grads(False)  # an unused output: no gradient, no backward op run
         keeps_tokens = probs is not None or _cann_version() < (9, 1)
         ctx.save_for_backward(sorted_indices, probs, permuted_tokens if keeps_tokens else None)
         ctx.rows, ctx.tokens_dtype = permuted_tokens.shape[0], permuted_tokens.dtype

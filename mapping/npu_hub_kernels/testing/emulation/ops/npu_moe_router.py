@@ -125,6 +125,7 @@ def npu_moe_gating_top_k_backward(
 class _GatingTopK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, settings: tuple):
+        ctx.set_materialize_grads(False)  # an unused output: no gradient, no backward op run
         k, k_group, group_count, group_select_mode, renorm, norm_type, out_flag, scale, eps = settings
         x32 = x.float()
         norm = torch.softmax(x32, dim=-1) if norm_type == SOFTMAX else torch.sigmoid(x32)

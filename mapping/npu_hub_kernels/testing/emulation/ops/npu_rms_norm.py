@@ -129,6 +129,7 @@ def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) ->
 class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # an unused output: no gradient, no backward op run
         x32 = x.float()
         rstd = torch.rsqrt(x32.pow(2).mean(dim=_normalised_dims(x, gamma), keepdim=True) + epsilon)
         ctx.save_for_backward(x, gamma, rstd)

@@ -111,6 +111,7 @@ class _Swiglu(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.set_materialize_grads(False)  # an unused output: no gradient, no backward op run
         ctx.dim = dim
         ctx.save_for_backward(x)
         return _swiglu(x, dim)
