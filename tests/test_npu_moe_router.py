@@ -193,6 +193,36 @@ def test_gradients_through_the_fused_router(npu_kernels, layer):
         assert relative_error(got, reference) <= 2 * relative_error(eager, reference)
 
 
+@pytest.mark.parametrize(
+    "layer", ["SigmoidGroupTopKRouter", "RenormalisedSoftmaxTopKRouter", "RenormalisedFloat32SoftmaxTopKRouter"]
+)
+def test_a_double_backward_gives_the_class_second_order_gradients(npu_kernels, layer):
+    """A gradient penalty (the squared norm of the first-order gradients in the input and the router weight,
+    differentiated again): npu_moe_gating_top_k_backward has no derivative, so where autograd records the backward
+    the card differentiates eager's weights for the op's experts instead, and the sigmoid router, still one op call,
+    gives its class's second-order gradients. The top-k logits' softmax is plain autograd (the control)."""
+    rule = next(r for r in RULES if r.layer == layer)
+    router = bare_router(rule, experts=32, hidden=16, top_k=4, renormalize=FUSING[rule.layer])
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    scale = torch.arange(1.0, 5.0)
+    grads = {}
+    for run in ("eager", "npu"):
+        module = router
+        if run == "npu":
+            module = kernelize(torch.nn.Sequential(router).to("npu"), mode=Mode.TRAINING, device="npu")[0]
+        leaf = x.clone().to("npu" if run == "npu" else "cpu").requires_grad_()
+        with emulation.count_op_calls() as calls:
+            _, weights, ids = module(leaf)
+            loss = (in_id_order(weights, ids)[0].pow(2) * scale.to(leaf.device)).sum()
+            first = torch.autograd.grad(loss, (leaf, module.weight), create_graph=True)
+            sum(g.pow(2).sum() for g in first).backward()
+        grads[run] = (leaf.grad.cpu(), module.weight.grad.cpu())
+        module.weight.grad = None
+    assert calls[OP] == (0 if layer in TOP_LOGITS_LAYERS else 1)
+    for got, want in zip(grads["npu"], grads["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_tied_probabilities_pick_the_larger_logit_with_eager_weights(card):
     """Where eager's float32 probabilities of two experts tie though their logits differ (a few ulps apart), the
     top-k logits' softmax picks the larger logit and gives the tied weight; eager picks one of the tied experts."""

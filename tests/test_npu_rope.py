@@ -194,6 +194,41 @@ def test_backward_reaches_q_k_cos_and_sin(card, style):
         torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5)
 
 
+def _gradient_penalty(rotary, leaves):
+    """A gradient penalty through a rotary function: the squared norm of the first-order gradients of a loss
+    nonlinear in its outputs, differentiated again (`create_graph=True`); the leaves' .grad are its gradients."""
+    first = torch.autograd.grad(sum(x.sin().sum() for x in rotary(*leaves)), leaves, create_graph=True)
+    sum(g.pow(2).sum() for g in first).backward()
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_a_double_backward_gives_eagers_second_order_gradients(card, style):
+    """npu_rotary_mul_backward has no derivative (torch_npu's fallback warns and passes no second-order gradient):
+    where autograd records the backward, the card differentiates eager's math instead, so a gradient penalty (and a
+    Hessian-vector product) gives eager's gradients in q, k, cos and sin, while the forward stays fused."""
+    q, k, cos, sin = rotary_inputs(2, 4, 2, 5, 64, torch.float32, cos_batch=1, style=style)
+    leaves = [t.clone().requires_grad_() for t in (q, k, cos, sin)]
+    npu_leaves = [t.clone().to("npu").requires_grad_() for t in (q, k, cos, sin)]
+    _gradient_penalty(lambda *xs: transformers_eager(*xs, 1, style), leaves)
+    with emulation.count_op_calls() as calls:
+        _gradient_penalty(lambda *xs: card.apply_rotary_pos_emb(*xs, 1, style), npu_leaves)
+    assert calls["npu_rotary_mul"] == 2
+    for got, want in zip(npu_leaves, leaves, strict=True):
+        torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5)
+    # a Hessian-vector product in q: d/dq <d loss/dq, v>
+    v = torch.randn(q.shape, generator=torch.Generator().manual_seed(3))
+    hvp = {}
+    for run, rotary, device in (
+        ("eager", lambda *xs: transformers_eager(*xs, 1, style), "cpu"),
+        ("npu", lambda *xs: card.apply_rotary_pos_emb(*xs, 1, style), "npu"),
+    ):
+        q_leaf = q.clone().to(device).requires_grad_()
+        loss = sum(x.sin().sum() for x in rotary(q_leaf, *(t.to(device) for t in (k, cos, sin))))
+        (grad_q,) = torch.autograd.grad(loss, q_leaf, create_graph=True)
+        (hvp[run],) = torch.autograd.grad((grad_q * v.to(device)).sum(), q_leaf)
+    torch.testing.assert_close(hvp["npu"].cpu(), hvp["eager"], rtol=1e-5, atol=1e-5)
+
+
 def test_a_batch_the_op_reads_as_sbnd_is_fused(card):
     """Per-batch cos on BSND memory, [B, S, 1, D], is also npu_rotary_mul's SBND form (S=B): with a batch of 1000 or
     more and a short sequence the device takes it within SBND's limits, so the card does not fall back."""

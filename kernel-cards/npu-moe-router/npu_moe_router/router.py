@@ -8,7 +8,8 @@ weights in about ten small ops. npu_moe_gating_top_k does the same in one op for
   where autograd does not record (inference, evaluation);
 - sigmoid: `scores = sigmoid(logits)`, experts chosen on `scores + bias` within the `topk_groups` best
   of `num_groups` groups (scored by the sum of their two best), weights `scores[idx] / (sum + eps)`
-  times `routed_scaling_factor` (the op's sigmoid mode always renormalises), with its backward.
+  times `routed_scaling_factor` (the op's sigmoid mode always renormalises), with its backward (which has no
+  derivative: a backward autograd records differentiates the eager weights of the op's experts instead).
 The op gives int32 ids; transformers' experts index with int64 (`one_hot`), so the ids are widened.
 A renormalised softmax router (Qwen3-MoE, Mixtral) needs no op: softmax is monotone, so the top-k of the
 probabilities is the top-k of the logits, and the probabilities renormalised over the k are the softmax of the k
@@ -21,9 +22,11 @@ Anything else, or inputs outside the op's limits, runs `moe_router_top_k_eager`:
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
+from ._double_backward import with_eager_double_backward
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 MAX_EXPERTS = 2048
@@ -119,9 +122,35 @@ def moe_router_top_k(
         routed_scaling_factor=routed_scaling_factor,
         eps=eps,
     )
+    ids = ids.long()
     if weights.requires_grad:
         weights = _ContiguousGradient.apply(weights)
-    return weights, ids.long()
+        # npu_moe_gating_top_k_backward has no derivative: a backward autograd records differentiates eager's weights
+        # of the op's experts instead (the choice of experts is piecewise constant: no gradient flows through it).
+        eager = partial(
+            _chosen_weights, ids=ids, scoring=scoring, renormalize=renormalize, eps=eps,
+            routed_scaling_factor=routed_scaling_factor,
+        )  # fmt: skip
+        weights = with_eager_double_backward(weights, eager, router_logits)
+    return weights, ids
+
+
+def _chosen_weights(
+    router_logits: torch.Tensor, *, ids: torch.Tensor, scoring: str, renormalize: bool, eps: float,
+    routed_scaling_factor: float,
+) -> torch.Tensor:  # fmt: skip
+    """The weights `moe_router_top_k_eager` gives experts `ids`, in the logits' dtype: its math after the choice."""
+    if scoring == "sigmoid":
+        probs = router_logits.sigmoid()
+    else:
+        probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    weights = probs.gather(1, ids)
+    if renormalize:
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + eps if eps else total)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights.to(router_logits.dtype)
 
 
 class _ContiguousGradient(torch.autograd.Function):

@@ -16,10 +16,12 @@ The contracts relied on are in the project's docs/torch-npu-ops.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
 
+from ._double_backward import with_eager_double_backward
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 Rotation = Literal["half", "interleave"]
@@ -151,13 +153,24 @@ def rotate(
     """`x * cos + rotation(x) * sin`, fused on npu tensors (unless `fused` is False); cos/sin broadcast to x."""
     if fused and _rotary_mul_unavailable_reason(x, cos, sin, rotation) is None:
         return _rotary_mul(x, cos, sin, rotation)
+    return _rotate_eager(x, cos, sin, rotation)
+
+
+def _rotate_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """`x * cos + rotation(x) * sin` in eager's ops."""
     return (x * cos) + ((rotate_half(x) if rotation == "half" else rotate_pairs(x)) * sin)
 
 
 def _rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation) -> torch.Tensor:
-    """npu_rotary_mul on the layout x's memory has (see `_operands`)."""
+    """npu_rotary_mul on the layout x's memory has (see `_operands`).
+
+    Its backward, npu_rotary_mul_backward, has no derivative: where autograd records a backward (gradient penalties,
+    Hessian-vector products) the gradient is eager's math on the operands the op keeps (no other tensor is kept),
+    so second-order gradients are eager's; a plain backward is the op's."""
     x_op, cos_op, sin_op, swapped = _operands(x, cos, sin)
-    out = torch_npu.npu_rotary_mul(x_op.contiguous(), cos_op.contiguous(), sin_op.contiguous(), rotary_mode=rotation)
+    x_op, cos_op, sin_op = x_op.contiguous(), cos_op.contiguous(), sin_op.contiguous()
+    out = torch_npu.npu_rotary_mul(x_op, cos_op, sin_op, rotary_mode=rotation)
+    out = with_eager_double_backward(out, partial(_rotate_eager, rotation=rotation), x_op, cos_op, sin_op)
     return out.transpose(1, 2) if swapped else out
 
 
