@@ -184,7 +184,7 @@ def test_local_dir_without_a_build_says_what_to_do(tmp_path):
         register_npu_kernels(local_dir=tmp_path)
 
 
-FUSED_CALL = "return torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]"
+FUSED_CALL = "fused = torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]"
 
 
 def tampered_rms_norm_copy(built_cards, tmp_path):

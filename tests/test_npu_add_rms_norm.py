@@ -14,6 +14,7 @@ import copy
 import importlib
 import inspect
 import platform
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.helium.modeling_helium import HeliumRMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-from npu_hub_kernels import swapped_modules
+from npu_hub_kernels import apply_npu_kernels, swapped_modules
 from npu_hub_kernels.models import npu_add_rms_norm as table
 from npu_hub_kernels.models import npu_rms_norm as norm_table
 from npu_hub_kernels.testing import emulation
@@ -138,6 +139,13 @@ def _hooked(norm):
     return norm
 
 
+def _replaced(norm):
+    """A norm whose forward is replaced on its instance (as accelerate's add_hook_to_module does)."""
+    original = norm.forward
+    norm.forward = lambda hidden_states: original(hidden_states) * 2
+    return norm
+
+
 FALLBACKS = {
     # case: (norm, dtype of residual/update, scaling, family, a phrase of the reason)
     "layer norm": (lambda: torch.nn.LayerNorm(HIDDEN), torch.float32, "plain", LLAMA, "not the RMSNorm"),
@@ -150,6 +158,13 @@ FALLBACKS = {
         "not the RMSNorm of",
     ),
     "hooked norm": (lambda: _hooked(make_norm("plain", torch.float32)), torch.float32, "plain", LLAMA, "hooks"),
+    "norm with a replaced forward": (
+        lambda: _replaced(make_norm("plain", torch.float32)),
+        torch.float32,
+        "plain",
+        LLAMA,
+        "replaced on its instance",
+    ),
     "weight dtype": (lambda: make_norm("plain", torch.float32), torch.bfloat16, "plain", LLAMA, "promotes"),
     "1 + weight in bfloat16": (
         lambda: make_norm("zero_centered", torch.bfloat16),
@@ -380,3 +395,157 @@ def test_backward_keeps_the_sum_gamma_and_rstd_only(card):
         ((*summed.shape[:-1], 1), torch.float32),
     ]
     assert saved[0].data_ptr() == summed.data_ptr() and saved[1] is norm.weight
+
+
+# Issue 30: eager's answer in every autograd form, and the hooks users attach to the norm the fused op bypasses.
+
+
+@pytest.mark.parametrize("scaling", list(NORMS))
+def test_a_gradient_penalty_gives_eagers_second_order_gradients(card, scaling):
+    """A recorded backward (create_graph) differentiates eager's math: the function's backward raised
+    (once_differentiable), and npu_rms_norm_backward has no derivative on the device."""
+    norm = make_norm(scaling, torch.float32)
+    residual, update = inputs(torch.float32)
+    results = {}
+    for name, function, extra in (
+        ("eager", card.add_rms_norm_eager, ()),
+        ("fused", card.add_rms_norm, (scaling, FAMILIES[scaling])),
+    ):
+        n, r, u = on_npu(norm, residual, update)
+        with emulation.count_op_calls() as calls, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            normed, summed = function(r, u, n, *extra)
+            loss = normed.pow(3).sum() + (normed * summed).sum() + summed.pow(2).sum()
+            first = torch.autograd.grad(loss, (r, u, n.weight), create_graph=True)
+            sum(g.pow(2).sum() for g in first).backward()
+        assert calls["npu_add_rms_norm"] == (name == "fused")
+        assert not [w for w in caught if "second-order gradients are incomplete" in str(w.message)]
+        results[name] = [t.detach().cpu() for t in (*first, r.grad, u.grad, n.weight.grad)]
+    for got, want in zip(results["fused"], results["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", list(NORMS))
+def test_a_plain_backward_still_runs_the_fused_backward_once(card, scaling):
+    norm = make_norm(scaling, torch.float32)
+    n, r, u = on_npu(norm, *inputs(torch.float32))
+    with emulation.count_op_calls() as calls:
+        normed, summed = card.add_rms_norm(r, u, n, scaling, FAMILIES[scaling])
+        loss = normed.pow(2).sum() + summed.sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert calls == {"npu_add_rms_norm": 1, "npu_rms_norm_backward": 2}
+
+
+def _edit(output: torch.Tensor) -> torch.Tensor:
+    return output * 1.25
+
+
+def _hook_runs(model, name: str, how: str) -> tuple[torch.Tensor, dict, dict]:
+    """The loss, the gradients and the fused op counts of a training step of `model` with `how` attached to its
+    module `name` (removed afterwards)."""
+    module = model.get_submodule(name)
+    own_forward = vars(module).get("forward")  # where kernelize bound a layer's forward (or the class's own)
+    if how == "forward hook":
+        handle = module.register_forward_hook(lambda m, args, out: _edit(out))
+    elif how == "forward pre-hook":
+        handle = module.register_forward_pre_hook(lambda m, args: (_edit(args[0]),))
+    elif how == "instance forward":  # as accelerate's add_hook_to_module does, after kernelize
+        original = module.forward
+        module.forward = lambda *args, **kwargs: _edit(original(*args, **kwargs))
+    else:  # accelerate's own
+        from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+        class Scale(ModelHook):
+            def post_forward(self, module, output):
+                return _edit(output)
+
+        add_hook_to_module(module, Scale())
+    try:
+        model.zero_grad()
+        with emulation.count_op_calls() as calls:
+            loss = model(token_ids().to("npu"), labels=token_ids().to("npu")).loss
+            loss.backward()
+    finally:
+        if how in ("forward hook", "forward pre-hook"):
+            handle.remove()
+        elif how == "instance forward":
+            del module.forward
+        else:
+            remove_hook_from_module(module)
+        if own_forward is not None:
+            module.forward = own_forward
+    grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach().cpu(), grads, dict(calls)
+
+
+@pytest.mark.parametrize("how", ["forward hook", "forward pre-hook", "instance forward", "accelerate hook"])
+def test_what_users_attach_to_the_norm_runs_as_in_eager(npu_kernels, how):
+    """A hook on post_attention_layernorm, or a forward replaced on its instance after kernelize (accelerate's
+    add_hook_to_module), runs: that layer calls the norm, the others still fuse, and the step is eager's."""
+    name = "model.layers.0.post_attention_layernorm"
+    eager = tiny_causal_lm("llama").to("npu")
+    model = kernelize(tiny_causal_lm("llama").to("npu"), mode=Mode.TRAINING, device="npu")
+    want_loss, want_grads, _ = _hook_runs(eager, name, how)
+    loss, grads, calls = _hook_runs(model, name, how)
+    assert calls["npu_add_rms_norm"] == _layers(model) - 1
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert sorted(grads) == sorted(want_grads)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[key], rtol=1e-4, atol=1e-6, msg=key)
+    _, _, calls = _hook_runs(model, "model.layers.0.input_layernorm", "forward hook")  # not bypassed: still fused
+    assert calls["npu_add_rms_norm"] == _layers(model)
+
+
+def test_the_forward_kernelize_binds_on_the_norm_still_fuses(npu_kernels):
+    """kernelize binds a forward on each norm's instance (npu-rms-norm's layer, or the class's own when that card is
+    not selected): neither is a user's replacement, so the layer fuses."""
+    for kernels in ("npu_fused_add_rmsnorm", "npu_fused_add_rmsnorm,npu_fused_rmsnorm"):
+        model = apply_npu_kernels(tiny_causal_lm("llama").to("npu").train(), kernels=kernels, local_dir=npu_kernels)
+        norm = model.model.layers[0].post_attention_layernorm
+        assert "forward" in vars(norm)
+        ids = token_ids().to("npu")
+        assert card_reason(model) is None
+        with emulation.count_op_calls() as calls:
+            model(ids, labels=ids).loss.backward()
+        assert calls["npu_add_rms_norm"] == _layers(model), kernels
+
+
+def card_reason(model):
+    from npu_hub_kernels.report import card_package
+
+    layer = model.model.layers[0]
+    card = card_package(layer)
+    residual = torch.randn(2, 3, model.config.hidden_size).to("npu")
+    return card.add_rms_norm_unavailable_reason(residual, residual, layer.post_attention_layernorm, "plain", LLAMA)
+
+
+def test_a_global_module_hook_sees_the_norm_as_in_eager(npu_kernels):
+    """register_module_forward_hook (a profiler, a tracer) sees every module eager calls: the layer calls the norm
+    while such hooks are registered, says why, and fuses again once they are removed."""
+    from torch.nn.modules import module as torch_module
+
+    eager = tiny_causal_lm("llama").to("npu")
+    model = kernelize(tiny_causal_lm("llama").to("npu"), mode=Mode.TRAINING, device="npu")
+    ids = token_ids().to("npu")
+    seen = {}
+    for label, m in (("eager", eager), ("fused", model)):
+        names = {module: name for name, module in m.named_modules()}
+        calls_seen: list[str] = []
+        handle = torch_module.register_module_forward_hook(
+            lambda module, args, out, names=names, seen=calls_seen: seen.append(names.get(module, "?"))
+        )
+        try:
+            with emulation.count_op_calls() as calls:
+                m(ids, labels=ids).loss.backward()
+            if label == "fused":
+                assert calls["npu_add_rms_norm"] == 0
+                assert "every module" in card_reason(model)
+        finally:
+            handle.remove()
+        seen[label] = sorted(n for n in calls_seen if n != "?")
+    assert seen["fused"] == seen["eager"]
+    assert card_reason(model) is None
+    with emulation.count_op_calls() as calls:
+        model(ids, labels=ids).loss.backward()
+    assert calls["npu_add_rms_norm"] == _layers(model)

@@ -8,7 +8,9 @@ dtype. The grouped path is proven by the emulated ops' call counters.
 
 from __future__ import annotations
 
+import copy
 import random
+from types import MethodType
 
 import pytest
 import torch
@@ -264,3 +266,138 @@ def test_expert_ids_above_the_placeholder_raise_as_eager_raises(card, on_npu):
     tensors = npu(x, index, weights, gate_up, down) if on_npu else (x, index, weights, gate_up, down)
     with pytest.raises(ValueError, match=r"expert id 5, above 4.*Check the router"):
         card.swiglu_experts(*tensors, SILU)
+
+
+def experts_module(implementation: str, experts: int = 6, hidden: int = 16, inner: int = 8, seed: int = 29):
+    """transformers' Qwen3MoeExperts on the npu, running the given experts implementation ("eager": one act_fn call
+    per expert with tokens; "grouped_mm": one call)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inner, num_experts=experts, hidden_act="silu")
+    config._experts_implementation = implementation
+    module = Qwen3MoeExperts(config)
+    gate_up, down = expert_weights(experts, hidden, inner, seed)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(gate_up)
+        module.down_proj.copy_(down)
+    return module.to("npu")
+
+
+def kernelized(card, module):
+    """A copy of the module with the card's layer as its forward, set on the instance as kernelize sets it."""
+    fused = copy.deepcopy(module)
+    fused.forward = MethodType(card.layers.SwiGLUExperts.forward, fused)
+    return fused
+
+
+def routed(tokens: int, experts: int, seed: int):
+    x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(seed)).to("npu")
+    index, weights = routing(tokens, experts, 2, random.Random(seed))
+    return x, index.to("npu"), weights.to("npu")
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("hook", ["forward hook", "forward pre-hook", "instance forward"])
+def test_a_hooked_act_fn_is_called_as_the_module_calls_it(card, implementation, hook):
+    """The grouped path computes act_fn's SiLU without calling it: with a hook of the user's own on act_fn or a forward
+    replaced on its instance (accelerate's hooks), the layer runs the module's own forward, which calls act_fn as
+    eager does (once per expert with tokens, or once: its experts implementation decides), so the hook sees each call
+    and its edit counts (issue 30)."""
+    module = experts_module(implementation)
+    fused = kernelized(card, module)
+    x, index, weights = routed(12, 6, seed=31)
+    results = []
+    for model in (module, fused):
+        seen = []
+        act = model.act_fn
+        if hook == "forward hook":
+            act.register_forward_hook(lambda m, args, out, seen=seen: seen.append(1) or out * 1.25)
+        elif hook == "forward pre-hook":
+            act.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(1) or (args[0] * 0.5,))
+        else:
+            act.forward = lambda hidden, seen=seen, own=act.forward: seen.append(1) or own(hidden) * 1.25
+        with torch.no_grad(), emulation.count_op_calls() as calls:
+            results.append((model(x, index, weights).cpu(), len(seen), calls["npu_grouped_matmul"]))
+    (want, want_calls, _), (got, got_calls, grouped) = results
+    assert grouped == 0 and got_calls == want_calls == (1 if implementation == "grouped_mm" else len(index.unique()))
+    assert torch.equal(got, want)
+    reason = card.swiglu_experts_unavailable_reason(x, index, fused.gate_up_proj, fused.down_proj, fused.act_fn)
+    assert ("not SiLU" if hook == "instance forward" else "act_fn has hooks of its own") in reason
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_global_module_hooks_see_act_fn_called_as_eager_calls_it(card, implementation):
+    """Module hooks registered for every module (register_module_forward_hook) see act_fn called as often as the
+    module without the card calls it; once they are removed the layer fuses again (issue 30)."""
+    module = experts_module(implementation)
+    fused = kernelized(card, module)
+    x, index, weights = routed(12, 6, seed=37)
+    results = []
+    for model in (module, fused):
+        seen = []
+
+        def record(m, args, out, seen=seen, act_fn=model.act_fn):
+            if m is act_fn:
+                seen.append(1)
+
+        handle = torch.nn.modules.module.register_module_forward_hook(record)
+        try:
+            reason = card.swiglu_experts_unavailable_reason(x, index, model.gate_up_proj, model.down_proj, model.act_fn)
+            with torch.no_grad(), emulation.count_op_calls() as calls:
+                results.append((model(x, index, weights).cpu(), len(seen), calls["npu_grouped_matmul"], reason))
+        finally:
+            handle.remove()
+    (want, want_calls, _, _), (got, got_calls, grouped, reason) = results
+    assert grouped == 0 and got_calls == want_calls == (1 if implementation == "grouped_mm" else len(index.unique()))
+    assert "module hooks are registered" in reason and torch.equal(got, want)
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        torch.testing.assert_close(fused(x, index, weights).cpu(), want, rtol=1e-5, atol=1e-6)
+    assert calls["npu_grouped_matmul"] == 2
+
+
+def _engine_hook(module, args, out):
+    return out
+
+
+_engine_hook.__module__ = "deepspeed.runtime.zero.parameter_offload"  # where DeepSpeed's ZeRO-3 hooks are defined
+
+
+def test_deepspeed_hooks_on_act_fn_keep_the_grouped_path(card):
+    """DeepSpeed ZeRO-3 hooks every module of a model, act_fn included; those hooks gather and release act_fn's
+    parameters, of which it has none, and change nothing it computes: the experts still fuse."""
+    fused = kernelized(card, experts_module("grouped_mm"))
+    fused.act_fn.register_forward_hook(_engine_hook)
+    x, index, weights = routed(12, 6, seed=41)
+    assert card.swiglu_experts_unavailable_reason(x, index, fused.gate_up_proj, fused.down_proj, fused.act_fn) is None
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        fused(x, index, weights)
+    assert calls["npu_grouped_matmul"] == 2
+
+
+def test_a_double_backward_gives_eagers_second_order_gradients(card):
+    """A gradient penalty through the experts and the router that routed them (its weights computed from the same
+    hidden states): the device ops' backwards have no derivative and npu_grouped_matmul has no autograd, so a recorded
+    backward differentiates the eager math; the second-order gradients of the hidden states, the router and the expert
+    weights are the module's own (issue 30). The forward and the first-order backward stay grouped."""
+    module = experts_module("eager")
+    fused = kernelized(card, module)
+    x0 = torch.randn(12, 16, generator=torch.Generator().manual_seed(43)).to("npu")
+    router0 = torch.randn(6, 16, generator=torch.Generator().manual_seed(44)).to("npu")
+
+    def penalty_gradients(model):
+        x, router = x0.clone().requires_grad_(), router0.clone().requires_grad_()
+        weights, index = torch.softmax(x @ router.t(), dim=-1).topk(2, dim=-1)
+        params = [x, router, model.gate_up_proj, model.down_proj]
+        with emulation.count_op_calls() as calls:
+            out = model(x, index, weights)
+        first = torch.autograd.grad(out.square().sum(), params, create_graph=True)
+        sum(g.square().sum() for g in first).backward()
+        return [t.grad.cpu() for t in params], calls["npu_grouped_matmul"]
+
+    want, _ = penalty_gradients(module)
+    got, grouped = penalty_gradients(fused)
+    assert grouped == 2
+    for name, g, w in zip(("x", "router", "gate_up_proj", "down_proj"), got, want, strict=True):
+        scale = w.abs().max().item()  # float32 rounding of sums over experts: to 1e-4 of the largest entry
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, n=name: f"{n}: {m}")

@@ -143,3 +143,23 @@ def test_unknown_scaling_is_refused_naming_the_accepted_ones(card, scaling, devi
             call(x, weight, 1e-6, scaling)
     with pytest.raises(ValueError, match=f"scaling={scaling!r}"):
         card.rms_norm_unavailable_reason(x, weight, scaling)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_a_hessian_vector_product_is_eagers(card, scaling):
+    """Issue 30: npu_rms_norm_backward has no derivative (torch_npu's autograd fallback, which the emulation follows,
+    warns and passes none when autograd records a backward), so the card differentiates eager's math in a recorded
+    backward: the second-order gradients are eager's, the forward and a plain backward still the fused op's."""
+    generator = torch.Generator().manual_seed(3)
+    x, weight, v_x, v_w = (torch.randn(shape, generator=generator) for shape in ((2, 6, 32), (32,), (2, 6, 32), (32,)))
+    results = {}
+    for name, function in (("eager", card.rms_norm_eager), ("fused", card.rms_norm)):
+        x_npu, w_npu = (t.to("npu").requires_grad_() for t in (x, weight))
+        with emulation.count_op_calls() as calls:
+            loss = function(x_npu, w_npu, 1e-6, scaling).pow(3).sum()
+            grad_x, grad_w = torch.autograd.grad(loss, (x_npu, w_npu), create_graph=True)
+            ((grad_x * v_x.to("npu")).sum() + (grad_w * v_w.to("npu")).sum()).backward()  # the product with (v_x, v_w)
+        assert calls["npu_rms_norm"] == (name == "fused")
+        results[name] = (x_npu.grad.cpu(), w_npu.grad.cpu())
+    for got, want in zip(results["fused"], results["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -8,6 +8,7 @@ by the emulated op's call counter; every fallback is proven to skip it and to eq
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -442,3 +443,127 @@ def test_host_tensors_take_the_eager_path(card):
         got = kernel_output(card, mlp, x)
     assert calls["npu_swiglu"] == 0
     assert torch.equal(got, mlp(x))
+
+
+def _mlp_children(mlp) -> dict:
+    return {name: child for name, child in mlp.named_children()}
+
+
+@pytest.mark.parametrize("shape", ["split", "fused"])
+@pytest.mark.parametrize("hook", ["forward hook", "forward pre-hook", "full backward hook"])
+def test_a_hooked_act_fn_is_called_as_eager_calls_it(card, shape, hook):
+    """The fused path computes act_fn's SiLU without calling it: a hook of the user's own on act_fn sends the MLP to
+    its eager math, which calls act_fn, so the hook sees its call (and edits its output) as it does without the card
+    (issue 30)."""
+    mlp = make(shape, 16, 24, torch.float32)
+    act_name = "activation_fn" if shape == "fused" else "act_fn"
+    setattr(mlp, act_name, ACT2FN["silu"])  # the module's own activation (on_npu shares it with the copy)
+    act = getattr(mlp, act_name)
+    seen = []
+    if hook == "forward hook":
+        act.register_forward_hook(lambda module, args, out: seen.append(1) or out * 1.25)
+    elif hook == "forward pre-hook":
+        act.register_forward_pre_hook(lambda module, args: seen.append(1) or (args[0] * 0.5,))
+    else:
+        act.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(1) or (grad_in[0] * 3,))
+    x = torch.randn(2, 3, 16)
+    leaf = x.clone().requires_grad_()
+    expected = mlp(leaf)
+    expected.square().sum().backward()
+    npu_mlp, npu_leaf = on_npu(card, mlp), x.to("npu").requires_grad_()
+    assert "act_fn has hooks of its own" in unavailable_reason(card, npu_mlp, npu_leaf)
+    seen.clear()
+    with emulation.count_op_calls() as calls:
+        got = kernel_output(card, npu_mlp, npu_leaf)
+        got.square().sum().backward()
+    assert calls["npu_swiglu"] == 0 and seen == [1]
+    torch.testing.assert_close(got.detach().cpu(), expected.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(npu_leaf.grad.cpu(), leaf.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_full_backward_hook_on_a_projection_keeps_the_eager_path(card):
+    """gate_proj's full backward hook fires only when gate_proj is called: the split MLP calls it (issue 30)."""
+    mlp = make("split", 16, 24, torch.float32).to("npu")
+    seen = []
+    mlp.gate_proj.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(grad_out[0].shape))
+    x = torch.randn(3, 16).to("npu").requires_grad_()
+    assert "not a plain nn.Linear" in card.swiglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn)
+    with emulation.count_op_calls() as calls:
+        card.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn).sum().backward()
+    assert calls["npu_swiglu"] == 0 and seen == [torch.Size([3, 24])]
+
+
+def _engine_hook(module, args, out):
+    return out
+
+
+_engine_hook.__module__ = "deepspeed.runtime.zero.parameter_offload"  # where DeepSpeed's ZeRO-3 hooks are defined
+
+
+def test_deepspeed_and_fsdp2_hooks_on_act_fn_keep_the_fused_path(card):
+    """An engine's own hooks on act_fn (DeepSpeed ZeRO-3 hooks every module it manages) gather and release act_fn's
+    parameters, of which it has none, and change nothing it computes: the MLP still fuses."""
+    mlp = make("split", 16, 24, torch.float32).to("npu")
+    mlp.act_fn = ACT2FN["silu"]
+    mlp.act_fn.register_forward_hook(_engine_hook)
+    x = torch.randn(3, 16).to("npu")
+    assert card.swiglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn) is None
+    assert split_output(card, mlp, x)[1] == 1
+
+
+@pytest.mark.parametrize("shape", ["split", "fused"])
+def test_global_module_hooks_see_every_child_eager_calls(card, shape):
+    """Module hooks registered for every module (register_module_forward_hook) see the MLP's children called as
+    eager calls them: the MLP takes its eager path while they are registered, and fuses again after (issue 30)."""
+    mlp = make(shape, 16, 24, torch.float32)
+    npu_mlp = on_npu(card, mlp)
+    names = {child: name for name, child in _mlp_children(mlp).items()}
+    names.update({child: name for name, child in _mlp_children(npu_mlp).items()})
+    x = torch.randn(3, 16)
+    runs = {}
+    for label, run in (("eager", lambda: mlp(x)), ("card", lambda: kernel_output(card, npu_mlp, x.to("npu")))):
+        calls_seen = []
+
+        def record(module, args, out, seen=calls_seen):
+            if module in names:  # the MLP's children (eager's MLP itself is called too)
+                seen.append(names[module])
+
+        handle = torch.nn.modules.module.register_module_forward_hook(record)
+        try:
+            assert label == "eager" or "module hooks are registered" in unavailable_reason(card, npu_mlp, x.to("npu"))
+            with torch.no_grad(), emulation.count_op_calls() as calls:
+                out = run().cpu()
+        finally:
+            handle.remove()
+        runs[label] = (calls_seen, out, calls["npu_swiglu"])
+    assert runs["card"][0] == runs["eager"][0] and runs["card"][2] == 0
+    assert sorted(runs["eager"][0]) == sorted(n for n in _mlp_children(mlp))
+    assert torch.equal(runs["card"][1], runs["eager"][1])
+    assert unavailable_reason(card, npu_mlp, x.to("npu")) is None
+
+
+@pytest.mark.parametrize(
+    ("shape", "tokens"),
+    [("split", 3), ("split", 160), ("fused", 3)],
+    ids=["two matmuls", "weights concatenated for the call", "gate_up_proj"],
+)
+def test_a_double_backward_gives_eagers_second_order_gradients(card, shape, tokens):
+    """A gradient penalty through the fused MLP: npu_swiglu's backward has no derivative on the device, so a recorded
+    backward differentiates eager's `silu(gate) * up` instead; the second-order gradients of the input and every
+    weight are eager's, while the forward and the first-order backward stay fused (issue 30)."""
+    mlp = make(shape, 16, 24, torch.float32, bias=shape == "split")
+    x = torch.randn(tokens, 16)
+
+    def penalty_gradients(model, leaf, output):
+        params = [leaf, *model.parameters()]
+        first = torch.autograd.grad(output(model, leaf).square().sum(), params, create_graph=True)
+        sum(g.square().sum() for g in first).backward()
+        return [leaf.grad.cpu(), *(p.grad.cpu() for p in model.parameters())]
+
+    want = penalty_gradients(mlp, x.clone().requires_grad_(), lambda model, leaf: model(leaf))
+    npu_mlp = on_npu(card, mlp)
+    with emulation.count_op_calls() as calls:
+        got = penalty_gradients(npu_mlp, x.to("npu").requires_grad_(), partial(kernel_output, card))
+    assert calls["npu_swiglu"] == 1
+    for name, g, w in zip(["x", *(n for n, _ in mlp.named_parameters())], got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=name)

@@ -50,7 +50,9 @@ class _EagerWhenRecorded(torch.autograd.Function):
         if not torch.is_grad_enabled():  # a plain backward: the fused op's own
             return None, None, *grads, *([None] * inputs_given)
         saved = iter(ctx.saved_tensors)
-        inputs = [None if none else next(saved) for none in ctx.none_inputs]
+        # aliases: each input a graph node of its own, so that an input computed from another (routing weights from
+        # the hidden states) gets only its own partial derivative, which autograd then carries back through its graph
+        inputs = [None if none else _alias(next(saved)) for none in ctx.none_inputs]
         wanted = [t for t in inputs if t is not None and t.requires_grad]
         out = ctx.eager(*inputs)
         outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
@@ -60,3 +62,8 @@ class _EagerWhenRecorded(torch.autograd.Function):
         )
         by_input = dict(zip(map(id, wanted), found, strict=True))
         return None, None, *([None] * ctx.count), *(None if t is None else by_input.get(id(t)) for t in inputs)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a view of itself: a new node of the graph, differentiable back to `t`."""
+    return t.view_as(t)

@@ -18,16 +18,25 @@ The norm's weight enters the op in the form its class scales by:
 Backward: `dh = npu_rms_norm_backward(dy, h, gamma, rstd).dx + d(sum)`: the gradient the sum receives from the rest
 of the layer (the residual path to the final add) is added here, the one add eager's autograd makes when it
 accumulates the two uses of the sum; residual and update both get dh (the add's backward copies nothing).
+npu_rms_norm_backward has no derivative, so a backward that autograd records (create_graph: a gradient penalty, a
+Hessian-vector product) differentiates the eager math of the norm's form on the kept sum and gamma instead: the
+second-order gradients are eager's.
+
+The norm is not called on the fused path, so whatever would run in its call must not be there: the fused path needs a
+norm without hooks of its own, without a forward replaced on its instance (accelerate's add_hook_to_module; the
+forward kernelize binds there, the class's own or npu-rms-norm's, computes the class's math and is no replacement)
+and no module hooks registered for every module (register_module_forward_hook: a profiler, a tracer). Otherwise the
+layer calls the norm as transformers does.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
+from torch.nn.modules import module as torch_module
 
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
-from ._rms_norm_forms import Scaling, check_scaling, epsilon_of
+from ._rms_norm_forms import Scaling, check_scaling, epsilon_of, norm_forward_replaced, rms_norm_math
 
 
 def _norm_problem(norm: nn.Module, family: str | None) -> str | None:
@@ -46,7 +55,19 @@ def _norm_problem(norm: nn.Module, family: str | None) -> str | None:
         return f"the norm's epsilon {eps} is negative: npu_add_rms_norm takes an epsilon of at least 0"
     if norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks or norm._backward_pre_hooks:
         return "the norm has hooks (DeepSpeed ZeRO-3 gathers its weight in one): calling it keeps them"
+    if norm_forward_replaced(norm):
+        return "the norm's forward is replaced on its instance (accelerate's add_hook_to_module, a wrapper) must run"
+    if _has_global_module_hooks():
+        return "module hooks are registered for every module (register_module_forward_hook): they must see the norm"
     return None
+
+
+def _has_global_module_hooks() -> bool:
+    """Whether hooks for every module's call are registered (torch.nn.modules.module.register_module_*_hook)."""
+    return any(
+        getattr(torch_module, f"_global_{kind}_hooks")
+        for kind in ("forward_pre", "forward", "backward_pre", "backward")
+    )
 
 
 def add_rms_norm_unavailable_reason(
@@ -95,7 +116,7 @@ def add_rms_norm(
     if add_rms_norm_unavailable_reason(residual, update, norm, scaling, family) is not None:
         return add_rms_norm_eager(residual, update, norm)
     gamma = 1.0 + norm.weight if scaling == "zero_centered" else norm.weight
-    return _AddRmsNorm.apply(residual, update, gamma, epsilon_of(norm))
+    return _AddRmsNorm.apply(residual, update, gamma, epsilon_of(norm), scaling)
 
 
 def add_rms_norm_eager(
@@ -109,20 +130,44 @@ def add_rms_norm_eager(
 
 
 class _AddRmsNorm(torch.autograd.Function):
-    """npu_add_rms_norm forward; npu_rms_norm_backward plus the sum's own gradient backward. Keeps the sum (an
-    output), gamma and rstd, as npu_rms_norm's autograd node keeps its input, gamma and rstd."""
+    """npu_add_rms_norm forward; npu_rms_norm_backward plus the sum's own gradient backward, or, recorded, eager's
+    math differentiated. Keeps the sum (an output), gamma and rstd, as npu_rms_norm's autograd node keeps its input,
+    gamma and rstd."""
 
     @staticmethod
-    def forward(ctx, residual: torch.Tensor, update: torch.Tensor, gamma: torch.Tensor, eps: float):
+    def forward(ctx, residual: torch.Tensor, update: torch.Tensor, gamma: torch.Tensor, eps: float, scaling: Scaling):
         y, rstd, summed = torch_npu.npu_add_rms_norm(residual, update, gamma, eps)
         ctx.save_for_backward(summed, gamma, rstd)
+        ctx.eps, ctx.scaling = eps, scaling
+        ctx.set_materialize_grads(False)  # an output without a gradient costs nothing
         return y, summed
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y: torch.Tensor, grad_summed: torch.Tensor):
-        # autograd materialises an unused output's gradient as zeros: both are tensors
+    def backward(ctx, grad_y: torch.Tensor | None, grad_summed: torch.Tensor | None):
         summed, gamma, rstd = ctx.saved_tensors
-        grad_x, grad_gamma = torch_npu.npu_rms_norm_backward(grad_y.contiguous(), summed, gamma, rstd)
-        grad_x = grad_x + grad_summed
-        return grad_x, grad_x, grad_gamma.to(gamma.dtype) if ctx.needs_input_grad[2] else None, None
+        wants_gamma = ctx.needs_input_grad[2]
+        if grad_y is None:  # only the sum's own gradient (e.g. the second order through the kept sum)
+            return grad_summed, grad_summed, None, None, None
+        if torch.is_grad_enabled():  # recorded: eager's math, differentiable
+            grad_x, grad_gamma = _eager_grads(summed, gamma, grad_y, ctx.eps, ctx.scaling, wants_gamma)
+        else:
+            grad_x, grad_gamma = torch_npu.npu_rms_norm_backward(grad_y.contiguous(), summed, gamma, rstd)
+            grad_gamma = grad_gamma.to(gamma.dtype) if wants_gamma else None
+        if grad_summed is not None:
+            grad_x = grad_x + grad_summed
+        return grad_x, grad_x, grad_gamma, None, None
+
+
+def _eager_grads(
+    summed: torch.Tensor, gamma: torch.Tensor, grad_y: torch.Tensor, eps: float, scaling: Scaling, wants_gamma: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of the norm's eager math at the kept sum and gamma, differentiable in both and in grad_y (what
+    flows back into the sum reaches residual and update through `_AddRmsNorm`'s node again)."""
+    # In gamma's terms: a (1 + weight) norm is fused in float32 only, where (h * (1 + weight.float())).type_as(h) is
+    # (gamma.float() * h).to(dtype), the float32-scale form.
+    form = "plain" if scaling == "plain" else "float32_scale"
+    with torch.enable_grad():
+        x = summed if summed.requires_grad else summed.detach().requires_grad_()
+        wrt = (x, gamma) if wants_gamma else (x,)
+        grads = torch.autograd.grad(rms_norm_math(x, gamma, eps, form), wrt, grad_y, create_graph=True)
+    return grads[0], grads[1] if wants_gamma else None

@@ -17,16 +17,29 @@ weights, dW through the K-split form (group_type 2).
 Elsewhere (torch-universal, CPU tensors, or inputs outside the ops' limits) `swiglu_experts_eager` runs the
 same math efficiently: sort the token copies by expert once, then one matmul per non-empty expert or
 torch's grouped matmul (see its docstring).
+
+The grouped path computes what the module's child `act_fn` computes without calling it, so it runs only when
+nothing watches that call: a hook of the user's own on act_fn, a forward replaced on its instance, or module hooks
+registered for every module (`register_module_forward_hook`) make the layer run the module's own forward, which
+calls act_fn as eager does (`swiglu_experts_unavailable_reason` says why). DeepSpeed's and FSDP2's own hooks on
+act_fn (which gather and release parameters, and act_fn holds none) do not. In a backward that autograd records
+(`create_graph=True`), the output is differentiated as `swiglu_experts_eager`'s math (none of the device ops'
+backwards has a derivative of its own, and npu_grouped_matmul has no autograd at all), so second-order gradients
+are eager's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as torch_module
 
 from ._activations import is_silu
+from ._double_backward import with_eager_double_backward
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 MAX_GROUPS = 1024
@@ -40,6 +53,40 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 GROUPED_MM_ROWS_PER_EXPERT = 128
 """Below this many token copies per expert on average, the host fallback uses torch's grouped matmul
 rather than a loop over experts (measured on CPU: see `make bench`)."""
+ENGINE_HOOK_PACKAGES = ("deepspeed.", "torch.distributed.fsdp._fully_shard.")
+"""The modules of the hooks DeepSpeed (ZeRO-3) and FSDP2 put on every module they manage: they gather and release
+the module's own parameters around its call and change nothing it computes, so the layer may compute what act_fn
+computes without calling it (act_fn holds no parameters)."""
+
+
+def _act_fn_call_unavailable_reason(act_fn) -> str | None:
+    """Why the experts must call their `act_fn` module as eager does rather than compute its SiLU themselves: hooks
+    of the user's own on it (DeepSpeed's and FSDP2's aside), a forward replaced on its instance (as accelerate's
+    hooks replace it), or module hooks registered for every module; or None."""
+    if isinstance(act_fn, nn.Module):
+        forward = vars(act_fn).get("forward")  # kernelize may bind the class's own forward on the instance
+        if forward is not None and getattr(forward, "__func__", None) is not type(act_fn).forward:
+            return "act_fn's forward is replaced on its instance: the experts call it, as eager does"
+        hooks = [
+            hook
+            for hook in (
+                *act_fn._forward_pre_hooks.values(),
+                *act_fn._forward_hooks.values(),
+                *act_fn._backward_pre_hooks.values(),
+                *act_fn._backward_hooks.values(),
+            )
+            if not (getattr(hook, "__module__", None) or "").startswith(ENGINE_HOOK_PACKAGES)
+        ]
+        if hooks:
+            names = ", ".join(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in hooks)
+            return f"act_fn has hooks of its own ({names}): the experts call it, as eager does, for them to see it"
+    kinds = ("forward_pre", "forward", "backward_pre", "backward")
+    if any(getattr(torch_module, f"_global_{kind}_hooks") for kind in kinds):
+        return (
+            "module hooks are registered for every module (register_module_forward_hook, ...): the experts call "
+            "act_fn as eager does, for the hooks to see each call"
+        )
+    return None
 
 
 def swiglu_experts_unavailable_reason(
@@ -54,6 +101,9 @@ def swiglu_experts_unavailable_reason(
     given, is checked too: npu_moe_token_unpermute takes it as its probs)."""
     if not is_silu(act_fn):
         return f"activation {act_fn!r} is not SiLU"
+    reason = _act_fn_call_unavailable_reason(act_fn)
+    if reason is not None:
+        return reason
     reason = npu_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj)
     if reason is not None:
         return reason
@@ -144,7 +194,14 @@ def swiglu_experts(
     permuted, sorted_indices = torch_npu.npu_moe_token_permute(hidden_states, top_k_index)
     gate_up = _GroupedLinear.apply(permuted, gate_up_proj, counts)
     expert_out = _GroupedLinear.apply(torch_npu.npu_swiglu(gate_up), down_proj, counts)
-    return torch_npu.npu_moe_token_unpermute(expert_out, sorted_indices, probs=top_k_weights)
+    out = torch_npu.npu_moe_token_unpermute(expert_out, sorted_indices, probs=top_k_weights)
+    # A recorded backward differentiates the eager math (act_fn is SiLU: checked above): the device ops' backwards
+    # have no derivative. The router computed top_k_weights from hidden_states: the eager math is handed an alias of
+    # hidden_states made after that, so that its gradient there is the experts' own, not also the router's path.
+    if torch.is_grad_enabled():
+        hidden_states = hidden_states.view_as(hidden_states)
+    eager = partial(swiglu_experts_eager, act_fn=F.silu)
+    return with_eager_double_backward(out, eager, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
 
 def _expert_counts(top_k_index: torch.Tensor, experts: int) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Layers that `kernels.kernelize` swaps into transformers' norm modules (forward only, no state).
 
-Each reads the parameters of the module it replaces: `weight` and `variance_epsilon` or `eps`.
+Each reads the parameters of the module it replaces: `weight` and `variance_epsilon` or `eps`. Each forward is marked
+as computing its norm class's forward (`computes_the_norm_forward`): npu-add-rms-norm, which reads the weight of a
+decoder layer's post-attention norm instead of calling it, still fuses when kernelize bound this forward on the norm.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._rms_norm_forms import epsilon_of
+from ._rms_norm_forms import computes_the_norm_forward, epsilon_of
 from .rms_norm import rms_norm
 
 
@@ -19,6 +21,7 @@ class RMSNorm(nn.Module):
     # torch.compile of the fused path is not verified on Ascend hardware yet.
     can_torch_compile = False
 
+    @computes_the_norm_forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden_states, self.weight, epsilon_of(self), "plain")
 
@@ -29,6 +32,7 @@ class RMSNormZeroCentered(nn.Module):
     has_backward = True
     can_torch_compile = False
 
+    @computes_the_norm_forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden_states, self.weight, epsilon_of(self), "zero_centered")
 
@@ -39,5 +43,6 @@ class RMSNormFloat32Scale(nn.Module):
     has_backward = True
     can_torch_compile = False
 
+    @computes_the_norm_forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden_states, self.weight, epsilon_of(self), "float32_scale")

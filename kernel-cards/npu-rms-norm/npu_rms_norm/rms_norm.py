@@ -7,14 +7,21 @@ transformers' RMSNorm classes scale the normalised input in one of three ways; `
   and within one rounding step in float16/bfloat16 (transformers rounds before the multiply).
 - "zero_centered" (Gemma3RMSNorm): `(normalize(x) * (1 + weight.float())).to(dtype)`; exact.
 - "float32_scale" (Olmo2RMSNorm): `(weight.float() * normalize(x)).to(dtype)`; exact.
+
+Backward: npu_rms_norm's own autograd node (npu_rms_norm_backward). That op has no derivative, so in a backward that
+autograd records (create_graph: a gradient penalty, a Hessian-vector product) the fused output's gradient is that of
+eager's math on the same x and weight instead (`with_eager_double_backward`): the second-order gradients are eager's.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
+from ._double_backward import with_eager_double_backward
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
-from ._rms_norm_forms import Scaling, check_scaling
+from ._rms_norm_forms import Scaling, check_scaling, rms_norm_math
 
 
 def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling = "plain") -> str | None:
@@ -39,21 +46,15 @@ def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
-    """RMSNorm of the last dim of x, scaled by weight the way `scaling` says; fused on npu tensors."""
+    """RMSNorm of the last dim of x, scaled by weight the way `scaling` says; fused on npu tensors (second-order
+    gradients: eager's, see the module's docstring)."""
     if rms_norm_unavailable_reason(x, weight, scaling) is None:
         gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
-        return torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]
+        fused = torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]
+        return with_eager_double_backward(fused, partial(rms_norm_math, eps=eps, scaling=scaling), x, weight)
     return rms_norm_eager(x, weight, eps, scaling)
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
     """The forward of transformers' LlamaRMSNorm, Gemma3RMSNorm or Olmo2RMSNorm, operation for operation."""
-    check_scaling(scaling)
-    input_dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if scaling == "plain":
-        return weight * h.to(input_dtype)
-    if scaling == "zero_centered":
-        return (h * (1.0 + weight.float())).type_as(x)
-    return (weight * h).to(input_dtype)
+    return rms_norm_math(x, weight, eps, scaling)

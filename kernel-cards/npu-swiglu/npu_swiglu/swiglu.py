@@ -15,6 +15,14 @@ gives `[T, 2I]`, gated with `dim=-1`. No parameter is ever re-pointed or re-laid
 DDP, accelerate and safetensors own or read that storage (docs/torch-npu-ops.md, "npu_swiglu").
 Projections the card cannot read directly (LoRA or other wrapped or hooked Linears, DeepSpeed ZeRO-3
 partitions, DTensors) run the eager math, and `swiglu_mlp_unavailable_reason` says why.
+
+The fused path computes what the MLP's children gate_proj, up_proj (split MLP) and act_fn (both shapes) compute
+without calling them, so it runs only when nothing watches those calls: a hook of the user's own on one of them, a
+forward replaced on its instance, or module hooks registered for every module (`register_module_forward_hook`)
+send the MLP to its eager math, which calls them as transformers does. DeepSpeed's and FSDP2's own hooks on act_fn
+(which only gather and release parameters, and act_fn holds none) do not. In a backward that autograd records
+(`create_graph=True`), the gated product is differentiated as eager's `silu(gate) * up` (npu_swiglu_backward has
+no derivative of its own), so second-order gradients are eager's.
 """
 
 from __future__ import annotations
@@ -22,10 +30,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from ._activations import is_silu
+from ._double_backward import with_eager_double_backward
 from ._npu import FUSED_DTYPES, is_dtensor, npu_unavailable_reason, torch_npu
+
+ENGINE_HOOK_PACKAGES = ("deepspeed.", "torch.distributed.fsdp._fully_shard.")
+"""The modules of the hooks DeepSpeed (ZeRO-3) and FSDP2 put on every module they manage: they gather and release
+the module's own parameters around its call and change nothing it computes, so the MLP may compute what act_fn
+computes without calling it (act_fn holds no parameters)."""
 
 
 def activation_of(mlp: nn.Module) -> Callable | None:
@@ -40,13 +56,45 @@ def is_plain_linear(module: nn.Module) -> bool:
         and "forward" not in vars(module)
         and not module._forward_hooks
         and not module._forward_pre_hooks
+        and not module._backward_hooks
+        and not module._backward_pre_hooks
     )
+
+
+def _has_global_module_hooks() -> bool:
+    """Whether hooks for every module's call are registered (torch.nn.modules.module.register_module_*_hook)."""
+    return any(
+        getattr(torch_module, f"_global_{kind}_hooks")
+        for kind in ("forward_pre", "forward", "backward_pre", "backward")
+    )
+
+
+def _own_hooks(module: object) -> list:
+    """The hooks on a module's own call that are not DeepSpeed's or FSDP2's (ENGINE_HOOK_PACKAGES)."""
+    if not isinstance(module, nn.Module):
+        return []  # a function (F.silu): nothing to hook
+    hooks = (
+        *module._forward_pre_hooks.values(),
+        *module._forward_hooks.values(),
+        *module._backward_pre_hooks.values(),
+        *module._backward_hooks.values(),
+    )
+    return [hook for hook in hooks if not (getattr(hook, "__module__", None) or "").startswith(ENGINE_HOOK_PACKAGES)]
 
 
 def _npu_swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> str | None:
     """Why npu_swiglu will not compute `silu(gate) * up` for input x and this activation, or None."""
     if not is_silu(act_fn):
         return f"activation {act_fn!r} is not SiLU"
+    hooks = _own_hooks(act_fn)
+    if hooks:
+        names = ", ".join(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in hooks)
+        return f"act_fn has hooks of its own ({names}): the MLP calls it, as eager does, for them to see its call"
+    if _has_global_module_hooks():
+        return (
+            "module hooks are registered for every module (register_module_forward_hook, ...): the MLP calls its "
+            "children as eager does, for the hooks to see each call"
+        )
     reason = npu_unavailable_reason(x)
     if reason is not None:
         return reason
@@ -210,7 +258,16 @@ def swiglu_mlp(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_p
         gated = torch_npu.npu_swiglu(_GateUpConcatenated.apply(*inputs), dim=-1)  # [T, I]
     else:
         gated = torch_npu.npu_swiglu(_GateUpHalves.apply(*inputs), dim=0)  # [1, T, I]
-    return down_proj(gated.reshape(*x.shape[:-1], inner))
+    # a recorded backward differentiates eager's math from x and the weights: npu_swiglu's backward has no derivative,
+    # and the gate/up functions' backward keeps x as rows made without autograd (no second order through dW)
+    gated = with_eager_double_backward(gated.reshape(*x.shape[:-1], inner), _gated_eager, *inputs)
+    return down_proj(gated)
+
+
+def _gated_eager(x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:
+    """`act_fn(gate_proj(x)) * up_proj(x)` for a SiLU act_fn, on the tensors the fused path reads (autocast's casts
+    made): what a recorded backward differentiates in place of the fused gate/up matmuls and npu_swiglu."""
+    return F.silu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)
 
 
 def swiglu_mlp_eager(
@@ -229,7 +286,15 @@ def swiglu_gate_up_mlp(x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.M
     """`gate, up = gate_up_proj(x).chunk(2, -1)`; `down_proj(up * act_fn(gate))`, fused: gate rows come first."""
     if swiglu_gate_up_mlp_unavailable_reason(x, gate_up_proj, act_fn) is not None:
         return swiglu_gate_up_mlp_eager(x, gate_up_proj, down_proj, act_fn)
-    return down_proj(torch_npu.npu_swiglu(gate_up_proj(x).contiguous()))
+    gate_up = gate_up_proj(x).contiguous()
+    return down_proj(with_eager_double_backward(torch_npu.npu_swiglu(gate_up), _gate_up_gated_eager, gate_up))
+
+
+def _gate_up_gated_eager(gate_up: torch.Tensor) -> torch.Tensor:
+    """`up * act_fn(gate)` for `gate, up = gate_up.chunk(2, -1)` and a SiLU act_fn (Phi3MLP's): what a recorded
+    backward differentiates in place of npu_swiglu."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return up * F.silu(gate)
 
 
 def swiglu_gate_up_mlp_eager(x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
