@@ -60,6 +60,17 @@ def offline_hub(built_cards) -> str:
 
 
 @pytest.fixture
+def kernels_mapping_restored():
+    """kernels' process-wide layer mapping as it was before the test: transformers' use_kernels adds its own entries
+    to it (liger-kernels' for "RMSNorm", ...), which a later kernelize in this worker, offline, could not load. The test
+    runs on a copy of the mapping (kernels' `use_kernel_mapping`, inheriting), dropped afterwards."""
+    from kernels import use_kernel_mapping
+
+    with use_kernel_mapping({}, inherit_mapping=True):
+        yield
+
+
+@pytest.fixture
 def npu_kernels(built_cards):
     """The cards registered for "npu" from the local build; the classes are restored afterwards."""
     register_npu_kernels(local_dir=built_cards)

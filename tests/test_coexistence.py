@@ -4,25 +4,31 @@ Another library may have replaced transformers' rotary functions before npu-hub-
 LLaMA-Factory's NPU kernels (`apply_default_kernels(model, "auto")`) and Liger's
 `apply_liger_kernel_to_*(rope=True)` set each modeling file's `apply_rotary_pos_emb` to their own
 function. The registry leaves such a function alone (logged, naming the global and its replacement),
-swaps the rest, and the load goes on. `swapped_modules` lists only what runs: each listed swap is
-proven by the fused op counts of its caller, and a swap that cannot run is not listed.
+swaps the rest, and the load goes on. Likewise a forward another library bound on a module instance (LLaMA-Factory's
+norm and MLP kernels, TRL's LM head, accelerate's autocast wrapper) is never replaced: kernelize keeps it and
+`kept_forwards` says so. `swapped_modules` lists only what runs: each listed swap is proven by the fused op counts of
+its caller, and a swap that cannot run is not listed.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import logging
 from collections import Counter
+from types import MethodType
 
 import pytest
 import torch
-from kernels import Mode, kernelize
+from kernels import Mode, kernelize, use_kernel_forward_from_hub, use_kernel_mapping
 from test_mapping import EXPECTED, expected_calls, forward, layer_count
+from transformers import AutoModelForCausalLM
 
 from npu_hub_kernels import (
     CARDS,
     apply_npu_kernels,
+    kept_forwards,
     register_npu_kernels,
     swapped_modules,
     unregister_npu_kernels,
@@ -117,12 +123,14 @@ def rope_layers_left(model_type: str) -> list[str]:
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_llamafactory_npu_kernels_applied_first_are_left_alone(register, caplog, model_type):
     """LLaMA-Factory's rotary function takes an extra position_ids: swapping it crashed kernelize (a
-    forward signature mismatch). It keeps running; every other card fuses; the output is eager's."""
+    forward signature mismatch). It keeps running, and so do the forwards LLaMA-Factory bound on norms and MLPs:
+    kernelize keeps them (`kept_forwards` names each), the cards fuse the rest, and the output is eager's."""
     interface = llamafactory_kernels()
     ids = token_ids()
     eager = forward(tiny_model(model_type), ids)
     model = tiny_model(model_type).to("npu")
     interface.apply_default_kernels(model, "auto")
+    theirs_bound = llamafactory_forwards(model)
     module = modeling(model_type)
     theirs = getattr(module, ROTARY)
     assert theirs.__module__.startswith("llamafactory.")  # LLaMA-Factory did replace the global
@@ -132,14 +140,31 @@ def test_llamafactory_npu_kernels_applied_first_are_left_alone(register, caplog,
     assert getattr(module, ROTARY) is theirs
     assert f"{module.__name__}.{ROTARY} alone" in caplog.text
     assert f"{theirs.__module__}.{theirs.__qualname__}" in caplog.text
+    kept = kept_forwards(model)
+    assert llamafactory_forwards(model) == theirs_bound == [k.module for k in kept]
+    assert {k.card for k in kept} == {"npu-rms-norm", "npu-swiglu"}
+    assert all(k.forward.startswith("llamafactory.") for k in kept)
     with emulation.count_op_calls() as calls:
         out = forward(model, ids)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     rope_swaps = swapped_modules(model, card="npu-rope")
     assert [s.layer for s in rope_swaps] == rope_layers_left(model_type) * layer_count(model)
-    assert {op: calls[op] for op in other_calls(model_type, model)} == other_calls(model_type, model)
+    # LLaMA-Factory's norm kernel runs on every norm, the post-attention ones too (npu-add-rms-norm's decoder layer
+    # calls that norm as the class does: its forward is not the class's); its MLP kernel runs as npu-swiglu would
+    expected = other_calls(model_type, model)
+    expected["npu_rms_norm"] += expected.pop("npu_add_rms_norm", 0)
+    assert {op: calls[op] for op in expected} == expected and calls["npu_add_rms_norm"] == 0
     # theirs fuses too (npu_rotary_mul on q and k), or for DeepseekV3 the card's interleaved function runs
     assert calls["npu_rotary_mul"] == ROPE_OPS_PER_CALL * layer_count(model)
+
+
+def llamafactory_forwards(model) -> list[str]:
+    """The modules whose forward LLaMA-Factory's kernels bound on the instance."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if getattr(compat.instance_forward(module), "__module__", "").startswith("llamafactory.")
+    ]
 
 
 def test_llamafactory_kernels_module_imports_under_the_emulation():
@@ -325,3 +350,115 @@ def test_rotary_swaps_are_named_by_function_before_and_after_registering(registe
         kernelize(model, mode=Mode.INFERENCE, device="npu")
         assert [s.module for s in swapped_modules(model, card="npu-rope")] == rope_names(model_type, model)
         assert_each_listed_swap_runs(model_type, model)
+
+
+# --- A forward another library set on a module is never replaced ------------------------------------------------
+
+
+def own_head(self, input_ids=None, **kwargs):
+    """Another library's forward for a causal LM (as TRL's fused LM head): the backbone, then its own head."""
+    return {"own_head": self.lm_head(self.model(input_ids).last_hidden_state)}
+
+
+def own_norm(self, hidden_states):
+    """Another library's forward for a norm (as LLaMA-Factory's kernels bind one)."""
+    return hidden_states * 2
+
+
+@pytest.mark.parametrize("load", ["kernelize", "use_kernels=True"])
+def test_forwards_another_library_set_are_kept_across_every_kernelize(register, tmp_path, load):
+    """A forward set on a module of a swapped class (the model's own, a norm's) stays through every kernelize in
+    either mode, and through the train()/eval() switches that kernelize a use_kernels=True model again: it runs,
+    `kept_forwards` names it and says why, `swapped_modules` leaves it out, and every other module still fuses."""
+    register()
+    tiny_model("llama").save_pretrained(tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu", use_kernels=load != "kernelize")
+    if load == "kernelize":
+        kernelize(model, mode=Mode.INFERENCE, device="npu")
+    norm = model.model.layers[0].input_layernorm
+    model.forward = MethodType(own_head, model)
+    norm.forward = MethodType(own_norm, norm)
+    for switch in (
+        lambda: kernelize(model, mode=Mode.TRAINING, device="npu"),
+        lambda: kernelize(model, mode=Mode.INFERENCE, device="npu"),
+        model.train,
+        model.eval,
+    ):
+        switch()
+        assert compat.instance_forward(model).__func__ is own_head
+        assert compat.instance_forward(norm).__func__ is own_norm
+    kept = {k.module: k for k in kept_forwards(model)}
+    assert sorted(kept) == [ROOT_MODULE, "model.layers.0.input_layernorm"]
+    assert (kept[ROOT_MODULE].card, kept[ROOT_MODULE].forward) == ("npu-linear-cross-entropy", f"{__name__}.own_head")
+    assert kept["model.layers.0.input_layernorm"].forward == f"{__name__}.own_norm"
+    assert kept[ROOT_MODULE].reason.startswith(f"not fused: another library set its forward to {__name__}.own_head")
+    assert {s.module for s in swapped_modules(model)}.isdisjoint(kept)
+    with emulation.count_op_calls() as calls, torch.no_grad():
+        out = model(token_ids().to("npu"))
+    assert set(out) == {"own_head"}
+    expected = expected_calls("llama", model)
+    expected["npu_rms_norm"] -= 1  # the kept norm
+    assert dict(calls) == expected
+
+
+def test_a_wrapper_around_a_card_layer_is_kept_and_the_card_runs_inside_it(register):
+    """accelerate's way: a wrapper (`functools.wraps`, `__wrapped__`) around the forward kernelize bound. kernelize
+    keeps it; the card's layer still runs inside, so `swapped_modules` lists the module and `kept_forwards` does not."""
+    register()
+    model = kernelize(tiny_model("llama").to("npu"), mode=Mode.INFERENCE, device="npu")
+    norm = model.model.norm
+    bound = compat.instance_forward(norm)
+    wrapped = []
+
+    @functools.wraps(bound.__func__)
+    def wrapper(self, *args, **kwargs):
+        wrapped.append(True)
+        return bound.__func__(self, *args, **kwargs)
+
+    norm.forward = MethodType(wrapper, norm)
+    kernelize(model, mode=Mode.TRAINING, device="npu")
+    assert compat.instance_forward(norm).__func__ is wrapper
+    assert "model.norm" in {s.module for s in swapped_modules(model, card="npu-rms-norm")}
+    assert "model.norm" not in {k.module for k in kept_forwards(model)}
+    with emulation.count_op_calls() as calls, torch.no_grad():
+        forward(model, token_ids())
+    assert wrapped and dict(calls) == expected_calls("llama", model)
+
+
+@use_kernel_forward_from_hub("npu-hub-kernels-test:Doubling")
+class Doubling(torch.nn.Module):
+    """Another library's tagged layer (npu-hub-kernels never retags it)."""
+
+    def forward(self, x):
+        return 2 * x
+
+
+def test_other_librarys_tagged_classes_are_kernelized_as_kernels_does(register):
+    """Only the classes npu-hub-kernels retagged keep another library's forward: for any other tagged class kernelize
+    binds as kernels binds (here its class's forward, nothing being mapped), with the cards registered or not."""
+    for registered in (True, False):
+        if registered:
+            register()
+        else:
+            unregister_npu_kernels()
+        layer = Doubling()
+        layer.forward = MethodType(own_norm, layer)
+        kernelize(layer, mode=Mode.INFERENCE, device="npu")
+        assert compat.instance_forward(layer).__func__ is Doubling.forward, registered
+        assert kept_forwards(layer) == []
+
+
+def test_unregistering_gives_kernelize_back_its_own_binding(register):
+    """After unregister_npu_kernels, a class that was retagged is transformers' again: a kept forward is still
+    there (unregistering removes nothing another library set) but the next kernelize binds as kernels does."""
+    register()
+    model = tiny_model("llama").to("npu")
+    norm = model.model.norm
+    norm.forward = MethodType(own_norm, norm)
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    assert compat.instance_forward(norm).__func__ is own_norm
+    unregister_npu_kernels()
+    assert compat.instance_forward(norm).__func__ is own_norm and kept_forwards(model) == []
+    with use_kernel_mapping({}, inherit_mapping=False):  # no layer mapped: kernelize binds each class's forward
+        kernelize(model, mode=Mode.INFERENCE, device="npu")
+    assert compat.instance_forward(norm).__func__ is type(norm).forward

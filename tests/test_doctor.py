@@ -25,8 +25,10 @@ from test_distribution import publish_built_cards
 
 from npu_hub_kernels.__main__ import main
 from npu_hub_kernels.cards import CARDS
+from npu_hub_kernels.doctor import diagnose, format_report
 from npu_hub_kernels.offline import seed_offline_cache
 from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm
 
 CARD_NAMES = [card.repo_name for card in CARDS.values()]
 MACHINE = platform.machine()
@@ -34,6 +36,7 @@ OTHER_MACHINE = "aarch64" if MACHINE == "x86_64" else "x86_64"
 ARCH_VARIANT = f"torch213-cxx11-cann91-{MACHINE}-linux"
 HUB_ORG = "npu-hub-kernels-doctor"
 TOKEN = "hf_loopback_doctor"
+TRL_HEAD = "trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward"
 
 
 def doctor_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
@@ -295,3 +298,26 @@ def test_a_version_the_cache_does_not_hold_is_named_with_the_versions_it_holds(o
     (hint,) = report["hints"]
     assert "--version 1" in hint and "cannot tell whether version 7 exists" in hint
     assert "seed" not in hint and "download each card" not in hint
+
+
+def test_given_a_model_it_says_what_fuses_and_which_forward_another_library_set_is_kept(offline_hub, npu_kernels):
+    """`diagnose(model=...)`: the modules running each card's layer, counted, and each module of a swapped class that
+    keeps another library's forward (TRL's fused LM head here, through a kernelize after it was set): not fused, why,
+    and that forward's qualified name; in the text and the JSON alike."""
+    from kernels import Mode, kernelize
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = kernelize(tiny_causal_lm("llama").to("npu"), mode=Mode.INFERENCE, device="npu")
+    add_fused_lm_head(model)
+    kernelize(model, mode=Mode.TRAINING, device="npu")
+    report = diagnose(offline_hub, model=model)
+    assert report.ok and report.model.model_class == "LlamaForCausalLM"
+    assert report.model.fused == {"npu-add-rms-norm": 2, "npu-rms-norm": 5, "npu-rope": 2, "npu-swiglu": 2}
+    (kept,) = report.model.not_fused
+    assert (kept.module, kept.card, kept.forward) == ("<root>", "npu-linear-cross-entropy", TRL_HEAD)
+    text = format_report(report)
+    kept_row = f"\n  kept        <root> (LlamaForCausalLM): not fused: another library set its forward to {TRL_HEAD}"
+    assert kept_row in text
+    assert "\n  fused       npu-add-rms-norm 2, npu-rms-norm 5, npu-rope 2, npu-swiglu 2 (modules" in text
+    assert json.loads(json.dumps(report.as_dict()))["model"]["not_fused"][0]["forward"] == TRL_HEAD
+    assert diagnose(offline_hub).model is None and "\nmodel " not in format_report(diagnose(offline_hub))

@@ -123,6 +123,18 @@ def test_device_behaves_like_a_device():
     assert torch.npu.is_available() and torch.npu.device_count() == 1
 
 
+@pytest.mark.parametrize("device", [None, 0, "npu", "npu:0", torch.device("npu", 0)], ids=str)
+def test_the_device_names_itself_as_torch_npu_does(device):
+    """torch_npu answers CANN's SoC name (an Atlas A2's); TRL's trainers ask it at construction."""
+    assert torch.npu.get_device_name(device) == "Ascend910B3"
+
+
+@pytest.mark.parametrize("device", [1, "npu:1", torch.device("npu", 1)], ids=str)
+def test_the_name_of_a_device_there_is_not_is_refused_as_torch_npu_refuses_it(device):
+    with pytest.raises(AssertionError, match="Invalid device id"):
+        torch.npu.get_device_name(device)
+
+
 def _same_as_on_the_host(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.device.type == "npu" and got.device == torch.device("npu", 0)
     assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)

@@ -16,12 +16,18 @@ import ast
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import MethodType
 
 import kernels
 import pytest
 from conftest import ROOT
+from kernels import Mode, get_local_kernel, kernelize, use_kernel_forward_from_hub, use_kernel_mapping
+from torch import nn
 
+from npu_hub_kernels import CARDS
 from npu_hub_kernels import _kernels_compat as compat
+
+CARDS_BY_NAME = {card.repo_name: card for card in CARDS.values()}
 
 PRIVATE_IMPORT = re.compile(
     r"^\s*(from kernels(\.\w+)*\._\w+ import|from kernels\._\w+|import kernels\.(\w+\.)*_\w+"
@@ -62,11 +68,15 @@ def _is_private(name: str) -> bool:
 
 def kernels_private_attributes(source: Path = Path(kernels.__file__).parent) -> frozenset[str]:
     """The private attribute names kernels defines on objects, read from its source: those it assigns
-    (`self._repo_id = ...`, `setattr(x, "_name", ...)`, `self.__dict__.setdefault("_kernel_funcs", {})`) and its
-    classes' private methods (`_resolve_revision`). Names it only reads are another library's (`torch._C`)."""
+    (`self._repo_id = ...`, `setattr(x, "_name", ...)`, `self.__dict__.setdefault("_kernel_funcs", {})`), its
+    classes' private methods (`_resolve_revision`) and its modules' private functions (`_replace_forward`, an
+    attribute of `kernels.layer.layer` however that module is reached). Names it only reads are another library's
+    (`torch._C`)."""
     names = set()
     for path in source.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names.update(item.name for item in tree.body if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef))
+        for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
                 names.add(node.attr)
             elif isinstance(node, ast.ClassDef):
@@ -161,9 +171,15 @@ def _own_attribute_nodes(tree: ast.Module, from_kernels: set[str]) -> set[int]:
 
 def test_kernels_defines_the_private_attributes_the_check_looks_for():
     """The names read from kernels' source include those the compat module reaches for (else the check is blind)."""
-    assert {"_repo_id", "_resolve_revision", "_trust_remote_code", "_user_agent", "_repo_path", "_kernel_funcs"} <= (
-        KERNELS_PRIVATE_ATTRIBUTES
-    )
+    assert {
+        "_repo_id",
+        "_resolve_revision",
+        "_trust_remote_code",
+        "_user_agent",
+        "_repo_path",
+        "_kernel_funcs",
+        "_replace_forward",
+    } <= KERNELS_PRIVATE_ATTRIBUTES
 
 
 def test_no_other_file_uses_a_private_kernels_attribute_or_reads_generated_code():
@@ -198,6 +214,9 @@ def test_no_other_file_uses_a_private_kernels_attribute_or_reads_generated_code(
         "from inspect import getclosurevars",
         "cell = forward.__closure__[0].cell_contents",
         "cells = getattr(init, '__closure__', None)",
+        "from kernels.layer import layer\nlayer._replace_forward = mine",
+        "import importlib\nimportlib.import_module('kernels.layer.layer')._replace_forward = mine",
+        "import sys\nsetattr(sys.modules['kernels.layer.layer'], '_replace_forward', mine)",
     ],
 )
 def test_the_check_catches_each_form_of_private_use(source):
@@ -241,3 +260,48 @@ def test_the_pattern_catches_each_form_of_private_import():
     assert not PRIVATE_IMPORT.search("from kernels import Mode, kernelize")
     assert not PRIVATE_IMPORT.search("from kernels import __version__")
     assert not PRIVATE_IMPORT.search("from kernels import (\n    Mode,\n    kernelize,\n)")
+
+
+# --- The private function wrapped: layer._replace_forward ------------------------------------------------------
+
+
+@use_kernel_forward_from_hub("npu-hub-kernels-test:Identity")
+class Identity(nn.Module):
+    """A tagged layer no mapping names: kernelize binds its class's forward on every instance."""
+
+    def forward(self, x):
+        return x
+
+
+def other_forward(self, x):
+    """Another library's forward for `Identity`."""
+    return x + 1
+
+
+def test_keep_forwards_leaves_what_the_keeper_keeps_and_kernelize_binds_the_rest():
+    """kernelize sets every forward through `layer._replace_forward`: with a keeper installed, the modules it keeps
+    keep their forward, the others are bound as kernels binds them; stopping gives kernels' binding back to all."""
+    kept, bound = Identity(), Identity()
+    for module in (kept, bound):
+        module.forward = MethodType(other_forward, module)
+    compat.keep_forwards(lambda module: module is kept)
+    try:
+        with use_kernel_mapping({}, inherit_mapping=False):
+            kernelize(nn.Sequential(kept, bound), mode=Mode.INFERENCE, device="cpu")
+    finally:
+        compat.stop_keeping_forwards()
+    assert compat.instance_forward(kept).__func__ is other_forward
+    assert compat.instance_forward(bound).__func__ is Identity.forward
+    with use_kernel_mapping({}, inherit_mapping=False):
+        kernelize(kept, mode=Mode.INFERENCE, device="cpu")
+    assert compat.instance_forward(kept).__func__ is Identity.forward
+
+
+def test_is_layer_forward_knows_the_layers_of_every_loaded_kernel_and_kernels_function_modules(built_cards):
+    """A layer class's forward of a kernel kernels loaded, and the forward kernels gives a function-module, are what
+    kernelize binds; a class's own forward and any other function are not."""
+    layers = get_local_kernel(built_cards / "npu-rms-norm").layers
+    assert all(compat.is_layer_forward(getattr(layers, name).forward) for name in CARDS_BY_NAME["npu-rms-norm"].layers)
+    function_module = use_kernel_forward_from_hub("npu-hub-kernels-test:function")(lambda x: 2 * x)
+    assert compat.is_layer_forward(type(function_module).forward)
+    assert not compat.is_layer_forward(Identity.forward) and not compat.is_layer_forward(other_forward)

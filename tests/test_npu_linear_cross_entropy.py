@@ -20,7 +20,7 @@ import importlib
 import inspect
 import textwrap
 from pathlib import Path
-from types import ModuleType
+from types import MethodType, ModuleType
 
 import pytest
 import torch
@@ -31,9 +31,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from npu_hub_kernels import CARDS, apply_npu_kernels, swapped_modules
+from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels.models import MODEL_CLASSES
 from npu_hub_kernels.models import npu_linear_cross_entropy as table
-from npu_hub_kernels.report import ROOT_MODULE
+from npu_hub_kernels.report import ROOT_MODULE, card_layer_of, card_package, qualified_name
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, VOCAB, tiny_causal_lm, tiny_config_values, token_ids
 
@@ -982,9 +983,14 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _wrapped_then_kernelized_again(source: Path):
-    """A tiny Llama loaded with use_kernels=True, prepared by accelerate for bf16 (its forward wrapped in autocast),
-    then switched to train(): kernelize runs again and replaces that wrapper with this card's layer."""
+ACCELERATES_WRAPPER = "accelerate.utils.operations.convert_outputs_to_fp32.<locals>.forward"
+"""The forward accelerate's mixed precision sets on a prepared model (native AMP), by its qualified name."""
+
+
+def _wrapped_by_accelerate(source: Path):
+    """A tiny Llama loaded with use_kernels=True, prepared by accelerate for bf16 (its forward, this card's layer,
+    wrapped in autocast), then switched to train(): kernelize runs again and keeps that wrapper (npu-hub-kernels never
+    replaces a forward another library set), and the card's layer runs inside it."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -994,8 +1000,41 @@ def _wrapped_then_kernelized_again(source: Path):
     model = accelerator.prepare(model)
     model.train()
     assert "_original_forward" in vars(model)
+    assert qualified_name(compat.instance_forward(model)) == ACCELERATES_WRAPPER
     assert [swap.module for swap in swapped_modules(model, card="npu-linear-cross-entropy")] == [ROOT_MODULE]
     return accelerator, model
+
+
+def _wrapped_then_kernelized_again(source: Path):
+    """As `_wrapped_by_accelerate`, then this card's layer bound over accelerate's wrapper as kernels' kernelize binds
+    it on a class npu-hub-kernels did not retag (the card loaded through a mapping of one's own, without this
+    package): the wrapper is dropped, and the layer is to run the call as the wrapper did."""
+    accelerator, model = _wrapped_by_accelerate(source)
+    _, layer = card_layer_of(model)
+    model.forward = MethodType(getattr(card_package(model).layers, layer).forward, model)
+    assert "_original_forward" in vars(model) and qualified_name(compat.instance_forward(model)) != ACCELERATES_WRAPPER
+    return accelerator, model
+
+
+def test_use_kernels_keeps_accelerates_bf16_wrapper_and_the_loss_fuses_inside_it(
+    npu_kernels, fresh_accelerate_state, tmp_path
+):
+    """The wrapper kept through train()'s kernelize runs the card's layer under accelerate's own autocast: the lm_head
+    in bfloat16 and the outputs in float32, exactly eager's forward under the accelerator's autocast (a hook on the
+    lm_head keeps its own forward); without the hook the loss fuses under that autocast."""
+    accelerator, model = _wrapped_by_accelerate(tmp_path / "source")
+    ids = token_ids(batch=2, seq=8).to("npu")
+    with emulation.count_op_calls() as calls:
+        dtypes, outputs = _lm_head_dtype_and_outputs(model, ids)
+    assert dtypes == [torch.bfloat16] and calls[OPS[0]] == 0
+    assert outputs.loss.dtype == outputs.logits.dtype == torch.float32
+    with accelerator.autocast():
+        expected = type(model).forward(model, ids, labels=ids)
+    assert torch.equal(outputs.loss, expected.loss.float()) and torch.equal(outputs.logits, expected.logits.float())
+    with emulation.count_op_calls() as calls:
+        fused = model(ids, labels=ids)
+    assert calls[OPS[0]] == 1 and fused.logits is None and fused.loss.dtype == torch.float32
+    torch.testing.assert_close(fused.loss, outputs.loss, rtol=1e-3, atol=1e-3)
 
 
 def _lm_head_dtype_and_outputs(model, ids: torch.Tensor):
@@ -1009,13 +1048,14 @@ def _lm_head_dtype_and_outputs(model, ids: torch.Tensor):
     return seen, outputs
 
 
-def test_use_kernels_dropping_accelerates_bf16_wrapper_runs_as_that_wrapper(
+def test_a_kernelize_dropping_accelerates_bf16_wrapper_runs_as_that_wrapper(
     npu_kernels, fresh_accelerate_state, tmp_path
 ):
-    """use_kernels=True kernelizes again at train(), replacing accelerate's bf16 wrapper of the model's forward: the
-    layer runs the call as the wrapper does, the lm_head in bfloat16 and the outputs in float32, exactly eager's
-    forward under the accelerator's autocast (a hook on the lm_head keeps its own forward), and without the hook the
-    loss fuses under that autocast. Without the wrapper's marker (negative control) it runs float32."""
+    """A kernelize that binds the layer over accelerate's bf16 wrapper of the model's forward (kernels' own, for a
+    class npu-hub-kernels did not retag): the layer runs the call as the wrapper does, the lm_head in bfloat16 and the
+    outputs in float32, exactly eager's forward under the accelerator's autocast (a hook on the lm_head keeps its own
+    forward), and without the hook the loss fuses under that autocast. Without the wrapper's marker (negative
+    control) it runs float32."""
     accelerator, model = _wrapped_then_kernelized_again(tmp_path / "source")
     ids = token_ids(batch=2, seq=8).to("npu")
     assert not torch.is_autocast_enabled("npu")

@@ -28,7 +28,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from npu_hub_kernels import swapped_modules
+from npu_hub_kernels import kept_forwards, swapped_modules
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import VOCAB, gating_op_routers, norm_module_count, token_ids
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
@@ -366,8 +366,9 @@ def test_trainer_bf16_mixed_precision_within_the_eager_idiom(npu_kernels, tmp_pa
         runs[kernels] = logged_losses(trainer), flat_update(model, initial), dict(calls)
     (eager_losses, eager_update, eager_calls), (losses, update, calls) = runs[False], runs[True]
     assert set(eager_calls) <= {"npu_rotary_mul"}  # the shared rotary function-module, as above
-    # use_kernels=True kernelizes again at train(), replacing accelerate's autocast wrapper of the model's forward with
-    # npu-linear-cross-entropy's layer, which runs the step under that autocast again: its loss fuses, in bfloat16
+    # use_kernels=True kernelizes again at train() and keeps accelerate's autocast wrapper of the model's forward (a
+    # forward another library set), which runs npu-linear-cross-entropy's layer inside: its loss fuses, in bfloat16
+    assert hasattr(model.forward, "__wrapped__") and kept_forwards(model) == []  # accelerate's wrapper, of the card
     assert fused_loss(model) == 1  # Qwen3-MoE's too: MoeCausalLMWithAuxLoss adds its router's auxiliary loss
     expected = per_step_calls(model)
     expected.pop("npu_rotary_mul")  # Llama: float32 cos/sin with bfloat16 q/k

@@ -51,9 +51,25 @@ Private attributes of kernels' objects (the functions of the section "Private at
   `register_npu_kernels` would not be reached, and nothing can be detached again.
 - the forward kernelize binds on a module instance (`layer._replace_forward` sets
   `module.forward` to a method of the layer's forward, or of the class's own when nothing is
-  mapped): `instance_forward`, `release_instance_forward`; report tells from it which card layer a
-  module runs, retag releases it from the shared rotary function-modules. Public: none (kernelize
-  returns the model, not what it bound).
+  mapped): `instance_forward`, `release_instance_forward`, `is_layer_forward`; report tells from it
+  which card layer a module runs and which forward another library set there (any forward set on the
+  instance that is not a layer's forward kernelize binds, nor the class's own), retag releases it from
+  the shared rotary function-modules. `is_layer_forward` knows the layers kernelize binds as the
+  classes of the `layers` module of each kernel kernels loaded (public `get_loaded_kernels`; kernelize
+  takes a layer as `getattr(kernel.layers, name)`, `layer._get_kernel_layer`) and the forward kernels
+  gives a function-module (its code, as `function_module_function`). Public: none (kernelize returns
+  the model, not what it bound).
+
+Private functions wrapped (the section "Private functions wrapped"):
+- `layer._replace_forward(module, layer)`, the one step by which kernelize sets `module.forward` (every
+  path of `kernelize_layer` and `_conditionally_replace_forward` ends in it, the class's own forward
+  included): `keep_forwards`, `stop_keeping_forwards`; retag installs it with the first class it
+  retags and removes it with `restore()` (`unregister_npu_kernels`), so that kernelize leaves in place
+  a forward another library set on a module of a class npu-hub-kernels retagged (TRL's fused LM head,
+  accelerate's autocast wrapper) instead of binding the card's layer over it. Modules of every other
+  class are bound as kernels binds them. Public: a class's `kernel_condition` (retag's condition),
+  which kernelize does not ask for the function-modules it reaches through `_kernel_funcs`, and which
+  decides only whether to kernelize, not why.
 
 Generated code recognised (the section "Generated code"):
 - the `nn.Module` class `use_kernel_forward_from_hub` makes of a function (`layer._create_func_module`:
@@ -82,6 +98,7 @@ importing this module fails with a message naming the installed version and what
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -90,7 +107,7 @@ from typing import TYPE_CHECKING
 
 import kernels
 from huggingface_hub import constants
-from kernels import LayerRepository, LocalLayerRepository, Metadata, use_kernel_forward_from_hub
+from kernels import LayerRepository, LocalLayerRepository, Metadata, get_loaded_kernels, use_kernel_forward_from_hub
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -193,6 +210,62 @@ def instance_forward(module: nn.Module) -> object | None:
 def release_instance_forward(module: nn.Module) -> None:
     """Remove the forward kernelize bound on `module`: it calls its class's forward again."""
     del module.forward
+
+
+def is_layer_forward(function: object) -> bool:
+    """Whether `function` is a forward kernelize binds as a layer's: the `forward` of a layer class of a kernel kernels
+    has loaded (from any repository, npu-hub-kernels' cards or not), or the forward of a kernels function-module."""
+    if getattr(function, "__code__", None) is _FUNCTION_MODULE_FORWARD:
+        return True
+    for loaded in get_loaded_kernels():
+        layers = getattr(loaded.module, "layers", None)
+        if layers is not None and any(
+            isinstance(layer, type) and getattr(layer, "forward", None) is function for layer in vars(layers).values()
+        ):
+            return True
+    return False
+
+
+# Private functions wrapped
+
+ForwardKeeper = Callable[["nn.Module"], bool]
+"""Whether kernelize is to leave the forward of a module as it is (True) instead of binding one."""
+
+_KERNELS_LAYER = importlib.import_module("kernels.layer.layer")
+if list(inspect.signature(getattr(_KERNELS_LAYER, "_replace_forward", lambda: None)).parameters) != ["module", "layer"]:
+    raise ImportError(  # pragma: no cover - only with a kernels release that changed how kernelize binds a forward
+        f"kernels {kernels.__version__} no longer binds forwards through layer._replace_forward(module, layer), which "
+        f"npu-hub-kernels wraps. Install kernels=={TESTED}, and report it: mapping/npu_hub_kernels/_kernels_compat.py."
+    )
+_forward_keeper: ForwardKeeper | None = None
+_wrapped_replace_forward: Callable[[nn.Module, type], None] = _KERNELS_LAYER._replace_forward
+"""The `_replace_forward` `keep_forwards` wrapped: kernels' own, or whatever another library had put there."""
+
+
+def _replace_forward_unless_kept(module: nn.Module, layer: type) -> None:
+    """kernels' `_replace_forward(module, layer)`, except for a module the installed keeper keeps."""
+    keeper = _forward_keeper
+    if keeper is not None and keeper(module):
+        return
+    _wrapped_replace_forward(module, layer)
+
+
+def keep_forwards(keeper: ForwardKeeper) -> None:
+    """From now on, kernelize leaves the forward of every module for which `keeper(module)` is true as it is: it binds
+    neither a layer's forward nor the class's own there. Every other module is bound as kernels binds it."""
+    global _forward_keeper, _wrapped_replace_forward
+    if _KERNELS_LAYER._replace_forward is not _replace_forward_unless_kept:
+        _wrapped_replace_forward = _KERNELS_LAYER._replace_forward
+        _KERNELS_LAYER._replace_forward = _replace_forward_unless_kept
+    _forward_keeper = keeper
+
+
+def stop_keeping_forwards() -> None:
+    """Undo `keep_forwards`: kernelize binds every forward as it did before."""
+    global _forward_keeper
+    _forward_keeper = None
+    if _KERNELS_LAYER._replace_forward is _replace_forward_unless_kept:
+        _KERNELS_LAYER._replace_forward = _wrapped_replace_forward
 
 
 # Generated code
@@ -308,6 +381,7 @@ __all__ = [
     "DigestAlgorithm",
     "DigestValidationError",
     "DigestViolation",
+    "ForwardKeeper",
     "HubCacheResolver",
     "HubResolver",
     "KernelDependency",
@@ -334,6 +408,8 @@ __all__ = [
     "get_variants_local",
     "hub_resolver",
     "instance_forward",
+    "is_layer_forward",
+    "keep_forwards",
     "kernel_funcs",
     "load_layer_checked",
     "local_folder_variant",
@@ -348,6 +424,7 @@ __all__ = [
     "resolve_version_spec_as_ref",
     "revision_or_version",
     "set_own_kernel_funcs",
+    "stop_keeping_forwards",
     "validate_layer",
     "version_commit",
 ]

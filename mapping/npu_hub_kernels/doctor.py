@@ -22,6 +22,11 @@ functions the `kernels` loader (0.17.2) itself runs, so its answer is the loader
   trust (the org's `trustedKernelPublisher` on the Hub) is needed by `get_kernel` without
   `trust_remote_code` and by `kernels lock`. Offline it cannot be known, and kernels skips it.
 
+Given a model (`diagnose(model=...)`, from Python: after a trainer has set up its model, say), it also says what
+runs in it: how many modules run each card's layer, and each module of a swapped class that runs none because
+another library set its forward (TRL's fused LM head, accelerate's autocast wrapper), which kernelize keeps: the
+forward kept, by its qualified name (`report.kept_forwards`).
+
 The doctor never imports card code and never writes to the cache. Exit status: 0 when every card
 resolves to a variant that loads, 1 otherwise, with a hint per problem; 2 for a version below 1 or a
 malformed organisation name, refused before anything is looked up.
@@ -37,6 +42,7 @@ import os
 import platform
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,11 +55,13 @@ from huggingface_hub.file_download import repo_folder_name
 from kernels import Metadata, VariantAccepted, get_kernel_variants
 from kernels import __version__ as KERNELS_VERSION
 from packaging.version import Version
+from torch import nn
 
 from . import _kernels_compat as compat
 from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_problem
 from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
+from .report import KeptForward, kept_forwards, swapped_modules
 
 NOT_INSTALLED = "not installed"
 NOT_CACHED_HINT = (
@@ -120,8 +128,18 @@ class CardReport:
 
 
 @dataclass
+class ModelReport:
+    """What runs in a model: how many of its modules run each card's layer (`fused`, by card), and the modules of
+    swapped classes that run none because kernelize keeps the forward another library set on them (`not_fused`)."""
+
+    model_class: str
+    fused: dict[str, int]
+    not_fused: list[KeptForward]
+
+
+@dataclass
 class Report:
-    """The doctor's findings: the host, trust, and one CardReport per card."""
+    """The doctor's findings: the host, trust, one CardReport per card, and what runs in the model it was given."""
 
     org: str
     version: int
@@ -130,6 +148,7 @@ class Report:
     publisher_trusted: bool | None
     publisher_trust: str
     cards: list[CardReport]
+    model: ModelReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -154,8 +173,9 @@ class _Refusal(Exception):
         self.hint = hint
 
 
-def diagnose(org: str | None = None, version: int = 1) -> Report:
-    """Diagnose every card of `org` (default as register_npu_kernels) at API version `version`."""
+def diagnose(org: str | None = None, version: int = 1, model: nn.Module | None = None) -> Report:
+    """Diagnose every card of `org` (default as register_npu_kernels) at API version `version`, and what runs in
+    `model` when one is given (`model_report`)."""
     org = resolve_org(org)
     cards = [_diagnose_card(card, org, version) for card in CARDS.values()]
     host = host_report()
@@ -174,6 +194,17 @@ def diagnose(org: str | None = None, version: int = 1) -> Report:
         publisher_trusted=publisher_trusted,
         publisher_trust=publisher_trust,
         cards=cards,
+        model=None if model is None else model_report(model),
+    )
+
+
+def model_report(model: nn.Module) -> ModelReport:
+    """How many modules of `model` run each card's layer, and which modules of swapped classes keep another
+    library's forward instead, with why (`swapped_modules`, `kept_forwards`)."""
+    return ModelReport(
+        model_class=type(model).__name__,
+        fused=dict(sorted(Counter(swap.card for swap in swapped_modules(model)).items())),
+        not_fused=kept_forwards(model),
     )
 
 
@@ -525,6 +556,11 @@ def format_report(report: Report) -> str:
     )
     lines += ["", "trust"]
     lines += _rows([("registry", report.registry_trust), ("publisher", report.publisher_trust)])
+    if report.model is not None:
+        lines += ["", f"model {report.model.model_class}"]
+        fused = ", ".join(f"{card} {count}" for card, count in report.model.fused.items())
+        lines += _rows([("fused", f"{fused or 'nothing'} (modules running each card's layer)")])
+        lines += _rows([("kept", f"{k.module} ({k.module_class}): {k.reason}") for k in report.model.not_fused])
     shown_rejections: dict[str, str] = {}
     for card in report.cards:
         lines += ["", f"{card.card}  {card.repo_id}  (kernel id {card.kernel_id})"]

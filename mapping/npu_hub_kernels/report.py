@@ -1,4 +1,5 @@
-"""What runs where: the modules of a model whose forward is a card's layer, checked against what the code calls."""
+"""What runs where: the modules of a model whose forward is a card's layer, checked against what the code calls, and
+the modules of swapped classes that keep a forward another library set on them (and so run no card's layer)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from types import CodeType, MethodType, ModuleType
 from torch import nn
 
 from . import _kernels_compat as compat
+from .cards import CARDS
 
 _MISSING = object()
 
@@ -28,6 +30,18 @@ class Swap:
     variant: str
 
 
+@dataclass(frozen=True)
+class KeptForward:
+    """A module of a class a card swaps that runs no card's layer: another library set its forward, which kernelize
+    keeps (`forward`, that forward's qualified name; `reason`, the sentence saying so)."""
+
+    module: str
+    module_class: str
+    card: str
+    forward: str
+    reason: str
+
+
 def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
     """Which modules of `model` run an npu-hub-kernels layer, from which card and build variant
     (only those of `card`, e.g. "npu-rope", when given).
@@ -37,26 +51,116 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
     its code calls them by, e.g. `model.layers.0.self_attn.apply_rotary_pos_emb`, and only when that
     call reaches a card's layer: an attached function-module that the code does not call (another
     library replaced the global, or the entry is a deep copy of the global) is not listed, the global
-    it does call is.
+    it does call is. A module whose forward another library wrapped around a card's layer (accelerate's
+    autocast wrapper, `functools.wraps` style) runs that layer and is listed; one whose forward another
+    library replaced is not: `kept_forwards` lists it, with why.
     """
     swaps = []
+    for qualified, candidate in _candidates(model):
+        build, layer = card_layer_of(candidate) or (None, None)
+        if build is not None and card in (None, build.CARD):
+            swaps.append(
+                Swap(
+                    module=qualified,
+                    module_class=type(candidate).__name__,
+                    card=build.CARD,
+                    layer=layer,
+                    variant=build.VARIANT,
+                )
+            )
+    return swaps
+
+
+def kept_forwards(model: nn.Module, card: str | None = None) -> list[KeptForward]:
+    """The modules of `model` whose class a card swaps (only `card`'s, when given) but which run no card's layer,
+    because another library set their forward (`foreign_forward`): TRL's fused LM head on a `*ForCausalLM`, accelerate's
+    autocast wrapper of a class's own forward, ... kernelize keeps such a forward (npu-hub-kernels never replaces a
+    forward it did not install), so the module is not fused; named as `swapped_modules` names modules."""
+    kept = []
+    for qualified, candidate in _candidates(model):
+        swapped_by = retagged_card(type(candidate))
+        forward = foreign_forward(candidate)
+        if swapped_by is None or forward is None or card not in (None, swapped_by) or card_layer_of(candidate):
+            continue
+        outer, *inner = _foreign_chain(candidate, forward)
+        wrapping = f" (wrapping {', '.join(inner)})" if inner else ""
+        kept.append(
+            KeptForward(
+                module=qualified,
+                module_class=type(candidate).__name__,
+                card=swapped_by,
+                forward=outer,
+                reason=(
+                    f"not fused: another library set its forward to {outer}{wrapping}, which kernelize keeps "
+                    f"(npu-hub-kernels never replaces a forward it did not install), so "
+                    f"{type(candidate).kernel_layer_name} does not run"
+                ),
+            )
+        )
+    return kept
+
+
+def _foreign_chain(module: nn.Module, forward: object) -> list[str]:
+    """The qualified names of `forward` and of what it wraps, down to (not including) the class's own forward."""
+    own = getattr(type(module), "forward", None)
+    chain = []
+    for function in _wrapped_functions(forward):
+        if function is own:
+            break
+        chain.append(qualified_name(function))
+    return chain
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) for every module of `model` and every function-module its code calls (`swapped_modules`)."""
+    candidates = []
     lookups: dict[tuple[type, object], list[tuple[str, dict]]] = {}
     for name, module in model.named_modules():
-        candidates = [(name, module)]
+        candidates.append((name or ROOT_MODULE, module))
         candidates += [(f"{name}.{fname}", fn) for fname, fn in _called_function_modules(module, lookups)]
-        for qualified, candidate in candidates:
-            build, layer = card_layer_of(candidate) or (None, None)
-            if build is not None and card in (None, build.CARD):
-                swaps.append(
-                    Swap(
-                        module=qualified or ROOT_MODULE,
-                        module_class=type(candidate).__name__,
-                        card=build.CARD,
-                        layer=layer,
-                        variant=build.VARIANT,
-                    )
-                )
-    return swaps
+    return candidates
+
+
+def retagged_card(cls: type) -> str | None:
+    """The card whose layer name npu-hub-kernels tagged `cls` with (its own `kernel_layer_name`, e.g.
+    "npu-rms-norm:RMSNorm"); None for a class it did not retag (its subclasses included)."""
+    tag = cls.__dict__.get("kernel_layer_name")
+    card, _, layer = tag.partition(":") if isinstance(tag, str) else ("", "", "")
+    return card if any(c.repo_name == card and layer in c.layers for c in CARDS.values()) else None
+
+
+def foreign_forward(module: nn.Module) -> object | None:
+    """The forward another library set on `module` itself (TRL's fused LM head, accelerate's autocast wrapper, ...);
+    None where none is set, or the one set is one kernelize binds: a kernels layer's forward (from any repository)
+    or the class's own."""
+    forward = compat.instance_forward(module)
+    if isinstance(forward, MethodType) and (
+        forward.__func__ is getattr(type(module), "forward", None) or compat.is_layer_forward(forward.__func__)
+    ):
+        return None
+    return forward
+
+
+def qualified_name(function: object) -> str:
+    """`module.qualname` of a function (bound or not) by its code, which `functools.wraps` does not rename (TRL's head
+    takes the name of the class's forward): "trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward"; a
+    callable object's class otherwise."""
+    function = getattr(function, "__func__", function)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return f"{type(function).__module__}.{type(function).__qualname__}"
+    return f"{function.__globals__.get('__name__', '?')}.{code.co_qualname}"
+
+
+def _wrapped_functions(forward: object) -> list[object]:
+    """`forward` (a bound method as its function), then what it wraps, and so on: the chain of `__wrapped__` that
+    `functools.wraps` and accelerate's autocast wrapper set."""
+    chain: list[object] = []
+    while forward is not None and all(forward is not seen for seen in chain):
+        forward = getattr(forward, "__func__", forward)
+        chain.append(forward)
+        forward = getattr(forward, "__wrapped__", None)
+    return chain
 
 
 def _called_function_modules(module: nn.Module, cache: dict) -> list[tuple[str, nn.Module]]:
@@ -114,10 +218,13 @@ def global_names(code: CodeType) -> set[str]:
 
 def card_layer_of(module: nn.Module) -> tuple[ModuleType, str] | None:
     """(the card's generated `_build` module, the layer name) when kernelize gave `module` a card
-    layer's forward; None otherwise."""
-    forward = compat.instance_forward(module)
-    build = _card_build_of(forward.__func__) if isinstance(forward, MethodType) else None
-    return None if build is None else (build, _layer_name_of(forward.__func__))
+    layer's forward, which runs also inside a wrapper another library put around it since; None otherwise."""
+    for function in _wrapped_functions(compat.instance_forward(module)):
+        build = _card_build_of(function) if inspect.isfunction(function) else None
+        layer = None if build is None else _layer_name_of(function)
+        if layer is not None:
+            return build, layer
+    return None
 
 
 def card_package(module: nn.Module) -> ModuleType | None:
@@ -128,11 +235,12 @@ def card_package(module: nn.Module) -> ModuleType | None:
     return None if build is None else sys.modules[build.__name__.rpartition(".")[0]]
 
 
-def _layer_name_of(function) -> str:
-    """The name of the card layer whose forward `function` is (looked up in the card's layers module)."""
+def _layer_name_of(function) -> str | None:
+    """The name of the card layer whose forward `function` is (looked up in the card's layers module); None if none."""
     layers = vars(sys.modules[function.__module__])
     return next(
-        name for name, obj in layers.items() if isinstance(obj, type) and obj.__dict__.get("forward") is function
+        (name for name, obj in layers.items() if isinstance(obj, type) and obj.__dict__.get("forward") is function),
+        None,
     )
 
 

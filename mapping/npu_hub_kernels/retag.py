@@ -24,6 +24,13 @@ forward of transformers' function-module). The card reproduces only transformers
 a function is left alone and what replaced it is logged: the other library's function keeps
 running. The function-modules are shared like the functions they stand for: a deep copy of a model
 (a TRL reference model) keeps calling them, so kernelizing the copy fuses it.
+
+Likewise a forward another library set on a module instance of a retagged class (TRL's trainers set their fused
+LM head as the forward of the `*ForCausalLM` model, accelerate wraps a model's forward in its autocast) is never
+replaced: kernels' kernelize binds a forward on every tagged module, at every call (transformers calls it again at
+every train()/eval() of a `use_kernels=True` model), so while any class is retagged, kernelize leaves in place the
+forward of a module of a retagged class that is neither a kernels layer's nor the class's own (`keeps_forward`,
+through `_kernels_compat.keep_forwards`). `report.kept_forwards` lists such modules, with the forward kept.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from torch import nn
 
 from . import _kernels_compat as compat
 from .models import ClassRule
-from .report import card_layer_of, global_names
+from .report import card_layer_of, foreign_forward, global_names, retagged_card
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +94,8 @@ class _Retagging:
         for function_module in self.function_modules.values():
             # kernelize bound a card layer's forward on this function-module, which every model of the family calls
             # (a module global): back to the function itself, or the card keeps running for models never kernelized.
-            if card_layer_of(function_module) is not None:
+            # A forward another library set there stays.
+            if card_layer_of(function_module) is not None and foreign_forward(function_module) is None:
                 compat.release_instance_forward(function_module)
         self.undo.clear()
         self.function_modules.clear()
@@ -250,10 +258,23 @@ def _callers(module: ModuleType, name: str) -> list[type]:
     ]
 
 
+_KEPT_FORWARDS = "kernelize keeps other libraries' forwards"
+"""The change `_retag` records for `_kernels_compat.keep_forwards`, undone by `restore()`."""
+
+
+def keeps_forward(module: nn.Module) -> bool:
+    """Whether kernelize is to leave `module`'s forward as it is: its class is one this module retagged, and another
+    library set its forward (neither a kernels layer's nor the class's own: `report.foreign_forward`)."""
+    return retagged_card(type(module)) is not None and foreign_forward(module) is not None
+
+
 def _retag(cls: type, mapping_name: str) -> None:
     _state.record((cls, "tag"), partial(_untag, cls, _own(cls, "kernel_layer_name"), _own(cls, "kernel_condition")))
     # Only instances of exactly this class: a subclass may compute something else.
     replace_kernel_forward_from_hub(cls, mapping_name, condition=lambda module: type(module) is cls)
+    # While a class is retagged, kernelize keeps the forward another library set on one of its modules.
+    _state.record(_KEPT_FORWARDS, compat.stop_keeping_forwards)
+    compat.keep_forwards(keeps_forward)
 
 
 def _untag(cls: type, own_tag: object, own_condition: object) -> None:
