@@ -115,8 +115,9 @@ if TYPE_CHECKING:
     from kernels.resolver import LocalKernel
     from torch import nn
 
-SUPPORTED_RANGE = ">=0.17.2,<0.18.1"
-"""The kernels releases this module's private names are used with (transformers 5.22.2's range)."""
+SUPPORTED_RANGE = ">=0.17.2,<0.18"
+"""The kernels releases this module's private names are used with: transformers 5.22.2's range (its
+`is_kernels_available`, import_utils.py KERNELS_MIN_VERSION / KERNELS_MAX_VERSION: 0.18.0 is refused there)."""
 SUPPORTED = SpecifierSet(SUPPORTED_RANGE)
 TESTED = "0.17.2"
 
