@@ -96,7 +96,7 @@ def test_emulated_ascend_host_loads_the_cann91_build_of_every_card(offline_hub, 
     assert len(rejection_rows) == variant_count(built_cards) - 3  # listed once, for the first card
     assert len({len(re.match(r" +\S+ +", row).group()) for row in rejection_rows}) == 1  # reasons aligned
     first = next(iter(CARDS.values())).repo_name  # the one whose rejections are listed
-    assert f"rejected    39 variants, as for {first} (same reasons)" in text
+    assert f"rejected    {variant_count(built_cards) - 3} variants, as for {first} (same reasons)" in text
     assert text.endswith(f"OK: all {len(CARDS)} cards resolve to a build variant that loads on this host.\n")
 
 
