@@ -1023,7 +1023,13 @@ def test_use_kernels_keeps_accelerates_bf16_wrapper_and_the_loss_fuses_inside_it
     in bfloat16 and the outputs in float32, exactly eager's forward under the accelerator's autocast (a hook on the
     lm_head keeps its own forward); without the hook the loss fuses under that autocast."""
     accelerator, model = _wrapped_by_accelerate(tmp_path / "source")
-    ids = token_ids(batch=2, seq=8).to("npu")
+    _assert_runs_under_accelerates_autocast(accelerator, model, token_ids(batch=2, seq=8).to("npu"))
+
+
+def _assert_runs_under_accelerates_autocast(accelerator, model, ids: torch.Tensor) -> None:
+    """With a hook on the lm_head (which keeps its own forward: eager's loss), the lm_head computes in bfloat16 and
+    the outputs are float32, exactly eager's forward under the accelerator's autocast; without it the loss fuses
+    under that autocast."""
     with emulation.count_op_calls() as calls:
         dtypes, outputs = _lm_head_dtype_and_outputs(model, ids)
     assert dtypes == [torch.bfloat16] and calls[OPS[0]] == 0
@@ -1059,17 +1065,7 @@ def test_a_kernelize_dropping_accelerates_bf16_wrapper_runs_as_that_wrapper(
     accelerator, model = _wrapped_then_kernelized_again(tmp_path / "source")
     ids = token_ids(batch=2, seq=8).to("npu")
     assert not torch.is_autocast_enabled("npu")
-    with emulation.count_op_calls() as calls:
-        dtypes, outputs = _lm_head_dtype_and_outputs(model, ids)
-    assert dtypes == [torch.bfloat16] and calls[OPS[0]] == 0  # the hooked lm_head runs itself: eager's loss
-    assert outputs.loss.dtype == outputs.logits.dtype == torch.float32
-    with accelerator.autocast():
-        expected = type(model).forward(model, ids, labels=ids)
-    assert torch.equal(outputs.loss, expected.loss.float()) and torch.equal(outputs.logits, expected.logits.float())
-    with emulation.count_op_calls() as calls:
-        fused = model(ids, labels=ids)
-    assert calls[OPS[0]] == 1 and fused.logits is None and fused.loss.dtype == torch.float32
-    torch.testing.assert_close(fused.loss, outputs.loss, rtol=1e-3, atol=1e-3)
+    _assert_runs_under_accelerates_autocast(accelerator, model, ids)
 
     del model._original_forward
     dtypes, outputs = _lm_head_dtype_and_outputs(model, ids)

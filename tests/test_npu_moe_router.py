@@ -10,11 +10,13 @@ does not reproduce it.
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 
 import pytest
 import torch
 from kernels import Mode, get_local_kernel, kernelize
 from numerics import relative_error
+from torch import nn
 
 from npu_hub_kernels import swapped_modules
 from npu_hub_kernels.models import MODEL_CLASSES, ClassRule
@@ -157,54 +159,19 @@ def test_softmax_router_trains_without_the_op_its_backward_refuses(npu_kernels):
     assert calls[OP] == 1
 
 
-@pytest.mark.parametrize(
-    "layer", ["SigmoidGroupTopKRouter", "RenormalisedSoftmaxTopKRouter", "RenormalisedFloat32SoftmaxTopKRouter"]
-)
-def test_gradients_through_the_fused_router(npu_kernels, layer):
-    """Training: the sigmoid op's backward (from the norm_out it keeps, so out_flag is on) gives the class's
-    gradients; autograd through the top-k logits' softmax is at most twice the class's error against float64 (the
-    class's softmax is float32 whatever its input, so the reference is the routing's math in float64; relative L2
-    errors over 256 tokens, as numerics.relative_error measures them)."""
-    rule = next(r for r in RULES if r.layer == layer)
-    router = bare_router(rule, experts=32, hidden=16, top_k=4, renormalize=FUSING[rule.layer])
-    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(2))
-    scale = torch.arange(1.0, 5.0)
-    grads = {}
-    for run in ("eager", "npu"):
-        module = router
-        if run == "npu":
-            module = kernelize(torch.nn.Sequential(router).to("npu"), mode=Mode.TRAINING, device="npu")[0]
-        leaf = x.clone().to(scale.device if run == "eager" else "npu").requires_grad_()
-        with emulation.count_op_calls() as calls:
-            _, weights, ids = module(leaf)
-            (in_id_order(weights, ids)[0] * scale.to(leaf.device)).sum().backward()
-        grads[run] = (leaf.grad.cpu().double(), module.weight.grad.cpu().double())
-        module.weight.grad = None
-    assert calls[OP] == (0 if layer in TOP_LOGITS_LAYERS else 1)
-    if layer not in TOP_LOGITS_LAYERS:
-        for got, want in zip(grads["npu"], grads["eager"], strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        return
-    x64, weight64 = x.double().requires_grad_(), router.weight.detach().cpu().double().requires_grad_()
-    probs = torch.softmax(x64 @ weight64.t(), dim=-1)
-    top = probs.topk(4, dim=-1)
-    (in_id_order(top.values / top.values.sum(-1, keepdim=True), top.indices)[0] * scale).sum().backward()
-    for got, eager, reference in zip(grads["npu"], grads["eager"], (x64.grad, weight64.grad), strict=True):
-        assert relative_error(got, reference) <= 2 * relative_error(eager, reference)
+TRAINED_LAYERS = ["SigmoidGroupTopKRouter", "RenormalisedSoftmaxTopKRouter", "RenormalisedFloat32SoftmaxTopKRouter"]
+"""The layers that fuse while autograd records (the op with its backward, or the top-k logits' softmax)."""
+SCALE = torch.arange(1.0, 5.0)
+"""What each of the k weights (in id order) is multiplied by in the tests' losses."""
 
 
-@pytest.mark.parametrize(
-    "layer", ["SigmoidGroupTopKRouter", "RenormalisedSoftmaxTopKRouter", "RenormalisedFloat32SoftmaxTopKRouter"]
-)
-def test_a_double_backward_gives_the_class_second_order_gradients(npu_kernels, layer):
-    """A gradient penalty (the squared norm of the first-order gradients in the input and the router weight,
-    differentiated again): npu_moe_gating_top_k_backward has no derivative, so where autograd records the backward
-    the card differentiates eager's weights for the op's experts instead, and the sigmoid router, still one op call,
-    gives its class's second-order gradients. The top-k logits' softmax is plain autograd (the control)."""
+def trained_both(layer: str, tokens: int, differentiate) -> tuple[nn.Module, torch.Tensor, dict, Counter]:
+    """(the class's router, its input, the gradients of input and weight of the class ("eager", on the host) and of its
+    kernelized copy ("npu"), the op calls of the copy's run): `differentiate(leaf, module, weights, ids)` runs each
+    backward."""
     rule = next(r for r in RULES if r.layer == layer)
     router = bare_router(rule, experts=32, hidden=16, top_k=4, renormalize=FUSING[rule.layer])
-    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
-    scale = torch.arange(1.0, 5.0)
+    x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(2))
     grads = {}
     for run in ("eager", "npu"):
         module = router
@@ -213,11 +180,49 @@ def test_a_double_backward_gives_the_class_second_order_gradients(npu_kernels, l
         leaf = x.clone().to("npu" if run == "npu" else "cpu").requires_grad_()
         with emulation.count_op_calls() as calls:
             _, weights, ids = module(leaf)
-            loss = (in_id_order(weights, ids)[0].pow(2) * scale.to(leaf.device)).sum()
-            first = torch.autograd.grad(loss, (leaf, module.weight), create_graph=True)
-            sum(g.pow(2).sum() for g in first).backward()
-        grads[run] = (leaf.grad.cpu(), module.weight.grad.cpu())
+            differentiate(leaf, module, weights, ids)
+        grads[run] = (leaf.grad.cpu().double(), module.weight.grad.cpu().double())
         module.weight.grad = None
+    return router, x, grads, calls
+
+
+@pytest.mark.parametrize("layer", TRAINED_LAYERS)
+def test_gradients_through_the_fused_router(npu_kernels, layer):
+    """Training: the sigmoid op's backward (from the norm_out it keeps, so out_flag is on) gives the class's
+    gradients; autograd through the top-k logits' softmax is at most twice the class's error against float64 (the
+    class's softmax is float32 whatever its input, so the reference is the routing's math in float64; relative L2
+    errors over 256 tokens, as numerics.relative_error measures them)."""
+
+    def differentiate(leaf, module, weights, ids):
+        (in_id_order(weights, ids)[0] * SCALE.to(leaf.device)).sum().backward()
+
+    router, x, grads, calls = trained_both(layer, 256, differentiate)
+    assert calls[OP] == (0 if layer in TOP_LOGITS_LAYERS else 1)
+    if layer not in TOP_LOGITS_LAYERS:
+        for got, want in zip(grads["npu"], grads["eager"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        return
+    x64, weight64 = x.double().requires_grad_(), router.weight.detach().cpu().double().requires_grad_()
+    probs = torch.softmax(x64 @ weight64.t(), dim=-1)
+    top = probs.topk(4, dim=-1)
+    (in_id_order(top.values / top.values.sum(-1, keepdim=True), top.indices)[0] * SCALE).sum().backward()
+    for got, eager, reference in zip(grads["npu"], grads["eager"], (x64.grad, weight64.grad), strict=True):
+        assert relative_error(got, reference) <= 2 * relative_error(eager, reference)
+
+
+@pytest.mark.parametrize("layer", TRAINED_LAYERS)
+def test_a_double_backward_gives_the_class_second_order_gradients(npu_kernels, layer):
+    """A gradient penalty (the squared norm of the first-order gradients in the input and the router weight,
+    differentiated again): npu_moe_gating_top_k_backward has no derivative, so where autograd records the backward
+    the card differentiates eager's weights for the op's experts instead, and the sigmoid router, still one op call,
+    gives its class's second-order gradients. The top-k logits' softmax is plain autograd (the control)."""
+
+    def differentiate(leaf, module, weights, ids):
+        loss = (in_id_order(weights, ids)[0].pow(2) * SCALE.to(leaf.device)).sum()
+        first = torch.autograd.grad(loss, (leaf, module.weight), create_graph=True)
+        sum(g.pow(2).sum() for g in first).backward()
+
+    _, _, grads, calls = trained_both(layer, 64, differentiate)
     assert calls[OP] == (0 if layer in TOP_LOGITS_LAYERS else 1)
     for got, want in zip(grads["npu"], grads["eager"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -226,7 +231,7 @@ def test_a_double_backward_gives_the_class_second_order_gradients(npu_kernels, l
 def test_tied_probabilities_pick_the_larger_logit_with_eager_weights(card):
     """Where eager's float32 probabilities of two experts tie though their logits differ (a few ulps apart), the
     top-k logits' softmax picks the larger logit and gives the tied weight; eager picks one of the tied experts."""
-    base = torch.tensor(1.0)
+    base = torch.tensor(1e-3)  # small logits: a step of one ulp is far below one ulp of the probabilities
     for ulps in range(1, 64):  # the smallest logit step whose softmax probabilities still round equal
         step = torch.nextafter(base, torch.tensor(2.0)) - base
         logits = torch.tensor([[base, base + ulps * step, -3.0, -4.0, -5.0]])
