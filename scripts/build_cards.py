@@ -82,18 +82,24 @@ def load_card(path: Path) -> Card:
         raise ValueError(f"{path}/card.toml names the card {card.name!r}; the folder must have the same name")
     if not (card.package_dir / "__init__.py").is_file():
         raise ValueError(f"card {card.name}: missing package {card.package_dir.relative_to(ROOT)}/__init__.py")
-    imported = {
-        f"{module}.py"
-        for source in card.package_dir.rglob("*.py")
-        for module in _RELATIVE_IMPORT.findall(source.read_text())
-        if (SHARED_DIR / f"{module}.py").is_file()
-    }
+    imported = _shared_imports(list(card.package_dir.rglob("*.py")))
     if imported != set(card.shared):
         raise ValueError(
             f"card {card.name}: its package imports {sorted(imported)} of kernel-cards/shared/, its card.toml "
             f"lists shared = {sorted(card.shared)}: make the list in card.toml match the imports"
         )
     return card
+
+
+def _shared_imports(sources: list[Path]) -> set[str]:
+    """The files of kernel-cards/shared/ these sources import, and those that the imported ones import in turn."""
+    found: set[str] = set()
+    while sources:
+        modules = {module for source in sources for module in _RELATIVE_IMPORT.findall(source.read_text())}
+        new = {f"{module}.py" for module in modules if (SHARED_DIR / f"{module}.py").is_file()} - found
+        found |= new
+        sources = [SHARED_DIR / name for name in new]
+    return found
 
 
 def load_cards(names: list[str] | None = None) -> list[Card]:

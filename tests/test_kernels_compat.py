@@ -6,22 +6,33 @@ pattern); no private attribute of a name imported from kernels (`kernels.layer.l
 `LayerRepository._resolve_revision`); no private attribute kernels defines on its objects or on others', on
 anything but the file's own classes (`repo._repo_id`, `module._kernel_funcs`, `getattr(m, "_kernel_funcs")`),
 found by reading kernels' own source; no look into the closures of generated code (`getclosurevars`,
-`__closure__`). kernel-cards/ is not held to it: a card's package is the Hub's code and imports kernels only as the
-loader does.
+`__closure__`).
+
+The cards (kernel-cards/, shipped frozen per version to the Hub) have a ledger of their own,
+kernel-cards/shared/_internals.py: every private internal of torch, DeepSpeed, accelerate, FSDP2, transformers or
+kernels a card reads goes through one of its functions, each with its entry (what it reads, why, the public
+alternative) and the releases it was checked against. Held here for every other file of kernel-cards/: no private
+attribute the cards do not define themselves, no DeepSpeed `ds_*` attribute, `__globals__` or `__dict__`, no private
+name as a string, no `vars()`, and none of kernels' private attributes.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import importlib.util
+import inspect
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import MethodType
+from types import MethodType, ModuleType
 
 import kernels
 import pytest
 from conftest import ROOT
 from kernels import Mode, get_local_kernel, kernelize, use_kernel_forward_from_hub, use_kernel_mapping
+from packaging.version import Version
 from torch import nn
 
 from npu_hub_kernels import CARDS
@@ -306,3 +317,106 @@ def test_is_layer_forward_knows_the_layers_of_every_loaded_kernel_and_kernels_fu
     function_module = use_kernel_forward_from_hub("npu-hub-kernels-test:function")(lambda x: 2 * x)
     assert compat.is_layer_forward(type(function_module).forward)
     assert not compat.is_layer_forward(Identity.forward) and not compat.is_layer_forward(other_forward)
+
+
+# --- The cards: every private internal of another library through kernel-cards/shared/_internals.py -------------
+
+CARD_INTERNALS = ROOT / "kernel-cards" / "shared" / "_internals.py"
+INTERNAL_ATTRIBUTES = frozenset({"ds_status", "ds_id", "ds_shape", "__globals__", "__dict__"})
+"""Internals read under public-looking names: DeepSpeed ZeRO-3's parameter attributes, a function's module globals,
+an object's instance dict."""
+
+
+def card_files() -> list[Path]:
+    """The files of kernel-cards/ held to the cards' ledger: every Python file but the ledger itself."""
+    return sorted(path for path in ROOT.glob("kernel-cards/**/*.py") if path != CARD_INTERNALS)
+
+
+def cards_own_names(paths: list[Path]) -> frozenset[str]:
+    """The private names the cards define themselves: their modules, their module-level functions, classes and
+    names, the attributes they assign and the strings they bind to a module-level name (an attribute they set)."""
+    names = {path.stem for path in (*paths, CARD_INTERNALS)} | {"_build"}
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+                names.add(str(node.value.value))
+    return frozenset(filter(_is_private, names))
+
+
+def private_internal_uses(source: str, own: frozenset[str]) -> Iterator[tuple[int, str]]:
+    """(line, what) for each read of another library's internals in `source`, the text of one card file: a private
+    attribute the cards do not define, one of INTERNAL_ATTRIBUTES, a private name as a string, a `vars()` call."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and (
+            (_is_private(node.attr) and node.attr not in own) or node.attr in INTERNAL_ATTRIBUTES
+        ):
+            yield node.lineno, f"`.{node.attr}`"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"_\w+", node.value) and _is_private(node.value) and node.value not in own:
+                yield node.lineno, f"`{node.value!r}`"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars":
+            yield node.lineno, "`vars(...)`"
+
+
+def test_no_card_file_reads_another_librarys_internals_but_through_the_ledger():
+    """Each read found is to go through a function of kernel-cards/shared/_internals.py, with its ledger entry."""
+    files = card_files()
+    own = cards_own_names(files)
+    found = {
+        f"{path.relative_to(ROOT)}:{line}: {what}"
+        for path in files
+        for source in [path.read_text()]
+        for line, what in (*private_internal_uses(source, own), *private_kernels_uses(source))
+    }
+    assert found == set()
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f(module):\n    return module._forward_hooks",
+        "def f(lm_head):\n    return hasattr(lm_head, '_hf_hook')",
+        "def f(weight):\n    return weight.ds_status",
+        "def f(module):\n    return vars(module).get('forward')",
+        "def f(kind):\n    return getattr(torch_module, f'_global_{kind}_hooks')",
+        "def f(cls):\n    return cls.forward.__globals__['load_balancing_loss_func']",
+    ],
+)
+def test_the_card_check_catches_each_form_of_internal_use(source):
+    assert list(private_internal_uses(source, frozenset())), source
+
+
+def test_the_card_check_passes_the_cards_own_private_names():
+    own = cards_own_names(card_files())
+    assert {"_npu", "_fallbacks", "_internals", "_StandInForward", "_npu_hub_kernels_computes_the_norm_forward"} <= own
+    assert list(private_internal_uses("from ._npu import torch_npu\nx = _chunk(h)", own)) == []
+
+
+def _card_ledger() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_card_internals", CARD_INTERNALS)
+    ledger = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ledger  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(ledger)
+    return ledger
+
+
+def test_the_ledger_has_one_complete_entry_per_function_and_names_the_installed_releases():
+    ledger = _card_ledger()
+    functions = {
+        name
+        for name, obj in vars(ledger).items()
+        if inspect.isfunction(obj) and obj.__module__ == ledger.__name__ and not name.startswith("_")
+    }
+    assert set(ledger.INTERNALS) == functions
+    assert all(entry.reads and entry.purpose and entry.public for entry in ledger.INTERNALS.values())
+    for package in ("torch", "deepspeed", "accelerate", "transformers", "kernels"):
+        installed = Version(importlib.metadata.version(package)).base_version
+        assert f"{package} {installed}" in ledger.CHECKED, (package, installed)

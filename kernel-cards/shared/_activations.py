@@ -8,6 +8,8 @@ from collections.abc import Callable
 import torch.nn.functional as F
 from torch import nn
 
+from ._internals import instance_forward
+
 
 def is_silu(act_fn: Callable | None) -> bool:
     """Whether an activation is exactly SiLU: `F.silu`, `nn.SiLU` (ACT2FN["swish"]) or transformers'
@@ -18,5 +20,5 @@ def is_silu(act_fn: Callable | None) -> bool:
     silu_types = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
     if type(act_fn) not in silu_types:
         return False
-    forward = vars(act_fn).get("forward")  # kernelize may bind a forward per instance (its own, or another)
+    forward = instance_forward(act_fn)  # kernelize may bind a forward per instance (its own, or another)
     return forward is None or getattr(forward, "__func__", None) is type(act_fn).forward

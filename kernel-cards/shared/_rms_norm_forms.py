@@ -17,6 +17,8 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
+from ._internals import instance_forward
+
 Scaling = Literal["plain", "zero_centered", "float32_scale"]
 SCALINGS: tuple[str, ...] = get_args(Scaling)
 """The accepted values of `scaling`."""
@@ -69,7 +71,7 @@ def norm_forward_replaced(norm: nn.Module) -> bool:
     anything but the binding kernelize makes there (`MethodType(layer.forward, norm)`) of the class's own forward or
     of a layer marked by `computes_the_norm_forward`. accelerate's add_hook_to_module, a user's wrapper, another
     library's kernel are replacements."""
-    forward = vars(norm).get("forward")
+    forward = instance_forward(norm)
     if forward is None:
         return False
     function = getattr(forward, "__func__", None)

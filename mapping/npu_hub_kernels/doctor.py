@@ -23,9 +23,11 @@ functions the `kernels` loader (0.17.2) itself runs, so its answer is the loader
   `trust_remote_code` and by `kernels lock`. Offline it cannot be known, and kernels skips it.
 
 Given a model (`diagnose(model=...)`, from Python: after a trainer has set up its model, say), it also says what
-runs in it: how many modules run each card's layer, and each module of a swapped class that runs none because
-another library set its forward (TRL's fused LM head, accelerate's autocast wrapper), which kernelize keeps: the
-forward kept, by its qualified name (`report.kept_forwards`).
+runs in it: how many modules run each card's layer; each of those whose layer ran eager, with the reason of its last
+call and every reason its calls ran eager for, with how many, as the cards recorded them (`report.swapped_modules`);
+and each module of a swapped class that runs none because another library set its forward (TRL's fused LM head,
+accelerate's autocast wrapper), which kernelize keeps: the forward kept, by its qualified name
+(`report.kept_forwards`).
 
 The doctor never imports card code and never writes to the cache. Exit status: 0 when every card
 resolves to a variant that loads, 1 otherwise, with a hint per problem; 2 for a version below 1 or a
@@ -61,7 +63,7 @@ from . import _kernels_compat as compat
 from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_problem
 from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
-from .report import KeptForward, kept_forwards, swapped_modules
+from .report import KeptForward, Swap, kept_forwards, swapped_modules
 
 NOT_INSTALLED = "not installed"
 NOT_CACHED_HINT = (
@@ -129,12 +131,17 @@ class CardReport:
 
 @dataclass
 class ModelReport:
-    """What runs in a model: how many of its modules run each card's layer (`fused`, by card), and the modules of
-    swapped classes that run none because kernelize keeps the forward another library set on them (`not_fused`)."""
+    """What runs in a model: how many of its modules run each card's layer (`fused`, by card), those whose layer ran
+    eager (`eager`: each with its last reason and every reason, counted), the modules of classes a card lists that
+    run eager on this transformers release because their code is not code the tests proved (`not_proven`), and the
+    modules of swapped classes that run none because kernelize keeps the forward another library set on them
+    (`not_fused`)."""
 
     model_class: str
     fused: dict[str, int]
+    eager: list[Swap]
     not_fused: list[KeptForward]
+    not_proven: list[Swap] = field(default_factory=list)
 
 
 @dataclass
@@ -199,12 +206,15 @@ def diagnose(org: str | None = None, version: int = 1, model: nn.Module | None =
 
 
 def model_report(model: nn.Module) -> ModelReport:
-    """How many modules of `model` run each card's layer, and which modules of swapped classes keep another
-    library's forward instead, with why (`swapped_modules`, `kept_forwards`)."""
+    """How many modules of `model` run each card's layer, which of them ran eager and why, and which modules of
+    swapped classes keep another library's forward instead, with why (`swapped_modules`, `kept_forwards`)."""
+    swaps = swapped_modules(model)
     return ModelReport(
         model_class=type(model).__name__,
-        fused=dict(sorted(Counter(swap.card for swap in swapped_modules(model)).items())),
+        fused=dict(sorted(Counter(swap.card for swap in swaps if swap.variant is not None).items())),
+        eager=[swap for swap in swaps if swap.eager_calls],
         not_fused=kept_forwards(model),
+        not_proven=[swap for swap in swaps if swap.variant is None],
     )
 
 
@@ -560,7 +570,13 @@ def format_report(report: Report) -> str:
         lines += ["", f"model {report.model.model_class}"]
         fused = ", ".join(f"{card} {count}" for card, count in report.model.fused.items())
         lines += _rows([("fused", f"{fused or 'nothing'} (modules running each card's layer)")])
+        for swap in report.model.eager:
+            lines += _eager_rows(swap)
         lines += _rows([("kept", f"{k.module} ({k.module_class}): {k.reason}") for k in report.model.not_fused])
+        lines += _rows(
+            [("not proven", f"{u.module} ({u.module_class}, {u.card}:{u.layer}): {u.eager_reason}")
+             for u in report.model.not_proven]
+        )  # fmt: skip
     shown_rejections: dict[str, str] = {}
     for card in report.cards:
         lines += ["", f"{card.card}  {card.repo_id}  (kernel id {card.kernel_id})"]
@@ -589,6 +605,15 @@ def format_report(report: Report) -> str:
         lines.append(f"PROBLEM: {failing} of {len(report.cards)} cards would not load on this host. Hints:")
         lines += [f"  - {hint}" for hint in report.hints()]
     return "\n".join(lines)
+
+
+def _eager_rows(swap: Swap) -> list[str]:
+    """A module whose card layer ran eager: its last call's reason (or that it fused), then every reason, counted."""
+    last = f"last call: {swap.eager_reason}" if swap.eager_reason else "last call fused"
+    lines = _rows([("eager", f"{swap.module} ({swap.module_class}, {swap.card}:{swap.layer}): {last}")])
+    for reason, calls in swap.eager_calls:
+        lines.append(f"    {calls} call{'s' if calls > 1 else ''}: {reason}")
+    return lines
 
 
 def _rows(rows: list[tuple[str, str]]) -> list[str]:

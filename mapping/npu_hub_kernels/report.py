@@ -1,5 +1,6 @@
-"""What runs where: the modules of a model whose forward is a card's layer, checked against what the code calls, and
-the modules of swapped classes that keep a forward another library set on them (and so run no card's layer)."""
+"""What runs where: the modules of a model whose forward is a card's layer, checked against what the code calls (with
+why each last ran eager, as the card recorded it), and the modules of swapped classes that keep a forward another
+library set on them (and so run no card's layer)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from . import _kernels_compat as compat
 from .cards import CARDS
+from .models import MODEL_CLASSES, fingerprints
 
 _MISSING = object()
 
@@ -21,13 +23,18 @@ ROOT_MODULE = "<root>"
 
 @dataclass(frozen=True)
 class Swap:
-    """A module of a model whose forward is a card's layer."""
+    """A module of a model whose forward is a card's layer; `eager_reason`: why its last call ran eager (None when that
+    call fused, or it has not run), `eager_calls`: every reason its calls ran eager for, with how many, as the card's
+    layer recorded them (its `_fallbacks`). `variant` None: a module of a class the card lists that runs eager on this
+    transformers release (its code is not code the tests proved, `models.fingerprints`), `eager_reason` says so."""
 
     module: str
     module_class: str
     card: str
     layer: str
-    variant: str
+    variant: str | None
+    eager_reason: str | None = None
+    eager_calls: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,12 +60,20 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
     library replaced the global, or the entry is a deep copy of the global) is not listed, the global
     it does call is. A module whose forward another library wrapped around a card's layer (accelerate's
     autocast wrapper, `functools.wraps` style) runs that layer and is listed; one whose forward another
-    library replaced is not: `kept_forwards` lists it, with why.
+    library replaced is not: `kept_forwards` lists it, with why. Each swap says why the module's last call ran eager,
+    if it did (`Swap.eager_reason`), and every reason its calls ran eager for (`Swap.eager_calls`). A module of a class
+    a card lists but leaves eager on this transformers release is listed with `variant` None and that reason.
     """
     swaps = []
+    left_eager = _left_eager_rules()
     for qualified, candidate in _candidates(model):
         build, layer = card_layer_of(candidate) or (None, None)
+        unproven = left_eager.get(_class_path(type(candidate))) if build is None else None
+        if unproven is not None and card in (None, unproven[0]):
+            repo_name, layer, reason = unproven
+            swaps.append(Swap(qualified, type(candidate).__name__, repo_name, layer, None, reason))
         if build is not None and card in (None, build.CARD):
+            record = _eager_record(build, candidate)
             swaps.append(
                 Swap(
                     module=qualified,
@@ -66,9 +81,35 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
                     card=build.CARD,
                     layer=layer,
                     variant=build.VARIANT,
+                    eager_reason=None if record is None else record.last,
+                    eager_calls=() if record is None else tuple(record.counts.items()),
                 )
             )
     return swaps
+
+
+def _class_path(cls: type) -> str:
+    """A class's path as the model tables write it (relative to transformers.models)."""
+    return f"{cls.__module__.removeprefix('transformers.models.')}.{cls.__qualname__}"
+
+
+def _left_eager_rules() -> dict[str, tuple[str, str, str]]:
+    """Class path -> (card, layer, why) for each listed class the registry left eager in this process."""
+    left_eager = fingerprints.left_eager()
+    if not left_eager:
+        return {}
+    return {
+        rule.path: (CARDS[kernel_id].repo_name, rule.layer, left_eager[rule.path])
+        for kernel_id, rules in MODEL_CLASSES.items()
+        for rule in rules
+        if rule.path in left_eager
+    }
+
+
+def _eager_record(build: ModuleType, module: nn.Module) -> object | None:
+    """What the card of `build` recorded of `module`'s eager calls (`_fallbacks.EagerRecord`), None if nothing."""
+    fallbacks = sys.modules.get(build.__name__.rpartition(".")[0] + "._fallbacks")
+    return None if fallbacks is None else fallbacks.eager_record(module)
 
 
 def kept_forwards(model: nn.Module, card: str | None = None) -> list[KeptForward]:

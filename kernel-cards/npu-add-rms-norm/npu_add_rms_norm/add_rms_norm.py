@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.modules import module as torch_module
 
+from ._fallbacks import ran_eager
+from ._internals import global_module_hooks, module_hooks
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 from ._rms_norm_forms import Scaling, check_scaling, epsilon_of, norm_forward_replaced, rms_norm_math
 
@@ -53,21 +54,13 @@ def _norm_problem(norm: nn.Module, family: str | None) -> str | None:
         return "the norm has no float epsilon (variance_epsilon or eps)"
     if eps < 0:
         return f"the norm's epsilon {eps} is negative: npu_add_rms_norm takes an epsilon of at least 0"
-    if norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks or norm._backward_pre_hooks:
+    if module_hooks(norm):
         return "the norm has hooks (DeepSpeed ZeRO-3 gathers its weight in one): calling it keeps them"
     if norm_forward_replaced(norm):
         return "the norm's forward is replaced on its instance (accelerate's add_hook_to_module, a wrapper) must run"
-    if _has_global_module_hooks():
+    if global_module_hooks():
         return "module hooks are registered for every module (register_module_forward_hook): they must see the norm"
     return None
-
-
-def _has_global_module_hooks() -> bool:
-    """Whether hooks for every module's call are registered (torch.nn.modules.module.register_module_*_hook)."""
-    return any(
-        getattr(torch_module, f"_global_{kind}_hooks")
-        for kind in ("forward_pre", "forward", "backward_pre", "backward")
-    )
 
 
 def add_rms_norm_unavailable_reason(
@@ -110,10 +103,17 @@ def add_rms_norm_unavailable_reason(
 
 
 def add_rms_norm(
-    residual: torch.Tensor, update: torch.Tensor, norm: nn.Module, scaling: Scaling = "plain", family: str | None = None
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    norm: nn.Module,
+    scaling: Scaling = "plain",
+    family: str | None = None,
+    *,
+    module: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(norm(residual + update), residual + update)`, fused on npu tensors with a backward."""
-    if add_rms_norm_unavailable_reason(residual, update, norm, scaling, family) is not None:
+    """`(norm(residual + update), residual + update)`, fused on npu tensors with a backward, as
+    `add_rms_norm_unavailable_reason` decides, recorded for `module` (the decoder layer, when its layer calls it)."""
+    if ran_eager(module, add_rms_norm_unavailable_reason(residual, update, norm, scaling, family)):
         return add_rms_norm_eager(residual, update, norm)
     gamma = 1.0 + norm.weight if scaling == "zero_centered" else norm.weight
     return _AddRmsNorm.apply(residual, update, gamma, epsilon_of(norm), scaling)

@@ -47,7 +47,7 @@ def _decoder_layer_forward(
         **kwargs,
     )
     hidden_states, residual = add_rms_norm(
-        residual, hidden_states, layer.post_attention_layernorm, scaling, family(layer)
+        residual, hidden_states, layer.post_attention_layernorm, scaling, family(layer), module=layer
     )
     hidden_states = layer.mlp(hidden_states)
     return residual + hidden_states

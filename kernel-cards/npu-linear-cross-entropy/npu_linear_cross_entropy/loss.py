@@ -41,23 +41,33 @@ way. The parameters are judged inside that call, where those hooks have made the
 gathered through the whole model's forward and backward (the model's hooks gather it); DeepSpeed (0.19.8) does the
 same by itself when a forward inside its engine reads a partitioned parameter outside its owner's call
 (`ZeROOrderedDict.__getitem__` registers it as an external parameter of the running module and gathers it), so this
-module never reads a parameter through the module's attribute outside lm_head's call (`_parameters_of`). Hooks that
-see or change what the Linear computes (the model's own, accelerate's `_hf_hook`, backward hooks, global module
-hooks) keep the eager path, with the reason.
+module never reads a parameter through the module's attribute outside lm_head's call (`_internals.parameter`).
+Hooks that see or change what the Linear computes (the model's own, accelerate's `_hf_hook`, backward hooks, global
+module hooks) keep the eager path, with the reason.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as torch_module
 
 from ._double_backward import with_eager_double_backward
+from ._fallbacks import ran_eager
+from ._internals import (
+    accelerate_hook,
+    engine_hook,
+    fsdp2_original_class,
+    fsdp2_output_dtype,
+    global_module_hooks,
+    instance_forward,
+    module_hooks,
+    parameter,
+    zero3_partitioned,
+)
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 MAX_ROWS = 200_000
@@ -73,10 +83,6 @@ C of about H or more, and the peak shrinks with C: at 1.15 H (4682 tokens for H 
 hold at 8 x 4096 tokens for Llama-3-8B and Qwen3-8B with a few percent to spare
 (scripts/bench/cards/npu_linear_cross_entropy.py counts it, with the trade for other chunks)."""
 DEFAULT_LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
-ENGINE_HOOK_PACKAGES = ("deepspeed.", "torch.distributed.fsdp._fully_shard.")
-"""Where the forward hooks that may run around the fused loss are defined: DeepSpeed ZeRO-3's and FSDP2's. They gather
-and release the parameters and hook the tensors going in and out for backward; none computes on the output (FSDP2's
-output dtype cast aside, which `_call_unavailable_reason` checks), so a loss goes through them as the logits would."""
 
 
 def default_chunk_tokens(tokens: int, hidden_size: int) -> int:
@@ -106,46 +112,53 @@ def linear_cross_entropy_unavailable_reason(
     *,
     loss_function: object = None,
     logits_to_keep: int | torch.Tensor = 0,
+    training_step: bool = True,
 ) -> str | None:
-    """Why the chunked fused loss will not run for this call, or None when it will.
+    """Why the chunked fused loss will not run for this call, or None when it will: the one decision of the card.
 
-    The parameters are judged as they are now. `linear_cross_entropy` judges them inside lm_head's call, where an
-    engine's hooks (DeepSpeed ZeRO-3, an FSDP2 unit of its own) have gathered them: called outside that call, such an
-    lm_head gets the reason its partitioned or sharded weight gives."""
-    return _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep) or _tensors_unavailable_reason(
-        hidden_states, lm_head, labels, vocab_size
-    )
+    `training_step`: whether the model runs a training step (train() and grad enabled; the layers pass it: evaluation
+    and generation keep the class's forward and its logits). The layers judge the call's part
+    (`_call_unavailable_reason`) before the base model runs, and the tensors' part inside lm_head's call, where an
+    engine's hooks (DeepSpeed ZeRO-3, an FSDP2 unit of its own) have gathered the weight: called outside that call,
+    such an lm_head gets the reason its partitioned or sharded weight gives."""
+    return _call_unavailable_reason(
+        lm_head, labels, loss_function, logits_to_keep, training_step
+    ) or _tensors_unavailable_reason(hidden_states, lm_head, labels, vocab_size)
 
 
 def _call_unavailable_reason(
-    lm_head: nn.Module, labels: torch.Tensor | None, loss_function: object, logits_to_keep: int | torch.Tensor
+    lm_head: nn.Module,
+    labels: torch.Tensor | None,
+    loss_function: object,
+    logits_to_keep: int | torch.Tensor,
+    training_step: bool = True,
 ) -> str | None:
     """Why the loss cannot be lm_head's call, whatever its tensors: the call's arguments, lm_head's class and hooks."""
     if labels is None:
         return "no labels (inference or generation): the logits are computed and returned as eager computes them"
+    if not training_step:
+        return "not a training step (the model in eval(), or gradients off): evaluation keeps the class's forward"
     if loss_function is not None and not is_default_causal_lm_loss(loss_function):
         name = getattr(loss_function, "__qualname__", type(loss_function).__name__)
         return f"the model's loss_function is {name}, not transformers' ForCausalLMLoss"
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         return "logits_to_keep is set: the loss of a slice of the positions keeps the eager path"
-    if _linear_class(lm_head) is not nn.Linear:
+    if fsdp2_original_class(lm_head) is not nn.Linear:
         return f"lm_head is a {type(lm_head).__qualname__}, not a plain nn.Linear (LoRA, quantised, wrapped)"
-    if hasattr(lm_head, "_hf_hook"):
+    if accelerate_hook(lm_head):
         return "lm_head carries accelerate's hook (_hf_hook: offload, device placement), which replaces its forward"
-    forward = vars(lm_head).get("forward")
+    forward = instance_forward(lm_head)
     if forward is not None and not isinstance(forward, _StandInForward):
         return "lm_head's forward is replaced on the module: it must run itself"
-    if lm_head._backward_hooks or lm_head._backward_pre_hooks:
+    if module_hooks(lm_head, ("backward_pre", "backward")):
         return "lm_head has backward hooks: they would see the loss's gradient, not the logits'"
-    own = [
-        hook for hook in (*lm_head._forward_pre_hooks.values(), *lm_head._forward_hooks.values()) if not _engine(hook)
-    ]
+    own = [hook for hook in module_hooks(lm_head, ("forward_pre", "forward")) if not engine_hook(hook)]
     if own:
         names = ", ".join(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in own)
         return f"lm_head has forward hooks of its own ({names}): they would see the loss, not the logits"
-    if _has_global_module_hooks():
+    if global_module_hooks():
         return "module hooks are registered for every module (register_module_forward_hook): they would see the loss"
-    output_dtype = _fsdp2_output_dtype(lm_head)
+    output_dtype = fsdp2_output_dtype(lm_head)
     if output_dtype is not None:
         return f"lm_head is an FSDP2 unit whose MixedPrecisionPolicy casts its output (the logits) to {output_dtype}"
     return None
@@ -155,9 +168,8 @@ def _tensors_unavailable_reason(
     hidden_states: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, vocab_size: int
 ) -> str | None:
     """Why the fused op cannot take these hidden states, labels and lm_head's parameters as they are now."""
-    weight, bias = _parameters_of(lm_head)
-    status = getattr(weight, "ds_status", None)
-    if status is not None and status.name != "AVAILABLE":
+    weight, bias = parameter(lm_head, "weight"), parameter(lm_head, "bias")
+    if zero3_partitioned(weight):
         return "lm_head.weight is a DeepSpeed ZeRO-3 parameter, partitioned here: gathered in lm_head's own call"
     if weight.dim() != 2 or weight.shape[0] != vocab_size:
         return f"lm_head.weight {tuple(weight.shape)} for a vocabulary of {vocab_size}: eager's view decides"
@@ -188,21 +200,33 @@ def linear_cross_entropy(
     **loss_kwargs,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(loss, logits) of `lm_head` then transformers' causal-LM loss: chunked npu_cross_entropy_loss with logits None,
-    or `linear_cross_entropy_eager`'s. loss_kwargs: what the model's forward passes its loss_function
-    (num_items_in_batch, ignore_index, shift_labels, and others it ignores).
-
-    Computed as lm_head's call (see the module's docstring), whose forward decides on the parameters as its hooks
-    made them: the fused loss, or the Linear's logits, which eager's loss then takes."""
-    reason = _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep)
-    if reason is not None:
+    or `linear_cross_entropy_eager`'s, as `linear_cross_entropy_unavailable_reason` decides. loss_kwargs: what the
+    model's forward passes its loss_function (num_items_in_batch, ignore_index, shift_labels, and others it ignores)."""
+    if ran_eager(None, _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep)):
         return linear_cross_entropy_eager(
             hidden_states, lm_head, labels, vocab_size, loss_function=loss_function, logits_to_keep=logits_to_keep,
             **loss_kwargs,
         )  # fmt: skip
+    return loss_in_lm_head_call(hidden_states, lm_head, labels, vocab_size, loss_function, chunk_tokens, loss_kwargs)
+
+
+def loss_in_lm_head_call(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    vocab_size: int,
+    loss_function: object,
+    chunk_tokens: int | None,
+    loss_kwargs: dict,
+    module: nn.Module | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(loss, logits) for a call whose own part of the decision passed: computed as lm_head's call (see the module's
+    docstring), whose forward decides on the tensors as its hooks made them (recorded for `module`, the layer's): the
+    fused loss, or the Linear's logits, which eager's loss then takes."""
     fused = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        if _tensors_unavailable_reason(hidden, lm_head, labels, vocab_size) is not None:
+        if ran_eager(module, _tensors_unavailable_reason(hidden, lm_head, labels, vocab_size)):
             return _LINEAR_FORWARD(lm_head, hidden)
         fused.append(True)
         return _fused_loss(hidden, lm_head, labels, chunk_tokens, loss_kwargs)
@@ -229,7 +253,8 @@ def _fused_loss(
         divisor = counted.sum()
     elif not torch.is_tensor(divisor):
         divisor = torch.tensor(divisor, device=hidden_states.device)
-    hidden, (weight, bias) = hidden_states.reshape(-1, hidden_states.shape[-1]), _parameters_of(lm_head)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    weight, bias = parameter(lm_head, "weight"), parameter(lm_head, "bias")
     if not torch.is_grad_enabled():  # the Function would see requires_grad and make gradients no one asked for
         hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
     device_type = hidden.device.type
@@ -293,42 +318,6 @@ def _loss_of_logits(logits, labels, vocab_size: int, loss_function: object, loss
     return loss_function(logits=logits, labels=labels, vocab_size=vocab_size, **loss_kwargs)
 
 
-def _linear_class(lm_head: nn.Module) -> type:
-    """The class whose forward lm_head runs: its own, or under FSDP2 (`fully_shard` makes the module's class a subclass
-    `FSDP<cls>` of FSDPModule and cls, which adds no forward) that cls."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard ran
-    if fsdp is not None and isinstance(lm_head, fsdp.FSDPModule):
-        return type(lm_head).__mro__[type(lm_head)._orig_cls_mro_index]
-    return type(lm_head)
-
-
-def _fsdp2_output_dtype(lm_head: nn.Module) -> torch.dtype | None:
-    """The dtype FSDP2 casts lm_head's output to (its MixedPrecisionPolicy's output_dtype) when lm_head is a unit."""
-    if _linear_class(lm_head) is type(lm_head):
-        return None
-    return sys.modules["torch.distributed.fsdp"].fully_shard.state(lm_head)._mp_policy.output_dtype
-
-
-def _engine(hook) -> bool:
-    """Whether a forward hook is DeepSpeed's or FSDP2's (ENGINE_HOOK_PACKAGES)."""
-    return (getattr(hook, "__module__", None) or "").startswith(ENGINE_HOOK_PACKAGES)
-
-
-def _has_global_module_hooks() -> bool:
-    """Whether hooks for every module's call are registered (torch.nn.modules.module.register_module_*_hook)."""
-    return any(
-        getattr(torch_module, f"_global_{kind}_hooks")
-        for kind in ("forward_pre", "forward", "backward_pre", "backward")
-    )
-
-
-def _parameters_of(lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) as lm_head holds them, read from its parameter dict without its `__getitem__`: DeepSpeed's
-    (ZeROOrderedDict) gathers a partitioned parameter read inside its engine's forward and makes it an external
-    parameter of the running module, resident from then on through that module's forward and backward."""
-    return dict.get(lm_head._parameters, "weight"), dict.get(lm_head._parameters, "bias")
-
-
 _LINEAR_FORWARD = nn.Linear.forward
 
 
@@ -358,7 +347,7 @@ def _call_with_forward(module: nn.Module, forward, *args):
     (`_call_unavailable_reason`): the stand-in is an instance attribute while calls are under way, then removed;
     calls of other threads in the meantime run nn.Linear's forward."""
     with _STAND_IN_LOCK:
-        stand_in = vars(module).get("forward")
+        stand_in = instance_forward(module)
         if stand_in is None:
             stand_in = module.forward = _StandInForward(module)
         stand_in.calls += 1

@@ -18,7 +18,9 @@ class SoftmaxTopKRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        weights, ids = moe_router_top_k(router_logits, self.top_k, scoring="softmax", renormalize=self.norm_topk_prob)
+        weights, ids = moe_router_top_k(
+            router_logits, self.top_k, scoring="softmax", renormalize=self.norm_topk_prob, module=self
+        )
         return router_logits, weights, ids
 
 
@@ -30,7 +32,7 @@ class RenormalisedSoftmaxTopKRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        weights, ids = moe_router_top_k(router_logits, self.top_k, scoring="softmax", renormalize=True)
+        weights, ids = moe_router_top_k(router_logits, self.top_k, scoring="softmax", renormalize=True, module=self)
         return router_logits, weights, ids
 
 
@@ -43,7 +45,7 @@ class RenormalisedFloat32SoftmaxTopKRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
         weights, ids = moe_router_top_k(
-            router_logits, self.top_k, scoring="softmax", renormalize=True, cast_weights=False
+            router_logits, self.top_k, scoring="softmax", renormalize=True, cast_weights=False, module=self
         )
         return router_logits, weights, ids
 
@@ -67,5 +69,6 @@ class SigmoidGroupTopKRouter(nn.Module):
             num_groups=self.num_group,
             topk_groups=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
+            module=self,
         )
         return router_logits, weights, ids

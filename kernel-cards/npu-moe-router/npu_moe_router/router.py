@@ -25,8 +25,10 @@ import math
 from functools import partial
 
 import torch
+from torch import nn
 
 from ._double_backward import with_eager_double_backward
+from ._fallbacks import ran_eager
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 MAX_EXPERTS = 2048
@@ -93,15 +95,17 @@ def moe_router_top_k(
     topk_groups: int = 1,
     routed_scaling_factor: float = 1.0,
     cast_weights: bool = True,
+    module: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k], int64 expert ids [T, k]) of transformers' router math: one npu_moe_gating_top_k,
-    `top_logits_softmax` (renormalised softmax), or eager. Weights in the logits' dtype, or float32 with
+    `top_logits_softmax` (renormalised softmax), or eager, as `moe_router_top_k_unavailable_reason` decides, recorded
+    for `module` (the router, when its layer calls it). Weights in the logits' dtype, or float32 with
     `cast_weights=False` (Mixtral's routers return the float32 softmax)."""
     groups = {"num_groups": num_groups, "topk_groups": topk_groups}
     reason = moe_router_top_k_unavailable_reason(
         router_logits, top_k, scoring=scoring, renormalize=renormalize, bias=bias, **groups
     )
-    if reason is not None:
+    if ran_eager(module, reason):
         if scoring == "softmax" and renormalize and bias is None and num_groups == 1 and routed_scaling_factor == 1.0:
             weights, ids = top_logits_softmax(router_logits, top_k)
             return (weights.to(router_logits.dtype) if cast_weights else weights), ids

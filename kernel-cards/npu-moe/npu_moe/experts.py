@@ -36,10 +36,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as torch_module
 
 from ._activations import is_silu
 from ._double_backward import with_eager_double_backward
+from ._fallbacks import ran_eager
+from ._internals import engine_hook, global_module_hooks, instance_forward, module_hooks
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 MAX_GROUPS = 1024
@@ -53,36 +54,28 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 GROUPED_MM_ROWS_PER_EXPERT = 128
 """Below this many token copies per expert on average, the host fallback uses torch's grouped matmul
 rather than a loop over experts (measured on CPU: see `make bench`)."""
-ENGINE_HOOK_PACKAGES = ("deepspeed.", "torch.distributed.fsdp._fully_shard.")
-"""The modules of the hooks DeepSpeed (ZeRO-3) and FSDP2 put on every module they manage: they gather and release
-the module's own parameters around its call and change nothing it computes, so the layer may compute what act_fn
-computes without calling it (act_fn holds no parameters)."""
 
 
-def _act_fn_call_unavailable_reason(act_fn) -> str | None:
+class _ActFnWatched(str):
+    """A reason that is about act_fn's call being watched: the module's own forward, which calls act_fn as eager
+    does, is the eager path (the layer runs it where the class has one)."""
+
+
+def _act_fn_call_unavailable_reason(act_fn) -> _ActFnWatched | None:
     """Why the experts must call their `act_fn` module as eager does rather than compute its SiLU themselves: hooks
     of the user's own on it (DeepSpeed's and FSDP2's aside), a forward replaced on its instance (as accelerate's
     hooks replace it), or module hooks registered for every module; or None."""
-    if isinstance(act_fn, nn.Module):
-        forward = vars(act_fn).get("forward")  # kernelize may bind the class's own forward on the instance
-        if forward is not None and getattr(forward, "__func__", None) is not type(act_fn).forward:
-            return "act_fn's forward is replaced on its instance: the experts call it, as eager does"
-        hooks = [
-            hook
-            for hook in (
-                *act_fn._forward_pre_hooks.values(),
-                *act_fn._forward_hooks.values(),
-                *act_fn._backward_pre_hooks.values(),
-                *act_fn._backward_hooks.values(),
-            )
-            if not (getattr(hook, "__module__", None) or "").startswith(ENGINE_HOOK_PACKAGES)
-        ]
-        if hooks:
-            names = ", ".join(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in hooks)
-            return f"act_fn has hooks of its own ({names}): the experts call it, as eager does, for them to see it"
-    kinds = ("forward_pre", "forward", "backward_pre", "backward")
-    if any(getattr(torch_module, f"_global_{kind}_hooks") for kind in kinds):
-        return (
+    forward = instance_forward(act_fn) if isinstance(act_fn, nn.Module) else None
+    if forward is not None and getattr(forward, "__func__", None) is not type(act_fn).forward:
+        return _ActFnWatched("act_fn's forward is replaced on its instance: the experts call it, as eager does")
+    hooks = [hook for hook in module_hooks(act_fn) if not engine_hook(hook)]
+    if hooks:
+        names = ", ".join(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in hooks)
+        return _ActFnWatched(
+            f"act_fn has hooks of its own ({names}): the experts call it, as eager does, for them to see it"
+        )
+    if global_module_hooks():
+        return _ActFnWatched(
             "module hooks are registered for every module (register_module_forward_hook, ...): the experts call "
             "act_fn as eager does, for the hooks to see each call"
         )
@@ -98,12 +91,15 @@ def swiglu_experts_unavailable_reason(
     top_k_weights: torch.Tensor | None = None,
 ) -> str | None:
     """Why the grouped-matmul path will not run for these inputs, or None when it will (`top_k_weights`, when
-    given, is checked too: npu_moe_token_unpermute takes it as its probs)."""
+    given, is checked too: npu_moe_token_unpermute takes it as its probs). One condition only the fused path's own
+    per-expert counts show: a placeholder id E in top_k_index (expert parallelism) runs eager, saying so
+    (`PLACEHOLDER_IDS`)."""
+    watched = _act_fn_call_unavailable_reason(act_fn)
     if not is_silu(act_fn):
-        return f"activation {act_fn!r} is not SiLU"
-    reason = _act_fn_call_unavailable_reason(act_fn)
-    if reason is not None:
-        return reason
+        reason = f"activation {act_fn!r} is not SiLU"
+        return reason if watched is None else _ActFnWatched(reason)
+    if watched is not None:
+        return watched
     reason = npu_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj)
     if reason is not None:
         return reason
@@ -183,13 +179,33 @@ def swiglu_experts(
     down_proj: torch.Tensor,
     act_fn: Callable,
 ) -> torch.Tensor:
-    """transformers' Experts forward: grouped matmuls on the NPU, `swiglu_experts_eager` where they do not apply."""
+    """transformers' Experts forward: grouped matmuls on the NPU, `swiglu_experts_eager` where
+    `swiglu_experts_unavailable_reason` says they do not apply."""
     reason = swiglu_experts_unavailable_reason(
         hidden_states, top_k_index, gate_up_proj, down_proj, act_fn, top_k_weights=top_k_weights
     )
+    return _following(reason, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
+
+
+PLACEHOLDER_IDS = "top_k_index holds the placeholder id E (expert parallelism): skipped as eager skips it"
+
+
+def _following(
+    reason: str | None,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn: Callable,
+    module: nn.Module | None = None,
+) -> torch.Tensor:
+    """The experts' output as `reason` (`swiglu_experts_unavailable_reason`'s) decides, recorded for `module`."""
     experts = gate_up_proj.shape[0]
     counts = _expert_counts(top_k_index, experts) if reason is None else None
-    if counts is None or counts.numel() > experts:  # id E: expert-parallel placeholders, skipped as eager does
+    if counts is not None and counts.numel() > experts:  # id E: expert-parallel placeholders, skipped as eager does
+        reason = PLACEHOLDER_IDS
+    if ran_eager(module, reason):
         return swiglu_experts_eager(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
     permuted, sorted_indices = torch_npu.npu_moe_token_permute(hidden_states, top_k_index)
     gate_up = _GroupedLinear.apply(permuted, gate_up_proj, counts)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .experts import _act_fn_call_unavailable_reason, swiglu_experts
+from ._fallbacks import ran_eager
+from .experts import _ActFnWatched, _following, swiglu_experts_unavailable_reason
 
 
 class SwiGLUExperts(nn.Module):
@@ -18,9 +19,13 @@ class SwiGLUExperts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        reason = swiglu_experts_unavailable_reason(
+            hidden_states, top_k_index, self.gate_up_proj, self.down_proj, self.act_fn, top_k_weights=top_k_weights
+        )
         own_forward = type(self).forward  # the class's: kernelize sets this layer's forward on the instance only
-        if _act_fn_call_unavailable_reason(self.act_fn) is not None and own_forward is not SwiGLUExperts.forward:
+        if isinstance(reason, _ActFnWatched) and own_forward is not SwiGLUExperts.forward and ran_eager(self, reason):
             # hooks watch act_fn's calls: the module's own forward calls it exactly as eager does (once, or once per
             # expert with tokens: its experts implementation decides)
             return own_forward(self, hidden_states, top_k_index, top_k_weights)
-        return swiglu_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
+        args = (hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
+        return _following(reason, *args, module=self)

@@ -18,8 +18,10 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch import nn
 
 from ._double_backward import with_eager_double_backward
+from ._fallbacks import ran_eager
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 from ._rms_norm_forms import Scaling, check_scaling, rms_norm_math
 
@@ -45,14 +47,17 @@ def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: 
     return None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain", *, module: nn.Module | None = None
+) -> torch.Tensor:
     """RMSNorm of the last dim of x, scaled by weight the way `scaling` says; fused on npu tensors (second-order
-    gradients: eager's, see the module's docstring)."""
-    if rms_norm_unavailable_reason(x, weight, scaling) is None:
-        gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
-        fused = torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]
-        return with_eager_double_backward(fused, partial(rms_norm_math, eps=eps, scaling=scaling), x, weight)
-    return rms_norm_eager(x, weight, eps, scaling)
+    gradients: eager's, see the module's docstring) as `rms_norm_unavailable_reason` decides, recorded for `module`
+    (the layer's own, when a layer calls it)."""
+    if ran_eager(module, rms_norm_unavailable_reason(x, weight, scaling)):
+        return rms_norm_eager(x, weight, eps, scaling)
+    gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
+    fused = torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]
+    return with_eager_double_backward(fused, partial(rms_norm_math, eps=eps, scaling=scaling), x, weight)
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:

@@ -28,14 +28,14 @@ def _layer(name: str, style: Style, doc: str, with_position_ids: bool = False) -
             position_ids: torch.Tensor | None = None,
             unsqueeze_dim: int = 1,
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, style)
+            return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, style, module=self)
 
     else:
 
         def forward(
             self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, style)
+            return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, style, module=self)
 
     # torch.compile of the fused path is not verified on Ascend hardware yet.
     namespace = {"__doc__": doc, "__module__": __name__, "forward": forward, "has_backward": True}

@@ -20,8 +20,10 @@ from functools import partial
 from typing import Literal
 
 import torch
+from torch import nn
 
 from ._double_backward import with_eager_double_backward
+from ._fallbacks import ran_eager
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 Rotation = Literal["half", "interleave"]
@@ -147,15 +149,6 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation = "half", fused: bool = True
-) -> torch.Tensor:
-    """`x * cos + rotation(x) * sin`, fused on npu tensors (unless `fused` is False); cos/sin broadcast to x."""
-    if fused and _rotary_mul_unavailable_reason(x, cos, sin, rotation) is None:
-        return _rotary_mul(x, cos, sin, rotation)
-    return _rotate_eager(x, cos, sin, rotation)
-
-
 def _rotate_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """`x * cos + rotation(x) * sin` in eager's ops."""
     return (x * cos) + ((rotate_half(x) if rotation == "half" else rotate_pairs(x)) * sin)
@@ -277,6 +270,8 @@ def apply_rotary_pos_emb(
     unsqueeze_dim: int = 1,
     style: Style = "llama",
     fused: bool = True,
+    *,
+    module: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' rotary function in `style`; q/k [B, H, S, D] or [B, S, H, D], cos/sin [B or 1, S, rotary dim].
 
@@ -286,18 +281,24 @@ def apply_rotary_pos_emb(
         unsqueeze_dim: where cos/sin get their heads axis (1: q/k are [B, H, S, D]).
         style: a key of STYLES (which way the function rotates).
         fused: False runs the same math without the NPU ops (the eager path).
+        module: the function-module whose layer calls this, for the record of why it ran eager (`_fallbacks`): the
+            reason `apply_rotary_pos_emb_unavailable_reason` gives, judged here as the ops are chosen.
 
     Returns:
         The rotated q and k. In inference mode, where the one-call op applies (see
         `apply_rotary_pos_emb_unavailable_reason(..., in_place=True)`), these are q and k, rotated in place.
     """
     if fused and _in_place_unavailable_reason(q, k, cos, sin, unsqueeze_dim, style) is None:
+        ran_eager(module, None)
         q_bsnd, k_bsnd = (t.transpose(1, 2) if unsqueeze_dim == 1 else t for t in (q, k))
         torch_npu.npu_apply_rotary_pos_emb(q_bsnd, k_bsnd, cos.unsqueeze(2), sin.unsqueeze(2), layout="BSND")
         return q, k
     rotary_style = STYLES[style]
     cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
-    return tuple(_apply(x, cos, sin, rotary_style, fused) for x in (q, k))
+    (q_out, q_reason), (k_out, k_reason) = (_apply(x, cos, sin, rotary_style, fused) for x in (q, k))
+    if fused:
+        ran_eager(module, f"q: {q_reason}" if q_reason else f"k: {k_reason}" if k_reason else None)
+    return q_out, k_out
 
 
 def apply_rotary_pos_emb_eager(
@@ -371,10 +372,17 @@ def _prepared(
     return x_rot, cos, sin, compute
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RotaryStyle, fused: bool) -> torch.Tensor:
+def _apply(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RotaryStyle, fused: bool
+) -> tuple[torch.Tensor, str | None]:
+    """(x rotated in `style`, why npu_rotary_mul did not rotate it or None): the op where it applies and `fused`."""
     x_rot, cos, sin, compute = _prepared(x, cos, sin, style)
-    rotated = rotate(x_rot, cos, sin, style.rotation, fused)
+    reason = _rotary_mul_unavailable_reason(x_rot, cos, sin, style.rotation) if fused else "fused=False"
+    if reason is None:
+        rotated = _rotary_mul(x_rot, cos, sin, style.rotation)
+    else:
+        rotated = _rotate_eager(x_rot, cos, sin, style.rotation)
     if compute is not None:
         rotated = rotated.to(x.dtype)
     rotary_dim = x_rot.shape[-1]
-    return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+    return (rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)), reason

@@ -20,7 +20,7 @@ class SwiGLUMLP(nn.Module):
     can_torch_compile = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj, activation_of(self))
+        return swiglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj, activation_of(self), module=self)
 
 
 class SwiGLUGateUpMLP(nn.Module):
@@ -30,4 +30,4 @@ class SwiGLUGateUpMLP(nn.Module):
     can_torch_compile = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return swiglu_gate_up_mlp(hidden_states, self.gate_up_proj, self.down_proj, activation_of(self))
+        return swiglu_gate_up_mlp(hidden_states, self.gate_up_proj, self.down_proj, activation_of(self), module=self)

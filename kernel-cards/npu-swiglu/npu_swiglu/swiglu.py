@@ -32,16 +32,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as torch_module
 
 from ._activations import is_silu
 from ._double_backward import with_eager_double_backward
+from ._fallbacks import ran_eager
+from ._internals import engine_hook, global_module_hooks, instance_forward, module_hooks, zero3_gathered
 from ._npu import FUSED_DTYPES, is_dtensor, npu_unavailable_reason, torch_npu
-
-ENGINE_HOOK_PACKAGES = ("deepspeed.", "torch.distributed.fsdp._fully_shard.")
-"""The modules of the hooks DeepSpeed (ZeRO-3) and FSDP2 put on every module they manage: they gather and release
-the module's own parameters around its call and change nothing it computes, so the MLP may compute what act_fn
-computes without calling it (act_fn holds no parameters)."""
 
 
 def activation_of(mlp: nn.Module) -> Callable | None:
@@ -51,46 +47,18 @@ def activation_of(mlp: nn.Module) -> Callable | None:
 
 def is_plain_linear(module: nn.Module) -> bool:
     """An `nn.Linear` whose forward is `F.linear(x, weight, bias)`: not a subclass, LoRA wrapper or hooked module."""
-    return (
-        type(module) is nn.Linear
-        and "forward" not in vars(module)
-        and not module._forward_hooks
-        and not module._forward_pre_hooks
-        and not module._backward_hooks
-        and not module._backward_pre_hooks
-    )
-
-
-def _has_global_module_hooks() -> bool:
-    """Whether hooks for every module's call are registered (torch.nn.modules.module.register_module_*_hook)."""
-    return any(
-        getattr(torch_module, f"_global_{kind}_hooks")
-        for kind in ("forward_pre", "forward", "backward_pre", "backward")
-    )
-
-
-def _own_hooks(module: object) -> list:
-    """The hooks on a module's own call that are not DeepSpeed's or FSDP2's (ENGINE_HOOK_PACKAGES)."""
-    if not isinstance(module, nn.Module):
-        return []  # a function (F.silu): nothing to hook
-    hooks = (
-        *module._forward_pre_hooks.values(),
-        *module._forward_hooks.values(),
-        *module._backward_pre_hooks.values(),
-        *module._backward_hooks.values(),
-    )
-    return [hook for hook in hooks if not (getattr(hook, "__module__", None) or "").startswith(ENGINE_HOOK_PACKAGES)]
+    return type(module) is nn.Linear and instance_forward(module) is None and not module_hooks(module)
 
 
 def _npu_swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> str | None:
     """Why npu_swiglu will not compute `silu(gate) * up` for input x and this activation, or None."""
     if not is_silu(act_fn):
         return f"activation {act_fn!r} is not SiLU"
-    hooks = _own_hooks(act_fn)
+    hooks = [hook for hook in module_hooks(act_fn) if not engine_hook(hook)]
     if hooks:
         names = ", ".join(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in hooks)
         return f"act_fn has hooks of its own ({names}): the MLP calls it, as eager does, for them to see its call"
-    if _has_global_module_hooks():
+    if global_module_hooks():
         return (
             "module hooks are registered for every module (register_module_forward_hook, ...): the MLP calls its "
             "children as eager does, for the hooks to see each call"
@@ -108,14 +76,13 @@ def _npu_swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> 
 def _projection_unavailable_reason(name: str, proj: nn.Module) -> str | None:
     """Why the card cannot read this projection's weight and bias directly, or None."""
     weight = getattr(proj, "weight", None)
-    if weight is not None and hasattr(weight, "ds_id"):  # DeepSpeed ZeRO-3 partitions it
-        gathered = tuple(weight.shape) == tuple(getattr(weight, "ds_shape", ()))
-        if not (gathered and is_plain_linear(proj)):
-            return (
-                f"{name} is partitioned by DeepSpeed ZeRO-3 and gathered only when {name} itself is called: the MLP "
-                "runs its eager math (npu_hub_kernels.zero3.mark_zero3_leaf_mlps(model) before deepspeed.initialize "
-                "makes the MLP gather its projections itself, and fuse)"
-            )
+    gathered = None if weight is None else zero3_gathered(weight)  # None: not DeepSpeed ZeRO-3's
+    if gathered is not None and not (gathered and is_plain_linear(proj)):
+        return (
+            f"{name} is partitioned by DeepSpeed ZeRO-3 and gathered only when {name} itself is called: the MLP "
+            "runs its eager math (npu_hub_kernels.zero3.mark_zero3_leaf_mlps(model) before deepspeed.initialize "
+            "makes the MLP gather its projections itself, and fuse)"
+        )
     if not is_plain_linear(proj):
         return (
             f"{name} is {type(proj).__name__}{' with hooks' if type(proj) is nn.Linear else ''}, not a plain "
@@ -246,9 +213,18 @@ def concatenates_weights(tokens: int, inner: int, backward: bool) -> bool:
     return 3 * tokens > 8 * inner if backward else tokens > 4 * inner
 
 
-def swiglu_mlp(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
-    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused on the NPU (the cheaper gate/up matmuls: module doc)."""
-    if _split_unavailable_reason(x, gate_proj, up_proj, act_fn) is not None:
+def swiglu_mlp(
+    x: torch.Tensor,
+    gate_proj: nn.Module,
+    up_proj: nn.Module,
+    down_proj: nn.Module,
+    act_fn,
+    *,
+    module: nn.Module | None = None,
+) -> torch.Tensor:
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused on the NPU (the cheaper gate/up matmuls: module doc) as
+    `swiglu_mlp_unavailable_reason` decides, recorded for `module` (the MLP, when its layer calls it)."""
+    if ran_eager(module, swiglu_mlp_unavailable_reason(x, gate_proj, up_proj, act_fn)):
         return swiglu_mlp_eager(x, gate_proj, up_proj, down_proj, act_fn)
     dtype = _compute_dtype(x)
     inputs = [_autocast(t, dtype) for t in (x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias)]
@@ -282,9 +258,12 @@ def swiglu_mlp_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj
     return _split_unavailable_reason(x, gate_proj, up_proj, act_fn)
 
 
-def swiglu_gate_up_mlp(x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn) -> torch.Tensor:
-    """`gate, up = gate_up_proj(x).chunk(2, -1)`; `down_proj(up * act_fn(gate))`, fused: gate rows come first."""
-    if swiglu_gate_up_mlp_unavailable_reason(x, gate_up_proj, act_fn) is not None:
+def swiglu_gate_up_mlp(
+    x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn, *, module: nn.Module | None = None
+) -> torch.Tensor:
+    """`gate, up = gate_up_proj(x).chunk(2, -1)`; `down_proj(up * act_fn(gate))`, fused (gate rows come first) as
+    `swiglu_gate_up_mlp_unavailable_reason` decides, recorded for `module` (the MLP, when its layer calls it)."""
+    if ran_eager(module, swiglu_gate_up_mlp_unavailable_reason(x, gate_up_proj, act_fn)):
         return swiglu_gate_up_mlp_eager(x, gate_up_proj, down_proj, act_fn)
     gate_up = gate_up_proj(x).contiguous()
     return down_proj(with_eager_double_backward(torch_npu.npu_swiglu(gate_up), _gate_up_gated_eager, gate_up))
