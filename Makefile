@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ORG ?=
 
-.PHONY: setup build demo bench publish test lint ledger clean
+.PHONY: setup build demo bench publish test lint ledger clean test-transformers prove-transformers
 
 setup: $(STAMP)
 
@@ -41,6 +41,30 @@ publish: build
 ledger: setup
 	$(PY) scripts/write_ledger_docs.py
 
+# The older transformers releases the package admits (pyproject.toml: transformers>=5.18,<5.23), each proven in an
+# environment of its own: the pinned stack with that transformers, and pytest (the model-table tests need no more).
+TRANSFORMERS_RELEASES := 5.18.0 5.20.2
+
+.venv-transformers-%/.installed: pyproject.toml setup.py requirements-dev.txt
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=/path/to/python3.11"; exit 1; }
+	test -x .venv-transformers-$*/bin/python || $(PYTHON) -m venv .venv-transformers-$*
+	.venv-transformers-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-transformers-$*/bin/python -m pip install --quiet "$$(grep '^torch==' requirements-dev.txt)"
+	grep -v '^transformers==' requirements-dev.txt > .venv-transformers-$*/constraints.txt
+	.venv-transformers-$*/bin/python -m pip install --quiet -c .venv-transformers-$*/constraints.txt -e . transformers==$* pytest pytest-xdist
+	touch $@
+
+# The model tables on every older admitted release, as users get them: proven classes swapped, the others eager.
+test-transformers: $(foreach release,$(TRANSFORMERS_RELEASES),.venv-transformers-$(release)/.installed)
+	@set -e; for release in $(TRANSFORMERS_RELEASES); do \
+		.venv-transformers-$$release/bin/python scripts/model_tables.py test; done
+
+# Prove the tables on every admitted release and record what passed (mapping/npu_hub_kernels/models/proven/).
+prove-transformers: setup $(foreach release,$(TRANSFORMERS_RELEASES),.venv-transformers-$(release)/.installed)
+	$(PY) scripts/model_tables.py prove
+	@set -e; for release in $(TRANSFORMERS_RELEASES); do \
+		.venv-transformers-$$release/bin/python scripts/model_tables.py prove; done
+
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -49,4 +73,4 @@ test: setup lint
 	$(PY) -m pytest -n 2
 
 clean:
-	rm -rf build .cache
+	rm -rf build .cache .venv-transformers-*

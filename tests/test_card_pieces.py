@@ -75,12 +75,16 @@ def package_problems(card: Card, card_dir: Path) -> list[str]:
 
 
 def model_table_problems(card: Card, models_dir: Path = MODELS_DIR) -> list[str]:
-    """What the card's model table lacks: the module, SWAPPED with every layer of card.toml, LEFT_OUT."""
+    """What the card's model table lacks: the module, SWAPPED with every layer of card.toml, LEFT_OUT, candidates()
+    (the survey tests/test_model_tables.py holds the table to)."""
     path = models_dir / f"{card.python_name}.py"
     if not path.is_file():
-        return [f"no model table: add mapping/npu_hub_kernels/models/{card.python_name}.py (SWAPPED, LEFT_OUT)"]
+        return [
+            f"no model table: add mapping/npu_hub_kernels/models/{card.python_name}.py (SWAPPED, LEFT_OUT, candidates)"
+        ]
     names = _top_level_names(path)
-    problems = [f"models/{card.python_name}.py defines no {n}" for n in ("SWAPPED", "LEFT_OUT") if n not in names]
+    pieces = ("SWAPPED", "LEFT_OUT", "candidates")
+    problems = [f"models/{card.python_name}.py defines no {n}" for n in pieces if n not in names]
     if not problems:
         from npu_hub_kernels.models import BY_KERNEL_ID
 
@@ -194,4 +198,7 @@ def test_a_model_table_without_every_layer_is_named(tmp_path):
     expected = f"models/npu_rms_norm.py SWAPPED has layers {layers}, card.toml ['HalfAdded']"
     assert model_table_problems(card) == [expected]
     (tmp_path / "npu_rms_norm.py").write_text("SWAPPED = {}\n")
-    assert model_table_problems(card, tmp_path) == ["models/npu_rms_norm.py defines no LEFT_OUT"]
+    assert model_table_problems(card, tmp_path) == [
+        "models/npu_rms_norm.py defines no LEFT_OUT",
+        "models/npu_rms_norm.py defines no candidates",
+    ]

@@ -1,5 +1,6 @@
-"""npu_hub_kernels.models, the class tables: every listed class is swapped and computes what its own forward computes;
-every RMSNorm-like class of transformers is either listed or left out with a reason."""
+"""npu_hub_kernels.models, the class tables of npu-rms-norm, npu-rope, npu-swiglu and npu-moe, proven on the installed
+transformers: every listed class (whose code is proven, tests/proof.py) is swapped and computes what its own forward
+computes. Which classes the tables decide is tests/test_model_tables.py's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import inspect
 import pkgutil
 import types
 
+import proof
 import pytest
 import torch
 import transformers.models
@@ -17,10 +19,6 @@ from transformers.activations import ACT2FN
 from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels import swapped_modules
 from npu_hub_kernels.models import MODEL_CLASSES, ClassRule
-from npu_hub_kernels.models import npu_moe as moe
-from npu_hub_kernels.models import npu_rms_norm as rms_norm
-from npu_hub_kernels.models import npu_rope as rope
-from npu_hub_kernels.models import npu_swiglu as swiglu
 from npu_hub_kernels.testing import emulation
 
 RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
@@ -54,32 +52,21 @@ def _all_modeling_classes() -> dict[str, type]:
     return found
 
 
-def test_table_has_no_duplicates_and_left_out_classes_are_not_listed():
-    paths = [rule.path for rule in RULES]
-    assert len(paths) == len(set(paths))
-    assert not set(paths) & set(rms_norm.LEFT_OUT)
-    assert all(reason for reason in rms_norm.LEFT_OUT.values())
-
-
 @pytest.mark.slow
-def test_every_rmsnorm_class_of_transformers_is_decided():
-    """No silent gaps: each class named like an RMSNorm is swapped or left out with a reason, and
-    every class transformers itself tags "RMSNorm" is swapped (so once npu-hub-kernels is
-    registered, transformers' own npu entry for "RMSNorm" is never reached)."""
-    classes = _all_modeling_classes()
+@pytest.mark.model_tables
+def test_every_class_transformers_tags_rmsnorm_is_listed():
+    """Once npu-hub-kernels is registered, transformers' own npu entry for "RMSNorm" is never reached."""
     listed = {rule.path for rule in RULES}
-    rmsnorm_like = {path for path in classes if "RMSNorm" in path.rpartition(".")[2]}
-    assert rmsnorm_like - listed - set(rms_norm.LEFT_OUT) == set()
-    assert (listed | set(rms_norm.LEFT_OUT)) - set(classes) == set(), "listed classes missing from transformers"
-    tagged = {p for p, c in classes.items() if c.__dict__.get("kernel_layer_name") == "RMSNorm"}
+    tagged = {p for p, c in _all_modeling_classes().items() if c.__dict__.get("kernel_layer_name") == "RMSNorm"}
     assert tagged - listed == set()
-    assert len(listed) == 166 and len(rms_norm.LEFT_OUT) == 34
 
 
+@pytest.mark.model_tables
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_listed_class_is_swapped_and_matches_its_own_forward(npu_kernels, dtype):
     failures = []
-    for rule in RULES:
+    for rule in proof.proven_rules(RULES):
+        before = len(failures)
         cls = _class(rule)
         torch.manual_seed(0)
         norm = cls(64, eps=1e-5)
@@ -95,6 +82,7 @@ def test_every_listed_class_is_swapped_and_matches_its_own_forward(npu_kernels, 
         swaps = swapped_modules(kernelized)
         if [s.layer for s in swaps] != [rule.layer] or calls["npu_rms_norm"] != 1:
             failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
+            proof.verdict(rule.path, False)
             continue
         exact = dtype == torch.float32 or rule.layer != "RMSNorm"
         if exact and not torch.equal(got, expected):
@@ -106,6 +94,7 @@ def test_every_listed_class_is_swapped_and_matches_its_own_forward(npu_kernels, 
             eager_error = (expected.double() - reference).abs().max().item()
             if kernel_error > 2 * eager_error:
                 failures.append(f"{rule.path}: error {kernel_error} > 2 x eager error {eager_error}")
+        proof.verdict(rule.path, len(failures) == before)
     assert failures == []
 
 
@@ -120,6 +109,7 @@ def _cos_sin_for(layer: str, angles: torch.Tensor) -> tuple[torch.Tensor, torch.
     return emb.cos(), emb.sin()
 
 
+@pytest.mark.model_tables
 def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_kernels):
     """Each listed rotary function-module (transformers' own, or wrapped by the registry), kernelized
     through an attention module's `_kernel_funcs`, rotates exactly as the function transformers ships
@@ -128,7 +118,8 @@ def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_ke
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)
     angles = torch.rand(1, 5, 16, generator=g) * 6.28
-    for rule in ROPE_RULES:
+    for rule in proof.proven_rules(ROPE_RULES):
+        before = len(failures)
         cos, sin = _cos_sin_for(rule.layer, angles)
         function_module = getattr(importlib.import_module(rule.module), rule.class_name)
         original = type(function_module).forward
@@ -144,9 +135,11 @@ def test_every_listed_rotary_function_is_swapped_and_matches_the_original(npu_ke
             failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
         elif not all(torch.equal(a.cpu(), b) for a, b in zip(got, expected, strict=True)):
             failures.append(f"{rule.path}: differs from the original")
+        proof.verdict(rule.path, len(failures) == before)
     assert failures == []
 
 
+@pytest.mark.model_tables
 def test_every_listed_rotary_function_takes_or_refuses_narrower_cos_as_the_original_does(npu_kernels):
     """cos/sin narrower than q/k: a partial layer rotates the leading dims as the original does; a strict one
     fails where the original fails (Llama's function raises; rotating the leading dims would hide the bug)."""
@@ -154,7 +147,8 @@ def test_every_listed_rotary_function_takes_or_refuses_narrower_cos_as_the_origi
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 4, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)
     angles = torch.rand(1, 5, 8, generator=g) * 6.28  # half the rotary width of the test above
-    for rule in ROPE_RULES:
+    for rule in proof.proven_rules(ROPE_RULES):
+        before = len(failures)
         cos, sin = _cos_sin_for(rule.layer, angles)
         function_module = getattr(importlib.import_module(rule.module), rule.class_name)
         with torch.no_grad():
@@ -174,14 +168,16 @@ def test_every_listed_rotary_function_takes_or_refuses_narrower_cos_as_the_origi
             failures.append(f"{rule.path}: original {outcome[expected is None]}, {rule.layer} {outcome[got is None]}")
         elif got is not None and not all(torch.equal(a.cpu(), b) for a, b in zip(got, expected, strict=True)):
             failures.append(f"{rule.path}: differs from the original")
+        proof.verdict(rule.path, len(failures) == before)
     assert failures == []
 
 
+@pytest.mark.model_tables
 def test_every_listed_rotary_function_has_a_caller_that_kernelize_reaches(npu_kernels):
     """Each listed function is in the `_kernel_funcs` of at least one class of its modeling file
     (attached by transformers, or by the registry when transformers does not)."""
     unreached = []
-    for rule in ROPE_RULES:
+    for rule in proof.proven_rules(ROPE_RULES):
         module = importlib.import_module(rule.module)
         function_module = getattr(module, rule.class_name)
         callers = [
@@ -189,8 +185,10 @@ def test_every_listed_rotary_function_has_a_caller_that_kernelize_reaches(npu_ke
             for cls in vars(module).values()
             if isinstance(cls, type) and function_module in compat.kernel_funcs(cls).values()
         ]
-        if not callers and not _attached_by_transformers(module, function_module):
+        reached = bool(callers) or _attached_by_transformers(module, function_module)
+        if not reached:
             unreached.append(rule.path)
+        proof.verdict(rule.path, reached)
     assert unreached == []
 
 
@@ -201,29 +199,6 @@ def _attached_by_transformers(module, function_module) -> bool:
         for cls in vars(module).values()
         if isinstance(cls, type)
     )
-
-
-@pytest.mark.slow
-def test_every_rotary_function_of_transformers_is_decided():
-    """Each module-level apply_rotary_pos_emb(_interleave) of a modeling file, decorated or not, is
-    swapped or left out with a reason."""
-    found = set()
-    for model in pkgutil.iter_modules(transformers.models.__path__):
-        package = importlib.import_module(f"transformers.models.{model.name}") if model.ispkg else None
-        for file in pkgutil.iter_modules(package.__path__) if package else []:
-            if file.name.startswith("modeling_"):
-                try:
-                    module = importlib.import_module(f"{package.__name__}.{file.name}")
-                except ImportError:
-                    continue
-                for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):
-                    if name in vars(module):
-                        found.add(f"{model.name}.{file.name}.{name}")
-    listed = {rule.path for rule in ROPE_RULES}
-    assert found - listed - set(rope.LEFT_OUT) == set()
-    assert (listed | set(rope.LEFT_OUT)) - found == set()
-    assert not listed & set(rope.LEFT_OUT)
-    assert (len(listed), len(rope.LEFT_OUT)) == (180, 14)
 
 
 def _bare_mlp(rule: ClassRule, hidden: int, intermediate: int, dtype: torch.dtype) -> torch.nn.Module:
@@ -247,10 +222,12 @@ def _init_source(cls: type) -> str:
     return inspect.getsource(cls.__init__)
 
 
+@pytest.mark.model_tables
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_listed_mlp_class_is_swapped_and_matches_its_own_forward(npu_kernels, dtype):
     failures = []
-    for rule in SWIGLU_RULES:
+    for rule in proof.proven_rules(SWIGLU_RULES):
+        before = len(failures)
         torch.manual_seed(0)
         mlp = _bare_mlp(rule, 32, 40, dtype)
         x = torch.randn(2, 5, 32).to(dtype)
@@ -259,6 +236,7 @@ def test_every_listed_mlp_class_is_swapped_and_matches_its_own_forward(npu_kerne
                 expected = mlp(x)
             except Exception as error:  # the class needs more than the layer reads
                 failures.append(f"{rule.path}: its forward needs more: {error!r}")
+                proof.verdict(rule.path, False)
                 continue
             holder = kernelize(torch.nn.Sequential(mlp).to("npu"), mode=Mode.INFERENCE, device="npu")
             with emulation.count_op_calls() as calls:
@@ -275,27 +253,8 @@ def test_every_listed_mlp_class_is_swapped_and_matches_its_own_forward(npu_kerne
                 ref = reference(x.double())
             if (got.double() - ref).abs().max() > 2 * (expected.double() - ref).abs().max() + 1e-6:
                 failures.append(f"{rule.path}: bf16 error above twice eager's")
+        proof.verdict(rule.path, len(failures) == before)
     assert failures == []
-
-
-@pytest.mark.slow
-def test_every_gated_mlp_class_of_transformers_is_decided():
-    """Each class that builds gate_proj and up_proj, or a gate_up_proj Linear, is swapped or left out
-    with a reason; the Gemma family's GELU-tanh MLPs are never swapped."""
-    gated = set()
-    for path, cls in _all_modeling_classes().items():
-        init = cls.__dict__.get("__init__")
-        if not (issubclass(cls, torch.nn.Module) and isinstance(init, types.FunctionType)):
-            continue
-        source = _init_source(cls)
-        if "self.gate_up_proj = nn.Linear(" in source or ("self.gate_proj =" in source and "self.up_proj =" in source):
-            gated.add(path)
-    listed = {rule.path for rule in SWIGLU_RULES}
-    assert gated - listed - set(swiglu.LEFT_OUT) == set()
-    assert (listed | set(swiglu.LEFT_OUT)) - gated == set()
-    assert not listed & set(swiglu.LEFT_OUT)
-    assert not any(path.startswith(("gemma.", "gemma2.", "gemma3.", "gemma3n.")) for path in listed)
-    assert (len(listed), len(swiglu.LEFT_OUT)) == (137, 37)
 
 
 def _bare_experts(rule: ClassRule, experts: int, hidden: int, inner: int) -> torch.nn.Module:
@@ -312,19 +271,22 @@ def _bare_experts(rule: ClassRule, experts: int, hidden: int, inner: int) -> tor
     return module
 
 
+@pytest.mark.model_tables
 def test_every_listed_experts_class_is_swapped_and_matches_its_own_forward(npu_kernels):
     failures = []
     g = torch.Generator().manual_seed(1)
     x = torch.randn(11, 16, generator=g)
     index = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(11)])
     weights = torch.rand(11, 2, generator=g)
-    for rule in MOE_RULES:
+    for rule in proof.proven_rules(MOE_RULES):
+        before = len(failures)
         experts = _bare_experts(rule, 6, 16, 12)
         with torch.no_grad():
             try:
                 expected = experts(x, index, weights)
             except Exception as error:  # the class needs more than the layer reads
                 failures.append(f"{rule.path}: its forward needs more: {error!r}")
+                proof.verdict(rule.path, False)
                 continue
             holder = kernelize(torch.nn.Sequential(experts).to("npu"), mode=Mode.INFERENCE, device="npu")
             with emulation.count_op_calls() as calls:
@@ -334,22 +296,5 @@ def test_every_listed_experts_class_is_swapped_and_matches_its_own_forward(npu_k
             failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
         elif not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
             failures.append(f"{rule.path}: max diff {(got - expected).abs().max().item()}")
+        proof.verdict(rule.path, len(failures) == before)
     assert failures == []
-
-
-@pytest.mark.slow
-def test_every_experts_class_of_transformers_is_decided():
-    """Each class named like Experts or holding 3-D expert weights is swapped or left out with a reason."""
-    candidates = set()
-    for path, cls in _all_modeling_classes().items():
-        init = cls.__dict__.get("__init__")
-        if not (issubclass(cls, torch.nn.Module) and isinstance(init, types.FunctionType)):
-            continue
-        source = _init_source(cls)
-        name = path.rpartition(".")[2]
-        if name.endswith("Experts") or "self.gate_up_proj = nn.Parameter(" in source:
-            candidates.add(path)
-    listed = {rule.path for rule in MOE_RULES}
-    assert candidates - listed - set(moe.LEFT_OUT) == set()
-    assert not listed & set(moe.LEFT_OUT)
-    assert (len(listed), len(moe.LEFT_OUT)) == (52, 20)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import ast
 import copy
-import importlib
+import functools
 import inspect
 import platform
 import warnings
-from pathlib import Path
 
+import proof
 import pytest
 import torch
 import transformers
@@ -27,6 +27,7 @@ from transformers.models.helium.modeling_helium import HeliumRMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 from npu_hub_kernels import apply_npu_kernels, swapped_modules
+from npu_hub_kernels.models import MODEL_CLASSES, SURVEYED_RELEASE, _survey
 from npu_hub_kernels.models import npu_add_rms_norm as table
 from npu_hub_kernels.models import npu_rms_norm as norm_table
 from npu_hub_kernels.testing import emulation
@@ -235,30 +236,17 @@ def test_unknown_scaling_is_refused(card):
         card.add_rms_norm(residual, update, make_norm("plain", torch.float32), "gemma")
 
 
-# The decoder-layer table, re-derived from transformers' sources.
+# The decoder-layer table, proven on transformers' sources: each listed class has Llama's decoder-layer forward and a
+# post-attention norm of its layer's scaling.
 
 _SCALING_OF_NORM_LAYER = {"RMSNorm": "DecoderLayer", "RMSNormZeroCentered": "DecoderLayerZeroCentered",
                           "RMSNormFloat32Scale": "DecoderLayerFloat32Scale"}  # fmt: skip
+RULES = MODEL_CLASSES["npu_fused_add_rmsnorm"]
 
 
-def _decoder_layer_classes() -> dict[str, ast.ClassDef]:
-    """Every `*DecoderLayer` class defined in a transformers modeling file, by path, as its syntax tree."""
-    root = Path(transformers.__file__).parent / "models"
-    found = {}
-    for file in sorted(root.glob("*/modeling_*.py")):
-        for node in ast.parse(file.read_text()).body:
-            if isinstance(node, ast.ClassDef) and node.name.endswith("DecoderLayer"):
-                found[f"{file.parent.name}.{file.stem}.{node.name}"] = node
-    return found
-
-
-def _method(node: ast.ClassDef, name: str) -> ast.FunctionDef | None:
-    return next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
-
-
-def _post_norm_classes(node: ast.ClassDef) -> list[str]:
+def _post_norm_classes(definition: _survey.Definition) -> list[str]:
     """What `__init__` assigns to self.post_attention_layernorm (the called class's name, or the expression)."""
-    init = _method(node, "__init__")
+    init = definition.method("__init__")
     found = []
     for n in ast.walk(init) if init is not None else ():
         if isinstance(n, ast.Assign) and any(
@@ -269,36 +257,52 @@ def _post_norm_classes(node: ast.ClassDef) -> list[str]:
     return found
 
 
-@pytest.mark.slow
-def test_every_decoder_layer_class_of_transformers_is_decided_and_the_table_is_the_survey():
+def _derived_layer(path: str) -> tuple[str | None, str]:
+    """The card layer the decoder layer class at `path` needs, from its source (None: none reproduces it), and why."""
     classes = _decoder_layer_classes()
-    decided = {path for paths in table.SWAPPED.values() for path in paths} | set(table.LEFT_OUT)
-    assert set(classes) == decided, (sorted(set(classes) - decided), sorted(decided - set(classes)))
-    assert not {path for paths in table.SWAPPED.values() for path in paths} & set(table.LEFT_OUT)
-    llama_forward = ast.dump(_method(classes[f"{LLAMA.removeprefix('transformers.models.')}.LlamaDecoderLayer"],
-                                     "forward"))  # fmt: skip
-    norm_layer = {path: layer for layer, paths in norm_table.SWAPPED.items() for path in paths}
-    derived: dict[str, list[str]] = {layer: [] for layer in table.SWAPPED}
-    for path, node in classes.items():
-        forward, norms = _method(node, "forward"), _post_norm_classes(node)
-        if forward is None or ast.dump(forward) != llama_forward or len(set(norms)) != 1 or not norms[0]:
-            continue
-        layer = _SCALING_OF_NORM_LAYER.get(norm_layer.get(f"{path.rpartition('.')[0]}.{norms[0]}"))
-        if layer is not None:
-            derived[layer].append(path)
-    assert {layer: sorted(paths) for layer, paths in derived.items()} == {
-        layer: sorted(paths) for layer, paths in table.SWAPPED.items()
-    }
+    forward, norms = classes[path].method("forward"), _post_norm_classes(classes[path])
+    llama = classes[f"{LLAMA.removeprefix('transformers.models.')}.LlamaDecoderLayer"].method("forward")
+    if forward is None or ast.dump(forward) != ast.dump(llama):
+        return None, "not Llama's decoder-layer forward"
+    if len(set(norms)) != 1 or not norms[0]:
+        return None, f"post-attention norms {norms}"
+    norm_layer = {p: layer for layer, paths in norm_table.SWAPPED.items() for p in paths}
+    layer = _SCALING_OF_NORM_LAYER.get(norm_layer.get(f"{path.rpartition('.')[0]}.{norms[0]}"))
+    return layer, f"post-attention norm {norms[0]}"
 
 
+@functools.cache
+def _decoder_layer_classes() -> dict[str, _survey.Definition]:
+    return {d.path: d for d in _survey.classes() if d.name.endswith("DecoderLayer")}
+
+
+@pytest.mark.model_tables
+def test_every_listed_decoder_layer_has_the_llama_forward_and_a_norm_of_its_scaling(npu_kernels):
+    """Each listed class has the forward of Llama's decoder layer, which the card reproduces: proven numerically on
+    this release first (the tiny Llama, fused against eager), so a class is proven only where Llama's is."""
+    reference_proven = proof.reference_holds(_decoder_layer_rule("llama"), lambda: _fused_model_equals_eager("llama"))
+    failures = []
+    for rule in proof.proven_rules(RULES):
+        layer, why = _derived_layer(rule.path)
+        if layer != rule.layer or not reference_proven:
+            failures.append(f"{rule.path}: needs {layer} ({why}), listed for {rule.layer}; Llama's: {reference_proven}")
+        proof.verdict(rule.path, layer == rule.layer and reference_proven)
+    assert failures == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(transformers.__version__ != SURVEYED_RELEASE, reason="the table is surveyed on this release")
+def test_no_left_out_decoder_layer_is_one_a_layer_reproduces():
+    assert {path: _derived_layer(path)[0] for path in table.LEFT_OUT if _derived_layer(path)[0]} == {}
+
+
+@pytest.mark.model_tables
 def test_the_layers_forward_takes_the_parameters_of_the_forward_it_replaces(card):
-    for layer, paths in table.SWAPPED.items():
-        ours = inspect.signature(getattr(card.layers, layer).forward).parameters
-        for path in paths:
-            module, _, name = path.rpartition(".")
-            cls = getattr(importlib.import_module(f"transformers.models.{module}"), name)
-            theirs = inspect.signature(cls.forward).parameters
-            assert [(p.name, p.kind) for p in ours.values()] == [(p.name, p.kind) for p in theirs.values()], path
+    for rule in proof.proven_rules(RULES):
+        ours = inspect.signature(getattr(card.layers, rule.layer).forward).parameters
+        theirs = inspect.signature(proof.installed(rule).forward).parameters
+        with proof.checking(rule.path):
+            assert [(p.name, p.kind) for p in ours.values()] == [(p.name, p.kind) for p in theirs.values()], rule.path
 
 
 # Model level: tiny families, every card kernelized.
@@ -310,8 +314,17 @@ def _layers(model) -> int:
     return model.config.get_text_config().num_hidden_layers
 
 
-@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
-def test_model_forward_and_backward_equal_eager_in_float32_with_every_card(npu_kernels, model_type):
+def _decoder_layer_rule(model_type: str):
+    """The table's rule for the decoder layer class of the tiny `model_type` (None when it lists none)."""
+    model = tiny_causal_lm(model_type)
+    cls = type(next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")))
+    path = f"{cls.__module__.removeprefix('transformers.models.')}.{cls.__name__}"
+    return next((rule for rule in RULES if rule.path == path), None)
+
+
+def _fused_model_equals_eager(model_type: str) -> None:
+    """A tiny model of `model_type`, kernelized with every card, gives eager's logits and gradients in float32, with
+    the fused op counted in every layer."""
     eager = tiny_causal_lm(model_type).to("npu")
     model = kernelize(tiny_causal_lm(model_type).to("npu"), mode=Mode.TRAINING, device="npu")
     swaps = [s for s in swapped_modules(model) if s.card == "npu-add-rms-norm"]
@@ -327,6 +340,16 @@ def test_model_forward_and_backward_equal_eager_in_float32_with_every_card(npu_k
     assert torch.equal(out.logits, want.logits)
     for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.model_tables
+@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
+def test_model_forward_and_backward_equal_eager_in_float32_with_every_card(npu_kernels, model_type):
+    rule = _decoder_layer_rule(model_type)
+    if rule not in proof.proven_rules(RULES):
+        pytest.skip(f"{rule.path}: its code is not proven on this transformers release (it runs eager)")
+    with proof.checking(rule.path):
+        _fused_model_equals_eager(model_type)
 
 
 def test_model_negative_control_not_kernelized_runs_no_fused_op():

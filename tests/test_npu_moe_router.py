@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from collections import Counter
 
+import proof
 import pytest
 import torch
 from kernels import Mode, get_local_kernel, kernelize
@@ -113,27 +114,33 @@ def assert_top_logits_form(ops: list[tuple[str, tuple[int, ...]]], tokens: int, 
     assert softmaxes == [(tokens, top_k)], ops
 
 
+@pytest.mark.model_tables
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.path.rpartition(".")[2])
+@pytest.mark.parametrize("rule", proof.proven_rules(RULES), ids=lambda rule: rule.path.rpartition(".")[2])
 def test_swapped_router_gives_its_class_result_fused(npu_kernels, rule, dtype):
     """One op (softmax without renormalisation, sigmoid), or the two-op softmax of the top-k logits."""
-    holder, expected, got, calls = run_both(rule, dtype, FUSING[rule.layer])
-    assert [s.layer for s in swapped_modules(holder)] == [rule.layer]
-    assert calls[OP] == (0 if rule.layer in TOP_LOGITS_LAYERS else 1)
-    assert_same_routing(expected, got)
-    if rule.layer in TOP_LOGITS_LAYERS:
-        x = torch.randn(24, 16).to(dtype).to("npu")
-        with torch.no_grad():
-            assert_top_logits_form(aten_ops(lambda: holder[0](x)), tokens=24, experts=32, top_k=4)
+    with proof.checking(rule.path):
+        holder, expected, got, calls = run_both(rule, dtype, FUSING[rule.layer])
+        assert [s.layer for s in swapped_modules(holder)] == [rule.layer]
+        assert calls[OP] == (0 if rule.layer in TOP_LOGITS_LAYERS else 1)
+        assert_same_routing(expected, got)
+        if rule.layer in TOP_LOGITS_LAYERS:
+            x = torch.randn(24, 16).to(dtype).to("npu")
+            with torch.no_grad():
+                assert_top_logits_form(aten_ops(lambda: holder[0](x)), tokens=24, experts=32, top_k=4)
 
 
-@pytest.mark.parametrize("rule", [r for r in RULES if r.layer not in TOP_LOGITS_LAYERS], ids=lambda rule: rule.path)
+@pytest.mark.model_tables
+@pytest.mark.parametrize(
+    "rule", [r for r in proof.proven_rules(RULES) if r.layer not in TOP_LOGITS_LAYERS], ids=lambda rule: rule.path
+)
 def test_router_the_op_does_not_reproduce_keeps_its_class_math(npu_kernels, rule):
     """Negative control: the other norm_topk_prob (sigmoid without renormalisation: eager; renormalised softmax:
     the top-k logits' softmax)."""
-    _, expected, got, calls = run_both(rule, torch.float32, not FUSING[rule.layer])
-    assert calls[OP] == 0
-    assert_same_routing(expected, got)
+    with proof.checking(rule.path):
+        _, expected, got, calls = run_both(rule, torch.float32, not FUSING[rule.layer])
+        assert calls[OP] == 0
+        assert_same_routing(expected, got)
 
 
 def test_softmax_router_trains_without_the_op_its_backward_refuses(npu_kernels):

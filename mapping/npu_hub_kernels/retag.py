@@ -49,7 +49,8 @@ from kernels import replace_kernel_forward_from_hub, use_kernel_forward_from_hub
 from torch import nn
 
 from . import _kernels_compat as compat
-from .models import ClassRule
+from .cards import CARDS
+from .models import ClassRule, fingerprints
 from .report import card_layer_of, foreign_forward, global_names, retagged_card
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class _Retagging:
         self.function_modules.clear()
         self.left_alone.clear()
         self.pending.clear()
+        fingerprints.forget_eager()
 
 
 _state = _Retagging()
@@ -143,15 +145,24 @@ def _put_back_global(module: ModuleType, name: str, function: object, function_m
 
 
 def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
-    """Make the rule's class (or function) of an imported module kernelizable under `mapping_name`."""
+    """Make the rule's class (or function) of an imported module kernelizable under `mapping_name`, when its installed
+    code is proven (`models.fingerprints`)."""
     name = rule.class_name
-    obj = getattr(module, name)
+    obj = getattr(module, name, _MISSING)
+    if obj is _MISSING:
+        _stays_eager(rule, f"{module.__name__} defines no {name} in this transformers release")
+        return
     if isinstance(obj, type):
-        _retag(obj, mapping_name)
+        if _proven(rule, obj):
+            _retag(obj, mapping_name)
+        else:
+            _keep_eager(obj)
         return
     replacement = _replacement(module, name, obj)
     if replacement is not None:
         _leave_alone(module, name, obj, replacement, card=mapping_name.partition(":")[0])
+        return
+    if not _proven(rule, fingerprints.code_of(obj)):
         return
     if inspect.isfunction(obj):  # a rotary function transformers left plain: make it a function-module
         function, obj = obj, use_kernel_forward_from_hub(mapping_name)(obj)
@@ -163,6 +174,34 @@ def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
     for cls in _callers(module, name):
         _state.record((cls, "kernel_funcs"), partial(compat.set_own_kernel_funcs, cls, compat.own_kernel_funcs(cls)))
         compat.set_own_kernel_funcs(cls, {**compat.kernel_funcs(cls), name: obj})
+
+
+def _proven(rule: ClassRule, code: object) -> bool:
+    """Whether `code` (the installed class or function of `rule`) is proven; if not, it stays eager, with why."""
+    reason = fingerprints.unproven_reason(CARDS[rule.kernel_id], rule.path, code)
+    if reason is not None:
+        _stays_eager(rule, reason)
+    return reason is None
+
+
+def _keep_eager(cls: type) -> None:
+    """Have kernelize skip the modules of exactly `cls`, which transformers may have tagged itself (its "RMSNorm"
+    entry maps npu to another hub kernel): while the cards are registered, a listed class left unproven runs its own
+    forward, as it says. Undone by `restore()`."""
+    if getattr(cls, "kernel_layer_name", None) is None:
+        return
+    _state.record((cls, "tag"), partial(_untag, cls, _own(cls, "kernel_layer_name"), _own(cls, "kernel_condition")))
+    cls.kernel_condition = partial(_not_exactly, cls)
+
+
+def _not_exactly(cls: type, module: nn.Module) -> bool:
+    """A `kernel_condition` that no module of exactly `cls` meets (its subclasses keep their own tags' entries)."""
+    return type(module) is not cls
+
+
+def _stays_eager(rule: ClassRule, reason: str) -> None:
+    if fingerprints.leave_eager(rule.path, reason):
+        logger.debug("%s leaves %s eager: %s", CARDS[rule.kernel_id].repo_name, rule.path, reason)
 
 
 def _share(function_module: nn.Module, name: str) -> None:

@@ -7,8 +7,9 @@ each exporting the same two tables:
 - `LEFT_OUT`: path -> why no layer reproduces it (it is never swapped).
 
 Paths are relative to `transformers.models` (`<model>.<modeling file>.<class or function>`),
-checked against transformers 5.22.2. tests/test_models_table.py re-proves every listed path and
-that every candidate class of transformers is decided (listed or left out).
+surveyed against transformers 5.22.2. The parity tests (marker `model_tables`) re-prove every listed path
+on each release the package admits, and `models.fingerprints` swaps an installed class only when its code
+is code they proved; tests/test_model_tables.py checks that every candidate class is decided.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def table_of(card: Card) -> ModuleType:
     return table
 
 
+SURVEYED_RELEASE = "5.22.2"
+"""The transformers release every table's `candidates()` was surveyed against (tests/test_model_tables.py)."""
+
 BY_KERNEL_ID: dict[str, ModuleType] = {kernel_id: table_of(card) for kernel_id, card in CARDS.items()}
 """Kernel id -> the module of its tables."""
 
@@ -45,6 +49,7 @@ class ClassRule:
 
     path: str
     layer: str
+    kernel_id: str
 
     @property
     def module(self) -> str:
@@ -56,7 +61,7 @@ class ClassRule:
 
 
 MODEL_CLASSES: dict[str, list[ClassRule]] = {
-    kernel_id: [ClassRule(path, layer) for layer, paths in tables.SWAPPED.items() for path in paths]
+    kernel_id: [ClassRule(path, layer, kernel_id) for layer, paths in tables.SWAPPED.items() for path in paths]
     for kernel_id, tables in BY_KERNEL_ID.items()
 }
 """Kernel id -> the classes its layers replace."""

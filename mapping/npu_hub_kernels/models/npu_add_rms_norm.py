@@ -9,6 +9,8 @@ sources and re-proves the listed classes numerically on the emulated npu.
 
 from __future__ import annotations
 
+from . import _survey
+
 SWAPPED: dict[str, tuple[str, ...]] = {
     "DecoderLayer": (
         "arcee.modeling_arcee.ArceeDecoderLayer",
@@ -258,3 +260,8 @@ LEFT_OUT: dict[str, str] = {
     "zamba2.modeling_zamba2.Zamba2MambaDecoderLayer": _NO_POST_NORM,
     "zaya.modeling_zaya.ZayaDecoderLayer": _OTHER_FORWARD,
 }
+
+
+def candidates() -> set[str]:
+    """The classes that look like this card's region: every decoder layer class."""
+    return {c.path for c in _survey.classes() if c.name.endswith("DecoderLayer")}

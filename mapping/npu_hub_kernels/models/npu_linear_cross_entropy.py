@@ -5,7 +5,7 @@ annotations dropped, the loss_function's positional arguments named as ForCausal
 output's `[0]` read as its `last_hidden_state`) and grouped by identical text. Each layer reproduces one group whose
 lm_head and loss lines are exactly `logits = self.<head>(hidden_states)` then `self.loss_function(logits=logits,
 labels=labels, vocab_size=..., **kwargs)`; the groups differ in how they reach the base model and the head, what they
-take and what they return (layers.Wiring). tests/test_npu_linear_cross_entropy.py re-proves that every listed class
+take and what they return (layers.LAYERS). tests/test_npu_linear_cross_entropy.py re-proves that every listed class
 has its group's forward, that every `*ForCausalLM` class is listed or left out, and each reason from the source.
 The MoE groups that add the router's auxiliary loss (`loss += <coefficient> * aux_loss.to(loss.device)` when
 output_router_logits is on) have layers of their own, which add it as the class does (layers.AuxLoss); HYV3's forward
@@ -13,6 +13,8 @@ is MoeCausalLM's with an explicit `aux_loss=None`, the output field's default.
 """
 
 from __future__ import annotations
+
+from . import _survey
 
 _CAUSAL_LM = (  # self.model, lm_head on the last hidden states, self.loss_function, CausalLMOutputWithPast
     "apertus.modeling_apertus.ApertusForCausalLM",
@@ -99,7 +101,7 @@ _MOE_CAUSAL_LM_WITH_AUX_LOSS = (  # the same, output_router_logits, adds router_
 )
 
 # The groups that differ from the Llama and MoE ones only in how they reach the base model and the lm_head, what they
-# take and what they return (layers.Wiring): their lm_head and loss lines are the default ones.
+# take and what they return (layers.LAYERS): their lm_head and loss lines are the default ones.
 _OTHER_FORMS = {
     "GPTNeoXCausalLM": ("gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM",),
     "NemotronCausalLM": (  # the loss given self.vocab_size
@@ -246,3 +248,8 @@ LEFT_OUT: dict[str, str] = {
     "zaya.modeling_zaya.ZayaForCausalLM": _ROUTER_LOGITS_WITHOUT_AUX,
 }
 """Class -> why no layer reproduces it."""
+
+
+def candidates() -> set[str]:
+    """The classes that look like this card's region: every `*ForCausalLM` class with a forward of its own."""
+    return {c.path for c in _survey.classes() if c.name.endswith("ForCausalLM") and c.method("forward") is not None}

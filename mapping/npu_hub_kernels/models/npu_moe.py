@@ -9,6 +9,8 @@ tests/test_npu_moe.py.
 
 from __future__ import annotations
 
+from . import _survey
+
 _EXPERTS = (
     "afmoe.modeling_afmoe.AfmoeExperts",
     "axk1.modeling_axk1.AXK1Experts",
@@ -93,3 +95,14 @@ LEFT_OUT: dict[str, str] = {
     "step3p7.modeling_step3p7.Step3p7Experts": "a per-layer clamp limit (Step-3.7-Flash clamps some layers)",
     "switch_transformers.modeling_switch_transformers.SwitchTransformersExperts": _DENSE_MODULES,
 }
+
+
+def candidates() -> set[str]:
+    """The classes that look like this card's region: every class with its own __init__ named like Experts, or
+    holding 3-D expert weights (a gate_up_proj Parameter)."""
+    return {
+        c.path
+        for c in _survey.classes()
+        if c.method("__init__") is not None
+        and ("Experts" in c.name or "self.gate_up_proj = nn.Parameter(" in c.method_source("__init__"))
+    }

@@ -8,6 +8,8 @@ tests/test_npu_moe_router.py on a bare instance, in float32 and bfloat16.
 
 from __future__ import annotations
 
+from . import _survey
+
 _SOFTMAX = (  # softmax in float32, top-k, renormalised when norm_topk_prob, cast to the logits' dtype
     "flex_olmo.modeling_flex_olmo.FlexOlmoTopKRouter",
     "mellum.modeling_mellum.MellumTopKRouter",
@@ -106,7 +108,18 @@ LEFT_OUT: dict[str, str] = {
     "phimoe.modeling_phimoe.PhimoeTopKRouter": "sparsemixer routing",
     "step3p7.modeling_step3p7.Step3p7TopKRouter": _UNGROUPED_BIASED_SIGMOID,
     "switch_transformers.modeling_switch_transformers.SwitchTransformersTop1Router": "capacity-limited top-1",
+    "unlimited_ocr.modeling_unlimited_ocr.UnlimitedOcrTextTopkRouter": "softmax groups scored by max, dropped ones 0",
     "zaya.modeling_zaya.ZayaRouter": "MLP router with a skip class",
     "zaya.modeling_zaya.ZayaRouterMLP": "an MLP producing logits, no routing",
 }
 """Router class -> why no layer reproduces it."""
+
+
+def candidates() -> set[str]:
+    """The classes that look like this card's region: every class named like a Router, and every Gate whose forward
+    takes a top-k."""
+    return {
+        c.path
+        for c in _survey.classes()
+        if "Router" in c.name or (c.name.endswith("Gate") and "topk" in c.method_source("forward"))
+    }

@@ -9,6 +9,8 @@ the reason, and are never swapped.
 
 from __future__ import annotations
 
+from . import _survey
+
 # layer RMSNorm: weight * normalize(x).to(dtype)   (LlamaRMSNorm)
 _PLAIN = (
     "aimv2.modeling_aimv2.Aimv2RMSNorm",
@@ -239,3 +241,8 @@ LEFT_OUT: dict[str, str] = {
     "xlstm.modeling_xlstm.xLSTMRMSNorm": "optional bias and weight (use_bias, use_weight) change the math",
     "zamba2.modeling_zamba2.Zamba2RMSNormGated": _OPTIONAL_GATE,
 }
+
+
+def candidates() -> set[str]:
+    """The classes that look like this card's region: every class named like an RMSNorm."""
+    return {c.path for c in _survey.classes() if "RMSNorm" in c.name}

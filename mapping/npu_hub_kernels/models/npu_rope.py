@@ -9,6 +9,8 @@ function by tests/test_models_table.py.
 
 from __future__ import annotations
 
+from . import _survey
+
 SWAPPED: dict[str, tuple[str, ...]] = {
     # LlamaModel's q * cos + rotate_half(q) * sin, cos/sin as wide as q/k (narrower ones fail, as they fail there)
     "RotaryPosEmb": (
@@ -250,3 +252,9 @@ LEFT_OUT: dict[str, str] = {
     "qwen4_exp.modeling_qwen4_exp.apply_rotary_pos_emb": _K_NONE,
     "sapiens2.modeling_sapiens2.apply_rotary_pos_emb": _PATCHES_ONLY,
 }
+
+
+def candidates() -> set[str]:
+    """The functions that look like this card's region: every module-level apply_rotary_pos_emb(_interleave) a
+    modeling file binds (defined, assigned or imported; decorated or not)."""
+    return set(_survey.module_names(("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")))

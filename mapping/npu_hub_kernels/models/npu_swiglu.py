@@ -8,6 +8,8 @@ gate_proj/up_proj or a gate_up_proj Linear is listed or left out.
 
 from __future__ import annotations
 
+from . import _survey
+
 # layer SwiGLUMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)), SiLU from the config (Llama4: `activation_fn`)
 _SPLIT = (
     "afmoe.modeling_afmoe.AfmoeMLP",
@@ -201,3 +203,14 @@ LEFT_OUT: dict[str, str] = {
     "zamba.modeling_zamba.ZambaMLP": _GELU,
     "zamba2.modeling_zamba2.Zamba2MLP": "GELU, with an adapter term",
 }
+
+
+def candidates() -> set[str]:
+    """The classes that look like this card's region: every class whose own __init__ builds a gate_up_proj Linear,
+    or both gate_proj and up_proj."""
+    found = set()
+    for definition in _survey.classes():
+        init = definition.method_source("__init__")
+        if "self.gate_up_proj = nn.Linear(" in init or ("self.gate_proj =" in init and "self.up_proj =" in init):
+            found.add(definition.path)
+    return found
