@@ -39,7 +39,8 @@ class Row:
     versions: str = ""
     study: str = ""
     """What the row belongs to. Counted: "layer" (a decoder layer and its regions), "experts sweep".
-    Timed: "kernelize", "call overhead", "get_kernel", "fallback" (torch-universal on CPU), "device", "training".
+    Timed: "kernelize", "call overhead", "host cost" (a card's call against a bare module call, ops stubbed),
+    "get_kernel", "fallback" (torch-universal on CPU), "device", "training".
     Parity: "peer parity" (a peer kernel's output against eager on a tiny model family)."""
     kind: str = ""
     """The region kind (a card's card.toml `region`) or "decoder layer"; "" for none."""
@@ -58,6 +59,9 @@ class Row:
     """Whether the peer patched the region (False: it leaves it to transformers, and the peer column is eager's)."""
     outcome: str = ""
     """Peer parity: what the check found (`peer.OUTCOMES`)."""
+    trl: float | None = None
+    """TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, the head TRL's trainers set as the model's forward)
+    on the same region, as it runs on the npu (its torch fallback); None: not measured."""
 
     @property
     def ratio(self) -> float | None:
@@ -69,6 +73,7 @@ class Row:
 CSV_COLUMNS = ["machine", "versions", "mode", "config", "op", "phase", "batch", "seq"]
 CSV_COLUMNS += ["eager", "kernelized", "floor", "peer", "ratio", "unit", "target", "note"]
 CSV_COLUMNS += ["study", "kind", "variant", "path", "model", "experts", "emulated", "peer_patched", "outcome"]
+CSV_COLUMNS += ["trl"]
 
 
 def write_csv(rows: list[Row], path: Path) -> None:

@@ -20,6 +20,11 @@ for dL/dh, and two matmuls; W is read twice per chunk and the float32 dL/dW read
 bytes fall as chunks grow (W re-read less often) while the peak of live bytes rises (the chunk's [C, V] buffers):
 `STUDY_TABLE` shows that trade for the default chunk (1.15 x the hidden size) and others at 8 x 4096.
 
+Under TRL's trainers the region is TRL's own fused LM head, which the card cannot replace (docs/models.md, TRL's LM
+head on the npu): with trl installed, `REGION_ROWS` also counts that head at each model and shape (`measure_trl`,
+`bench.trl_head`; studies TRL_STUDIES, its figures in the rows' `trl` field beside eager's and the card's), and
+`STUDY_TABLE` shows them after the chunk table.
+
 The targets (issue 26): bytes and peak live bytes at most eager's at every measured size (batch 1 x 512, 1 x 2048
 and 8 x 4096), and the peak at most 1/8 of eager's at 8 x 4096.
 """
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import trl_head
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..floors import Floor, dense_bytes
 from ..rows import Row, log
@@ -50,6 +56,10 @@ UNITS = ("ops", "bytes", "saved bytes", "peak bytes")
 CHUNK_STUDY = "loss chunks"
 CHUNK_SWEEP = (1024, 2048, 4096, 8192)
 """Tokens per chunk of the trade table, besides the default (`default_chunk_tokens` of the card)."""
+TRL_STUDIES = {"TRL head": trl_head.SFT_OUTPUTS, "TRL head, log-probs only": trl_head.LOSS_ONLY_OUTPUTS}
+"""The studies of TRL's fused LM head on the region (`trl_head`), by the per-token outputs it computes: as SFTTrainer
+sets it (log-probabilities, entropy, top-1), and with the log-probabilities alone (the loss and no more)."""
+TRL_COMPUTES = {"TRL head": "log-probs, entropy, top-1 (SFTTrainer's)", "TRL head, log-probs only": "log-probs only"}
 
 
 def floor(lm_head: nn.Module, hidden_states: torch.Tensor, labels: torch.Tensor, *_) -> Floor:
@@ -150,16 +160,56 @@ def _default_chunk(package: Any, hidden: torch.Tensor) -> int:
     return package.default_chunk_tokens(tokens, hidden_size)
 
 
+@functools.cache
+def _meta_model(model_key: str, vocab: int) -> nn.Module:
+    """The model (one decoder layer, on the meta device, not kernelized) TRL's head is set on: a copy per measure."""
+    from ..configs import CONFIGS
+    from ..counted import build_model
+
+    spec = CONFIGS[model_key]
+    return build_model(type(spec)(spec.name, spec.model_type, dict(spec.config, vocab_size=vocab)))
+
+
+def measure_trl(model_key: str, vocab: int, outputs: tuple[str, ...], batch: int, seq: int) -> dict[str, Any]:
+    """Ops, bytes, saved and peak live bytes of TRL's fused LM head computing `outputs` (`trl_head`), forward+backward
+    of the loss TRL's SFTTrainer trains on, on fake tensors on the emulated npu (where it runs its torch fallback),
+    from the same hidden states, lm_head and labels as `measure`; "by op": its device ops by name."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .. import memory
+    from ..accounting import count_device_ops, fake_module
+
+    fake_mode = FakeTensorMode()
+    model = copy.deepcopy(_meta_model(model_key, vocab))
+    lm_head = fake_module(model.lm_head, fake_mode, "npu")  # in place: the head reads model.lm_head
+    with fake_mode:
+        hidden = torch.empty(batch, seq, lm_head.in_features, dtype=lm_head.weight.dtype, device="npu")
+        hidden.requires_grad_()
+        labels = torch.empty(batch, seq, dtype=torch.int64, device="npu")
+        trl_head.install_head(model, hidden, outputs)
+        with memory.tracking_memory() as tracker, count_device_ops() as tally:
+            loss = trl_head.head_loss(model, labels)
+            torch.autograd.grad(loss, [hidden, lm_head.weight], torch.empty_like(loss))
+            del loss
+    kept = tracker.memory
+    measured = {"ops": tally.ops, "bytes": tally.bytes, "saved bytes": kept.saved_bytes, "peak bytes": kept.peak_bytes}
+    return {**measured, "by op": tally.by_op()}
+
+
 def region_rows(specs: list, quick: bool) -> list[Row]:
     """The loss region's counted rows for the measured models of MODELS, forward+backward at each of SHAPES (1 x 512
     alone with --quick): eager against the card's default (study "layer", kind the card's region, so the counted
     table and the targets take them) and, at SHAPE without --quick, at each chunk of CHUNK_SWEEP (study
-    "loss chunks"); ops, bytes, peak live bytes."""
+    "loss chunks"); ops, bytes, peak live bytes. With trl installed, the same eager and default figures beside TRL's
+    fused LM head (`trl` column) at each shape, one study per entry of TRL_STUDIES; without it, the log says so."""
     from ..cards import card_named
     from ..configs import CONFIGS
     from ..floors import floor_peak
 
     kind = card_named("npu-linear-cross-entropy").region
+    trl_absent = trl_head.trl_absent()
+    if trl_absent:
+        log(f"  TRL's fused LM head: not counted ({trl_absent})")
     rows = []
     for key, vocab in MODELS.items():
         name = CONFIGS[key].name
@@ -184,6 +234,14 @@ def region_rows(specs: list, quick: bool) -> list[Row]:
                         Row("counted", name, kind, "fwd+bwd", batch, seq, eager=eager[unit], kernelized=fused[unit],
                             floor=floors[unit], unit=unit, study="layer" if fused is default else CHUNK_STUDY,
                             kind=kind, model=name, path=str(fused["chunk"]))
+                    )  # fmt: skip
+            for study, outputs in {} if trl_absent else TRL_STUDIES.items():
+                head = measure_trl(key, vocab, outputs, batch, seq)
+                for unit in UNITS:
+                    rows.append(
+                        Row("counted", name, kind, "fwd+bwd", batch, seq, eager=eager[unit], kernelized=default[unit],
+                            floor=floors[unit], trl=head[unit], unit=unit, study=study, kind=kind, model=name,
+                            path=str(default["chunk"]))
                     )  # fmt: skip
             log(f"  counted {name} lm_head + loss, batch {batch}, seq {seq}")
     return rows
@@ -228,4 +286,49 @@ def study_table(rows: list[Row]) -> list[str]:
     return ["", title, "", *table(header, body)]
 
 
-STUDY_TABLE = study_table
+def trl_table(rows: list[Row]) -> list[str]:
+    """The loss region per model and shape, forward+backward: transformers' eager loss, the card's loss and TRL's
+    fused LM head (each of TRL_STUDIES): ops, bytes, saved and peak live bytes; or why TRL's head was not counted."""
+    from ..report import human_bytes, number, table
+
+    chosen = [r for r in rows if r.study in TRL_STUDIES and r.unit in UNITS]
+    if not chosen:
+        absent = trl_head.trl_absent()
+        loss_rows = any(r.study == "layer" and r.kind == _kind() for r in rows)
+        return ["", f"TRL's fused LM head: not counted here ({absent})."] if absent and loss_rows else []
+    body = []
+    for model, batch, seq, study in dict.fromkeys((r.model, r.batch, r.seq, r.study) for r in chosen):
+        by_unit = {r.unit: r for r in chosen if (r.model, r.batch, r.seq, r.study) == (model, batch, seq, study)}
+        cells = [model, f"{batch} x {seq}", TRL_COMPUTES[study]]
+        for unit, r in ((unit, by_unit[unit]) for unit in UNITS):
+            figures = (r.eager, r.kernelized, r.trl)
+            cells.append(" / ".join(number(v, "ops") if unit == "ops" else human_bytes(v) for v in figures))
+        cells.append(f"{by_unit['bytes'].trl / by_unit['bytes'].kernelized:.1f}")
+        body.append(cells)
+    header = ["model", "batch x seq", "TRL's head computes", "ops eager / card / TRL", "bytes eager / card / TRL"]
+    header += ["saved eager / card / TRL", "peak live eager / card / TRL", "TRL bytes / card bytes"]
+    title = (
+        f"Counted, the lm_head + loss region under TRL (trl {trl_head.trl_version()}), forward+backward, bfloat16: "
+        "transformers' eager loss (the logits, then ForCausalLMLoss), the card's (npu-linear-cross-entropy), and TRL's "
+        "fused LM head, which TRL's trainers set as the model's forward (`add_fused_lm_head`): under TRL it is the "
+        "head that runs, and the card does not (`kept_forwards` names it). On the npu TRL's head runs its torch "
+        "fallback (its Triton fold is for cuda and xpu only) and computes more than the loss: per-token "
+        "log-probabilities and, as SFTTrainer sets it, the entropy and whether each label is the top-1 token. No "
+        "public hook gives TRL's head another implementation (docs/models.md, section TRL's LM head on the npu):"
+    )
+    return ["", title, "", *table(header, body)]
+
+
+def _kind() -> str:
+    """The card's region kind."""
+    from ..cards import card_named
+
+    return card_named("npu-linear-cross-entropy").region
+
+
+def study_tables(rows: list[Row]) -> list[str]:
+    """The card's tables in the report: the chunk trade (`study_table`), then TRL's head beside it (`trl_table`)."""
+    return study_table(rows) + trl_table(rows)
+
+
+STUDY_TABLE = study_tables
