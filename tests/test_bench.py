@@ -437,7 +437,7 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     with (out / "bench.csv").open() as f:
         table = list(csv.DictReader(f))
     assert list(table[0]) == CSV_COLUMNS
-    assert {r["mode"] for r in table} == {"counted", "timed", "parity"}
+    assert {r["mode"] for r in table} == {"counted", "timed", "parity", "estimated"}
     emulated = [r for r in table if r["note"] == EMULATED]
     assert {r["op"] for r in emulated} >= {"decoder layer", "RMSNorm", "training step (AdamW)"}
     assert not any("packed" in r["op"] for r in table)  # the default path only
@@ -455,7 +455,8 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     summary = (out / "summary.md").read_text()
     assert readme.read_text() == f"# x\n{report.README_BEGIN}\n{summary}{report.README_END}\nend\n"
     assert EMULATED not in summary.replace("emulated ones are only in bench.csv", "")
-    for target in ("kernelize of 32 layers", "per-call overhead", "torch-universal fallback", "RMSNorm: kernelized"):
+    targets_shown = ("kernelize of 32 layers", "per-call overhead", "host cost of a call", "torch-universal fallback")
+    for target in (*targets_shown, "RMSNorm: kernelized"):
         assert target in summary
     assert "Llama-3-8B decoder layer with npu-add-rms-norm: kernelized bytes <= 0.97 x floor without it" in summary
     assert "counted Llama-3-8B without npu-add-rms-norm, batch 1, seq 512" in done.stdout

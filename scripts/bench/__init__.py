@@ -19,8 +19,9 @@ Gradients are taken with `torch.autograd.grad` (w.r.t. the inputs and parameters
 "eager"); the experts sweep also shows transformers' default, grouped_mm.
 
 Timed (mode "timed", medians of repeats after warm-up), host side on this machine: kernelize of a
-32-layer model, per-call overhead of a kernelized module over its card function, cold (fresh process)
-and warm get_kernel of every card from an offline Hub cache, the torch-universal fallback against
+32-layer model, per-call overhead of a kernelized module over its card function, the host cost of each card's call at
+decode size against a bare module call issuing the same ops (ops stubbed, interleaved; held to 2 x), cold (fresh
+process) and warm get_kernel of every card from an offline Hub cache, the torch-universal fallback against
 eager on CPU tensors. Device side, on an Ascend host: per region and per decoder layer, eager against
 kernelized, forward and forward+backward, synchronised, peak memory, and a short training loop. Off an
 Ascend host the device part runs only with `--device-timing on`, on the emulation at small shapes,
@@ -38,7 +39,8 @@ knows about that card: its floor, targets, accounting rules, direct call and stu
 docstring), `configs` (the models and shapes), `regions` (a decoder layer's fused regions and how they are
 run), `floors` (the floor of a region and of the layer), `targets`, `accounting` (ops and bytes on fake
 tensors), `memory` (saved and peak bytes on fake tensors), `counted`, `timed`, `peer` (LLaMA-Factory's
-kernels), `rows` (a measurement, bench.csv), `report` (summary, README section, card sections), `chart`
-(bench.png), `__main__` (the command). The modules other than the specs name no card and no region: they
+kernels), `trl_head` (TRL's fused LM head, set on a model as TRL sets it, for the loss spec to count), `rows` (a
+measurement, bench.csv), `report` (summary, README section, card sections), `chart` (bench.png), `__main__` (the
+command). The modules other than the specs name no card and no region: they
 iterate over `npu_hub_kernels.CARDS` and the specs.
 """

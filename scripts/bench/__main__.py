@@ -40,8 +40,17 @@ from .counted import before_card_rows, counted_rows, experts_sweep_rows
 from .peer import load_peer, parity_rows
 from .report import card_summary, summary, update_readme
 from .rows import Row, log, write_csv
+from .step import STEP_MODELS, step_rows, write_step_chart
 from .targets import LAYER_TARGET_SHAPE
-from .timed import device_rows, fallback_rows, get_kernel_rows, kernelize_rows, overhead_rows, training_rows
+from .timed import (
+    device_rows,
+    fallback_rows,
+    get_kernel_rows,
+    host_cost_rows,
+    kernelize_rows,
+    overhead_rows,
+    training_rows,
+)
 
 QUICK_PARITY = ("llama", "qwen3_moe", "gemma3_text")
 """--quick: the peer parity check on these tiny families only."""
@@ -122,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows += region_rows(specs, quick)
                 for card, target in with_piece("BEFORE_CARD_TARGET"):
                     rows += before_card_rows(card, target, specs, QUICK_SHAPES[0] if quick else LAYER_TARGET_SHAPE)
+                steps = tuple(k for k in STEP_MODELS if k not in CONFIGS or CONFIGS[k] in specs)
+                rows += step_rows(peer, quick, args.build, steps)
                 if peer is not None:
                     rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)
             else:
@@ -130,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             log("timed: host side")
             rows += kernelize_rows(5 if quick else 21)
             rows += overhead_rows("cpu" if emulated else "npu", 5 if quick else 15, 200 if quick else 2000)
+            rows += host_cost_rows("npu", 5 if quick else 15, 200 if quick else 2000)
             rows += get_kernel_rows(args.build, resolve_org(args.org), 1 if quick else 3, 3 if quick else 10, emulated)
             rows += fallback_rows(args.build, 3 if quick else 9, quick)
             if args.device_timing == "on" or (args.device_timing == "auto" and not emulated):
@@ -149,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     counted = args.only in (None, "counted") and emulated
     text = summary(rows, machine, versions, where, peer.name if peer else None, peer_absent if counted else "")
     (args.out / "summary.md").write_text(text)
-    problem = write_chart(rows, args.out / "bench.png", machine)
+    problem = write_chart(rows, args.out / "bench.png", machine) or write_step_chart(rows, args.out / "step.png")
     if args.readme:
         update_readme(args.readme, text)
     for card in CARDS.values() if args.cards_dir else ():
         (args.cards_dir / card.repo_name / "benchmark.md").write_text(card_summary(card.repo_name, rows))
-    log(problem or f"wrote {args.out}: bench.csv ({len(rows)} rows), bench.png, summary.md")
+    log(problem or f"wrote {args.out}: bench.csv ({len(rows)} rows), bench.png, step.png, summary.md")
     print(text)
     return 0
 

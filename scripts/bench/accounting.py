@@ -101,11 +101,17 @@ def _sum_bytes(value: Any) -> int:
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One device operation: its name and the bytes it read and wrote."""
+    """One device operation: its name, the bytes it read and wrote, its matmul FLOPs and the elements it wrote.
+
+    flops: the multiply-adds of a matrix product, counted 2 per multiply-add (`matmul_flops`; fused ops: their
+    `FusedOp.flops`); 0 for every other op. elements: the elements of the tensors it wrote (the vector work of an
+    elementwise op, one per element)."""
 
     name: str
     reads: int
     writes: int
+    flops: int = 0
+    elements: int = 0
 
 
 @dataclass
@@ -116,8 +122,8 @@ class Tally:
     memory: Memory | None = None
     """The block's memory, when measured (`memory.tracking_memory`, forward+backward runs of the counted bench)."""
 
-    def add(self, name: str, reads: int, writes: int) -> None:
-        self.records.append(OpRecord(name, reads, writes))
+    def add(self, name: str, reads: int, writes: int, flops: int = 0, elements: int = 0) -> None:
+        self.records.append(OpRecord(name, reads, writes, flops, elements))
 
     @property
     def ops(self) -> int:
@@ -126,6 +132,10 @@ class Tally:
     @property
     def bytes(self) -> int:
         return sum(r.reads + r.writes for r in self.records)
+
+    @property
+    def flops(self) -> int:
+        return sum(r.flops for r in self.records)
 
     def by_op(self) -> Counter[str]:
         """Op name -> how many times it ran."""
@@ -164,6 +174,42 @@ def _aten_bytes(func, args: tuple, kwargs: dict, out: Any) -> tuple[int, int] | 
     reads = _sum_bytes([v for k, v in named.items() if k not in overwritten])
     writes = _sum_bytes([named[k] for k in written]) + _sum_bytes(fresh)
     return reads, writes
+
+
+_MATMULS = {
+    "mm": ("self", "mat2"),
+    "addmm": ("mat1", "mat2"),
+    "addmm_": ("mat1", "mat2"),
+    "bmm": ("self", "mat2"),
+    "baddbmm": ("batch1", "batch2"),
+    "baddbmm_": ("batch1", "batch2"),
+    "addbmm": ("batch1", "batch2"),
+    "addbmm_": ("batch1", "batch2"),
+}
+"""The aten matrix products (what composite ops such as linear and matmul decompose into), every overload (in place,
+out=), by name -> their two operands."""
+
+
+def matmul_flops(func, args: tuple, kwargs: dict) -> int:
+    """2 x the multiply-adds of an aten matrix product ([.., M, K] @ [.., K, N]: 2 * batch * M * K * N; the bias or
+    accumulator add of addmm and baddbmm not counted); 0 for any other op."""
+    operands = _MATMULS.get(func.overloadpacket.__name__) if func.namespace == "aten" else None
+    if operands is None:
+        return 0
+    named = {arg.name: value for arg, value in zip(func._schema.arguments, args, strict=False)} | kwargs
+    a, b = (named[name] for name in operands)
+    return 2 * math.prod(a.shape) * b.shape[-1]
+
+
+def _written_elements(func, args: tuple, kwargs: dict, out: Any) -> int:
+    """The elements of the tensors an aten op writes: its fresh outputs and the arguments it writes in place."""
+    named = {arg.name: value for arg, value in zip(func._schema.arguments, args, strict=False)} | kwargs
+    writable = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    written = [named[name] for name in writable if name in named]
+    returns = func._schema.returns
+    outs = out if len(returns) > 1 else (out,)
+    fresh = [t for r, o in zip(returns, outs, strict=False) if r.alias_info is None for t in _tensors(o)]
+    return sum(t.numel() for t in _tensors(written) + fresh)
 
 
 class BalancedRouting:
@@ -224,7 +270,8 @@ class _Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         counted = _aten_bytes(func, args, kwargs, out)
         if counted is not None:
-            self.tally.add(str(func.overloadpacket.__name__), *counted)
+            flops, elements = matmul_flops(func, args, kwargs), _written_elements(func, args, kwargs, out)
+            self.tally.add(str(func.overloadpacket.__name__), *counted, flops, elements)
         return out
 
 
@@ -249,6 +296,8 @@ class FusedOp:
     float32_grads: the arguments (of `grads_for`) whose gradient the backward kernel writes in float32 whatever
         their dtype (npu_rms_norm's dgamma). Autograd casts such a gradient to its argument's dtype, one op of its
         own, which the count records as it records any op autograd runs.
+    flops, backward_flops: the matrix-product FLOPs of the op and of its backward kernel (2 per multiply-add), from
+        the bound arguments and the outputs; None: 0 (an op with no matrix product).
     """
 
     outputs: Callable[[dict[str, Any]], Any]
@@ -256,6 +305,8 @@ class FusedOp:
     backward_reads: Callable[[dict[str, Any], Any], list] = lambda args, out: []
     keeps: Callable[[dict[str, Any], Any], list] | None = None
     float32_grads: tuple[str, ...] = ()
+    flops: Callable[[dict[str, Any], Any], int] | None = None
+    backward_flops: Callable[[dict[str, Any], Any], int] | None = None
 
     def kept(self, args: dict[str, Any], out: Any) -> list[torch.Tensor]:
         """The tensors the op's autograd node keeps for backward."""
@@ -271,8 +322,36 @@ def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     """The signature of F.scaled_dot_product_attention (a builtin, which inspect cannot read)."""
 
 
+def attention_pairs(q_len: int, k_len: int, causal: bool) -> int:
+    """The (query, key) pairs attention computes per batch and head: all of them, or with `is_causal` those of
+    torch's causal mask (lower triangle aligned at the top left: query i sees keys 0..i)."""
+    if not causal:
+        return q_len * k_len
+    if q_len <= k_len:
+        return q_len * (q_len + 1) // 2
+    return k_len * (k_len + 1) // 2 + (q_len - k_len) * k_len
+
+
+def _sdpa_flops(a: dict[str, Any], backward: bool) -> int:
+    """Flash attention's matrix products over the pairs it computes (`attention_pairs`), per batch and query head:
+    forward S = QK^T and O = PV (2 D_qk + 2 D_v per pair); backward recomputes S, then dV = P^T dO, dP = dO V^T,
+    dQ = dS K and dK = dS^T Q (6 D_qk + 4 D_v per pair)."""
+    q, k, v = a["query"], a["key"], a["value"]
+    causal = bool(a["is_causal"]) and a["attn_mask"] is None
+    heads = math.prod(q.shape[:-2])
+    pairs = attention_pairs(q.shape[-2], k.shape[-2], causal)
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    return heads * pairs * ((6 * d_qk + 4 * d_v) if backward else (2 * d_qk + 2 * d_v))
+
+
 SDPA = "scaled_dot_product_attention"
-SDPA_RULE = FusedOp(_sdpa_outputs, ("query", "key", "value"), lambda a, out: [a["query"], a["key"], a["value"], out])
+SDPA_RULE = FusedOp(
+    _sdpa_outputs,
+    ("query", "key", "value"),
+    lambda a, out: [a["query"], a["key"], a["value"], out],
+    flops=lambda a, out: _sdpa_flops(a, False),
+    backward_flops=lambda a, out: _sdpa_flops(a, True),
+)
 """F.scaled_dot_product_attention, which an Ascend device runs as one flash-attention kernel."""
 
 
@@ -311,13 +390,15 @@ def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tall
         bound.apply_defaults()
         arguments = bound.arguments
         outputs = spec.outputs(arguments)
-        tally.add(name, _sum_bytes(arguments), _sum_bytes(outputs))
+        flops = spec.flops(arguments, outputs) if spec.flops else 0
+        tally.add(name, _sum_bytes(arguments), _sum_bytes(outputs), flops, sum(t.numel() for t in _tensors(outputs)))
         names = [n for n in spec.grads_for if isinstance(arguments.get(n), torch.Tensor)]
         inputs = [arguments[n] for n in names]
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             return outputs
         flat, tree = tree_flatten(outputs)
         reads = _sum_bytes(spec.backward_reads(arguments, outputs))
+        backward_flops = spec.backward_flops(arguments, outputs) if spec.backward_flops else 0
         layouts = [
             (t.shape, torch.float32 if n in spec.float32_grads else t.dtype, t.device)
             for n, t in zip(names, inputs, strict=True)
@@ -329,7 +410,11 @@ def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tall
                 for (shape, dtype, device), need in zip(layouts, needed, strict=True)
             ]
             tally.add(
-                f"{name}_backward", _sum_bytes([g for g in grads if g is not None]) + reads, _sum_bytes(input_grads)
+                f"{name}_backward",
+                _sum_bytes([g for g in grads if g is not None]) + reads,
+                _sum_bytes(input_grads),
+                backward_flops,
+                sum(g.numel() for g in input_grads if g is not None),
             )
             return input_grads
 

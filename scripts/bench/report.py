@@ -8,11 +8,12 @@ from pathlib import Path
 
 from npu_hub_kernels.cards import Card
 
-from .cards import NO_CARD, card_named, with_piece
+from .cards import NO_CARD, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
 from .rows import MEMORY_UNITS, Row
-from .targets import evaluate
+from .step import step_section
+from .targets import HOST_COST_STUDY, evaluate
 
 README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 FLOOR_TEXT = (
@@ -251,6 +252,7 @@ def summary(
     lines += ["", *_targets_table(rows, None, {True: "yes", False: "**no**", None: "-"})]
     lines += counted_table(rows)
     lines += memory_table(rows)
+    lines += step_section(rows)
     for card, _ in with_piece("PREFILL_DECODE_TABLE"):
         lines += _prefill_decode_table(card, rows)
     for card, _ in with_piece("EXPERTS_SWEEP"):
@@ -258,13 +260,13 @@ def summary(
     for _, study_table in with_piece("STUDY_TABLE"):
         lines += study_table(rows)
     lines += _parity_table(rows)
-    host = [r for r in rows if r.study in ("kernelize", "call overhead", "get_kernel", "fallback")]
+    host = [r for r in rows if r.study in ("kernelize", "call overhead", HOST_COST_STUDY, "get_kernel", "fallback")]
     if host:
         body = [
             [f"{r.op} ({r.config})", number(r.eager, r.unit), number(r.kernelized, r.unit), r.unit, r.note]
             for r in host
         ]
-        header = ["measurement", "eager or direct", "kernelized", "unit", "note"]
+        header = ["measurement", "eager, direct or bare", "kernelized", "unit", "note"]
         lines += ["", "Timed on this machine, host side:", "", *table(header, body)]
     if real_device:
         body = [
@@ -286,8 +288,9 @@ def summary(
 
 def card_summary(card: str, rows: list[Row]) -> str:
     """A card's share of the summary, for its Hub README: its targets and its region kind's counted figures (with
-    the peer's, when measured)."""
+    the peer's, when measured), then its spec's own tables (STUDY_TABLE), if any."""
     kinds = (card_named(card).region,)
+    study_table = getattr(spec(card_named(card)), "STUDY_TABLE", None)
     peer = any(r.peer is not None for r in rows if r.study == "layer")
     lines = [
         "Counted by npu-hub-kernels' `make bench`: device operations and bytes on fake tensors under the torch_npu "
@@ -299,6 +302,7 @@ def card_summary(card: str, rows: list[Row]) -> str:
         *_targets_table(rows, kinds, {True: "yes", False: "no", None: "not measured"}),
         *counted_table(rows, kinds),
         *memory_table(rows, kinds),
+        *(study_table(rows) if study_table else []),
     ]
     return "\n".join(lines) + "\n"
 

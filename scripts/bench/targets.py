@@ -20,6 +20,12 @@ KERNELIZE_TARGET_MS = 100.0
 OVERHEAD_TARGET_US = 10.0
 FALLBACK_TOLERANCE = 1.05
 """The fallback counts as not slower than eager when its median is within 5% (timing noise) of eager's."""
+HOST_COST_BOUND = 2.0
+"""A card's kernelized module costs the host at most 2 x a bare module call issuing the same ops (`timed.host_cost`)."""
+HOST_COST_SHAPE = (1, 1)
+"""Decode size, where the host bounds a step: batch 1, one token."""
+HOST_COST_STUDY = "host cost"
+"""The study of the timed rows of a card's host cost against a bare module call."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,10 @@ def _host(rows: list[Row]) -> list[Result]:
         text = ", ".join(f"{kind} {us:.2f} us" for kind, us in overheads)
         met = all(us < OVERHEAD_TARGET_US for _, us in overheads)
         out.append(Result("", f"per-call overhead < {OVERHEAD_TARGET_US:g} us", text, met))
+    for r in (r for r in timed if r.study == HOST_COST_STUDY):
+        label = f"{r.kind}: host cost of a call <= {HOST_COST_BOUND:g} x a bare module call (decode, ops stubbed)"
+        measured = f"{r.ratio:.2f} x ({r.kernelized:.1f} vs {r.eager:.1f} us)"
+        out.append(Result(r.kind, label, measured, r.ratio <= HOST_COST_BOUND))
     fallbacks = [(r.kind, r.ratio) for r in timed if r.study == "fallback"]
     if fallbacks:
         text = ", ".join(f"{kind} {ratio:.2f} x eager" for kind, ratio in fallbacks)

@@ -1,4 +1,10 @@
-"""Timed: host-side costs on this machine, and the device (an Ascend host; the emulation with --device-timing on)."""
+"""Timed: host-side costs on this machine, and the device (an Ascend host; the emulation with --device-timing on).
+
+The host cost of a card's call (`host_cost_rows`) is its Python alone: the call's ops are recorded once, then
+replayed as stubs (`OpTape`: each op returns the output it gave when recorded, computing nothing), and the kernelized
+module is timed against a bare module call (`BareCall`: an nn.Module whose forward issues the same op calls, in order,
+and nothing else), interleaved in one run. What the card adds on the host is the ratio of the two.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +15,34 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import MethodType, ModuleType
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from npu_hub_kernels.report import card_package
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm
 
+from .accounting import _aten_bytes, fused_ops
 from .cards import LAYER, kinds, with_piece
 from .configs import CONFIGS, DTYPE, PHASES, ROOT, TINY_SPECS, ModelSpec
+from .device_model import HOST_PER_OP
 from .regions import Region, capture, find_regions, forward_backward, layer_inputs, region_call, set_variant
 from .rows import EMULATED, Row, log
-from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US
+from .targets import (
+    FALLBACK_TOLERANCE,
+    HOST_COST_BOUND,
+    HOST_COST_SHAPE,
+    HOST_COST_STUDY,
+    KERNELIZE_TARGET_MS,
+    OVERHEAD_TARGET_US,
+)
 
 
 def median_time(fn: Callable, repeats: int, number: int = 1, warmup: int = 1, sync: Callable = lambda: None) -> float:
@@ -112,6 +130,224 @@ def overhead_rows(device: str, repeats: int, number: int) -> list[Row]:
             )  # fmt: skip
     kernelize(model, mode=Mode.INFERENCE, device="cpu")
     return rows
+
+
+@dataclass
+class Step:
+    """One op call of a recorded call: the op (an aten overload, or the stand-in of a fused torch_npu op), its
+    arguments and what it returned."""
+
+    op: Callable
+    args: tuple
+    kwargs: dict
+    out: Any
+
+    @property
+    def name(self) -> str:
+        """The op's name: the aten op's ("mm"), or the fused op's ("npu_rms_norm")."""
+        if isinstance(self.op, torch._ops.OpOverload):
+            return self.op.overloadpacket.__name__
+        return getattr(self.op, "__name__", "op")
+
+    @property
+    def launches(self) -> bool:
+        """Whether the op launches a kernel on the device: a fused op, or an aten op that is no view, metadata or
+        allocation (`accounting`; a composite op that reaches the dispatcher whole counts once)."""
+        if not isinstance(self.op, torch._ops.OpOverload):
+            return True
+        return _aten_bytes(self.op, self.args, self.kwargs, self.out) is not None
+
+
+class OpTape(TorchDispatchMode):
+    """Records the op calls of a call, then stands in for them: replayed, each op returns what it returned when
+    recorded and computes nothing, so that timing the call times its Python only.
+
+    Inside `OpTape.stubbing(torch_npu, names)`, the fused ops `names` of the torch_npu module are replaced by stand-ins
+    (recorded as one op each, their insides not run); the aten ops reach the mode. `record()` then the call records
+    it; `replay()` switches to stubs; `rewind()` before each replayed call. A replay that calls another op than the
+    recording did at that point raises: the call's ops must not depend on anything but its inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[Step] = []
+        self.recording = True
+        self.position = 0
+
+    def record(self) -> None:
+        """Forget what was recorded; record the next calls."""
+        self.steps, self.recording, self.position = [], True, 0
+
+    def replay(self) -> None:
+        """Stub the ops from now on, from the first recorded one."""
+        self.recording, self.position = False, 0
+
+    def rewind(self) -> None:
+        """The next op is the first recorded one again (before each replayed call)."""
+        self.position = 0
+
+    def _next(self, op: Callable) -> Any:
+        step = self.steps[self.position]
+        self.position += 1
+        if step.op is not op:
+            raise RuntimeError(f"replayed call ran {op} where the recorded call ran {step.op}")
+        return step.out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.recording:
+            out = func(*args, **kwargs)
+            self.steps.append(Step(func, args, kwargs, out))
+            return out
+        out = self._next(func)
+        # A view returns a new tensor each time (autograd marks it as a view of its base once): a fresh alias.
+        if not func.is_view:
+            return out
+        return tuple(map(_fresh_alias, out)) if isinstance(out, (tuple, list)) else _fresh_alias(out)
+
+    def fused(self, original: Callable) -> Callable:
+        """The stand-in of a fused op: recorded as one op (run whole, not through the mode), replayed as a stub."""
+
+        def op(*args, **kwargs):
+            if not self.recording:
+                return self._next(op)
+            with _disable_current_modes():
+                out = original(*args, **kwargs)
+            self.steps.append(Step(op, args, kwargs, out))
+            return out
+
+        op.__name__ = getattr(original, "__name__", "fused op")
+        return op
+
+    @contextlib.contextmanager
+    def stubbing(self, owner: ModuleType | None, names: Iterable[str]) -> Iterator[OpTape]:
+        """Inside: the fused ops `names` of `owner` (the torch_npu module; None: none) are this tape's stand-ins, and
+        the tape is the active dispatch mode."""
+        originals = {name: getattr(owner, name) for name in names if hasattr(owner, name)} if owner else {}
+        try:
+            for name, original in originals.items():
+                setattr(owner, name, self.fused(original))
+            with self:
+                yield self
+        finally:
+            for name, original in originals.items():
+                setattr(owner, name, original)
+
+
+def _fresh_alias(t: Any) -> Any:
+    """A new tensor object over t's data, without autograd metadata (a replayed view's output); t itself if it is no
+    tensor or an inference tensor."""
+    if not isinstance(t, torch.Tensor) or t.is_inference():  # autograd tracks no view of an inference tensor
+        return t
+    with torch.inference_mode(False):  # a normal tensor's alias: autograd shares its version counter
+        if not hasattr(t, "_cpu"):
+            return t.detach()
+        # an emulated npu tensor: a new wrapper of the same host data
+        alias = torch.Tensor._make_wrapper_subclass(
+            type(t), t.shape, strides=t.stride(), storage_offset=t.storage_offset(), dtype=t.dtype, device=t.device
+        )
+        alias._cpu = t._cpu
+        return alias
+
+
+class BareCall(nn.Module):
+    """A bare module call: an nn.Module whose forward issues the op calls of a recorded call, in order (the same
+    arguments, the same stand-ins), and does nothing else. Timed under the tape's replay, it is the least a module
+    call running those ops costs on the host."""
+
+    def __init__(self, steps: list[Step]) -> None:
+        super().__init__()
+        self.calls = [(step.op, step.args, step.kwargs) for step in steps]
+
+    def forward(self, *inputs: Any) -> Any:
+        out = None
+        for op, args, kwargs in self.calls:
+            out = op(*args, **kwargs)
+        return out
+
+
+def ratio_to_bare(call_s: float, bare_s: float) -> float:
+    """The host cost of a call as a multiple of a bare module call's: call_s / bare_s (both positive)."""
+    if call_s <= 0 or bare_s <= 0:
+        raise ValueError(f"times must be positive, got call {call_s} s and bare {bare_s} s")
+    return call_s / bare_s
+
+
+def host_cost(
+    module: Callable, inputs: tuple, tape: OpTape, repeats: int, number: int, measure: Callable = paired_medians
+) -> tuple[float, float, list[Step]]:
+    """(seconds per call of `module(*inputs)`, of a bare module call with the same ops, the recorded ops): both
+    timed under `tape`'s replay (ops stubbed), interleaved by `measure` (`paired_medians`). Call inside
+    `tape.stubbing(...)`."""
+    tape.record()
+    module(*inputs)
+    steps = list(tape.steps)
+    bare = BareCall(steps)
+    tape.replay()
+    for fn in (module, bare):  # each replays the whole tape: the same ops, in the same order
+        tape.rewind()
+        fn(*inputs)
+        if tape.position != len(steps):
+            raise RuntimeError(f"{fn} ran {tape.position} of the {len(steps)} recorded op calls")
+
+    def call() -> None:
+        tape.rewind()
+        module(*inputs)
+
+    def bare_call() -> None:
+        tape.rewind()
+        bare(*inputs)
+
+    call_s, bare_s = measure(call, bare_call, repeats, number)
+    return call_s, bare_s, steps
+
+
+def host_cost_rows(device: str, repeats: int, number: int, measure: Callable = paired_medians) -> list[Row]:
+    """The host cost of each card's kernelized module at decode size (`HOST_COST_SHAPE`, bfloat16, inference mode),
+    its ops stubbed (`OpTape`), as a ratio to a bare module call issuing the same ops (`BareCall`), timed
+    interleaved in one run: each card with a HOST_TIMING in its spec, on its region of a tiny Llama decoder layer."""
+    from kernels import Mode, kernelize
+
+    batch, seq = HOST_COST_SHAPE
+    model = tiny_causal_lm("llama", num_hidden_layers=1).to(device=device, dtype=DTYPE)
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    layer = model.model.layers[0]
+    rows = []
+    try:
+        with torch.inference_mode():
+            for card, timing in with_piece("HOST_TIMING"):
+                module = timing.region(layer)
+                inputs = tuple(
+                    t.to(DTYPE) if t.is_floating_point() else t for t in timing.inputs(model.config, batch, seq, device)
+                )
+                tape = OpTape()
+                with tape.stubbing(sys.modules.get("torch_npu"), fused_ops()):
+                    call_s, bare_s, steps = host_cost(module, inputs, tape, repeats, number, measure)
+                rows.append(host_cost_row(card.region, call_s, bare_s, steps, device, repeats, number))
+    finally:
+        kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    return rows
+
+
+def host_cost_row(
+    kind: str, call_s: float, bare_s: float, steps: list[Step], device: str, repeats: int, number: int
+) -> Row:
+    """The timed row of a card's host cost: the bare call in the eager column, the kernelized module in the
+    kernelized one (us), held to `HOST_COST_BOUND` x the bare call."""
+    batch, seq = HOST_COST_SHAPE
+    ratio = ratio_to_bare(call_s, bare_s)
+    launches = [step.name for step in steps if step.launches]
+    extra_us = (call_s - bare_s) * 1e6
+    note = (
+        f"{ratio:.2f} x a bare call; op calls stubbed: {len(steps)}, of which {len(launches)} launch kernels "
+        f"({', '.join(launches)}); the card's Python "
+        f"beyond the bare call {extra_us:.1f} us per call ({extra_us / (HOST_PER_OP.value * 1e6):.2f} of one op's "
+        f"modelled host cost); interleaved, median of {repeats} x {number}; tensors on {device}"
+    )
+    return Row(
+        "timed", "tiny, bfloat16, decode", f"{kind}: kernelized module vs a bare call", "host", batch, seq,
+        eager=bare_s * 1e6, kernelized=call_s * 1e6, unit="us", target=f"<= {HOST_COST_BOUND:g} x a bare call",
+        note=note, study=HOST_COST_STUDY, kind=kind,
+    )  # fmt: skip
 
 
 def get_kernel_rows(build: Path, org: str, cold_repeats: int, warm_repeats: int, emulated: bool) -> list[Row]:

@@ -89,6 +89,13 @@ def _grouped_matmul_outputs(a: dict[str, Any]) -> list[torch.Tensor]:
     return [empty_of(x, (x.shape[0], w.shape[2]), dtype)]  # x [M, K], weight [E, K, N] -> [M, N]
 
 
+def _grouped_matmul_flops(a: dict[str, Any], out: Any) -> int:
+    """2 x the multiply-adds: each of the M rows of x [M, K] times its expert's [K, N] (2 M K N); with group_type 2
+    (x [K, M] split along M, weight [M, N]) each of the M columns once (2 K M N)."""
+    (x,), (w,) = a["x"], a["weight"]
+    return 2 * x.shape[0] * x.shape[1] * w.shape[-1]
+
+
 FUSED_OPS = {
     "npu_moe_token_permute": FusedOp(_permute_outputs, ("tokens",), lambda a, out: [out[1]]),
     "npu_moe_token_unpermute": FusedOp(
@@ -96,7 +103,7 @@ FUSED_OPS = {
         ("permuted_tokens", "probs"),
         lambda a, out: [a["permuted_tokens"], a["sorted_indices"], a["probs"]],
     ),
-    "npu_grouped_matmul": FusedOp(_grouped_matmul_outputs),
+    "npu_grouped_matmul": FusedOp(_grouped_matmul_outputs, flops=_grouped_matmul_flops),
 }
 
 HOST_TIMING = None

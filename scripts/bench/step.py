@@ -1,0 +1,615 @@
+"""The counted training step: a whole model's forward, backward and AdamW step, and its estimated time on an Atlas A2.
+
+Per model of `STEP_MODELS` at the bench's full size (batch 8 x sequence 4096; `--quick`: 1 x 512), bfloat16: the
+embedding, every decoder layer, the final norm, the LM head and the loss (transformers' ForCausalLM with labels),
+`loss.backward()`, then `torch.optim.AdamW(foreach=True)` step and `zero_grad()`: device ops, bytes, matmul FLOPs,
+and the memory over the step, eager (transformers), ours (the default path: `kernelize` alone) and the peer
+(LLaMA-Factory's kernels), on fake tensors under the torch_npu emulation (`accounting`, `memory`).
+
+Derived, exactly: an 8B model cannot be materialised here even as fake tensors in reasonable time (the eager experts
+loop of Qwen3-30B-A3B runs hundreds of ops per layer), so the step is measured whole at 2 and 3 decoder layers and
+carried to the model's L layers: figure(L) = figure(2) + (L - 2) x (figure(3) - figure(2)). Ops, bytes, FLOPs and the
+estimated times are sums over ops and every decoder layer runs the same ops, so this is exact; the peak of live bytes
+is exact once the peak falls at the same point of the step for every L (it then grows by the same amount per layer):
+tests/test_bench_step.py checks both against tiny models measured whole at more layers (the peak: exact for a dense
+model, within 0.5% for an MoE one, whose first layers shift it). Memory: the parameters and the
+optimizer state (AdamW's two moments, in the parameters' dtype: torch's default for bfloat16 parameters) exist before
+the step and are added to the peak, stated; the gradients are allocated by the backward and counted in it.
+
+Ops that touch only host tensors (the optimizer's step counters, which torch keeps on the CPU unless `capturable`) are
+not device ops and are left out. `AdamW(foreach=True)`: torch's default on an npu device (a foreach-capable backend);
+each `_foreach_*` op is one op (CANN's aclnnForeach* kernels take the whole list).
+
+The time model (`device_model`, constants cited there) then estimates each figure's time, and `validation_rows`
+checks that model against published step-level gains: same model, same fusion, the batch the source gives or one
+stated as assumed. The decode step (batch 1, one token, forward in inference mode) is where the host, not the device,
+bounds the step (`decode_rows`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import tomllib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .accounting import OpRecord, Tally, count_device_ops, fake_module, fused_ops
+from .configs import CONFIGS, DTYPE, ModelSpec
+from .device_model import CONSTANTS, HOST_PER_OP, device_seconds
+from .memory import tracking_memory
+from .peer import Peer
+from .rows import Row, log
+from .targets import LAYER_TARGET_SHAPE
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """A model of the step: the spec that shapes a decoder layer, its number of layers and its vocabulary."""
+
+    spec: ModelSpec
+    layers: int
+    vocab: int
+
+
+# Llama-2-7B (meta-llama/Llama-2-7b-hf config.json): hidden_size 4096, intermediate_size 11008, 32 heads, 32 key-value
+# heads, 32 layers, vocab_size 32000, rms_norm_eps 1e-05: the model of MindSpeed's published gains.
+LLAMA_2_7B = ModelSpec(
+    "Llama-2-7B",
+    "llama",
+    dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+    ),
+)
+# num_hidden_layers and vocab_size from each model's config.json: Meta-Llama-3-8B 32 and 128256, Qwen3-8B 36 and
+# 151936, Qwen3-30B-A3B 48 and 151936.
+STEP_MODELS: dict[str, StepModel] = {
+    "llama-3-8b": StepModel(CONFIGS["llama-3-8b"], 32, 128_256),
+    "qwen3-8b": StepModel(CONFIGS["qwen3-8b"], 36, 151_936),
+    "qwen3-30b-a3b": StepModel(CONFIGS["qwen3-30b-a3b"], 48, 151_936),
+    "llama-2-7b": StepModel(LLAMA_2_7B, 32, 32_000),
+}
+STEP_SHAPE = LAYER_TARGET_SHAPE
+QUICK_STEP_SHAPE = (1, 512)
+VARIANTS = ("eager", "kernelized", "peer")
+"""eager: transformers; kernelized: the default path (kernelize alone); peer: LLaMA-Factory's NPU kernels."""
+STEP_STUDY, ESTIMATE_STUDY, CATEGORY_STUDY = "step", "step estimate", "step by category"
+VALIDATION_STUDY, DECODE_STUDY = "step model validation", "decode step estimate"
+STEP_KIND = "training step"
+CATEGORIES = ("matmuls", "attention", "embedding", "optimizer", "fused card ops", "other (elementwise, casts, copies)")
+"""What a step's ops are, by op: the first four are what no card touches (the matrix products, flash attention, the
+embedding gather and its backward, the AdamW update); the cards' fused torch_npu ops; everything else (elementwise
+ops, casts, copies: the unfused regions and the glue between them)."""
+_MATMUL_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "_grouped_mm"}
+_MATMUL_OPS |= {"npu_grouped_matmul"}
+_ATTENTION_OPS = {"scaled_dot_product_attention", "scaled_dot_product_attention_backward"}
+_EMBEDDING_OPS = {"embedding", "embedding_dense_backward"}
+
+
+def category(record: OpRecord, optimizer: bool) -> str:
+    """The category (`CATEGORIES`) of one op of a step."""
+    if optimizer:
+        return CATEGORIES[3]
+    if record.name in _MATMUL_OPS:
+        return CATEGORIES[0]
+    if record.name in _ATTENTION_OPS:
+        return CATEGORIES[1]
+    if record.name in _EMBEDDING_OPS:
+        return CATEGORIES[2]
+    fused = {name for name in fused_ops()} | {f"{name}_backward" for name in fused_ops()}
+    return CATEGORIES[4] if record.name in fused else CATEGORIES[5]
+
+
+class _HostOps(TorchDispatchMode):
+    """Inside `count_device_ops`: takes the records of ops whose tensors are all host tensors out of the tally."""
+
+    def __init__(self, tally: Tally) -> None:
+        super().__init__()
+        self.tally = tally
+        self.dropped = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = len(self.tally.records)
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if tensors and all(t.device.type == "cpu" for t in tensors) and len(self.tally.records) > before:
+            self.dropped += len(self.tally.records) - before
+            del self.tally.records[before:]
+        return out
+
+
+@contextlib.contextmanager
+def _device_ops(experts: int | None = None) -> Iterator[Tally]:
+    """`count_device_ops`, without the ops on host tensors only."""
+    with count_device_ops(experts=experts) as tally, _HostOps(tally):
+        yield tally
+
+
+@dataclass
+class Figures:
+    """The counted and estimated figures of one step (or of one layer's share of it): named numbers, additive."""
+
+    values: Counter = field(default_factory=Counter)
+
+    def __getitem__(self, name: str) -> float:
+        return self.values[name]
+
+    def scaled(self, other: Figures, times: int) -> Figures:
+        """self + times x (other - self), figure by figure (the step carried from 1 layer to more)."""
+        names = set(self.values) | set(other.values)
+        return Figures(Counter({n: self.values[n] + times * (other.values[n] - self.values[n]) for n in names}))
+
+
+def figures_of(
+    forward_backward: list[OpRecord], optimizer: list[OpRecord], peak: int, saved: int, base: int
+) -> Figures:
+    """A step's figures from its ops (forward and backward, then the optimizer's) and its memory."""
+    values: Counter = Counter()
+    for records, is_optimizer in ((forward_backward, False), (optimizer, True)):
+        for r in records:
+            seconds = device_seconds([r])
+            kind = category(r, is_optimizer)
+            values["ops"] += 1
+            values["bytes"] += r.reads + r.writes
+            values["flops"] += r.flops
+            values["device s"] += seconds
+            values[f"bytes: {kind}"] += r.reads + r.writes
+            values[f"device s: {kind}"] += seconds
+            values[f"ops: {kind}"] += 1
+    values["host s"] = values["ops"] * HOST_PER_OP.value
+    values["peak bytes"] = base + peak
+    values["saved bytes"] = saved
+    values["state bytes"] = base
+    return Figures(values)
+
+
+def estimated_seconds(f: Figures) -> float:
+    """A step's estimated time: the device's or the host's, whichever is longer (`device_model`)."""
+    return max(f["device s"], f["host s"])
+
+
+def build_step_model(spec: ModelSpec, layers: int, vocab: int) -> nn.Module:
+    """The whole causal LM with `layers` decoder layers on the meta device: bfloat16, sdpa, eager experts loop."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(spec.model_type, **dict(spec.config, num_hidden_layers=layers, vocab_size=vocab))
+    options = {"experts_implementation": "eager"} if spec.experts else {}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPE, **options)
+
+
+def _apply_variant(model: nn.Module, variant: str, peer: Peer | None, build, kernels: tuple[str, ...]):
+    """Give the model a variant's forwards; returns the context that runs it (the peer's patches, or nothing)."""
+    from kernels import Mode, kernelize
+
+    from npu_hub_kernels import apply_npu_kernels
+
+    if variant == "peer":
+        return peer.apply(model).active()
+    if kernels:
+        apply_npu_kernels(model, kernels=list(kernels), mode=Mode.TRAINING, local_dir=build)
+    else:
+        kernelize(model, mode=Mode.TRAINING, device="npu" if variant == "kernelized" else "cpu")
+    return contextlib.nullcontext()
+
+
+def measure_step(
+    spec: ModelSpec,
+    layers: int,
+    vocab: int,
+    batch: int,
+    seq: int,
+    variant: str = "eager",
+    peer: Peer | None = None,
+    build=None,
+    kernels: tuple[str, ...] = (),
+) -> Figures:
+    """One training step of the model with `layers` layers, measured whole on fake tensors: forward with labels,
+    `loss.backward()` (the model's output dropped first, as a trainer does), AdamW(foreach=True) step and zero_grad,
+    its optimizer state made beforehand (a step after the first). `kernels`: only these cards (kernel ids,
+    `apply_npu_kernels`), for the variant "kernelized"."""
+    model = build_step_model(spec, layers, vocab).train()
+    fake_mode = FakeTensorMode()
+    fake_module(model, fake_mode, "npu")
+    running = _apply_variant(model, variant, peer, build, kernels)
+    with fake_mode, running:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
+        for p in params:  # the state of a step after the first: AdamW's moments exist before it
+            p.grad = torch.empty_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if t.device.type != "cpu")
+        base = sum(p.nbytes for p in model.parameters()) + state
+        ids = torch.empty(batch, seq, dtype=torch.long, device="npu")
+        with tracking_memory() as tracker:
+            with _device_ops(spec.experts) as passes:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                del loss
+            with _device_ops() as update:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    memory = tracker.memory
+    return figures_of(passes.records, update.records, memory.peak_bytes, memory.saved_bytes, base)
+
+
+def derived_step(model: StepModel, batch: int, seq: int, variant: str = "eager", **options) -> Figures:
+    """The step of the whole model, derived from the step measured whole at 2 and 3 layers (see the module doc)."""
+    two = measure_step(model.spec, 2, model.vocab, batch, seq, variant, **options)
+    three = measure_step(model.spec, 3, model.vocab, batch, seq, variant, **options)
+    return two.scaled(three, model.layers - 2)
+
+
+UNITS = {"ops": "ops", "bytes": "bytes", "flops": "FLOPs", "peak bytes": "peak bytes", "saved bytes": "saved bytes"}
+DERIVED_NOTE = (
+    "derived: measured whole at 2 and 3 layers on fake tensors, carried to {layers} layers "
+    "(exact for ops, bytes, FLOPs; peak: params + AdamW state {state} + the step's peak of live bytes)"
+)
+
+
+def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tuple(STEP_MODELS)) -> list[Row]:
+    """The counted training step of each model (eager, ours, the peer's), its estimated time and its bytes and time
+    by category; then the time model's validation and the decode-step estimate."""
+    from .report import human_bytes
+
+    batch, seq = QUICK_STEP_SHAPE if quick else STEP_SHAPE
+    rows = []
+    try:
+        for key in keys:
+            started = time.perf_counter()
+            model = STEP_MODELS[key]
+            variants = [v for v in VARIANTS if v != "peer" or peer is not None]
+            steps = {v: derived_step(model, batch, seq, v, peer=peer, build=build) for v in variants}
+            rows += _rows_of(model, batch, seq, steps, human_bytes)
+            seconds = time.perf_counter() - started
+            log(f"  counted training step {model.spec.name}, batch {batch}, seq {seq}: {seconds:.1f} s")
+        rows += validation_rows(build, quick, keys)
+        rows += decode_rows(peer, build, keys)
+    finally:
+        from npu_hub_kernels import register_npu_kernels
+
+        register_npu_kernels(local_dir=build)  # every card again, after the one-card selections of the validation
+    return rows
+
+
+def _rows_of(model: StepModel, batch: int, seq: int, steps: dict[str, Figures], human_bytes: Callable) -> list[Row]:
+    name, peer = model.spec.name, steps.get("peer")
+    note = DERIVED_NOTE.format(layers=model.layers, state=human_bytes(steps["eager"]["state bytes"]))
+    common = dict(batch=batch, seq=seq, model=name, experts=model.spec.experts, kind=STEP_KIND)
+    rows = []
+    for figure, unit in UNITS.items():
+        rows.append(
+            Row(
+                "counted", name, STEP_KIND, "fwd+bwd+AdamW", eager=steps["eager"][figure],
+                kernelized=steps["kernelized"][figure], peer=peer[figure] if peer else None, unit=unit,
+                note=note, study=STEP_STUDY, **common,
+            )
+        )  # fmt: skip
+    rows.append(
+        Row(
+            "estimated", name, "estimated step time (Atlas A2 model)", "fwd+bwd+AdamW",
+            eager=estimated_seconds(steps["eager"]) * 1e3, kernelized=estimated_seconds(steps["kernelized"]) * 1e3,
+            peer=estimated_seconds(peer) * 1e3 if peer else None, unit="ms",
+            note="estimate (not a measurement): scripts/bench/device_model.py; device "
+            + ", ".join(f"{v} {s['device s'] * 1e3:.0f} ms" for v, s in steps.items())
+            + "; host " + ", ".join(f"{v} {s['host s'] * 1e3:.0f} ms" for v, s in steps.items()),
+            study=ESTIMATE_STUDY, **common,
+        )
+    )  # fmt: skip
+    for kind in CATEGORIES:
+        for figure, unit, scale in (("bytes", "bytes", 1), ("device s", "ms", 1e3)):
+            label = f"{figure}: {kind}"
+            rows.append(
+                Row(
+                    "counted" if unit == "bytes" else "estimated", name, kind, "fwd+bwd+AdamW",
+                    eager=steps["eager"][label] * scale, kernelized=steps["kernelized"][label] * scale,
+                    peer=peer[label] * scale if peer else None, unit=unit,
+                    note="share of the step" if unit == "bytes" else "estimate: device time of these ops",
+                    study=CATEGORY_STUDY, path=kind, batch=batch, seq=seq, model=name, experts=model.spec.experts,
+                    kind=STEP_KIND,
+                )
+            )  # fmt: skip
+    return rows
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published step-level figure and how the model predicts it.
+
+    what: "throughput %" (gain of tokens per second), "step time %" (change of the step's time), "memory %"
+    (change of peak memory), "step time ratio" (eager / fused), "peak GB" (peak memory saved, GB).
+    kernels: the cards that make the same fusion (kernel ids); the eager step is the baseline.
+    """
+
+    source: str
+    claim: str
+    model: str
+    kernels: tuple[str, ...]
+    what: str
+    value: float
+    batch: int
+    seq: int
+    assumed: str
+
+
+PUBLISHED_FILE = Path(__file__).with_name("published.toml")
+
+
+def load_published(path: Path = PUBLISHED_FILE) -> tuple[Published, ...]:
+    """The published figures of `path` (scripts/bench/published.toml), in order."""
+    entries = tomllib.loads(path.read_text())["published"]
+    return tuple(Published(**dict(entry, kernels=tuple(entry["kernels"]))) for entry in entries)
+
+
+PUBLISHED: tuple[Published, ...] = load_published()
+
+
+def predict(claim: Published, eager: Figures, fused: Figures) -> float:
+    """The model's prediction of a published figure, from the eager and the fused steps."""
+    te, tf = estimated_seconds(eager), estimated_seconds(fused)
+    if claim.what == "throughput %":
+        return (te / tf - 1) * 100
+    if claim.what == "step time %":
+        return (tf / te - 1) * 100
+    if claim.what == "step time ratio":
+        return te / tf
+    if claim.what == "memory %":
+        return (fused["peak bytes"] / eager["peak bytes"] - 1) * 100
+    if claim.what == "peak GB":
+        return (eager["peak bytes"] - fused["peak bytes"]) / 1e9
+    raise ValueError(f"unknown published figure {claim.what!r}")
+
+
+def error_text(claim: Published, predicted: float) -> str:
+    """The prediction's error: in points for percentages, relative otherwise."""
+    if claim.what.endswith("%"):
+        return f"{predicted - claim.value:+.1f} points"
+    return f"{(predicted / claim.value - 1) * 100:+.0f}%"
+
+
+def validation_rows(build, quick: bool = False, keys: tuple[str, ...] = tuple(STEP_MODELS)) -> list[Row]:
+    """Each published figure of `PUBLISHED` about a model of `keys` beside the model's prediction (the eager column:
+    published; kernelized: predicted), at the source's model and batch (or the stated assumption; `quick`: 1 x 512),
+    from steps derived as `derived_step`."""
+    cache: dict[tuple, Figures] = {}
+
+    def step(key: str, batch: int, seq: int, kernels: tuple[str, ...]) -> Figures:
+        if (key, batch, seq, kernels) not in cache:
+            variant = "kernelized" if kernels else "eager"
+            cache[(key, batch, seq, kernels)] = derived_step(
+                STEP_MODELS[key], batch, seq, variant, build=build, kernels=kernels
+            )
+        return cache[(key, batch, seq, kernels)]
+
+    rows = []
+    for claim in (claim for claim in PUBLISHED if claim.model in keys):
+        batch, seq = (1, 512) if quick else (claim.batch, claim.seq)
+        predicted = predict(claim, step(claim.model, batch, seq, ()), step(claim.model, batch, seq, claim.kernels))
+        rows.append(
+            Row(
+                "estimated", claim.source, claim.claim, "fwd+bwd+AdamW", batch, seq, eager=claim.value,
+                kernelized=predicted, unit=claim.what, target=error_text(claim, predicted),
+                note=f"assumed: {claim.assumed}; fused: {', '.join(claim.kernels)}", study=VALIDATION_STUDY,
+                model=STEP_MODELS[claim.model].spec.name, path=claim.what,
+            )
+        )  # fmt: skip
+    log(f"  step model validation: {len(rows)} published figures")
+    return rows
+
+
+def measure_decode(spec: ModelSpec, layers: int, vocab: int, variant: str, peer: Peer | None) -> Figures:
+    """One decode token of the model (batch 1, sequence 1, no cache), forward in inference mode, measured whole."""
+    from kernels import Mode, kernelize
+
+    model = build_step_model(spec, layers, vocab).eval()
+    fake_mode = FakeTensorMode()
+    fake_module(model, fake_mode, "npu")
+    if variant == "peer":
+        running = peer.apply(model).active()
+    else:
+        kernelize(model, mode=Mode.INFERENCE, device="npu" if variant == "kernelized" else "cpu")
+        running = contextlib.nullcontext()
+    with fake_mode, running, torch.inference_mode(), _device_ops(spec.experts) as tally:
+        ids = torch.empty(1, 1, dtype=torch.long, device="npu")
+        model(input_ids=ids, use_cache=False)
+    return figures_of(tally.records, [], 0, 0, 0)
+
+
+def decode_rows(peer: Peer | None, build, keys: tuple[str, ...] = tuple(STEP_MODELS)) -> list[Row]:
+    """The estimated decode step (one token, batch 1) per model: device and host time; the host bounds it."""
+    rows = []
+    for key in keys:
+        model = STEP_MODELS[key]
+        variants = [v for v in VARIANTS if v != "peer" or peer is not None]
+        steps = {}
+        for v in variants:
+            two = measure_decode(model.spec, 2, model.vocab, v, peer)
+            three = measure_decode(model.spec, 3, model.vocab, v, peer)
+            steps[v] = two.scaled(three, model.layers - 2)
+        peer_step = steps.get("peer")
+        rows.append(
+            Row(
+                "estimated", model.spec.name, "decode step, one token (Atlas A2 model)", "fwd", 1, 1,
+                eager=estimated_seconds(steps["eager"]) * 1e3, kernelized=estimated_seconds(steps["kernelized"]) * 1e3,
+                peer=estimated_seconds(peer_step) * 1e3 if peer_step else None, unit="ms",
+                note="estimate: " + "; ".join(
+                    f"{v} {s['ops']:.0f} ops, device {s['device s'] * 1e3:.2f} ms, host {s['host s'] * 1e3:.2f} ms"
+                    for v, s in steps.items()
+                ),
+                study=DECODE_STUDY, model=model.spec.name, experts=model.spec.experts, kind=STEP_KIND,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def constants_table() -> list[list[str]]:
+    """The time model's constants as table rows: name, value, unit, source."""
+    return [[name, f"{c.value:.4g}", c.unit, c.source] for name, c in CONSTANTS.items()]
+
+
+def _cell(value: float | None, unit: str) -> str:
+    from .report import human_bytes
+
+    if value is None:
+        return "-"
+    if unit in ("bytes", "peak bytes", "saved bytes"):
+        return human_bytes(value)
+    if unit == "FLOPs":
+        return f"{value / 1e15:.2f} PFLOP"
+    if unit == "ms":
+        return f"{value / 1e3:.2f} s" if value >= 1e3 else f"{value:.2f} ms"
+    return f"{value:.0f}"
+
+
+def step_section(rows: list[Row]) -> list[str]:
+    """The summary's training-step section: the counted step per model, its estimated time, the bytes by category,
+    the time model's validation against published figures and the decode-step estimate."""
+    from .report import table
+
+    counted = [r for r in rows if r.study == STEP_STUDY]
+    if not counted:
+        return []
+    peer = any(r.peer is not None for r in counted)
+    variants = ["eager", "ours", *(["peer"] if peer else [])]
+    by = {(r.model, r.unit): r for r in counted}
+    estimates = {r.model: r for r in rows if r.study == ESTIMATE_STUDY}
+    models = list(dict.fromkeys(r.model for r in counted))
+    body = []
+    for model in models:
+        for unit in (*UNITS.values(), "ms"):
+            r = by.get((model, unit)) if unit != "ms" else estimates.get(model)
+            if r is None:
+                continue
+            label = "estimated step time (**estimate**, Atlas A2 model)" if unit == "ms" else unit
+            values = [r.eager, r.kernelized, *([r.peer] if peer else [])]
+            ours = f"{r.kernelized / r.eager:.2f}" if r.eager else "-"
+            body.append([model, label, *(_cell(v, unit) for v in values), ours])
+    first = counted[0]
+    title = (
+        f"Counted training step, batch {first.batch} x sequence {first.seq}, bfloat16: embedding, every decoder layer, "
+        "final norm, LM head and loss, backward, AdamW(foreach) step (ours: the default path, kernelize alone). "
+        "Ops, bytes and FLOPs derived exactly from the model measured whole at 2 and 3 layers "
+        "(`scripts/bench/step.py`); peak memory includes the bfloat16 parameters, AdamW's two moments (bfloat16) "
+        "and the gradients. The "
+        "estimated time is a model, not a measurement ([docs/step-model.md](docs/step-model.md)); it is shown in "
+        "`.cache/bench/step.png`:"
+    )
+    lines = ["", title, "", *table(["model", "figure", *variants, "ours / eager"], body)]
+    lines += _category_table(rows, models)
+    lines += _validation_table(rows)
+    lines += _decode_table(rows, peer)
+    return lines
+
+
+def _category_table(rows: list[Row], models: list[str]) -> list[str]:
+    from .report import table
+
+    chosen = [r for r in rows if r.study == CATEGORY_STUDY and r.unit == "bytes"]
+    if not chosen:
+        return []
+    body = []
+    for model in models:
+        for variant, attr in (("eager", "eager"), ("ours", "kernelized"), ("peer", "peer")):
+            values = {r.path: getattr(r, attr) for r in chosen if r.model == model}
+            if any(v is None for v in values.values()) or not values:
+                continue
+            total = sum(values.values())
+            untouched = sum(values[c] for c in CATEGORIES[:4]) / total
+            body.append([model, variant, *(f"{values[c] / total:.0%}" for c in CATEGORIES), f"**{untouched:.0%}**"])
+    title = (
+        "Where the step's bytes go, by op (counted; share of each step's bytes). The first four are what no card "
+        "touches: the next fusion target is the largest share there, or the 'other' ops the cards leave:"
+    )
+    return ["", title, "", *table(["model", "variant", *CATEGORIES, "no card touches"], body)]
+
+
+def _validation_table(rows: list[Row]) -> list[str]:
+    from .report import table
+
+    chosen = [r for r in rows if r.study == VALIDATION_STUDY]
+    if not chosen:
+        return []
+    body = [
+        [r.config, r.op, r.model, f"{r.batch} x {r.seq}", f"{r.eager:.3g}", f"{r.kernelized:.3g}", r.target, r.note]
+        for r in chosen
+    ]
+    title = (
+        "The time model checked against published step-level figures (same model and fusion; the batch the source "
+        "gives, else the stated assumption); prediction from the model's constants only, nothing fitted to these "
+        "figures. Units: throughput and step time in %, ratio eager / fused, peak memory saved in GB:"
+    )
+    header = ["source", "published claim", "model", "batch x seq", "published", "predicted", "error", "assumptions"]
+    return ["", title, "", *table(header, body)]
+
+
+def _decode_table(rows: list[Row], peer: bool) -> list[str]:
+    from .report import table
+
+    chosen = [r for r in rows if r.study == DECODE_STUDY]
+    if not chosen:
+        return []
+    body = [
+        [r.model, _cell(r.eager, "ms"), _cell(r.kernelized, "ms"), *([_cell(r.peer, "ms")] if peer else []), r.note]
+        for r in chosen
+    ]
+    title = (
+        "Estimated decode step (one token, batch 1, forward in inference mode, no KV cache), **estimate**: the host "
+        f"issues every op at {HOST_PER_OP.value * 1e6:.1f} us (device_model.HOST_PER_OP), so the op count, not the "
+        "bytes, bounds it:"
+    )
+    header = ["model", "eager", "ours", *(["peer"] if peer else []), "ops and where the time goes"]
+    return ["", title, "", *table(header, body)]
+
+
+def write_step_chart(rows: list[Row], path) -> str | None:
+    """step.png: per model, the estimated step time split by category, eager vs ours vs the peer (an estimate)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no step.png: matplotlib is not installed"
+    chosen = [r for r in rows if r.study == CATEGORY_STUDY and r.unit == "ms"]
+    if not chosen:
+        return None
+    models = list(dict.fromkeys(r.model for r in chosen))
+    variants = [("eager", "eager"), ("ours", "kernelized"), ("peer", "peer")]
+    variants = [v for v in variants if all(getattr(r, v[1]) is not None for r in chosen)]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        bottoms = [0.0] * len(variants)
+        for i, kind in enumerate(CATEGORIES):
+            r = next(r for r in chosen if r.model == model and r.path == kind)
+            values = [getattr(r, attr) / 1e3 for _, attr in variants]
+            ax.bar([v for v, _ in variants], values, bottom=bottoms, color=f"C{i}", label=kind)
+            bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+        for x, total in enumerate(bottoms):
+            ax.text(x, total, f"{total:.2f} s", ha="center", va="bottom", fontsize=8)
+        ax.set_title(model, fontsize=10)
+        ax.set_ylabel("estimated device time per step, s (estimate)")
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    first = chosen[0]
+    fig.suptitle(
+        f"Training step, batch {first.batch} x seq {first.seq}: estimated Atlas A2 device time by category "
+        "(an estimate from counted bytes and FLOPs, docs/step-model.md)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None

@@ -1,0 +1,147 @@
+"""The counted training step (scripts/bench/step.py) and the Atlas A2 time model (scripts/bench/device_model.py).
+
+- FLOPs are exact: each matrix product counts 2 x its multiply-adds, flash attention its pairs' products.
+- The step derived from 1 and 2 layers equals the step measured whole at more layers (tiny models, fake tensors):
+  ops, bytes, FLOPs, estimated times and peak memory. That is what lets the bench call the full-size step derived.
+- The time model's constants each name a source; the validation rows cover every published figure.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from bench import device_model, step
+from bench.accounting import OpRecord, attention_pairs, count_device_ops
+from bench.configs import ModelSpec
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_config_values
+
+
+@pytest.fixture(autouse=True)
+def _emulated():
+    emulation.install()
+
+
+def test_matmul_flops_are_two_per_multiply_add():
+    """mm, bmm and a linear's forward and backward: 2 M K N each, summed exactly."""
+    with FakeTensorMode():
+        a = torch.empty(6, 5, device="npu")
+        b = torch.empty(5, 7, device="npu")
+        x = torch.empty(3, 6, 5, device="npu")
+        y = torch.empty(3, 5, 4, device="npu")
+        c = torch.empty(6, 7, device="npu")
+        with count_device_ops() as tally:
+            a @ b
+            torch.bmm(x, y)
+            c.addmm_(a, b)  # in place: an overload of its own
+        assert tally.flops == 2 * (2 * 6 * 5 * 7) + 2 * 3 * 6 * 5 * 4
+        w = torch.empty(7, 5, device="npu", requires_grad=True)
+        h = torch.empty(6, 5, device="npu", requires_grad=True)
+        with count_device_ops() as tally:
+            out = F.linear(h, w)
+            torch.autograd.grad(out, [h, w], torch.empty_like(out))
+        assert tally.flops == 3 * 2 * 6 * 5 * 7  # forward, dX, dW
+        assert sum(r.flops > 0 for r in tally.records) == 3
+
+
+@pytest.mark.parametrize(("q_len", "k_len", "causal"), [(5, 5, True), (3, 7, True), (7, 3, True), (4, 6, False)])
+def test_attention_pairs_match_the_mask(q_len, k_len, causal):
+    """The pairs of torch's causal mask (lower triangle aligned at the top left), counted from the mask itself."""
+    mask = torch.ones(q_len, k_len, dtype=torch.bool)
+    if causal:
+        mask = mask.tril()
+    assert attention_pairs(q_len, k_len, causal) == int(mask.sum())
+
+
+def test_sdpa_flops_forward_and_backward():
+    """Flash attention: 2 Dqk + 2 Dv per pair forward, 6 Dqk + 4 Dv backward, per batch and head."""
+    batch, heads, seq, dim = 2, 3, 5, 4
+    with FakeTensorMode():
+        q, k, v = (torch.empty(batch, heads, seq, dim, device="npu", requires_grad=True) for _ in range(3))
+        with count_device_ops() as tally:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out, [q, k, v], torch.empty_like(out))
+    pairs = batch * heads * seq * (seq + 1) // 2
+    flops = {r.name: r.flops for r in tally.records}
+    assert flops["scaled_dot_product_attention"] == pairs * 4 * dim
+    assert flops["scaled_dot_product_attention_backward"] == pairs * 10 * dim
+
+
+TINY = {
+    "llama": ModelSpec("tiny Llama", "llama", tiny_config_values("llama")),
+    "qwen3_moe": ModelSpec("tiny Qwen3-MoE", "qwen3_moe", tiny_config_values("qwen3_moe"), 4),
+}
+FIGURES = ("ops", "bytes", "flops", "peak bytes", "saved bytes", "state bytes", "host s")
+
+
+@pytest.mark.parametrize("family", TINY)
+def test_step_derived_from_two_layers_equals_the_whole_model(family):
+    """The step of a 5-layer model measured whole equals the step derived from 2 and 3 layers (`derived_step`):
+    exactly for the counts, to rounding for the estimated device time (a float sum); the peak exactly for a dense
+    model, within 0.5% for an MoE one."""
+    spec = TINY[family]
+    vocab = spec.config.get("vocab_size", 128)
+    model = step.StepModel(spec, 5, vocab)
+    measured = step.measure_step(spec, 5, vocab, 2, 16)
+    derived = step.derived_step(model, 2, 16)
+    for figure in FIGURES:
+        if figure == "peak bytes" and spec.experts:
+            assert derived[figure] == pytest.approx(measured[figure], rel=5e-3)
+            continue
+        assert derived[figure] == measured[figure], figure
+    assert derived["device s"] == pytest.approx(measured["device s"], rel=1e-12)
+    for kind in step.CATEGORIES:
+        assert derived[f"bytes: {kind}"] == measured[f"bytes: {kind}"], kind
+
+
+def test_step_counts_the_optimizer_and_leaves_host_ops_out():
+    """AdamW(foreach) ops are counted, on device tensors only: the step counters' host ops are not device ops."""
+    spec = TINY["llama"]
+    figures = step.measure_step(spec, 1, 128, 1, 8)
+    assert figures[f"ops: {step.CATEGORIES[3]}"] > 0
+    params = sum(p.numel() for p in step.build_step_model(spec, 1, 128).parameters()) * 2  # bfloat16
+    assert figures["state bytes"] == 3 * params  # parameters and AdamW's two moments
+
+
+def test_time_model_constants_are_cited():
+    """Every constant names where it comes from: a URL or a DOI."""
+    assert device_model.CONSTANTS
+    for name, constant in device_model.CONSTANTS.items():
+        assert constant.value > 0, name
+        assert constant.source.startswith("https://"), name
+        assert constant.note, name
+
+
+def test_op_time_is_a_roofline():
+    """An op takes the longest of its bytes at HBM bandwidth, its FLOPs at the cube rate, its elements at the vector
+    rate; a step the longer of the device's sum and the host's per-op cost."""
+    bw, cube = device_model.HBM_BANDWIDTH.value, device_model.CUBE_BF16.value
+    memory_bound = OpRecord("add", int(bw), 0, 0, 1)
+    compute_bound = OpRecord("mm", 1, 1, int(2 * cube), 1)
+    assert device_model.op_seconds(memory_bound) == pytest.approx(1.0)
+    assert device_model.op_seconds(compute_bound) == pytest.approx(2.0)
+    tiny = [OpRecord("add", 2, 2, 0, 1)] * 10
+    assert device_model.step_seconds(tiny) == pytest.approx(10 * device_model.HOST_PER_OP.value)
+
+
+def test_every_published_figure_has_a_prediction(monkeypatch):
+    """The validation rows: one per published figure, with the published value, the prediction and its error."""
+    fake = step.Figures()
+    fake.values.update({"device s": 2.0, "host s": 0.1, "peak bytes": 10e9})
+    fused = step.Figures()
+    fused.values.update({"device s": 1.0, "host s": 0.1, "peak bytes": 8e9})
+    monkeypatch.setattr(
+        step, "derived_step", lambda model, batch, seq, variant, **options: fused if options["kernels"] else fake
+    )
+    rows = step.validation_rows(build=None)
+    assert [r.op for r in rows] == [c.claim for c in step.PUBLISHED]
+    for row, claim in zip(rows, step.PUBLISHED, strict=True):
+        assert row.eager == claim.value
+        assert row.kernelized == step.predict(claim, fake, fused)
+        assert row.target == step.error_text(claim, row.kernelized)
+        assert claim.assumed and claim.kernels
+    lines = step._validation_table(rows)
+    assert all(claim.claim in "\n".join(lines) for claim in step.PUBLISHED)
