@@ -64,10 +64,12 @@ def offline_hub(built_cards) -> str:
     return TEST_ORG
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def kernels_mapping_restored():
-    """kernels' process-wide layer mapping as it was before the test: transformers' use_kernels adds its own entries
-    to it (liger-kernels' for "RMSNorm", ...), which a later kernelize in this worker, offline, could not load. The test
+    """Every test sees kernels' process-wide layer mapping as it was before it.
+
+    transformers' use_kernels adds its own entries to it (liger-kernels' for "RMSNorm", ...), which a later kernelize
+    in the same worker, offline, could not load: which test then fails would depend on xdist's scheduling. Each test
     runs on a copy of the mapping (kernels' `use_kernel_mapping`, inheriting), dropped afterwards."""
     from kernels import use_kernel_mapping
 

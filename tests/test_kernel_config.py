@@ -48,8 +48,6 @@ from npu_hub_kernels.report import card_layer_of
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import TINY_WIDTHS, norm_module_count, tiny_causal_lm, token_ids
 
-pytestmark = pytest.mark.usefixtures("kernels_mapping_restored")  # use_kernels adds global entries
-
 LOADING_DOC = Path(__file__).resolve().parent.parent / "docs" / "loading.md"
 SECTION = "## Without this package: transformers' KernelConfig"
 

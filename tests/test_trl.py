@@ -31,8 +31,6 @@ from npu_hub_kernels.report import ROOT_MODULE
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import VOCAB, tiny_causal_lm
 
-pytestmark = pytest.mark.usefixtures("kernels_mapping_restored")  # use_kernels adds global entries
-
 STEPS = 2
 BATCH = 2
 TRL_HEAD = "trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward"
