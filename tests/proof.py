@@ -47,6 +47,13 @@ def _proven(rule: ClassRule, obj: object) -> bool:
     return fingerprints.unproven_reason(card, rule.path, fingerprints.code_of(obj)) is None
 
 
+def comparable_with(reference: ClassRule) -> bool:
+    """Whether a listed class may be checked against the installed code of a reference class (its group's, Llama's):
+    while proving, or where that code is proven. Otherwise the reference changed on this release and the class, whose
+    own code is proven (identical to code proven on another release), has nothing to be compared with."""
+    return proving() or reference in proven_rules([reference])
+
+
 def reference_holds(rule: ClassRule | None, check: Callable[[], None]) -> bool:
     """Whether the reference class a card reproduces (Llama's decoder layer, a loss layer's group) still computes what
     the card does on this release: `check()` (a numeric comparison) passes. A reference whose code is not proven here
