@@ -441,7 +441,7 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     emulated = [r for r in table if r["note"] == EMULATED]
     assert {r["op"] for r in emulated} >= {"decoder layer", "RMSNorm", "training step (AdamW)"}
     assert not any("packed" in r["op"] for r in table)  # the default path only
-    outside_layers = {card.region for card, _ in cards.with_piece("REGION_ROWS")}  # regions a spec counts itself
+    outside_layers = {card.region for card, _ in cards.with_piece("OUTSIDE_REGION")}  # regions outside the layer
     counted = [r for r in table if r["mode"] == "counted" and r["config"] == "Llama-3-8B"]
     assert {r["kind"] for r in counted} >= outside_layers
     before_card = [r for r in counted if r["study"] == targets.BEFORE_CARD_STUDY]
@@ -531,6 +531,48 @@ card = "npu-rope"
 fine = ("LlamaRMSNorm", "npu-hub-kernels", "RMSNorm by class name")
 '''
     assert sorted(card_literals(planted)) == ["MoE experts (transformers ", "SwiGLU MLP", "npu-rope"]
+
+
+def bench_imports_beyond_contract(source: str) -> list[str]:
+    """What Python source of a spec (a module of the package bench.cards) imports from the bench package beyond
+    `cards.SPEC_IMPORTS`, one "module: name" each (a whole module: "module: *"), relative imports resolved, those
+    inside functions included."""
+    beyond = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            beyond += [f"{alias.name}: *" for alias in node.names if alias.name.split(".")[0] in ("bench", "scripts")]
+        elif isinstance(node, ast.ImportFrom):
+            base = ["bench", "cards"][: max(0, 3 - node.level)] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            if module.split(".")[0] not in ("bench", "scripts"):
+                continue
+            allowed = cards.SPEC_IMPORTS.get(module, frozenset())
+            beyond += [f"{module}: {alias.name}" for alias in node.names if alias.name not in allowed]
+    return beyond
+
+
+def test_specs_import_only_the_contracts_declarations():
+    """A spec declares and the generic modules measure: no spec imports what measures, counts, builds models or
+    renders (no bench module, no function of one), only the declaration types and helpers of `SPEC_IMPORTS`."""
+    found = {
+        card.python_name: bench_imports_beyond_contract(inspect.getsource(module)) for card, module in cards.specs()
+    }
+    assert {name: names for name, names in found.items() if names} == {}
+    planted = """from . import HostTiming, spec
+from .. import memory
+from ..targets import CountedTarget, counted_targets
+from .npu_rope import floor
+import bench.report
+
+
+def rows():
+    from ..counted import build_model
+    from bench.accounting import tensor_bytes
+"""
+    assert bench_imports_beyond_contract(planted) == [
+        "bench.cards: spec", "bench: memory", "bench.targets: counted_targets", "bench.cards.npu_rope: floor",
+        "bench.report: *", "bench.counted: build_model",
+    ]  # fmt: skip
 
 
 def test_a_target_is_held_on_the_models_a_card_swaps_and_names_the_others():

@@ -1,15 +1,18 @@
-"""`make bench`'s rows of TRL's fused LM head (scripts/bench/trl_head.py, counted by npu-linear-cross-entropy's bench
-spec beside transformers' eager loss and the card): TRL offers the npu no fused path at the pinned version, the head
-counted is TRL's own (it computes eager's loss and never calls the card's op, which the card on the same tensors does),
-the rows hold the figures they claim, and without trl the bench says so and counts no such rows."""
+"""`make bench`'s rows of TRL's fused LM head (the extra column npu-linear-cross-entropy's bench spec declares,
+`TRL_HEAD`, counted by scripts/bench/outside.py beside transformers' eager loss and the card): TRL offers the npu no
+fused path at the pinned version, the head counted is TRL's own (it computes eager's loss and never calls the card's
+op, which the card on the same tensors does), the rows hold the figures they claim, and without trl the bench says so
+and counts no such rows."""
 
 from __future__ import annotations
 
 import sys
 
 import torch
-from bench import configs, trl_head
+from bench import configs, outside, report
+from bench.cards import card_named
 from bench.cards import npu_linear_cross_entropy as spec
+from bench.rows import OUTSIDE_STUDY
 from kernels import get_local_kernel
 
 from npu_hub_kernels.testing import emulation
@@ -17,6 +20,8 @@ from npu_hub_kernels.testing.tiny_models import VOCAB, tiny_causal_lm
 
 LOSS_OP = "npu_cross_entropy_loss"
 LLAMA = configs.CONFIGS["llama-3-8b"]
+CARD = card_named("npu-linear-cross-entropy")
+REGION = spec.OUTSIDE_REGION
 
 
 def test_trl_gives_the_npu_its_torch_fallback():
@@ -49,8 +54,8 @@ def test_trls_head_computes_eagers_loss_and_never_calls_the_card(npu_kernels):
 
     eager = loss_and_grad(lambda: card.linear_cross_entropy_eager(hidden, model.lm_head, labels, VOCAB)[0])
     fused = loss_and_grad(lambda: card.linear_cross_entropy(hidden, model.lm_head, labels, VOCAB)[0])
-    trl_head.install_head(model, hidden, trl_head.SFT_OUTPUTS)
-    trl = loss_and_grad(lambda: trl_head.head_loss(model, labels))
+    spec.install_head(model, hidden, spec.SFT_OUTPUTS)
+    trl = loss_and_grad(lambda: spec.head_loss(model, labels))
     assert eager[2] == trl[2] == 0 < fused[2]
     for got in (fused, trl):
         torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-6)
@@ -62,44 +67,44 @@ def test_trls_head_is_counted_as_its_torch_fallback(npu_kernels):
     float32 addmm_, runs no fused op, and computes more than the loss (SFTTrainer's entropy and top-1 cost ops over
     the log-probabilities alone)."""
     vocab = spec.MODELS["llama-3-8b"]
-    sft = spec.measure_trl("llama-3-8b", vocab, trl_head.SFT_OUTPUTS, 1, 512)
-    alone = spec.measure_trl("llama-3-8b", vocab, trl_head.LOSS_ONLY_OUTPUTS, 1, 512)
+    sft, alone = (outside.measure(CARD, REGION, "llama-3-8b", study, 1, 512).tally for study in spec.TRL_STUDIES)
+    assert spec.TRL_STUDIES == {"TRL head": spec.SFT_OUTPUTS, "TRL head, log-probs only": spec.LOSS_ONLY_OUTPUTS}
     tiles = -(-vocab // 32_768)  # one token tile (511 tokens) by the vocabulary's 32,768-word tiles
-    assert sft["by op"]["mm"] == alone["by op"]["mm"] == 2 * tiles  # forward, and the backward's recompute
-    assert sft["by op"]["addmm_"] == 2 * tiles  # dL/dh and dL/dW, per tile
-    assert not any(op.startswith("npu_") for op in sft["by op"])
-    assert sft["ops"] > alone["ops"] > 0 and sft["bytes"] > alone["bytes"] > 0
-    assert 0 < sft["saved bytes"] < sft["peak bytes"]
+    assert sft.by_op()["mm"] == alone.by_op()["mm"] == 2 * tiles  # forward, and the backward's recompute
+    assert sft.by_op()["addmm_"] == 2 * tiles  # dL/dh and dL/dW, per tile
+    assert not any(op.startswith("npu_") for op in sft.by_op())
+    assert sft.ops > alone.ops > 0 and sft.bytes > alone.bytes > 0
+    assert 0 < sft.memory.saved_bytes < sft.memory.peak_bytes
 
 
 def test_trl_rows_stand_beside_eager_and_the_card(npu_kernels):
     """--quick, Llama-3-8B: per study of TRL_STUDIES, one row per unit whose eager and card figures are the loss
-    region's own rows' and whose `trl` figure is TRL's head; the report table shows them."""
-    rows = spec.region_rows([LLAMA], quick=True)
-    layer = {r.unit: r for r in rows if r.study == "layer"}
+    region's own rows' and whose `extra` figure is TRL's head; the report table shows them."""
+    rows = outside.outside_rows(CARD, REGION, [LLAMA], quick=True)
+    layer = {r.unit: r for r in rows if r.study == OUTSIDE_STUDY}
     for study in spec.TRL_STUDIES:
         trl = {r.unit: r for r in rows if r.study == study}
-        assert set(trl) == set(spec.UNITS)
+        assert set(trl) == set(outside.UNITS)
         for unit, r in trl.items():
             assert (r.eager, r.kernelized, r.floor) == (layer[unit].eager, layer[unit].kernelized, layer[unit].floor)
-            assert r.trl is not None and r.trl > 0
-    sft, alone = ({r.unit: r.trl for r in rows if r.study == study} for study in spec.TRL_STUDIES)
+            assert r.extra is not None and r.extra > 0
+    sft, alone = ({r.unit: r.extra for r in rows if r.study == study} for study in spec.TRL_STUDIES)
     assert sft["ops"] > alone["ops"]
-    text = "\n".join(spec.STUDY_TABLE(rows))
-    assert "TRL's head computes" in text and f"trl {trl_head.trl_version()}" in text
+    text = "\n".join(report.outside_tables(CARD, REGION, rows))
+    assert "TRL's head computes" in text and f"trl {spec.trl_version()}" in text
     assert text.count("| Llama-3-8B | 1 x 512 |") == len(spec.TRL_STUDIES)  # after the chunk table, a row per study
 
 
 def test_without_trl_the_bench_says_so_and_counts_no_trl_rows(npu_kernels, monkeypatch, capsys):
     """trl missing: `trl_absent` says so, the loss region's rows are counted without TRL's, the log and the report
     table say why. The control: with trl, `trl_absent` is None."""
-    assert trl_head.trl_absent() is None
+    assert spec.trl_absent() is None
     for name in [name for name in sys.modules if name == "trl" or name.startswith("trl.")]:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "trl", None)
-    reason = trl_head.trl_absent()
+    reason = spec.trl_absent()
     assert reason is not None and reason.startswith("trl is not installed")
-    rows = spec.region_rows([LLAMA], quick=True)
-    assert {r.study for r in rows} == {"layer"} and all(r.trl is None for r in rows)
+    rows = outside.outside_rows(CARD, REGION, [LLAMA], quick=True)
+    assert {r.study for r in rows} == {OUTSIDE_STUDY} and all(r.extra is None for r in rows)
     assert f"TRL's fused LM head: not counted ({reason})" in capsys.readouterr().out
-    assert spec.trl_table(rows) == ["", f"TRL's fused LM head: not counted here ({reason})."]
+    assert report.outside_tables(CARD, REGION, rows)[-2:] == ["", f"TRL's fused LM head: not counted here ({reason})."]

@@ -37,6 +37,7 @@ from .cards import with_piece
 from .chart import write_chart
 from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, TINY_SPECS
 from .counted import before_card_rows, counted_rows, experts_sweep_rows
+from .outside import outside_rows
 from .peer import load_peer, parity_rows
 from .report import card_summary, summary, update_readme
 from .rows import Row, log, write_csv
@@ -127,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows += counted_rows(spec, QUICK_SHAPES if quick else SHAPES, peer)
                 for card, sweep in with_piece("EXPERTS_SWEEP"):
                     rows += experts_sweep_rows(card, sweep.model, sweep.quick if quick else sweep.experts, peer=peer)
-                for _, region_rows in with_piece("REGION_ROWS"):
-                    rows += region_rows(specs, quick)
+                for card, region in with_piece("OUTSIDE_REGION"):
+                    rows += outside_rows(card, region, specs, quick)
                 for card, target in with_piece("BEFORE_CARD_TARGET"):
                     rows += before_card_rows(card, target, specs, QUICK_SHAPES[0] if quick else LAYER_TARGET_SHAPE)
                 steps = tuple(k for k in STEP_MODELS if k not in CONFIGS or CONFIGS[k] in specs)

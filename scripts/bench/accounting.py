@@ -191,8 +191,10 @@ out=), by name -> their two operands."""
 
 
 def matmul_flops(func, args: tuple, kwargs: dict) -> int:
-    """2 x the multiply-adds of an aten matrix product ([.., M, K] @ [.., K, N]: 2 * batch * M * K * N; the bias or
-    accumulator add of addmm and baddbmm not counted); 0 for any other op."""
+    """Return the FLOPs of an aten matrix product, 2 x its multiply-adds, and 0 for any other op.
+
+    A product [.., M, K] @ [.., K, N] counts 2 * batch * M * K * N; the bias or accumulator add of addmm and baddbmm is
+    not counted."""
     operands = _MATMULS.get(func.overloadpacket.__name__) if func.namespace == "aten" else None
     if operands is None:
         return 0
@@ -241,8 +243,10 @@ _BACKEND_KEYS = {"cpu": "CPU", "npu": "PrivateUse1", "meta": "Meta"}
 
 
 def _decomposes(func, args: tuple, kwargs: dict) -> bool:
-    """Whether autograd would decompose `func` before any kernel runs: a CompositeImplicitAutograd op without a
-    kernel of its own for its tensors' devices. Outside inference mode such ops never reach the count whole."""
+    """Return whether autograd would decompose `func` before any kernel runs.
+
+    That is, a CompositeImplicitAutograd op without a kernel of its own for its tensors' devices. Outside inference mode
+    such ops never reach the count whole."""
     name = func.name()
     if func.namespace != "aten":
         return False
@@ -323,8 +327,10 @@ def _sdpa_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 
 def attention_pairs(q_len: int, k_len: int, causal: bool) -> int:
-    """The (query, key) pairs attention computes per batch and head: all of them, or with `is_causal` those of
-    torch's causal mask (lower triangle aligned at the top left: query i sees keys 0..i)."""
+    """Return the (query, key) pairs attention computes per batch and head.
+
+    That is all of them, or with `is_causal` those of torch's causal mask (lower triangle aligned at the top left: query
+    i sees keys 0..i)."""
     if not causal:
         return q_len * k_len
     if q_len <= k_len:
@@ -333,9 +339,11 @@ def attention_pairs(q_len: int, k_len: int, causal: bool) -> int:
 
 
 def _sdpa_flops(a: dict[str, Any], backward: bool) -> int:
-    """Flash attention's matrix products over the pairs it computes (`attention_pairs`), per batch and query head:
-    forward S = QK^T and O = PV (2 D_qk + 2 D_v per pair); backward recomputes S, then dV = P^T dO, dP = dO V^T,
-    dQ = dS K and dK = dS^T Q (6 D_qk + 4 D_v per pair)."""
+    """Return the FLOPs of flash attention's matrix products per batch and query head.
+
+    They are its products over the pairs it computes (`attention_pairs`): forward S = QK^T and O = PV (2 D_qk + 2 D_v
+    per pair); backward recomputes S, then dV = P^T dO, dP = dO V^T, dQ = dS K and dK = dS^T Q (6 D_qk + 4 D_v per
+    pair)."""
     q, k, v = a["query"], a["key"], a["value"]
     causal = bool(a["is_causal"]) and a["attn_mask"] is None
     heads = math.prod(q.shape[:-2])
@@ -357,16 +365,19 @@ SDPA_RULE = FusedOp(
 
 @functools.cache
 def fused_ops() -> dict[str, FusedOp]:
-    """The fused ops `count_device_ops` counts as one op each way, by name: the torch_npu ops of every card's bench
-    spec (`FUSED_OPS` of scripts/bench/cards/<card>.py), and F.sdpa."""
+    """Return the fused ops `count_device_ops` counts as one op each way, by name.
+
+    They are the torch_npu ops of every card's bench spec (`FUSED_OPS` of scripts/bench/cards/<card>.py), and F.sdpa."""
     from .cards import specs
 
     return {name: rule for _, spec in specs() for name, rule in spec.FUSED_OPS.items()} | {SDPA: SDPA_RULE}
 
 
 class _FusedAutograd(torch.autograd.Function):
-    """Connects a fused op's outputs to its differentiable inputs, keeping for backward what the real op keeps
-    (and nothing else, so that `memory` sees what the device would hold); the backward records one op."""
+    """Connects a fused op's outputs to its differentiable inputs; its backward records one op.
+
+    It keeps for backward what the real op keeps (and nothing else, so that `memory` sees what the device would
+    hold)."""
 
     @staticmethod
     def forward(ctx, outputs: tuple, kept: list, on_backward: Callable, *inputs: torch.Tensor):
@@ -382,8 +393,9 @@ class _FusedAutograd(torch.autograd.Function):
 
 
 def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tally) -> Callable:
-    """A stand-in for a fused op: outputs of the right shapes, one recorded op forward and one backward. With
-    autograd recording, it keeps the tensors the real op keeps; its backward holds only their sizes otherwise."""
+    """Stand in for a fused op: outputs of the right shapes, one recorded op forward and one backward.
+
+    With autograd recording, it keeps the tensors the real op keeps; its backward holds only their sizes otherwise."""
 
     def op(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
@@ -473,8 +485,9 @@ def count_device_ops(*, experts: int | None = None) -> Iterator[Tally]:
 
 
 def _register_native_kernels() -> None:
-    """Give the ops of _NATIVE_ON_NPU a kernel on the emulated device (PrivateUse1) while counting. Tensors of
-    the emulation and fake tensors are dispatched in Python before it, so it only keeps autograd from
+    """Give the ops of _NATIVE_ON_NPU a kernel on the emulated device (PrivateUse1) while counting.
+
+    Tensors of the emulation and fake tensors are dispatched in Python before it, so it only keeps autograd from
     decomposing them; it computes on host copies should anything reach it."""
     _native["depth"] += 1
     if _native["library"] is not None:
@@ -500,6 +513,7 @@ def _release_native_kernels() -> None:
 
 def fake_module(module: nn.Module, fake_mode: FakeTensorMode, device: str | torch.device) -> nn.Module:
     """Give a module built on the meta device fake parameters and buffers on `device`, in place.
+
     The fake tensors are made directly (not through `fake_mode.from_tensor`)."""
     device = torch.device(device)
     if device.index is None and device.type != "cpu":

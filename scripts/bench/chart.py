@@ -1,5 +1,7 @@
-"""bench.png: the decoder layer's ops, bytes per region against the floor, the experts sweep, the host-side targets,
-and the decoder layer's memory (saved for backward and peak)."""
+"""Draws bench.png, the bench's chart.
+
+It shows the decoder layer's ops, bytes per region against the floor, the experts sweep, the host-side targets, and the
+decoder layer's memory (saved for backward and peak)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from npu_hub_kernels.cards import Card
 from .cards import LAYER, NO_CARD, ExpertsSweep, kinds, with_piece
 from .configs import CONFIGS
 from .report import human_bytes, largest_shape
-from .rows import MEMORY_UNITS, Row
+from .rows import MEMORY_UNITS, REGION_STUDIES, Row
 from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US, counted_targets
 
 
@@ -60,8 +62,10 @@ def _chart_layer_ops(ax, rows: list[Row]) -> None:
 
 
 def _variant_bars(ax, layers: list[Row], text, scale: float = 1.0) -> None:
-    """One group of bars per model: eager, kernelized, the peer's (when measured) and the floor, each drawn divided
-    by `scale` and labelled by `text` of its value."""
+    """Draw one group of bars per model.
+
+    The bars are eager, kernelized, the peer's (when measured) and the floor, each drawn divided by `scale` and labelled
+    by `text` of its value."""
     series = [
         ("eager transformers", [r.eager for r in layers]),
         ("kernelized (default path: kernelize only)", [r.kernelized for r in layers]),
@@ -92,7 +96,7 @@ def _chart_layer_memory(ax, rows: list[Row], unit: str) -> None:
 
 
 def _chart_bytes(ax, rows: list[Row]) -> None:
-    counted = [r for r in rows if r.study == "layer" and r.unit == "bytes" and r.phase == "fwd+bwd"]
+    counted = [r for r in rows if r.study in REGION_STUDIES and r.unit == "bytes" and r.phase == "fwd+bwd"]
     shown = [k for k in (*kinds(), LAYER) if any(r.kind == k for r in counted)]
     if not shown:
         return _not_run(ax, "Bytes moved / floor")

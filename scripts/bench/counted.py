@@ -45,8 +45,10 @@ from .targets import BEFORE_CARD_STUDY, BeforeCardTarget, counted_target
 
 @dataclass
 class Measured:
-    """Tallies of one region kind (or the layer) per variant (with their memory, forward+backward), and its floor
-    as (ops, bytes) and as memory (forward+backward; `floors`)."""
+    """The counted tallies of one region kind (or the layer) per variant, and its floor.
+
+    The tallies come with their memory (forward+backward), and the floor as (ops, bytes) and as memory
+    (forward+backward; `floors`)."""
 
     eager: Tally
     kernelized: Tally | None  # None: no card fuses this region (yet)
@@ -61,8 +63,10 @@ PEER_LAYER = "model.layers.0."
 
 
 def build_model(spec: ModelSpec, experts: int | None = None) -> nn.Module:
-    """The model with one decoder layer on the meta device: bfloat16, sdpa attention, transformers' eager experts
-    loop (the one an experts card replaces); `experts` overrides the model's number of experts."""
+    """Build the model with one decoder layer on the meta device.
+
+    It has bfloat16, sdpa attention, transformers' eager experts loop (the one an experts card replaces); `experts`
+    overrides the model's number of experts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     overrides = dict(spec.config, num_hidden_layers=1)
@@ -92,8 +96,9 @@ def fresh(value: Any) -> Any:
 
 
 def count_run(fn: Callable, args: tuple, kwargs: dict, params: Iterable, phase: str, experts: int | None) -> Tally:
-    """The device ops of fn on fresh fake inputs with the layouts of args/kwargs, forward or forward+backward; with
-    the backward, also its memory (`memory`, in the tally's `memory`)."""
+    """Count the device ops of fn on fresh fake inputs with the layouts of args/kwargs.
+
+    It counts forward or forward+backward; with the backward, also its memory (`memory`, in the tally's `memory`)."""
     args, kwargs = fresh((args, kwargs))
     memory = tracking_memory() if phase != "fwd" else contextlib.nullcontext()
     with memory as tracker, count_device_ops(experts=experts) as tally:
@@ -103,8 +108,9 @@ def count_run(fn: Callable, args: tuple, kwargs: dict, params: Iterable, phase: 
 
 
 def peer_layer(spec: ModelSpec, fake_mode: FakeTensorMode, peer: Peer, experts: int | None = None):
-    """(decoder layer 0 of a model of its own with the peer's kernels applied, with fake weights on the npu
-    device; the peer's patches)."""
+    """Return decoder layer 0 of a model of its own with the peer's kernels applied, and the peer's patches.
+
+    The layer has fake weights on the npu device."""
     model = build_model(spec, experts)
     patches = peer.apply(model)
     return fake_module(model.model.layers[0], fake_mode, "npu"), patches
@@ -119,9 +125,10 @@ def account(
     kernelized: str = "kernelized",
     phases: tuple[str, ...] = PHASES,
 ) -> dict[tuple[str, str], Measured]:
-    """Tallies per (region kind or "decoder layer", phase): eager, kernelized (the default path, or the variant
-    `kernelized` names: `regions.set_variant`), the peer's (when given) and the floor. On fake tensors of a fresh
-    fake mode; `experts` overrides the model's."""
+    """Count the tallies per (region kind or "decoder layer", phase) of every variant and the floor.
+
+    The variants are eager, kernelized (the default path, or the variant `kernelized` names: `regions.set_variant`), the
+    peer's (when given) and the floor. On fake tensors of a fresh fake mode; `experts` overrides the model's."""
     experts = experts or spec.experts
     fake_mode = FakeTensorMode()
     layer = build_layer(spec, fake_mode, experts)  # eager and kernelized: the same layer, its forwards swapped
@@ -169,9 +176,11 @@ def _count_peer(
 def _combine(
     regions: list[Region], layer: nn.Module, tallies: dict, phase: str, patched: dict[str, bool]
 ) -> dict[tuple[str, str], Measured]:
-    """Sum the regions of each kind; the layer's floor is what runs outside the regions plus each region's floor
-    (the peer plays no part in the floor). Memory, with the backward: a kind keeps the sum of its regions' saved
-    bytes and peaks at the largest of their peaks (they run one after the other); floors as `floors` says."""
+    """Sum the regions of each kind into one tally per kind and one for the layer.
+
+    The layer's floor is what runs outside the regions plus each region's floor (the peer plays no part in the floor).
+    Memory, with the backward: a kind keeps the sum of its regions' saved bytes and peaks at the largest of their peaks
+    (they run one after the other); floors as `floors` says."""
     out = {}
     floors = {r.name: floor_of(r, resolve(layer, r.name), phase) for r in regions}
     with_grad = phase != "fwd"  # memory is measured with the backward only
@@ -219,8 +228,10 @@ def _region_floor_memory(regions: list[Region], layer: nn.Module, tallies: dict)
 
 
 def _layer_floor_memory(regions: list[Region], tallies: dict, region_floors: dict[str, Memory]) -> Memory:
-    """The layer's floor memory: what is kept outside the regions (the least over the variants) plus each region's
-    floor_saved; its peak derived by `floors.floor_peak`."""
+    """Return the layer's floor memory (saved and peak bytes).
+
+    It is what is kept outside the regions (the least over the variants) plus each region's floor_saved; its peak
+    derived by `floors.floor_peak`."""
     names = [LAYER, *(r.name for r in regions)]
     variants = _measured_variants(tallies, names)
     outside = min(layer.saved_bytes - sum(m.saved_bytes for m in inside) for layer, *inside in variants)
@@ -241,15 +252,17 @@ def _sum(tallies: list[Tally | None]) -> Tally | None:
     return Tally([record for t in tallies for record in t.records], _kind_memory([t.memory for t in tallies]))
 
 
-def _value(tally: Tally | None, unit: str) -> int | None:
+def unit_value(tally: Tally | None, unit: str) -> int | None:
+    """A tally's figure in a unit ("ops", "bytes" or one of MEMORY_UNITS); None without the tally or its memory."""
     if tally is None:
         return None
     if unit in MEMORY_UNITS:
-        return _memory_value(tally.memory, unit)
+        return memory_value(tally.memory, unit)
     return tally.ops if unit == "ops" else tally.bytes
 
 
-def _memory_value(memory: Memory | None, unit: str) -> int | None:
+def memory_value(memory: Memory | None, unit: str) -> int | None:
+    """A memory's figure in one of MEMORY_UNITS; None without the memory."""
     if memory is None:
         return None
     return memory.saved_bytes if unit == MEMORY_UNITS[0] else memory.peak_bytes
@@ -265,19 +278,21 @@ PEER_NOT_PATCHED = "peer: not patched (left to transformers)"
 
 
 def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]], peer: Peer | None = None) -> list[Row]:
-    """bench.csv rows of one model: ops and bytes per region kind and per decoder layer, per shape and phase, and
-    forward+backward the memory (saved and peak bytes)."""
+    """Return the bench.csv rows of one model's counted regions and decoder layer.
+
+    They hold ops and bytes per region kind and per decoder layer, per shape and phase, and forward+backward the memory
+    (saved and peak bytes)."""
     rows = []
     for batch, seq in shapes:
         started = time.perf_counter()
         for (kind, phase), m in account(spec, batch, seq, peer=peer).items():
             units = [("ops", m.floor[0]), ("bytes", m.floor[1])]
-            units += [(unit, _memory_value(m.floor_memory, unit)) for unit in MEMORY_UNITS] if m.floor_memory else []
+            units += [(unit, memory_value(m.floor_memory, unit)) for unit in MEMORY_UNITS] if m.floor_memory else []
             for unit, floor in units:
                 row = Row(
                     "counted", spec.name, kind, phase, batch, seq,
-                    eager=_value(m.eager, unit), kernelized=_value(m.kernelized, unit), floor=floor,
-                    peer=_value(m.peer, unit), unit=unit, note=_note(m.kernelized, m.peer_patched),
+                    eager=unit_value(m.eager, unit), kernelized=unit_value(m.kernelized, unit), floor=floor,
+                    peer=unit_value(m.peer, unit), unit=unit, note=_note(m.kernelized, m.peer_patched),
                     study="layer", kind=kind, model=spec.name, experts=spec.experts, peer_patched=m.peer_patched,
                 )  # fmt: skip
                 row.target = counted_target(row)
@@ -289,9 +304,11 @@ def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]], peer: Peer 
 def before_card_rows(
     card: Card, target: BeforeCardTarget, specs: Iterable[ModelSpec], shape: tuple[int, int]
 ) -> list[Row]:
-    """bench.csv rows of the decoder layer without a card that swaps the layer itself (`regions.WITHOUT_LAYER_CARD`),
-    forward+backward, ops and bytes, for the models of `specs` the card's target names: its floor is the one the
-    card's `BeforeCardTarget` holds the default path to."""
+    """Return the bench.csv rows of the decoder layer without a card that swaps the layer itself.
+
+    The layer is counted without that card (`regions.WITHOUT_LAYER_CARD`), forward+backward, ops and bytes, for the
+    models of `specs` the card's target names: its floor is the one the card's `BeforeCardTarget` holds the default path
+    to."""
     rows = []
     batch, seq = shape
     for spec in (spec for spec in specs if spec.name in target.models):
@@ -300,7 +317,7 @@ def before_card_rows(
         for unit, floor in (("ops", m.floor[0]), ("bytes", m.floor[1])):
             row = Row(
                 "counted", spec.name, LAYER, "fwd+bwd", batch, seq,
-                eager=_value(m.eager, unit), kernelized=_value(m.kernelized, unit), floor=floor, unit=unit,
+                eager=unit_value(m.eager, unit), kernelized=unit_value(m.kernelized, unit), floor=floor, unit=unit,
                 note=f"the layer without {card.repo_name}", study=BEFORE_CARD_STUDY, kind=LAYER,
                 variant=f"without {card.repo_name}", model=spec.name, experts=spec.experts,
             )  # fmt: skip
@@ -313,9 +330,11 @@ def before_card_rows(
 def experts_sweep_rows(
     card: Card, model: str, experts_counts: Iterable[int], batch: int = 1, seq: int = 512, peer: Peer | None = None
 ) -> list[Row]:
-    """The experts sweep of a card's region (its spec's EXPERTS_SWEEP): the region of the layer of `model` (a
-    CONFIGS key) with other numbers of experts, transformers' eager loop and its default grouped_mm, against the
-    card, the peer and the floor (ops and bytes, forward and forward+backward)."""
+    """Return the bench.csv rows of the experts sweep of a card's region (its spec's EXPERTS_SWEEP).
+
+    It counts the region of the layer of `model` (a CONFIGS key) with other numbers of experts, transformers' eager loop
+    and its default grouped_mm, against the card, the peer and the floor (ops and bytes, forward and
+    forward+backward)."""
     base = CONFIGS[model]
     rows = []
     for experts in experts_counts:
@@ -347,8 +366,8 @@ def experts_sweep_rows(
                             Row(
                                 "counted", f"{base.name}, {experts} experts",
                                 f"{card.region} (transformers {implementation})", phase, batch, seq,
-                                eager=_value(eager, unit), kernelized=_value(kernelized, unit), floor=floor[index],
-                                peer=_value(peer_run, unit), unit=unit,
+                                eager=unit_value(eager, unit), kernelized=unit_value(kernelized, unit),
+                                floor=floor[index], peer=unit_value(peer_run, unit), unit=unit,
                                 target="independent of #experts" if unit == "ops" else "",
                                 note=_note(kernelized, peer_patched),
                                 study="experts sweep", kind=card.region, path=implementation, model=base.name,

@@ -1,6 +1,7 @@
-"""The floor of a fused region: the region run as the fewest kernels that compute it, each reading its inputs once
-and writing its outputs once. Each card's floor, and why it is what it is, is its spec's `floor`
-(`scripts/bench/cards/<card>.py`).
+"""The floor of a fused region, and of the decoder layer, in ops, bytes and memory.
+
+A region's floor is the region run as the fewest kernels that compute it, each reading its inputs once and writing its
+outputs once. Each card's floor, and why it is what it is, is its spec's `floor` (`scripts/bench/cards/<card>.py`).
 
 - Decoder layer: what runs outside those regions (projections, attention, residual adds), plus every
   region at its floor. "Outside" is the layer's run minus its regions' runs, the least of the eager and

@@ -134,9 +134,11 @@ def tracking_memory() -> Iterator[MemoryTracker]:
 def measure_memory(
     fn: Callable, args: tuple, kwargs: dict, params: Iterable[torch.Tensor], *, experts: int | None = None
 ) -> Memory:
-    """The memory of fn's forward+backward (the gradients w.r.t. its tensor inputs that require grad and `params`,
-    as the counted bench takes them), its fused ops as stand-ins; `experts`: balanced MoE routing on fake tensors
-    (`count_device_ops`). Call it inside the FakeTensorMode of fn's tensors."""
+    """Measure the memory (saved and peak bytes) of fn's forward+backward on fake tensors.
+
+    The backward takes the gradients w.r.t. fn's tensor inputs that require grad and `params`, as the counted bench
+    takes them; its fused ops as stand-ins; `experts`: balanced MoE routing on fake tensors (`count_device_ops`). Call
+    it inside the FakeTensorMode of fn's tensors."""
     with tracking_memory() as tracker, count_device_ops(experts=experts):
         forward_backward(fn, args, kwargs, params, "fwd+bwd", torch.empty_like)
     return tracker.memory

@@ -1,5 +1,6 @@
-"""The peer column: LLaMA-Factory's in-tree NPU kernels, counted on the same layers as eager and kernelized, and
-checked against eager on the tiny model families.
+"""The peer column: LLaMA-Factory's in-tree NPU kernels, counted and checked against eager.
+
+They are counted on the same layers as eager and kernelized, and checked against eager on the tiny model families.
 
 LLaMA-Factory (`llamafactory.v1.plugins.model_plugins.kernels`, entry point
 `interface.apply_default_kernels(model, "auto")`) registers four kernels, and only when the current
@@ -52,8 +53,9 @@ OUTCOMES = ("matches", "differs", "patched, never called", "not patched", "raise
 
 @dataclass
 class Patches:
-    """What the peer did to one model: the module globals it replaced (put back already) and the modules it
-    gave a forward of its own."""
+    """What the peer did to one model.
+
+    It records the module globals it replaced (put back already) and the modules it gave a forward of its own."""
 
     globals: dict[tuple[ModuleType, str], tuple[Any, Any]] = field(default_factory=dict)
     """(module, name) -> (the original value, the peer's)."""
@@ -72,8 +74,9 @@ class Patches:
                 setattr(module, name, original)
 
     def region(self, layer: nn.Module, region: Region, prefix: str = "") -> tuple[Callable, Iterable, bool]:
-        """(what the peer runs for a region of `layer`, its parameters, whether the peer patched it). A module
-        runs its own forward (the peer's, if it bound one); a function-module (the rotary function) is replaced
+        """Return what the peer runs for a region of `layer`, its parameters, and whether the peer patched it.
+
+        A module runs its own forward (the peer's, if it bound one); a function-module (the rotary function) is replaced
         by the peer's module global where the peer replaced it. `prefix`: the layer's name in the model."""
         module = resolve(layer, region.name)
         if region.layer_region is not None:  # inside a swapped decoder layer: the peer runs its anchor's own forward
@@ -103,8 +106,10 @@ class Peer:
         return list(self.interface.get_default_kernels())
 
     def apply(self, model: nn.Module, kernel: str | None = None) -> Patches:
-        """Apply the peer's default kernels (`apply_default_kernels(model, "auto")`), or one of them, to `model`
-        as LLaMA-Factory does; return what it patched, with the module globals already put back.
+        """Apply the peer's default kernels, or one of them, to `model`; return what it patched.
+
+        The kernels are applied as LLaMA-Factory does (`apply_default_kernels(model, "auto")`), and the module globals
+        are already put back in what is returned.
 
         A model built from a config has no `config.architectures`, which LLaMA-Factory's MoE kernel reads; it
         is set to the model's class, as the checkpoint's config.json gives it when loaded from the Hub."""
@@ -159,9 +164,11 @@ def kernel_of(kind: str) -> str:
 
 
 def parity_rows(peer: Peer, families: Iterable[str] = TINY_CONFIGS) -> list[Row]:
-    """Each peer kernel alone on each tiny model family (float32, on the npu device, eval): does the model's
-    output match eager's? One row per (family, kernel): the largest |logits - eager| and the outcome (`OUTCOMES`):
-    matches or differs, patched but never called, not patched (nothing it recognises), or raises."""
+    """Check each peer kernel alone on each tiny model family against eager.
+
+    Each runs in float32, on the npu device, in eval: does the model's output match eager's? One row per (family,
+    kernel): the largest |logits - eager| and the outcome (`OUTCOMES`): matches or differs, patched but never called,
+    not patched (nothing it recognises), or raises."""
     ids = token_ids(seq=9)
     rows = []
     for family in families:

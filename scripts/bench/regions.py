@@ -35,9 +35,11 @@ and the decoder layer class's own forward (what the default path was before such
 
 
 def set_variant(layer: nn.Module, variant: str) -> None:
-    """Give the layer the forwards of a variant: the classes' own ("eager"), the cards' layers for npu
-    ("kernelized": kernelize only, the default path), or those but the layer's own (`WITHOUT_LAYER_CARD`). Called
-    before every run: the rotary function-modules are shared by the process."""
+    """Give the layer the forwards of a variant.
+
+    The forwards are the classes' own ("eager"), the cards' layers for npu ("kernelized": kernelize only, the default
+    path), or those but the layer's own (`WITHOUT_LAYER_CARD`). Called before every run: the rotary function-modules are
+    shared by the process."""
     from kernels import Mode, kernelize
 
     kernelize(layer, mode=Mode.TRAINING, device="cpu" if variant == "eager" else "npu")
@@ -46,9 +48,11 @@ def set_variant(layer: nn.Module, variant: str) -> None:
 
 
 def find_regions(layer: nn.Module, variant: str = "kernelized") -> list[Region]:
-    """The layer's fused regions in a kernelized variant: what the cards swap in, plus the modules no card swaps
-    that a card's spec recognises as its region (`is_region`). A card that swaps the layer itself brings the
-    region its spec's `layer_region` names, in place of any other at its anchor."""
+    """Find the layer's fused regions in a kernelized variant.
+
+    They are what the cards swap in, plus the modules no card swaps that a card's spec recognises as its region
+    (`is_region`). A card that swaps the layer itself brings the region its spec's `layer_region` names, in place of any
+    other at its anchor."""
     from npu_hub_kernels import swapped_modules
 
     set_variant(layer, variant)
@@ -104,8 +108,9 @@ def capture(
 
 
 def region_call(layer: nn.Module, region: Region, variant: str) -> tuple[Callable, Iterable[nn.Parameter]]:
-    """(what runs the region in the layer's variant, the parameters it reads): its module, or, for a region inside a
-    swapped layer, what its `layer_region` runs."""
+    """Return what runs the region in the layer's variant and the parameters it reads.
+
+    What runs it is its module, or, for a region inside a swapped layer, what its `layer_region` runs."""
     module = resolve(layer, region.name)
     if region.layer_region is None:
         return module, module.parameters()
@@ -124,8 +129,10 @@ def _differentiable(t) -> bool:
 
 
 def forward_backward(fn: Callable, args: tuple, kwargs: dict, params: Iterable, phase: str, make_grad) -> None:
-    """Run fn forward in inference mode ("fwd": it stands for inference), or forward and the gradients w.r.t. its
-    tensor inputs and parameters ("fwd+bwd")."""
+    """Run fn forward in inference mode, or forward and backward, as `phase` says.
+
+    "fwd" runs it in inference mode (it stands for inference); "fwd+bwd" runs it forward and takes the gradients w.r.t.
+    its tensor inputs and parameters."""
     if phase == "fwd":
         with torch.inference_mode():
             fn(*args, **kwargs)

@@ -1,5 +1,7 @@
-"""The markdown the bench writes: summary.md, the README section between the bench markers, and each card's
-benchmark.md. One table renderer (`table`), and one renderer of the counted table (`counted_table`) for all three.
+"""The markdown the bench writes: summary.md, the README section and each card's benchmark.md.
+
+The README section is the one between the bench markers. One table renderer (`table`), and one renderer of the counted
+table (`counted_table`) for all three.
 """
 
 from __future__ import annotations
@@ -8,12 +10,12 @@ from pathlib import Path
 
 from npu_hub_kernels.cards import Card
 
-from .cards import NO_CARD, card_named, spec, with_piece
+from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
-from .rows import MEMORY_UNITS, Row
+from .rows import CHUNK_STUDY, MEMORY_UNITS, OUTSIDE_STUDY, REGION_STUDIES, Row
 from .step import step_section
-from .targets import HOST_COST_STUDY, evaluate
+from .targets import HOST_COST_STUDY, counted_targets, evaluate
 
 README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 FLOOR_TEXT = (
@@ -53,7 +55,7 @@ def _pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
 
 def _measured(r: Row) -> tuple:
     """What a row measures, whatever its unit."""
-    return r.study, r.model, r.kind, r.phase, r.batch, r.seq, r.path, r.experts
+    return r.study, r.model, r.kind, r.phase, r.batch, r.seq, r.path, r.chunk, r.experts
 
 
 def largest_shape(rows: list[Row]) -> tuple[int, int]:
@@ -76,9 +78,11 @@ def _ratio(value: float | None, floor: float | None) -> str:
 
 
 def counted_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list[str]:
-    """The counted table of the largest shape, forward+backward: per model and region kind (all of them, or
-    `kinds`), ops and bytes eager, kernelized, the peer's (when measured) and at the floor, and bytes / floor."""
-    counted = [r for r in rows if r.study == "layer" and (kinds is None or r.kind in kinds)]
+    """Render the counted table of the largest shape, forward+backward.
+
+    Per model and region kind (all of them, or `kinds`), ops and bytes eager, kernelized, the peer's (when measured) and
+    at the floor, and bytes / floor."""
+    counted = [r for r in rows if r.study in REGION_STUDIES and (kinds is None or r.kind in kinds)]
     if not counted:
         return []
     batch, seq = largest_shape(counted)
@@ -112,9 +116,15 @@ MEMORY_TEXT = (
 
 
 def memory_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list[str]:
-    """The memory table of the largest shape, forward+backward: per model and region kind (all of them, or `kinds`),
-    saved and peak bytes eager, kernelized, the peer's (when measured) and at the floor."""
-    saved = [r for r in rows if r.study == "layer" and r.unit == MEMORY_UNITS[0] and (kinds is None or r.kind in kinds)]
+    """Render the memory table of the largest shape, forward+backward.
+
+    Per model and region kind (all of them, or `kinds`), saved and peak bytes eager, kernelized, the peer's (when
+    measured) and at the floor."""
+    saved = [
+        r
+        for r in rows
+        if r.study in REGION_STUDIES and r.unit == MEMORY_UNITS[0] and (kinds is None or r.kind in kinds)
+    ]
     if not saved:
         return []
     batch, seq = largest_shape(saved)
@@ -141,8 +151,9 @@ def memory_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list[
 
 
 def _prefill_decode_table(card: Card, rows: list[Row]) -> list[str]:
-    """Forward ops and bytes of one call of the card's region, eager and kernelized: prefill (1 x 4096), decode
-    (1 x 1) (a card's spec asks for it: PREFILL_DECODE_TABLE)."""
+    """Render the prefill/decode table: forward ops and bytes of one call of the card's region.
+
+    Eager and kernelized: prefill (1 x 4096), decode (1 x 1) (a card's spec asks for it: PREFILL_DECODE_TABLE)."""
     calls = [
         r for r in rows
         if r.study == "layer" and r.kind == card.region and r.phase == "fwd" and (r.batch, r.seq) in PREFILL_DECODE
@@ -189,6 +200,78 @@ def _sweep_table(card: Card, rows: list[Row]) -> list[str]:
     return ["", title, "", *table([*header, "floor"], body)]
 
 
+def outside_tables(card: Card, region: OutsideRegion, rows: list[Row]) -> list[str]:
+    """Render the tables of a card's region outside the decoder layer.
+
+    For its spec's OUTSIDE_REGION: the chunk trade (`_chunk_table`), then the extra column beside eager and the card
+    (`_extra_table`)."""
+    return _chunk_table(card, region, rows) + _extra_table(card, region, rows)
+
+
+def _chunk_table(card: Card, region: OutsideRegion, rows: list[Row]) -> list[str]:
+    """Render the chunk table: eager against the card at each chunk, per model.
+
+    At the largest shape counted, the card at its default chunk and at each swept chunk: forward+backward ops, bytes and
+    peak live bytes, and whether the card's counted targets are met there."""
+    chosen = [r for r in rows if r.kind == card.region and r.study in (OUTSIDE_STUDY, CHUNK_STUDY)]
+    if not chosen:
+        return []
+    batch, seq = largest_shape(chosen)
+    chosen = [r for r in chosen if (r.batch, r.seq) == (batch, seq)]
+    held = [t for t in counted_targets() if t.kind == card.region and any(t.covers(r) for r in chosen)]
+    body = []
+    for model in dict.fromkeys(r.model for r in chosen):
+        for chunk in sorted({r.chunk for r in chosen if r.model == model}):
+            by_unit = {r.unit: r for r in chosen if (r.model, r.chunk) == (model, chunk)}
+            ops, size, peak = (by_unit[unit] for unit in ("ops", "bytes", MEMORY_UNITS[1]))
+            default = " (default)" if ops.study == OUTSIDE_STUDY else ""
+            met = all(t.met(r) for t in held for r in by_unit.values() if t.covers(r))
+            body.append([
+                model, f"{chunk}{default}", f"{number(ops.eager, 'ops')} / {number(ops.kernelized, 'ops')}",
+                f"{human_bytes(size.eager)} / {human_bytes(size.kernelized)}", f"{size.kernelized / size.eager:.2f}",
+                f"{human_bytes(peak.eager)} / {human_bytes(peak.kernelized)}", f"{peak.kernelized / peak.eager:.3f}",
+                "yes" if met else "no",
+            ])  # fmt: skip
+    met_header = ", ".join(t.text.removeprefix("kernelized ").removesuffix(" (every size)") for t in held)
+    header = ["model", "tokens per chunk", "ops eager / card", "bytes eager / card", "ratio"]
+    header += ["peak live eager / card", "ratio", f"met: {met_header}"]
+    title = (
+        f"Counted, the {card.region} region ({card.repo_name}), forward+backward, batch {batch}, sequence {seq}, "
+        "bfloat16; peak live: the most bytes allocated at once (inputs and weights not counted). "
+        f"{region.chunk_note}:"
+    )
+    return ["", title, "", *table(header, body)]
+
+
+def _extra_table(card: Card, region: OutsideRegion, rows: list[Row]) -> list[str]:
+    """Render the extra-column table: eager, the card and each variant of the region's extra column.
+
+    Per model and shape, forward+backward: ops, bytes, saved and peak live bytes; or why the extra column was not
+    counted."""
+    extra = region.extra
+    if extra is None:
+        return []
+    chosen = [r for r in rows if r.kind == card.region and r.study in extra.studies]
+    if not chosen:
+        absent = extra.absent()
+        counted = any(r.study == OUTSIDE_STUDY and r.kind == card.region for r in rows)
+        return ["", f"{extra.label}: not counted here ({absent})."] if absent and counted else []
+    units = ("ops", "bytes", *MEMORY_UNITS)
+    body = []
+    for model, batch, seq, study in dict.fromkeys((r.model, r.batch, r.seq, r.study) for r in chosen):
+        by_unit = {r.unit: r for r in chosen if (r.model, r.batch, r.seq, r.study) == (model, batch, seq, study)}
+        cells = [model, f"{batch} x {seq}", extra.studies[study]]
+        for unit in units:
+            figures = (by_unit[unit].eager, by_unit[unit].kernelized, by_unit[unit].extra)
+            cells.append(" / ".join(number(v, "ops") if unit == "ops" else human_bytes(v) for v in figures))
+        cells.append(f"{by_unit['bytes'].extra / by_unit['bytes'].kernelized:.1f}")
+        body.append(cells)
+    columns = f"eager / card / {extra.name}"
+    header = ["model", "batch x seq", extra.header, f"ops {columns}", f"bytes {columns}", f"saved {columns}"]
+    header += [f"peak live {columns}", f"{extra.name} bytes / card bytes"]
+    return ["", extra.title(), "", *table(header, body)]
+
+
 def _parity_table(rows: list[Row]) -> list[str]:
     """Per peer kernel: the tiny model families where its output matches eager's, differs, and the others."""
     parity = [r for r in rows if r.study == "peer parity"]
@@ -232,8 +315,10 @@ def summary(
     peer: str | None = None,
     peer_absent: str = "",
 ) -> str:
-    """The markdown summary (summary.md and the README section): counted and timed figures, no emulated timing.
-    `peer`: the peer's name when it ran, else `peer_absent` says why it did not."""
+    """Render the markdown summary (summary.md and the README section).
+
+    Counted and timed figures, no emulated timing. `peer`: the peer's name when it ran, else `peer_absent` says why it
+    did not."""
     lines = [
         f"`make bench` (`scripts/bench/`) on {machine}; {versions}. Every figure: `{table_path}`.",
         "",
@@ -257,8 +342,8 @@ def summary(
         lines += _prefill_decode_table(card, rows)
     for card, _ in with_piece("EXPERTS_SWEEP"):
         lines += _sweep_table(card, rows)
-    for _, study_table in with_piece("STUDY_TABLE"):
-        lines += study_table(rows)
+    for card, region in with_piece("OUTSIDE_REGION"):
+        lines += outside_tables(card, region, rows)
     lines += _parity_table(rows)
     host = [r for r in rows if r.study in ("kernelize", "call overhead", HOST_COST_STUDY, "get_kernel", "fallback")]
     if host:
@@ -287,10 +372,12 @@ def summary(
 
 
 def card_summary(card: str, rows: list[Row]) -> str:
-    """A card's share of the summary, for its Hub README: its targets and its region kind's counted figures (with
-    the peer's, when measured), then its spec's own tables (STUDY_TABLE), if any."""
+    """Render a card's share of the summary, for its Hub README.
+
+    Its targets and its region kind's counted figures (with the peer's, when measured), then the tables of its region
+    outside the decoder layer (OUTSIDE_REGION), if any."""
     kinds = (card_named(card).region,)
-    study_table = getattr(spec(card_named(card)), "STUDY_TABLE", None)
+    region = getattr(spec(card_named(card)), "OUTSIDE_REGION", None)
     peer = any(r.peer is not None for r in rows if r.study == "layer")
     lines = [
         "Counted by npu-hub-kernels' `make bench`: device operations and bytes on fake tensors under the torch_npu "
@@ -302,7 +389,7 @@ def card_summary(card: str, rows: list[Row]) -> str:
         *_targets_table(rows, kinds, {True: "yes", False: "no", None: "not measured"}),
         *counted_table(rows, kinds),
         *memory_table(rows, kinds),
-        *(study_table(rows) if study_table else []),
+        *(outside_tables(card_named(card), region, rows) if region else []),
     ]
     return "\n".join(lines) + "\n"
 

@@ -10,6 +10,13 @@ MEMORY_UNITS = ("saved bytes", "peak bytes")
 """The units of the counted memory rows (forward+backward; `memory`): kept for backward, peak live."""
 EMULATED = "emulated (not a device measurement)"
 """The note of device timings taken on the emulation."""
+OUTSIDE_STUDY = "outside the layer"
+"""The study of a region outside the decoder layer, counted on its own (`outside`): the card at its default."""
+REGION_STUDIES = ("layer", OUTSIDE_STUDY)
+"""The studies of a region's own counted rows: held to its card's COUNTED_TARGETS, shown in the counted and memory
+tables."""
+CHUNK_STUDY = "chunk sweep"
+"""The study of a region outside the decoder layer counted with the card at other tokens per chunk (`Row.chunk`)."""
 
 
 @dataclass
@@ -38,7 +45,8 @@ class Row:
     machine: str = ""
     versions: str = ""
     study: str = ""
-    """What the row belongs to. Counted: "layer" (a decoder layer and its regions), "experts sweep".
+    """What the row belongs to. Counted: "layer" (a decoder layer and its regions), "experts sweep", OUTSIDE_STUDY
+    and CHUNK_STUDY (a region outside the decoder layer), an extra column's studies (`cards.ExtraColumn`).
     Timed: "kernelize", "call overhead", "host cost" (a card's call against a bare module call, ops stubbed),
     "get_kernel", "fallback" (torch-universal on CPU), "device", "training".
     Parity: "peer parity" (a peer kernel's output against eager on a tiny model family)."""
@@ -59,9 +67,13 @@ class Row:
     """Whether the peer patched the region (False: it leaves it to transformers, and the peer column is eager's)."""
     outcome: str = ""
     """Peer parity: what the check found (`peer.OUTCOMES`)."""
-    trl: float | None = None
-    """TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, the head TRL's trainers set as the model's forward)
-    on the same region, as it runs on the npu (its torch fallback); None: not measured."""
+    chunk: int | None = None
+    """The tokens per chunk the kernelized column ran, for a region outside the decoder layer whose card computes in
+    chunks (`cards.OutsideRegion`); None: not chunked."""
+    extra: float | None = None
+    """The extra column of a region outside the decoder layer (`cards.ExtraColumn`, e.g. TRL's fused LM head): its
+    figure, on the same region as the eager and kernelized ones; the row's study names the column's variant. None:
+    not measured."""
 
     @property
     def ratio(self) -> float | None:
@@ -73,7 +85,7 @@ class Row:
 CSV_COLUMNS = ["machine", "versions", "mode", "config", "op", "phase", "batch", "seq"]
 CSV_COLUMNS += ["eager", "kernelized", "floor", "peer", "ratio", "unit", "target", "note"]
 CSV_COLUMNS += ["study", "kind", "variant", "path", "model", "experts", "emulated", "peer_patched", "outcome"]
-CSV_COLUMNS += ["trl"]
+CSV_COLUMNS += ["chunk", "extra"]
 
 
 def write_csv(rows: list[Row], path: Path) -> None:

@@ -217,10 +217,11 @@ def measure_step(
     build=None,
     kernels: tuple[str, ...] = (),
 ) -> Figures:
-    """One training step of the model with `layers` layers, measured whole on fake tensors: forward with labels,
-    `loss.backward()` (the model's output dropped first, as a trainer does), AdamW(foreach=True) step and zero_grad,
-    its optimizer state made beforehand (a step after the first). `kernels`: only these cards (kernel ids,
-    `apply_npu_kernels`), for the variant "kernelized"."""
+    """Measure one training step of the model with `layers` layers, whole, on fake tensors.
+
+    The step is forward with labels, `loss.backward()` (the model's output dropped first, as a trainer does),
+    AdamW(foreach=True) step and zero_grad, its optimizer state made beforehand (a step after the first). `kernels`:
+    only these cards (kernel ids, `apply_npu_kernels`), for the variant "kernelized"."""
     model = build_step_model(spec, layers, vocab).train()
     fake_mode = FakeTensorMode()
     fake_module(model, fake_mode, "npu")
@@ -262,8 +263,10 @@ DERIVED_NOTE = (
 
 
 def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tuple(STEP_MODELS)) -> list[Row]:
-    """The counted training step of each model (eager, ours, the peer's), its estimated time and its bytes and time
-    by category; then the time model's validation and the decode-step estimate."""
+    """Return the bench.csv rows of the counted training step of each model and its estimates.
+
+    The rows cover each model (eager, ours, the peer's), its estimated time and its bytes and time by category; then the
+    time model's validation and the decode-step estimate."""
     from .report import human_bytes
 
     batch, seq = QUICK_STEP_SHAPE if quick else STEP_SHAPE
@@ -382,9 +385,10 @@ def error_text(claim: Published, predicted: float) -> str:
 
 
 def validation_rows(build, quick: bool = False, keys: tuple[str, ...] = tuple(STEP_MODELS)) -> list[Row]:
-    """Each published figure of `PUBLISHED` about a model of `keys` beside the model's prediction (the eager column:
-    published; kernelized: predicted), at the source's model and batch (or the stated assumption; `quick`: 1 x 512),
-    from steps derived as `derived_step`."""
+    """Return rows setting each published figure about a model of `keys` beside the model's prediction.
+
+    The figures are those of `PUBLISHED` (the eager column: published; kernelized: predicted), at the source's model and
+    batch (or the stated assumption; `quick`: 1 x 512), from steps derived as `derived_step`."""
     cache: dict[tuple, Figures] = {}
 
     def step(key: str, batch: int, seq: int, kernels: tuple[str, ...]) -> Figures:
@@ -476,8 +480,10 @@ def _cell(value: float | None, unit: str) -> str:
 
 
 def step_section(rows: list[Row]) -> list[str]:
-    """The summary's training-step section: the counted step per model, its estimated time, the bytes by category,
-    the time model's validation against published figures and the decode-step estimate."""
+    """Render the summary's training-step section.
+
+    It holds the counted step per model, its estimated time, the bytes by category, the time model's validation against
+    published figures and the decode-step estimate."""
     from .report import table
 
     counted = [r for r in rows if r.study == STEP_STUDY]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from npu_hub_kernels.cards import Card
 
 from .cards import LAYER, NO_CARD, specs, with_piece
-from .rows import Row
+from .rows import REGION_STUDIES, Row
 
 BYTES_TOLERANCE = 1.05
 """A region's kernelized bytes within 5% of the floor (the cards' specs hold some regions to less)."""
@@ -30,10 +30,11 @@ HOST_COST_STUDY = "host cost"
 
 @dataclass(frozen=True)
 class CountedTarget:
-    """A target for the kernelized column of a decoder layer's counted rows: kernelized <= bound x floor (bound 1:
-    = floor), or <= bound x eager when `against` is "eager", in these phases, and only at `shape` when given
-    (then one target per model). `kind`: the rows' region kind, or "decoder layer"; a card's spec leaves it
-    empty, and `counted_targets` sets it to the card's region."""
+    """A target for the kernelized column of a region's counted rows.
+
+    It requires kernelized <= bound x floor (bound 1: = floor), or <= bound x eager when `against` is "eager", in these
+    phases, and only at `shape` when given (then one target per model). `kind`: the rows' region kind, or "decoder
+    layer"; a card's spec leaves it empty, and `counted_targets` sets it to the card's region."""
 
     unit: str
     phases: tuple[str, ...]
@@ -52,8 +53,13 @@ class CountedTarget:
         return f"kernelized {what} {limit}"
 
     def applies(self, row: Row) -> bool:
+        """Whether the row is held to the target: a region's own counted row (`rows.REGION_STUDIES`) it covers."""
+        return row.study in REGION_STUDIES and self.covers(row)
+
+    def covers(self, row: Row) -> bool:
+        """Whether the target speaks of the row's kind, unit, phase and shape, whatever its study."""
         shape = self.shape is None or (row.batch, row.seq) == self.shape
-        return (row.study, row.kind, row.unit) == ("layer", self.kind, self.unit) and row.phase in self.phases and shape
+        return (row.kind, row.unit) == (self.kind, self.unit) and row.phase in self.phases and shape
 
     def met(self, row: Row) -> bool:
         if self.against == "eager":
@@ -63,9 +69,11 @@ class CountedTarget:
 
 @dataclass(frozen=True)
 class BeforeCardTarget:
-    """A card that swaps the decoder layer itself, held to the layer's floor before it: forward+backward, per model
-    of `models` (`configs.CONFIGS` keys), the kernelized layer (the default path, the card included) at most
-    `bytes_bound` x the floor of the layer without the card, and `fewer_ops` fewer ops than that floor.
+    """A card that swaps the decoder layer itself, held to the layer's floor before it.
+
+    Forward+backward, per model of `models` (`configs.CONFIGS` keys), the kernelized layer (the default path, the card
+    included) at most `bytes_bound` x the floor of the layer without the card, and `fewer_ops` fewer ops than that
+    floor.
 
     The floor without the card is the layer's floor where the card's layer is left out (`regions.WITHOUT_LAYER_CARD`:
     every other card's layer, the decoder layer's own forward), counted at the shapes of the rows of
@@ -85,8 +93,9 @@ LAYER_TARGET = CountedTarget("bytes", ("fwd+bwd",), LAYER_BYTES_TOLERANCE, LAYER
 
 @functools.cache
 def counted_targets() -> tuple[CountedTarget, ...]:
-    """Every counted target: each card's (its spec's COUNTED_TARGETS, of its region), in the order of the cards,
-    then the decoder layer's."""
+    """Return every counted target: each card's, then the decoder layer's.
+
+    A card's are its spec's COUNTED_TARGETS, of its region, in the order of the cards."""
     cards = tuple(dataclasses.replace(t, kind=card.region) for card, spec in specs() for t in spec.COUNTED_TARGETS)
     return (*cards, LAYER_TARGET)
 
@@ -109,7 +118,7 @@ class Result:
 def evaluate(rows: list[Row]) -> list[Result]:
     """Every target the rows measure, in the order of the summary."""
     out = []
-    layer = [r for r in rows if r.study == "layer"]
+    layer = [r for r in rows if r.study in REGION_STUDIES]
     for target in counted_targets():
         held = [r for r in layer if target.applies(r)]
         if not held:
@@ -171,8 +180,10 @@ def _experts_sweep(card: Card, rows: list[Row]) -> list[Result]:
 
 
 def _before_card(card: Card, target: BeforeCardTarget, rows: list[Row]) -> list[Result]:
-    """Per model and shape counted without the card: the default path's decoder layer (forward+backward) against
-    the layer's floor without the card, bytes and ops."""
+    """Return the rows without the card: the default path's decoder layer against its floor without the card.
+
+    One per model and shape counted without the card: the default path's decoder layer (forward+backward) against the
+    layer's floor without the card, bytes and ops."""
     out = []
     variant = f"without {card.repo_name}"
     before = [r for r in rows if r.study == BEFORE_CARD_STUDY and r.variant == variant and r.phase == "fwd+bwd"]

@@ -105,8 +105,10 @@ def kernelize_rows(repeats: int) -> list[Row]:
 
 
 def overhead_rows(device: str, repeats: int, number: int) -> list[Row]:
-    """Per-call cost of a kernelized module (eager column: calling its card function directly), tiny tensors: each
-    card with a HOST_TIMING in its spec, on its region of a tiny Llama decoder layer."""
+    """Return the rows of the per-call cost of each card's kernelized module over its card function.
+
+    The cost is that of a kernelized module (eager column: calling its card function directly), tiny tensors: each card
+    with a HOST_TIMING in its spec, on its region of a tiny Llama decoder layer."""
     from kernels import Mode, kernelize
 
     model = tiny_causal_lm("llama", num_hidden_layers=1).to(device)
@@ -134,8 +136,9 @@ def overhead_rows(device: str, repeats: int, number: int) -> list[Row]:
 
 @dataclass
 class Step:
-    """One op call of a recorded call: the op (an aten overload, or the stand-in of a fused torch_npu op), its
-    arguments and what it returned."""
+    """One op call of a recorded call.
+
+    It holds the op (an aten overload, or the stand-in of a fused torch_npu op), its arguments and what it returned."""
 
     op: Callable
     args: tuple
@@ -151,16 +154,20 @@ class Step:
 
     @property
     def launches(self) -> bool:
-        """Whether the op launches a kernel on the device: a fused op, or an aten op that is no view, metadata or
-        allocation (`accounting`; a composite op that reaches the dispatcher whole counts once)."""
+        """Return whether the op launches a kernel on the device.
+
+        It does if it is a fused op, or an aten op that is no view, metadata or allocation (`accounting`; a composite op
+        that reaches the dispatcher whole counts once)."""
         if not isinstance(self.op, torch._ops.OpOverload):
             return True
         return _aten_bytes(self.op, self.args, self.kwargs, self.out) is not None
 
 
 class OpTape(TorchDispatchMode):
-    """Records the op calls of a call, then stands in for them: replayed, each op returns what it returned when
-    recorded and computes nothing, so that timing the call times its Python only.
+    """Records the op calls of a call, then stands in for them.
+
+    Replayed, each op returns what it returned when recorded and computes nothing, so that timing the call times its
+    Python only.
 
     Inside `OpTape.stubbing(torch_npu, names)`, the fused ops `names` of the torch_npu module are replaced by stand-ins
     (recorded as one op each, their insides not run); the aten ops reach the mode. `record()` then the call records
@@ -220,8 +227,9 @@ class OpTape(TorchDispatchMode):
 
     @contextlib.contextmanager
     def stubbing(self, owner: ModuleType | None, names: Iterable[str]) -> Iterator[OpTape]:
-        """Inside: the fused ops `names` of `owner` (the torch_npu module; None: none) are this tape's stand-ins, and
-        the tape is the active dispatch mode."""
+        """Make this tape's stand-ins the fused ops `names` of `owner`, and the tape the dispatch mode, inside.
+
+        `owner` is the torch_npu module (None: none)."""
         originals = {name: getattr(owner, name) for name in names if hasattr(owner, name)} if owner else {}
         try:
             for name, original in originals.items():
@@ -234,8 +242,9 @@ class OpTape(TorchDispatchMode):
 
 
 def _fresh_alias(t: Any) -> Any:
-    """A new tensor object over t's data, without autograd metadata (a replayed view's output); t itself if it is no
-    tensor or an inference tensor."""
+    """Return a new tensor object over t's data, without autograd metadata.
+
+    This is a replayed view's output. Return t itself if it is no tensor or an inference tensor."""
     if not isinstance(t, torch.Tensor) or t.is_inference():  # autograd tracks no view of an inference tensor
         return t
     with torch.inference_mode(False):  # a normal tensor's alias: autograd shares its version counter
@@ -250,9 +259,11 @@ def _fresh_alias(t: Any) -> Any:
 
 
 class BareCall(nn.Module):
-    """A bare module call: an nn.Module whose forward issues the op calls of a recorded call, in order (the same
-    arguments, the same stand-ins), and does nothing else. Timed under the tape's replay, it is the least a module
-    call running those ops costs on the host."""
+    """A bare module call: an nn.Module that issues the op calls of a recorded call and does nothing else.
+
+    An nn.Module whose forward issues the op calls of a recorded call, in order (the same arguments, the same
+    stand-ins), and does nothing else. Timed under the tape's replay, it is the least a module call running those ops
+    costs on the host."""
 
     def __init__(self, steps: list[Step]) -> None:
         super().__init__()
@@ -275,7 +286,9 @@ def ratio_to_bare(call_s: float, bare_s: float) -> float:
 def host_cost(
     module: Callable, inputs: tuple, tape: OpTape, repeats: int, number: int, measure: Callable = paired_medians
 ) -> tuple[float, float, list[Step]]:
-    """(seconds per call of `module(*inputs)`, of a bare module call with the same ops, the recorded ops): both
+    """Time `module(*inputs)` and a bare module call with the same ops under `tape`'s replay.
+
+    Return (seconds per call of `module(*inputs)`, of a bare module call with the same ops, the recorded ops): both
     timed under `tape`'s replay (ops stubbed), interleaved by `measure` (`paired_medians`). Call inside
     `tape.stubbing(...)`."""
     tape.record()
@@ -302,9 +315,11 @@ def host_cost(
 
 
 def host_cost_rows(device: str, repeats: int, number: int, measure: Callable = paired_medians) -> list[Row]:
-    """The host cost of each card's kernelized module at decode size (`HOST_COST_SHAPE`, bfloat16, inference mode),
-    its ops stubbed (`OpTape`), as a ratio to a bare module call issuing the same ops (`BareCall`), timed
-    interleaved in one run: each card with a HOST_TIMING in its spec, on its region of a tiny Llama decoder layer."""
+    """Return the rows of each card's kernelized module's host cost against a bare module call.
+
+    It is measured at decode size (`HOST_COST_SHAPE`, bfloat16, inference mode), its ops stubbed (`OpTape`), as a ratio
+    to a bare module call issuing the same ops (`BareCall`), timed interleaved in one run: each card with a HOST_TIMING
+    in its spec, on its region of a tiny Llama decoder layer."""
     from kernels import Mode, kernelize
 
     batch, seq = HOST_COST_SHAPE
@@ -331,8 +346,10 @@ def host_cost_rows(device: str, repeats: int, number: int, measure: Callable = p
 def host_cost_row(
     kind: str, call_s: float, bare_s: float, steps: list[Step], device: str, repeats: int, number: int
 ) -> Row:
-    """The timed row of a card's host cost: the bare call in the eager column, the kernelized module in the
-    kernelized one (us), held to `HOST_COST_BOUND` x the bare call."""
+    """Return the timed row of a card's host cost.
+
+    The bare call in the eager column, the kernelized module in the kernelized one (us), held to `HOST_COST_BOUND` x the
+    bare call."""
     batch, seq = HOST_COST_SHAPE
     ratio = ratio_to_bare(call_s, bare_s)
     launches = [step.name for step in steps if step.launches]
@@ -408,9 +425,10 @@ def load_variant(card_dir: Path, variant: str) -> ModuleType:
 
 
 def fallback_rows(build: Path, repeats: int, quick: bool) -> list[Row]:
-    """The torch-universal build on CPU tensors against transformers' eager forward (float32, no module call
-    overhead on either side: the class forward against the card function), for each card with a HOST_TIMING in
-    its spec, on its region of a Llama decoder layer."""
+    """Return the rows timing the torch-universal build on CPU tensors against transformers' eager forward.
+
+    Timed (float32, no module call overhead on either side: the class forward against the card function), for each card
+    with a HOST_TIMING in its spec, on its region of a Llama decoder layer."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -444,8 +462,10 @@ def fallback_rows(build: Path, repeats: int, quick: bool) -> list[Row]:
 def device_rows(
     specs: Iterable[ModelSpec], shapes: Iterable[tuple[int, int]], device: str, emulated: bool, repeats: int
 ) -> list[Row]:
-    """Per region kind and per decoder layer, eager against kernelized (the default path), forward and
-    forward+backward, synchronised medians, and the decoder layer's peak memory where the device reports it."""
+    """Return the device-timed rows: eager against kernelized per region kind and per decoder layer.
+
+    Kernelized is the default path; the rows hold forward and forward+backward, synchronised medians, and the decoder
+    layer's peak memory where the device reports it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     rows = []
@@ -527,8 +547,9 @@ def _device_rows(
 
 
 def training_rows(device: str, emulated: bool, steps: int) -> list[Row]:
-    """Median time of a training step (forward, backward, AdamW) of a small model: eager, then kernelized (the
-    default path)."""
+    """Return the rows timing a training step of a small model, eager then kernelized.
+
+    Each row is the median time of a training step (forward, backward, AdamW); kernelized is the default path."""
     from kernels import Mode, kernelize
     from transformers import AutoConfig, AutoModelForCausalLM
 

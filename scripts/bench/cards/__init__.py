@@ -1,9 +1,15 @@
-"""The cards' bench specs: one module `scripts/bench/cards/<py>.py` per card (`<py>` = `Card.python_name`), holding
-everything the bench knows about that card, found by the card's name; the generic bench modules iterate over
-`npu_hub_kernels.CARDS` and these specs, and never name a card or a region.
+"""The cards' bench specs: one module per card, holding everything the bench knows about that card.
 
-A card's region kind (the name the bench prints for the decoder-layer region the card fuses: "RMSNorm", ...) is
-its card.toml `region`, read through `Card.region`: a spec never spells it.
+Each is `scripts/bench/cards/<py>.py` (`<py>` = `Card.python_name`), found by the card's name; the generic bench modules
+iterate over `npu_hub_kernels.CARDS` and these specs, and never name a card or a region.
+
+A card's region kind (the name the bench prints for the region the card fuses: "RMSNorm", ...) is its card.toml
+`region`, read through `Card.region`: a spec never spells it.
+
+A spec declares; the generic modules measure. A spec imports from the bench package only the names of
+`SPEC_IMPORTS`: the declaration types below and in `bench.targets`, and the accounting helpers its floor and its
+accounting rules are written with. It never imports what measures, counts, builds models or renders
+(tests/test_bench.py parses every spec's imports and holds it to that).
 
 The spec contract. `scripts/bench/cards/<py>.py` defines:
 
@@ -33,10 +39,11 @@ and may define:
   of such a card.
 - `EXPERTS_SWEEP: ExpertsSweep`: the experts sweep study (the card's region with more and more experts).
 - `PREFILL_DECODE_TABLE = True`: the report's table of one region call, forward, at prefill and at decode.
-- `REGION_ROWS(specs: list[ModelSpec], quick: bool) -> list[Row]`: counted rows of a region that is not in a
-  decoder layer (the loss head), for the measured models it knows, measured by the spec itself; rows of study
-  "layer" and the card's region kind are held to its COUNTED_TARGETS and shown in the counted table.
-- `STUDY_TABLE(rows: list[Row]) -> list[str]`: markdown lines the report prints after the other studies.
+- `OUTSIDE_REGION: OutsideRegion`: for a card whose region is not in a decoder layer (the LM head and loss), the
+  region as a declaration: which models and shapes, how eager, the card (and, optionally, an extra column such as
+  TRL's fused LM head) run it, and the chunk sweep. The bench counts it (`bench.outside`: study OUTSIDE_STUDY, held
+  to COUNTED_TARGETS and shown in the counted and memory tables; CHUNK_STUDY; the extra column's studies) and the
+  report renders its tables.
 - `BEFORE_CARD_TARGET: BeforeCardTarget`: for a card with `layer_region`, what the whole decoder layer with the
   card is held to against the layer's floor without it (`bench.targets.BeforeCardTarget`); the bench counts that
   layer for the models it names.
@@ -63,6 +70,19 @@ NO_CARD = "no card yet"
 
 REQUIRED = ("floor", "floor_saved", "COUNTED_TARGETS", "FUSED_OPS", "HOST_TIMING")
 """The names every spec defines (see the module doc)."""
+
+SPEC_IMPORTS = {
+    "bench.cards": frozenset(
+        {"HostTiming", "LayerRegion", "ExpertsSweep", "OutsideRegion", "ExtraColumn", "RegionCall", "Run"}
+    ),
+    "bench.targets": frozenset({"CountedTarget", "BeforeCardTarget", "BYTES_TOLERANCE"}),
+    "bench.floors": frozenset({"Floor", "dense_bytes"}),
+    "bench.accounting": frozenset({"FusedOp", "empty_of", "tensor_bytes"}),
+    "bench.configs": frozenset({"PHASES"}),
+}
+"""What a spec may import from the bench package, by module: the contract's declaration types, the targets' types
+and bound, and the helpers a floor and an accounting rule are written with. Nothing else: no module, and nothing that
+measures, counts, builds a model or renders."""
 
 
 @dataclass(frozen=True)
@@ -101,13 +121,96 @@ class LayerRegion:
 
 @dataclass(frozen=True)
 class ExpertsSweep:
-    """The experts sweep study: the region of `model`'s layer (a `configs.CONFIGS` key) with each number of
-    experts (`quick`: with --quick), transformers' eager loop and grouped_mm against the card, top-k as the model's,
-    batch 1, sequence 512."""
+    """The experts sweep study: a card's region with each of several numbers of experts.
+
+    That is the region of `model`'s layer (a `configs.CONFIGS` key) with each number of experts (`quick`: with --quick),
+    transformers' eager loop and grouped_mm against the card, top-k as the model's, batch 1, sequence 512."""
 
     model: str
     experts: tuple[int, ...]
     quick: tuple[int, ...]
+
+
+Run = Callable[[], tuple[torch.Tensor, ...]]
+"""A counted run of a region outside the decoder layer: what it returns first is differentiated (its loss), the rest
+stays referenced until the backward is done (as a model's outputs do)."""
+
+
+@dataclass(frozen=True)
+class RegionCall:
+    """One measurement of a region outside the decoder layer, as the bench hands it to the spec's callables.
+
+    model: the model (one decoder layer, not kernelized, on the meta device but for the region's module), a copy of
+        its own: a column may change it.
+    module: the region's module in it (`OutsideRegion.module`), with fake weights on the npu.
+    inputs: the region's inputs (`OutsideRegion.inputs`), fake, on the npu.
+    package: the card's package, as the kernelized model runs it.
+    chunk: the tokens per chunk asked of the card (the kernelized column; None: the card's default).
+    """
+
+    model: nn.Module
+    module: nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    package: ModuleType
+    chunk: int | None = None
+
+
+@dataclass(frozen=True)
+class ExtraColumn:
+    """A further implementation of a region outside the decoder layer, counted beside eager and the card.
+
+    It is counted beside eager and the card at every model and shape, one study per variant of it (rows' `extra` field),
+    never held to a target.
+
+    name: the column's name in the table's headings ("TRL").
+    label: what the column is, in the log and the report ("TRL's fused LM head").
+    studies: each variant's study -> what it computes (the table's cell).
+    header: the heading of the variant's column in the table.
+    run: the counted run (`Run`) of a variant, from the call and the variant's study (set up outside the count).
+    absent: None where the column can run, else a sentence saying why not (no rows are counted then).
+    title: the table's title.
+    """
+
+    name: str
+    label: str
+    studies: dict[str, str]
+    header: str
+    run: Callable[[RegionCall, str], Run]
+    absent: Callable[[], str | None]
+    title: Callable[[], str]
+
+
+@dataclass(frozen=True)
+class OutsideRegion:
+    """A card's region that is not in a decoder layer, declared for the bench to count.
+
+    The bench counts it forward+backward on fake tensors (ops, bytes, saved and peak live bytes) for eager and the card,
+    at each model and shape, against the spec's floor.
+
+    models: the measured models (`configs.CONFIGS` keys) -> the config values they are built with besides their own.
+    module: the region's module in the model (its qualified name, "lm_head"): the floor's module.
+    inputs: the region's inputs from its module, batch and sequence (made on the npu inside the bench's fake mode).
+    shapes, quick_shapes: the (batch, sequence) measured, and with --quick.
+    eager, kernelized: the counted runs (`Run`) of transformers' path and the card's, from the call (set up outside
+        the count); the card's at `call.chunk` tokens per chunk.
+    default_chunk: the tokens per chunk the card picks by default for the call.
+    chunks: the tokens per chunk the card is also counted at, at `chunk_shape` (not with --quick): the chunk table.
+    chunk_note: what the chunk table shows, closing its title.
+    extra: a further column (`ExtraColumn`), or None.
+    """
+
+    models: dict[str, dict[str, Any]]
+    module: str
+    inputs: Callable[[nn.Module, int, int], tuple[torch.Tensor, ...]]
+    shapes: tuple[tuple[int, int], ...]
+    quick_shapes: tuple[tuple[int, int], ...]
+    eager: Callable[[RegionCall], Run]
+    kernelized: Callable[[RegionCall], Run]
+    default_chunk: Callable[[RegionCall], int]
+    chunks: tuple[int, ...]
+    chunk_shape: tuple[int, int]
+    chunk_note: str
+    extra: ExtraColumn | None = None
 
 
 def spec_name(card: Card) -> str:
@@ -189,4 +292,7 @@ def missing_pieces(card: Card) -> list[str]:
     timing = getattr(module, "HOST_TIMING", None)
     if timing is not None and not isinstance(timing, HostTiming):
         missing.append(f"{card.repo_name}: {where}: HOST_TIMING is neither a HostTiming nor None")
+    outside = getattr(module, "OUTSIDE_REGION", None)
+    if outside is not None and not isinstance(outside, OutsideRegion):
+        missing.append(f"{card.repo_name}: {where}: OUTSIDE_REGION is not an OutsideRegion")
     return missing

@@ -34,8 +34,10 @@ from . import LayerRegion
 
 
 def floor(module: nn.Module, residual: torch.Tensor, update: torch.Tensor, *_) -> Floor:
-    """One op reading residual, update and the weight, writing output and sum; backward one op reading dy, dsum, the
-    sum and the weight, writing the input gradient and dweight."""
+    """Return the add + RMSNorm region at its floor: one op forward, one op backward.
+
+    Forward: the op reads residual, update and the weight, writing output and sum. Backward: the op reads dy, dsum,
+    the sum and the weight, writing the input gradient and dweight."""
     w_b, x_b = tensor_bytes(module.weight), dense_bytes(residual)
     forward = tensor_bytes(residual) + tensor_bytes(update) + w_b + 2 * x_b
     backward = 3 * x_b + w_b + x_b + w_b

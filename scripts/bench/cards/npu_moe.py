@@ -90,8 +90,10 @@ def _grouped_matmul_outputs(a: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def _grouped_matmul_flops(a: dict[str, Any], out: Any) -> int:
-    """2 x the multiply-adds: each of the M rows of x [M, K] times its expert's [K, N] (2 M K N); with group_type 2
-    (x [K, M] split along M, weight [M, N]) each of the M columns once (2 K M N)."""
+    """Return the FLOPs of a grouped matmul: 2 x its multiply-adds.
+
+    That is each of the M rows of x [M, K] times its expert's [K, N] (2 M K N); with group_type 2 (x [K, M] split along
+    M, weight [M, N]) each of the M columns once (2 K M N)."""
     (x,), (w,) = a["x"], a["weight"]
     return 2 * x.shape[0] * x.shape[1] * w.shape[-1]
 
