@@ -1,5 +1,6 @@
-"""npu-linear-cross-entropy: transformers' causal-LM lm_head + loss on Huawei Ascend NPUs, chunked over the tokens
-(torch_npu.npu_cross_entropy_loss), never holding the full logits."""
+"""npu-linear-cross-entropy: transformers' causal-LM lm_head + loss on Huawei Ascend NPUs, chunked.
+
+It is chunked over the tokens (torch_npu.npu_cross_entropy_loss), never holding the full logits."""
 
 from . import layers
 from ._build import VARIANT

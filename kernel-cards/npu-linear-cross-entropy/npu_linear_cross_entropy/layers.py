@@ -1,28 +1,14 @@
-"""The layers that `kernels.kernelize` swaps into transformers' `*ForCausalLM` classes (their forward, no state).
+"""The layers that `kernels.kernelize` swaps into transformers' `*ForCausalLM` classes.
 
-`LAYERS` is the card README's table of layers, one row per layer: each reproduces one group of identical forwards of
-transformers 5.22.2 (the base model, the lm_head on the last hidden states, `self.loss_function` with the labels, an
-output of the base model's fields), and a row says what differs between groups: the forward's parameters, the output
-class and the base model's extra fields it returns, the wiring (which base model, with or without the **kwargs, which
-head, which vocabulary size) and the router's auxiliary loss the MoE classes add. Each layer's forward has its row's
-signature (the kernels loader compares it with the forward it replaces; built as kernels builds the forward of a
-function-module) and runs `_forward` with its row.
-
-`_forward` runs the lm_head and loss with the fused loss when `linear_cross_entropy_unavailable_reason` says it can
-(a training step with labels: the call's part before the base model runs, the tensors' part inside lm_head's call),
-and the class's own forward otherwise (evaluation, generation, no labels, another loss function, `logits_to_keep`, a
-hooked or wrapped lm_head), exactly eager; either way the reason is recorded (`_fallbacks`). When the loss is fused,
-the output's `logits` is None: the full logits are what the card never makes. Where a later kernelize replaced
-accelerate's mixed-precision wrapper of the model's forward (`from_pretrained(..., use_kernels=True)` kernelizes again
-at every train()/eval() switch), the layer runs the call as that wrapper does.
-"""
+There is one per row of `LAYERS` (their forward, no state): what a row says and how its forward runs, in the card
+README's "How it works"."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import operator
 from dataclasses import dataclass
+from inspect import Parameter, Signature
 
 import torch
 from torch import nn
@@ -34,24 +20,20 @@ from .loss import _call_unavailable_reason, loss_in_lm_head_call
 
 @dataclass(frozen=True)
 class AuxLoss:
-    """How a MoE group adds the router's auxiliary loss: `<coefficient> * load_balancing_loss_func(router_logits,
-    self.num_experts, self.num_experts_per_tok, attention_mask)` (the function of the class's own modeling module;
-    with `num_keys`, `floor(sqrt(self.num_experts))` before the top-k), moved to the loss's device, when
-    `output_router_logits` is on (the argument, else the config's; and the config attribute `only_if`, if named)."""
+    """How a MoE row adds the router's auxiliary loss: `<coefficient> * load_balancing_loss_func(...)`."""
 
     coefficient: str  # attribute path of the coefficient on the *ForCausalLM
-    only_if: str | None = None
-    num_keys: bool = False
+    only_if: str | None = None  # a config attribute that must be true too for output_router_logits
+    num_keys: bool = False  # whether floor(sqrt(num_experts)) keys follow num_experts
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer: its forward's parameters (then **kwargs; each None by default, logits_to_keep 0), what it returns
-    (the output class, the base model's fields it adds), its wiring and the auxiliary loss its classes add."""
+    """One layer: its forward's parameters, what it returns, its wiring and the auxiliary loss its classes add."""
 
-    parameters: tuple[str, ...]
+    parameters: tuple[str, ...]  # then **kwargs; each None by default, logits_to_keep 0
     output: str = "CausalLMOutputWithPast"
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()  # the base model's output fields it returns too
     base_model: str = "model"  # attribute path of the base model
     kwargs_to_model: bool = True  # whether **kwargs go to the base model too (else: to the loss only)
     lm_head: str = "lm_head"
@@ -104,18 +86,19 @@ LAYERS: dict[str, Layer] = {
 
 
 def _layer(name: str, row: Layer) -> type[nn.Module]:
-    """The layer class of a row: its forward takes the row's parameters and runs `_forward`."""
-    keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    signature = inspect.Signature(
-        [
-            inspect.Parameter("self", keyword),
-            *(inspect.Parameter(p, keyword, default=0 if p == _KEEP else None) for p in row.parameters),
-            inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
-        ]
-    )
+    """The layer class of a row: its forward takes the row's parameters and runs `_fused_or_own`."""
+    keyword = Parameter.POSITIONAL_OR_KEYWORD
+    parameters = [Parameter(p, keyword, default=0 if p == _KEEP else None) for p in row.parameters]
+    signature = Signature([Parameter("self", keyword), *parameters, Parameter("kwargs", Parameter.VAR_KEYWORD)])
 
     def forward(self, *args, **kwargs):
-        return _forward(self, row, signature.bind(self, *args, **kwargs))
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
+        # inside accelerate's mixed-precision wrapper where a later kernelize replaced that wrapper
+        if accelerate_wrapped_forward(self) and not torch.is_autocast_enabled(next(self.parameters()).device.type):
+            return _as_accelerates_autocast_wrapper(_fused_or_own, self, row, arguments)
+        return _fused_or_own(self, row, arguments)
 
     forward.__signature__, forward.__qualname__ = signature, f"{name}.forward"
     # torch.compile of the fused path is not verified on Ascend hardware yet.
@@ -126,20 +109,11 @@ def _layer(name: str, row: Layer) -> type[nn.Module]:
 globals().update((name, _layer(name, row)) for name, row in LAYERS.items())
 
 
-def _forward(module: nn.Module, row: Layer, bound: inspect.BoundArguments):
-    """The class's forward with its lm_head + loss lines fused, inside accelerate's mixed-precision wrapper where a
-    later kernelize replaced that wrapper."""
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    del arguments["self"]
-    if accelerate_wrapped_forward(module) and not torch.is_autocast_enabled(next(module.parameters()).device.type):
-        return _as_accelerates_autocast_wrapper(_fused_or_own, module, row, arguments)
-    return _fused_or_own(module, row, arguments)
-
-
 def _fused_or_own(module: nn.Module, row: Layer, arguments: dict):
-    """The class's forward with its lm_head + loss lines fused (the router's auxiliary loss added as `row.aux` says),
-    or, where `linear_cross_entropy_unavailable_reason` says the call cannot be fused, the class's own forward."""
+    """Return the class's forward with its lm_head + loss lines fused, or its own forward.
+
+    It is fused (the router's auxiliary loss added as `row.aux` says), or, where
+    `linear_cross_entropy_unavailable_reason` says the call cannot be fused, the class's own forward."""
     kwargs = arguments.pop("kwargs")
     labels, lm_head = arguments["labels"], operator.attrgetter(row.lm_head)(module)
     training_step = module.training and torch.is_grad_enabled()
@@ -150,17 +124,22 @@ def _fused_or_own(module: nn.Module, row: Layer, arguments: dict):
     model_inputs = {name: arguments[name] for name in row.model_inputs}
     if "return_dict" in arguments:  # a forward with a return_dict argument passes it on: True, to read the fields
         model_inputs["return_dict"] = True
-    router_logits = row.aux is not None and _output_router_logits(module, row.aux, arguments[_ROUTER])
-    if row.aux is not None:
-        model_inputs[_ROUTER] = router_logits
+    aux, config = row.aux, module.config
+    if aux is not None:  # the argument, else the config's; and the config's `only_if`
+        asked = arguments[_ROUTER] if arguments[_ROUTER] is not None else config.output_router_logits
+        model_inputs[_ROUTER] = asked and (aux.only_if is None or getattr(config, aux.only_if))
     outputs = operator.attrgetter(row.base_model)(module)(**model_inputs, **(kwargs if row.kwargs_to_model else {}))
-    vocab_size, loss_function = operator.attrgetter(row.vocab_size)(module), module.loss_function
+    vocab_size = operator.attrgetter(row.vocab_size)(module)
     loss, logits = loss_in_lm_head_call(
-        outputs.last_hidden_state, lm_head, labels, vocab_size, loss_function, None, kwargs, module
+        outputs.last_hidden_state, lm_head, labels, vocab_size, module.loss_function, None, kwargs, module
     )
     fields = {name: getattr(outputs, name) for name in row.extra}
-    if router_logits:
-        loss, fields["aux_loss"] = _with_aux_loss(module, loss, row.aux, outputs.router_logits, arguments)
+    if aux is not None and model_inputs[_ROUTER]:  # the class's lines: its modeling module's function
+        experts = (module.num_experts,) + ((math.floor(math.sqrt(module.num_experts)),) if aux.num_keys else ())
+        balance = modeling_global(type(module), "load_balancing_loss_func")
+        aux_loss = balance(outputs.router_logits, *experts, module.num_experts_per_tok, arguments["attention_mask"])
+        loss += operator.attrgetter(aux.coefficient)(module) * aux_loss.to(loss.device)
+        fields["aux_loss"] = aux_loss
     # transformers is there whenever one of its models runs; the card imports it only then
     from transformers import modeling_outputs
 
@@ -169,28 +148,11 @@ def _fused_or_own(module: nn.Module, row: Layer, arguments: dict):
         attentions=outputs.attentions, **fields,
     )  # fmt: skip
     if return_dict is None:
-        return_dict = getattr(module.config, "return_dict", True)
-    return output if return_dict else _as_tuple(output)
-
-
-def _output_router_logits(module: nn.Module, aux: AuxLoss, argument: bool | None) -> bool:
-    """The `output_router_logits` the class's forward passes its base model."""
-    requested = argument if argument is not None else module.config.output_router_logits
-    return requested and (aux.only_if is None or getattr(module.config, aux.only_if))
-
-
-def _with_aux_loss(module: nn.Module, loss: torch.Tensor, aux: AuxLoss, router_logits, arguments: dict):
-    """(loss + coefficient x the class's load-balancing loss, that auxiliary loss), as the class's lines add it."""
-    experts = (module.num_experts,) + ((math.floor(math.sqrt(module.num_experts)),) if aux.num_keys else ())
-    load_balancing_loss = modeling_global(type(module), "load_balancing_loss_func")
-    aux_loss = load_balancing_loss(router_logits, *experts, module.num_experts_per_tok, arguments["attention_mask"])
-    loss += operator.attrgetter(aux.coefficient)(module) * aux_loss.to(loss.device)
-    return loss, aux_loss
-
-
-def _as_tuple(output) -> tuple:
-    """`output.to_tuple()` with the logits' slot kept (None where the fused loss made none): eager's tuple has its
-    logits there, so every later field keeps its position (`out[1]` is never the cache)."""
+        return_dict = getattr(config, "return_dict", True)
+    if return_dict:
+        return output
+    # `output.to_tuple()` with the logits' slot kept (None where the fused loss made none): eager's tuple has its
+    # logits there, so every later field keeps its position (`out[1]` is never the cache)
     values = ((name, getattr(output, name)) for name in output.__dataclass_fields__)
     return tuple(value for name, value in values if value is not None or name == "logits")
 
@@ -206,11 +168,10 @@ DROPPED_AUTOCAST = (
 
 
 def _as_accelerates_autocast_wrapper(forward, *args):
-    """`forward(*args)` as accelerate's mixed-precision wrapper runs the model's forward (native AMP): inside
-    accelerate's own autocast context (built without the Accelerator's `AutocastKwargs`, which the model does not
-    keep, as accelerate builds it when none is given), outputs converted to float32 by accelerate's own converter.
-    Raises `DROPPED_AUTOCAST` where accelerate's state does not say the wrapper's autocast: not initialized, or mixed
-    precision other than bf16/fp16 (fp8 backends wrap the forward in more than autocast)."""
+    """Run `forward(*args)` as accelerate's mixed-precision wrapper runs the model's forward.
+
+    It runs it (native AMP; README "How it works"), or `DROPPED_AUTOCAST` raised where accelerate's state does not say
+    the wrapper's autocast."""
     # accelerate is installed whenever it wrapped the model; the card imports it only then
     from accelerate.state import AcceleratorState, is_initialized
     from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager

@@ -1,50 +1,7 @@
-"""transformers' causal-LM loss (`lm_head`, then `ForCausalLMLoss`) chunked over the tokens, without the full logits.
+"""transformers' causal-LM loss (`lm_head`, then `ForCausalLMLoss`) chunked over the tokens.
 
-Eager holds the logits `[T, V]` in the model dtype, a float32 copy, their log-softmax for backward and, in
-backward, two float32 gradients of that size: at 8 x 4096 tokens and a 152k vocabulary, 20 GB each. This module
-computes the same loss in one of two forms, chosen per call (`chunked_form_pays`), both never above eager in bytes
-moved and in peak memory:
-- few tokens (fewer than 2 x the hidden size, or no gradient wanted): **the log-probability form**. Per chunk of at
-  most 200,000 tokens (npu_cross_entropy_loss's row limit): `logits = h_c @ W^T (+ b)` in the model dtype, then
-  float32 (eager's two roundings, row for row), `npu_cross_entropy_loss(logits, targets, reduction="none")`, the
-  counted tokens' losses summed; autograd does the rest (the op's own backward from the float32 log-probabilities
-  its node keeps, as eager keeps its log-softmax). Eager's memory, in fewer bytes: one op where eager runs
-  log_softmax and nll_loss each way.
-- many tokens: **the chunked form**, `_ChunkedLinearCrossEntropy`. The tokens go in chunks of `chunk_tokens`; per
-  chunk, in forward, the logits as above, `npu_cross_entropy_loss` (per-token losses and float32 log-probabilities)
-  and, when a gradient is needed, `npu_cross_entropy_loss_backward(mask, log_prob, ...)` with the mask in
-  log_prob's dtype (float32: the op takes grad_loss in log_prob's dtype), giving `softmax - onehot` of the counted
-  rows in float32, which two matmuls turn into this chunk's `dL/dh_c` (kept in the model dtype, as its matmul
-  rounds it) and its share of `dL/dW` (summed in float32). Backward then only scales them by the incoming gradient
-  (the loss's over `1 / n`, n: the counted tokens or `num_items_in_batch`), each rounded once to its dtype: never
-  recomputing the logits nor holding them whole, at the price of keeping dL/dW (float32, [V, H]) and dL/dh from
-  forward to backward, which pays only when the tokens are many.
-The op ignores no row itself (with a gradient, its 'mean' mode takes no ignore_index and a negative ignore_index
-ignores nothing), so ignored rows get target 0 and count nothing: their losses are not summed (`torch.where`, so a
-batch with no counted token gives eager's NaN loss and zero gradients, never NaN gradients). A backward that
-autograd records (create_graph=True) differentiates eager's ops on the same tensors (`_counted_loss_eager`), the
-device's loss backward having no derivative: second-order gradients are eager's. Labels may be on the host: they are
-moved to the hidden states' device, as eager's loss moves them to the logits'.
-Under autocast (on the npu, in float16 or bfloat16: accelerate's and Trainer's bf16/fp16) the chunks compute in
-autocast's dtype as eager's autocast lm_head does: hidden states, weight and bias cast to it once (autocast off
-inside, so nothing is cast twice), the gradients cast back to their dtypes by autograd, as the casts' backward.
-Whatever the op cannot compute runs `linear_cross_entropy_eager`: the lm_head and transformers' loss, op for op.
-
-The fused loss is computed as lm_head's call (`_call_with_forward`): `lm_head(hidden)` with this computation standing
-in for its forward, so every hook lm_head carries runs around it as around the logits. That is how the engines that
-own lm_head's parameters work unchanged: DeepSpeed ZeRO-3's pre-forward hook gathers the weight (and hooks the
-hidden states to release it after backward), its post-forward hook releases it and hooks the loss to gather it again
-before backward, so the Function's dL/dW has the full weight's shape where DeepSpeed reduces and partitions it; an
-FSDP2 unit of its own (`fully_shard(model.lm_head)`) unshards, reshards, casts the inputs and reduce-scatters the same
-way. The parameters are judged inside that call, where those hooks have made them whole. The alternative,
-`deepspeed.zero.register_external_parameter(model, lm_head.weight)`, serves ZeRO-3 only, and holds the weight
-gathered through the whole model's forward and backward (the model's hooks gather it); DeepSpeed (0.19.8) does the
-same by itself when a forward inside its engine reads a partitioned parameter outside its owner's call
-(`ZeROOrderedDict.__getitem__` registers it as an external parameter of the running module and gathers it), so this
-module never reads a parameter through the module's attribute outside lm_head's call (`_internals.parameter`).
-Hooks that see or change what the Linear computes (the model's own, accelerate's `_hf_hook`, backward hooks, global
-module hooks) keep the eager path, with the reason.
-"""
+It runs without the full logits (its two forms, ignored rows, autocast, the engines' hooks and why: the card README's
+"How it works")."""
 
 from __future__ import annotations
 
@@ -70,38 +27,23 @@ from ._internals import (
 )
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
-MAX_ROWS = 200_000
-"""npu_cross_entropy_loss takes at most 200,000 rows (its 约束说明: N in (0, 200000]): no chunk is larger."""
-CHUNKED_FORM_TOKENS_PER_HIDDEN = 2
-"""The chunked form runs from this many tokens per unit of hidden size H: there the float32 dL/dW [V, H] it keeps
-(4 V H bytes) is at most half the float32 log-probabilities [T, V] the log-probability form keeps."""
-CHUNK_TOKENS_PER_HIDDEN = 1.15
-"""The chunked form's chunks: equal, of at most this many tokens per unit of hidden size. Counted per chunk of C
-tokens (bfloat16): about 36 bytes per logit where eager moves 51, plus about 12 per element of W (read by two
-matmuls, dL/dW read and written); its peak about 8 bytes per logit of one chunk plus dL/dW. So bytes <= eager needs
-C of about H or more, and the peak shrinks with C: at 1.15 H (4682 tokens for H = 4096) both issue 26's targets
-hold at 8 x 4096 tokens for Llama-3-8B and Qwen3-8B with a few percent to spare
-(scripts/bench/cards/npu_linear_cross_entropy.py counts it, with the trade for other chunks)."""
-DEFAULT_LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
+MAX_ROWS = 200_000  # npu_cross_entropy_loss takes at most 200,000 rows (its 约束说明: N in (0, 200000])
+CHUNKED_FORM_TOKENS_PER_HIDDEN = 2  # the chunked form's threshold, tokens per unit of hidden size (README)
+CHUNK_TOKENS_PER_HIDDEN = 1.15  # the chunked form's largest chunk, tokens per unit of hidden size (README)
 
 
 def default_chunk_tokens(tokens: int, hidden_size: int) -> int:
-    """Tokens per chunk of the chunked form: the fewest equal chunks of at most CHUNK_TOKENS_PER_HIDDEN x hidden_size
-    tokens and at most MAX_ROWS."""
+    """Tokens per chunk: the fewest equal chunks of at most CHUNK_TOKENS_PER_HIDDEN x hidden_size and MAX_ROWS."""
     largest = min(MAX_ROWS, max(1, int(CHUNK_TOKENS_PER_HIDDEN * hidden_size)))
     return max(1, math.ceil(tokens / math.ceil(tokens / largest)))
 
 
 def chunked_form_pays(tokens: int, hidden_size: int, needs_grad: bool) -> bool:
-    """Whether the chunked form (gradients made in forward) moves fewer bytes and holds less than the
-    log-probability form for this call: a gradient wanted and at least CHUNKED_FORM_TOKENS_PER_HIDDEN tokens per
-    unit of hidden size (see the module's docstring)."""
+    """Return whether the chunked form moves and holds less than the log-probability form here.
+
+    It does (README) with a gradient wanted and at least CHUNKED_FORM_TOKENS_PER_HIDDEN tokens per unit of hidden
+    size."""
     return needs_grad and tokens >= CHUNKED_FORM_TOKENS_PER_HIDDEN * hidden_size
-
-
-def is_default_causal_lm_loss(loss_function: object) -> bool:
-    """Whether a model's `loss_function` is transformers' `ForCausalLMLoss` (recognised without importing it)."""
-    return (getattr(loss_function, "__module__", None), getattr(loss_function, "__name__", None)) == DEFAULT_LOSS
 
 
 def linear_cross_entropy_unavailable_reason(
@@ -114,13 +56,11 @@ def linear_cross_entropy_unavailable_reason(
     logits_to_keep: int | torch.Tensor = 0,
     training_step: bool = True,
 ) -> str | None:
-    """Why the chunked fused loss will not run for this call, or None when it will: the one decision of the card.
+    """Return why the chunked fused loss will not run for this call, or None when it will.
 
-    `training_step`: whether the model runs a training step (train() and grad enabled; the layers pass it: evaluation
-    and generation keep the class's forward and its logits). The layers judge the call's part
-    (`_call_unavailable_reason`) before the base model runs, and the tensors' part inside lm_head's call, where an
-    engine's hooks (DeepSpeed ZeRO-3, an FSDP2 unit of its own) have gathered the weight: called outside that call,
-    such an lm_head gets the reason its partitioned or sharded weight gives."""
+    This is the one decision of the card. `training_step`: train() and grad enabled. An lm_head whose engine gathers its
+    weight in its own call (ZeRO-3, an FSDP2 unit) gets its partitioned weight's reason here: the layers judge the
+    tensors inside that call."""
     return _call_unavailable_reason(
         lm_head, labels, loss_function, logits_to_keep, training_step
     ) or _tensors_unavailable_reason(hidden_states, lm_head, labels, vocab_size)
@@ -138,7 +78,9 @@ def _call_unavailable_reason(
         return "no labels (inference or generation): the logits are computed and returned as eager computes them"
     if not training_step:
         return "not a training step (the model in eval(), or gradients off): evaluation keeps the class's forward"
-    if loss_function is not None and not is_default_causal_lm_loss(loss_function):
+    # transformers' ForCausalLMLoss, recognised without importing it
+    loss_name = getattr(loss_function, "__module__", None), getattr(loss_function, "__name__", None)
+    if loss_function is not None and loss_name != ("transformers.loss.loss_utils", "ForCausalLMLoss"):
         name = getattr(loss_function, "__qualname__", type(loss_function).__name__)
         return f"the model's loss_function is {name}, not transformers' ForCausalLMLoss"
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
@@ -199,9 +141,11 @@ def linear_cross_entropy(
     chunk_tokens: int | None = None,
     **loss_kwargs,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(loss, logits) of `lm_head` then transformers' causal-LM loss: chunked npu_cross_entropy_loss with logits None,
-    or `linear_cross_entropy_eager`'s, as `linear_cross_entropy_unavailable_reason` decides. loss_kwargs: what the
-    model's forward passes its loss_function (num_items_in_batch, ignore_index, shift_labels, and others it ignores)."""
+    """Return (loss, logits) of `lm_head` then transformers' causal-LM loss, fused when it can be.
+
+    They come from chunked npu_cross_entropy_loss with logits None, or `linear_cross_entropy_eager`'s, as
+    `linear_cross_entropy_unavailable_reason` decides. loss_kwargs: what the model's forward passes its loss_function
+    (num_items_in_batch, ignore_index, shift_labels, and others it ignores)."""
     if ran_eager(None, _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep)):
         return linear_cross_entropy_eager(
             hidden_states, lm_head, labels, vocab_size, loss_function=loss_function, logits_to_keep=logits_to_keep,
@@ -220,9 +164,10 @@ def loss_in_lm_head_call(
     loss_kwargs: dict,
     module: nn.Module | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(loss, logits) for a call whose own part of the decision passed: computed as lm_head's call (see the module's
-    docstring), whose forward decides on the tensors as its hooks made them (recorded for `module`, the layer's): the
-    fused loss, or the Linear's logits, which eager's loss then takes."""
+    """Return (loss, logits) of a call whose own part of the decision passed, deciding in lm_head's call.
+
+    They are computed as lm_head's call deciding on its tensors there (recorded for `module`, the layer's): the fused
+    loss, or eager's loss on the Linear's logits."""
     fused = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -240,8 +185,7 @@ def loss_in_lm_head_call(
 def _fused_loss(
     hidden_states: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, chunk_tokens: int | None, loss_kwargs: dict
 ) -> torch.Tensor:
-    """The fused loss of lm_head's (whole) parameters on these hidden states, in the form `chunked_form_pays` picks
-    (or the chunked form at `chunk_tokens` when it is given)."""
+    """The fused loss of lm_head's (whole) parameters, in the form `chunked_form_pays` picks (or chunked, if given)."""
     ignore_index = loss_kwargs.get("ignore_index", -100)
     shift_labels = loss_kwargs.get("shift_labels")
     if shift_labels is None:
@@ -265,7 +209,11 @@ def _fused_loss(
     needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     with torch.autocast(device_type, enabled=False):  # the chunks' matmuls in that dtype, nothing cast again
         if chunk_tokens is None and not chunked_form_pays(hidden.shape[0], hidden.shape[1], needs_grad):
-            total = _loss_keeping_log_probs(hidden, weight, bias, targets, counted)
+            total = None  # the log-probability form: autograd through the op, which keeps its log-probabilities
+            for start in range(0, hidden.shape[0], MAX_ROWS):
+                rows = slice(start, start + MAX_ROWS)
+                part = _chunk(hidden[rows], weight, bias, targets[rows], counted[rows], rows, (None, None, None))
+                total = part if total is None else total + part
         else:
             chunk = min(chunk_tokens or default_chunk_tokens(*hidden.shape), MAX_ROWS)
             total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, chunk)
@@ -274,23 +222,9 @@ def _fused_loss(
 
 
 def _counted_loss_eager(hidden, weight, bias, targets, counted) -> torch.Tensor:
-    """The counted tokens' summed loss in eager's ops (float32 logits, cross-entropy): what a recorded backward
-    (create_graph) differentiates, the device's loss backward having no derivative."""
+    """The counted tokens' summed loss in eager's ops, which a recorded backward (create_graph) differentiates."""
     per_token = F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")
     return torch.where(counted, per_token, 0.0).sum()
-
-
-def _loss_keeping_log_probs(hidden, weight, bias, targets, counted) -> torch.Tensor:
-    """The log-probability form: the counted tokens' summed loss, chunks of at most MAX_ROWS tokens, autograd through
-    the op (which keeps each chunk's float32 log-probabilities, as eager keeps its log-softmax)."""
-    total = None
-    for start in range(0, hidden.shape[0], MAX_ROWS):
-        rows = slice(start, start + MAX_ROWS)
-        logits = F.linear(hidden[rows], weight, bias).float()
-        per_token = torch_npu.npu_cross_entropy_loss(logits, targets[rows], reduction="none")[0]
-        chunk_sum = torch.where(counted[rows], per_token, 0.0).sum()
-        total = chunk_sum if total is None else total + chunk_sum
-    return total
 
 
 def linear_cross_entropy_eager(
@@ -303,8 +237,10 @@ def linear_cross_entropy_eager(
     logits_to_keep: int | torch.Tensor = 0,
     **loss_kwargs,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The transformers forward's lm_head and loss lines: `logits = lm_head(hidden[:, slice])`, then, with labels,
-    the model's loss_function (ForCausalLMLoss's math when none is given) on them."""
+    """Run the transformers forward's lm_head and loss lines.
+
+    They are `logits = lm_head(hidden[:, slice])`, then, with labels, the model's loss_function (ForCausalLMLoss's math
+    when none is given) on them."""
     positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     logits = lm_head(hidden_states[:, positions, :])
     if labels is None:
@@ -318,17 +254,40 @@ def _loss_of_logits(logits, labels, vocab_size: int, loss_function: object, loss
     return loss_function(logits=logits, labels=labels, vocab_size=vocab_size, **loss_kwargs)
 
 
+def causal_lm_loss_eager(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """Compute transformers 5.22.2's ForCausalLMLoss, op for op.
+
+    It is copied here (the card imports no transformers: a direct call of a `linear_cross_entropy*` function without a
+    loss_function runs this); other keywords ignored, as it ignores them."""
+    logits = logits.float()
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+    logits, shift_labels = logits.view(-1, vocab_size), shift_labels.view(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, shift_labels, ignore_index=ignore_index)
+    loss = F.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
+    return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+
+
 _LINEAR_FORWARD = nn.Linear.forward
 
 
 class _StandInForward:
-    """lm_head's forward while `_call_with_forward` calls are under way: runs, in a thread that set one, the forward
-    given for its call (once); in every other thread, and in that one afterwards, nn.Linear's forward."""
+    """lm_head's forward while `_call_with_forward` calls are under way.
+
+    It runs, in a thread that set one, the forward given for its call (once); in every other thread, and in that one
+    afterwards, nn.Linear's forward."""
 
     def __init__(self, module: nn.Module):
-        self.module = module
-        self.calls = 0
-        self.pending = threading.local()
+        self.module, self.calls, self.pending = module, 0, threading.local()
 
     def __call__(self, *args, **kwargs):
         forward = getattr(self.pending, "forward", None)
@@ -342,10 +301,10 @@ _STAND_IN_LOCK = threading.Lock()
 
 
 def _call_with_forward(module: nn.Module, forward, *args):
-    """`module(*args)` with `forward` in place of its forward for this call only: its hooks run around `forward` as
-    around its own. The module's own forward is nn.Linear's and held by no instance attribute
-    (`_call_unavailable_reason`): the stand-in is an instance attribute while calls are under way, then removed;
-    calls of other threads in the meantime run nn.Linear's forward."""
+    """Return `module(*args)` with `forward` in place of its forward, for this call only.
+
+    Its forward is nn.Linear's, held by no instance attribute; it is replaced so that its hooks run around `forward`:
+    the stand-in is an instance attribute while calls are under way, then removed."""
     with _STAND_IN_LOCK:
         stand_in = instance_forward(module)
         if stand_in is None:
@@ -360,31 +319,6 @@ def _call_with_forward(module: nn.Module, forward, *args):
             stand_in.calls -= 1
             if stand_in.calls == 0:
                 del module.forward
-
-
-def causal_lm_loss_eager(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    vocab_size: int,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    ignore_index: int = -100,
-    shift_labels: torch.Tensor | None = None,
-    **kwargs,
-) -> torch.Tensor:
-    """transformers 5.22.2's ForCausalLMLoss, op for op: float32 logits, shifted labels, cross-entropy 'mean', or
-    'sum' divided by num_items_in_batch; other keywords ignored, as it ignores them."""
-    logits = logits.float()
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
-    logits = logits.view(-1, vocab_size)
-    shift_labels = shift_labels.view(-1).to(logits.device)
-    reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = F.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
-    if reduction == "sum":
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -408,22 +342,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
-        grad_hidden, grad_weight, grad_bias, any_counted = ctx.saved_tensors
+        *grads, any_counted = ctx.saved_tensors
         # no counted token: every gradient is 0, as eager's, whatever the incoming one (1 / 0 when its loss is 0 / 0)
         scale = torch.where(any_counted, grad_total.float(), 0.0)
-        # new tensors (the saved ones stay as they are for a second backward), each rounded once to its dtype
-        return (
-            None if grad_hidden is None else grad_hidden * scale,
-            None if grad_weight is None else (grad_weight * scale).to(ctx.weight_dtype),
-            None if grad_bias is None else (grad_bias * scale).to(ctx.weight_dtype),
-            None,
-            None,
-            None,
-        )
+        # new tensors (the saved ones stay for a second backward), each rounded once to the parameters' dtype (dL/dh
+        # is in it already: that cast is no op)
+        scaled = (None if grad is None else (grad * scale).to(ctx.weight_dtype) for grad in grads)
+        return *scaled, None, None, None
 
 
 def _chunk(h, weight, bias, target, mask, rows: slice, grads: tuple) -> torch.Tensor:
-    """One chunk: its summed loss over the counted rows; adds its share into the gradients that are not None.
+    """Return one chunk's summed loss over the counted rows; add its share into the gradients that are not None.
+
     (A function, so that every [chunk, V] buffer is freed when it returns.)"""
     grad_hidden, grad_weight, grad_bias = grads
     logits = F.linear(h, weight, bias).float()
