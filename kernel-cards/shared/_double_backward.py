@@ -18,11 +18,12 @@ import torch
 def with_eager_double_backward(
     fused: torch.Tensor | tuple[torch.Tensor, ...], eager: Callable[..., object], *inputs: torch.Tensor | None
 ):
-    """`fused` (the fused op's output, a tensor or a tuple of them, computed from `inputs`) as it is; its gradient is
-    the fused op's in a plain backward and, in a backward autograd records, that of `eager(*inputs)` (the same
-    structure as `fused`), differentiable. Costs nothing unless autograd records this forward."""
-    tensors = [t for t in inputs if t is not None]
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+    """Return `fused` as it is, with eager's gradient where autograd records the backward.
+
+    `fused` is the fused op's output, a tensor or a tuple of them, computed from `inputs`. Its gradient is the fused
+    op's in a plain backward and, in a backward autograd records, that of `eager(*inputs)` (the same structure as
+    `fused`), differentiable. Costs nothing unless autograd records this forward."""
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
         return fused
     outputs = (fused,) if isinstance(fused, torch.Tensor) else tuple(fused)
     result = _EagerWhenRecorded.apply(eager, len(outputs), *outputs, *inputs)
@@ -32,8 +33,10 @@ def with_eager_double_backward(
 
 
 class _EagerWhenRecorded(torch.autograd.Function):
-    """The identity on the fused outputs; its backward hands the gradient to the fused op's node, or, recorded, to
-    eager's math on the inputs (and none to the fused op's node, whose backward has no derivative)."""
+    """The identity on the fused outputs, with eager's math in a backward autograd records.
+
+    Its backward hands the gradient to the fused op's node, or, recorded, to eager's math on the inputs (and none to the
+    fused op's node, whose backward has no derivative)."""
 
     @staticmethod
     def forward(ctx, eager, count: int, *tensors):

@@ -30,9 +30,17 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The floating-point dtypes the fused torch_npu ops of the cards take."""
 
 
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     """A DTensor (tensor parallel, or FSDP2's sharded parameter outside its forward), without importing it."""
-    return type(t).__module__.startswith("torch.distributed.tensor")
+    return type(t).__module__.startswith(_DTENSOR_MODULE)
+
+
+_ON_NPU: dict[torch.device, bool] = {}
+"""Whether each device seen is an npu device (a torch.device is a value: its type never changes): a lookup per tensor,
+where reading `device.type` makes a new string each time."""
 
 
 def npu_unavailable_reason(*tensors: torch.Tensor) -> str | None:
@@ -40,11 +48,15 @@ def npu_unavailable_reason(*tensors: torch.Tensor) -> str | None:
     if torch_npu is None:
         return "torch_npu is not installed (torch-universal build on a host without an NPU)"
     for t in tensors:
-        if is_dtensor(t):
+        if type(t).__module__.startswith(_DTENSOR_MODULE):  # is_dtensor(t), its call saved: this runs on every call
             return (
                 f"a DTensor ({', '.join(map(str, t.placements))}): the fused op has no sharding rule, so the "
                 "eager math runs on the DTensor (tensor parallel)"
             )
-        if t.device.type != "npu":
-            return f"tensor on {t.device.type}, not on an npu device"
+        device = t.device
+        on_npu = _ON_NPU.get(device)
+        if on_npu is None:
+            on_npu = _ON_NPU[device] = device.type == "npu"
+        if not on_npu:
+            return f"tensor on {device.type}, not on an npu device"
     return None

@@ -1,5 +1,6 @@
-"""The weight forms in which transformers' RMSNorm classes scale the normalised input (the build copies this file
-into each card that fuses an RMSNorm: npu-rms-norm, npu-add-rms-norm).
+"""The weight forms in which transformers' RMSNorm classes scale the normalised input.
+
+The build copies this file into each card that fuses an RMSNorm: npu-rms-norm, npu-add-rms-norm.
 
 - "plain" (LlamaRMSNorm): `weight * normalize(x).to(dtype)`;
 - "zero_centered" (GemmaRMSNorm): `(normalize(x) * (1 + weight.float())).to(dtype)`;
@@ -34,15 +35,19 @@ def check_scaling(scaling: object) -> None:
 
 
 def epsilon_of(norm: nn.Module) -> float | None:
-    """An RMSNorm's epsilon: transformers names it `variance_epsilon` (Llama family) or `eps` (Gemma family); None
-    when the module has neither."""
+    """An RMSNorm's epsilon, or None when the module has neither of the names transformers gives it.
+
+    transformers names it `variance_epsilon` (Llama family) or `eps` (Gemma family).
+    """
     eps = getattr(norm, "variance_epsilon", None)
     return getattr(norm, "eps", None) if eps is None else eps
 
 
 def rms_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
-    """The forward of transformers' LlamaRMSNorm, Gemma3RMSNorm or Olmo2RMSNorm (by `scaling`), operation for
-    operation."""
+    """The forward of transformers' LlamaRMSNorm, Gemma3RMSNorm or Olmo2RMSNorm, operation for operation.
+
+    Which of the three is chosen by `scaling`.
+    """
     check_scaling(scaling)
     input_dtype = x.dtype
     h = x.to(torch.float32)
@@ -60,17 +65,21 @@ holds its own copy of this file)."""
 
 
 def computes_the_norm_forward(forward):
-    """Mark a card layer's forward as computing what the forward of the norm class it replaces computes
-    (npu-rms-norm's layers)."""
+    """Mark a card layer's forward as computing what the forward of the norm class it replaces computes.
+
+    The layers so marked are npu-rms-norm's.
+    """
     setattr(forward, NORM_FORWARD_MARK, True)
     return forward
 
 
 def norm_forward_replaced(norm: nn.Module) -> bool:
-    """Whether calling `norm` runs a forward set on its instance that may compute something else than its class's:
-    anything but the binding kernelize makes there (`MethodType(layer.forward, norm)`) of the class's own forward or
-    of a layer marked by `computes_the_norm_forward`. accelerate's add_hook_to_module, a user's wrapper, another
-    library's kernel are replacements."""
+    """Whether calling `norm` runs a forward set on its instance that may compute something else than its class's.
+
+    Such a forward is anything but the binding kernelize makes there (`MethodType(layer.forward, norm)`) of the class's
+    own forward or of a layer marked by `computes_the_norm_forward`. accelerate's add_hook_to_module, a user's wrapper,
+    another library's kernel are replacements.
+    """
     forward = instance_forward(norm)
     if forward is None:
         return False

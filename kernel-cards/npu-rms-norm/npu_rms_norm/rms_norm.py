@@ -32,31 +32,38 @@ def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: 
     reason = npu_unavailable_reason(x, weight)
     if reason is not None:
         return reason
-    if x.dtype not in FUSED_DTYPES:
-        return f"dtype {x.dtype} is not supported by npu_rms_norm (float16, bfloat16, float32)"
-    if scaling == "plain" and weight.dtype != x.dtype:
-        return f"weight dtype {weight.dtype} differs from input dtype {x.dtype}: eager promotes the output dtype"
-    if scaling == "float32_scale" and weight.dtype not in (x.dtype, torch.float32):
-        return f"npu_rms_norm takes a weight in the input dtype or float32, not {weight.dtype} with {x.dtype}"
+    dtype, weight_dtype = x.dtype, weight.dtype
+    if dtype not in FUSED_DTYPES:
+        return f"dtype {dtype} is not supported by npu_rms_norm (float16, bfloat16, float32)"
+    if scaling == "plain":
+        if weight_dtype != dtype:
+            return f"weight dtype {weight_dtype} differs from input dtype {dtype}: eager promotes the output dtype"
+    elif scaling == "float32_scale" and weight_dtype not in (dtype, torch.float32):
+        return f"npu_rms_norm takes a weight in the input dtype or float32, not {weight_dtype} with {dtype}"
     if not 2 <= x.dim() <= 8:
         return f"npu_rms_norm takes 2 to 8 dims, got {x.dim()}"
     if x.numel() == 0:
         return "empty input"
-    if tuple(weight.shape) != tuple(x.shape[-1:]):
-        return f"weight shape {tuple(weight.shape)} does not match the last dim of the input {tuple(x.shape)}"
+    weight_shape, shape = weight.shape, x.shape
+    if weight_shape != shape[-1:]:  # torch.Size compares as the tuple it is
+        return f"weight shape {tuple(weight_shape)} does not match the last dim of the input {tuple(shape)}"
     return None
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain", *, module: nn.Module | None = None
 ) -> torch.Tensor:
-    """RMSNorm of the last dim of x, scaled by weight the way `scaling` says; fused on npu tensors (second-order
-    gradients: eager's, see the module's docstring) as `rms_norm_unavailable_reason` decides, recorded for `module`
-    (the layer's own, when a layer calls it)."""
+    """RMSNorm of the last dim of x, scaled by weight the way `scaling` says.
+
+    Fused on npu tensors (second-order gradients: eager's, see the module's docstring) as `rms_norm_unavailable_reason`
+    decides, recorded for `module` (the layer's own, when a layer calls it).
+    """
     if ran_eager(module, rms_norm_unavailable_reason(x, weight, scaling)):
         return rms_norm_eager(x, weight, eps, scaling)
     gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
     fused = torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]
+    if not torch.is_grad_enabled():  # autograd records nothing: with_eager_double_backward would return fused as it is
+        return fused
     return with_eager_double_backward(fused, partial(rms_norm_math, eps=eps, scaling=scaling), x, weight)
 
 

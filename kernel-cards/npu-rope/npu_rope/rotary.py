@@ -16,7 +16,7 @@ The contracts relied on are in the project's docs/torch-npu-ops.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Literal
 
 import torch
@@ -74,60 +74,97 @@ Style = str
 
 
 def _rotary_mul_unavailable_reason(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation = "half"
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation = "half", on_npu: bool = False
 ) -> str | None:
-    """Why `npu_rotary_mul` will not rotate 4-D x by cos/sin, or None."""
-    reason = npu_unavailable_reason(x, cos, sin)
-    if reason is not None:
-        return reason
-    if x.dtype not in FUSED_DTYPES:
-        return f"dtype {x.dtype} is not supported by npu_rotary_mul (float16, bfloat16, float32)"
-    if cos.dtype != x.dtype or sin.dtype != x.dtype:
-        return f"cos/sin dtype {cos.dtype}/{sin.dtype} differs from {x.dtype}: eager promotes the output dtype"
+    """Why `npu_rotary_mul` will not rotate 4-D x by cos/sin, or None.
+
+    `on_npu`: x, cos and sin derive from tensors `npu_unavailable_reason` passed (views of them and ops on them give
+    npu tensors, no DTensor), so that check, which they pass too, is not made again.
+    """
+    if not on_npu:
+        reason = npu_unavailable_reason(x, cos, sin)
+        if reason is not None:
+            return reason
+    dtype = x.dtype
+    if dtype not in FUSED_DTYPES:
+        return f"dtype {dtype} is not supported by npu_rotary_mul (float16, bfloat16, float32)"
+    if cos.dtype != dtype or sin.dtype != dtype:
+        return f"cos/sin dtype {cos.dtype}/{sin.dtype} differs from {dtype}: eager promotes the output dtype"
     if x.dim() != 4 or cos.dim() != 4:
         return f"npu_rotary_mul takes 4-D q/k and cos/sin here, got {x.dim()}-D and {cos.dim()}-D"
-    if sin.shape != cos.shape:
-        return f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} differ in shape (npu_rotary_mul takes one shape)"
+    cos_shape = cos.shape
+    if sin.shape != cos_shape:
+        return f"sin {tuple(sin.shape)} and cos {tuple(cos_shape)} differ in shape (npu_rotary_mul takes one shape)"
     if x.numel() == 0:
         return "empty input"
-    head_dim = x.shape[-1]
+    needs_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    return _shapes_reason(x.shape, cos_shape, _swapped(x), rotation, needs_grad)
+
+
+@lru_cache(maxsize=1024)
+def _shapes_reason(
+    x_shape: tuple[int, ...], cos_shape: tuple[int, ...], swapped: bool, rotation: Rotation, needs_grad: bool
+) -> str | None:
+    """The rest of `_rotary_mul_unavailable_reason` for non-empty 4-D x and cos/sin of these shapes.
+
+    The op is given x's BNSD <-> BSND transpose when `swapped` (`_operands`), cos/sin need gradients when `needs_grad`.
+    A function of its arguments alone, so cached (a decode step asks the same question every layer).
+    """
+    head_dim = x_shape[3]
     if head_dim % 2 or head_dim >= 896:
         return f"rotated dim {head_dim} must be even and below 896"
-    try:
-        broadcast = torch.broadcast_shapes(x.shape, cos.shape)
-    except RuntimeError:
-        broadcast = None
-    if broadcast != x.shape:
-        return f"cos {tuple(cos.shape)} does not broadcast to {tuple(x.shape)}"
-    x_op, cos_op, _, _ = _operands(x, cos, cos)
-    needs_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
-    reasons = [_limits_reason(batch, heads, rotation, needs_grad) for batch, heads in _layouts(x_op, cos_op, rotation)]
-    if not reasons:
+    if swapped:
+        layouts = _layouts(_transposed(x_shape), _transposed(cos_shape), rotation)
+    else:
+        layouts = _layouts(x_shape, cos_shape, rotation)
+    if not layouts:
+        # cos fitting a layout broadcasts to x: each of its sizes is x's or 1; so only a cos that fits none may not
+        if any(c != n and c != 1 for c, n in zip(cos_shape, x_shape, strict=True)):  # (x: no size 0)
+            return f"cos {tuple(cos_shape)} does not broadcast to {tuple(x_shape)}"
         return (
-            f"cos {tuple(cos.shape)} is not a form npu_rotary_mul takes for x {tuple(x.shape)} in {rotation!r} mode "
+            f"cos {tuple(cos_shape)} is not a form npu_rotary_mul takes for x {tuple(x_shape)} in {rotation!r} mode "
             "(cos keeps the sequence and last axes, the batch axis too or all four; interleave mode takes cos/sin "
             "without a batch dim)"
         )
+    reasons = [_limits_reason(batch, heads, rotation, needs_grad) for batch, heads in layouts]
     return None if None in reasons else reasons[0]
 
 
-def _layouts(x: torch.Tensor, cos: torch.Tensor, rotation: Rotation) -> list[tuple[int, int]]:
-    """(batch, heads) sizes of each layout (BNSD, BSND, SBND) npu_rotary_mul can read 4-D x and cos as: cos keeps
-    the sequence and last axes, the batch axis too, or all four, and is 1 on the others ('interleave' takes the
-    first form only). A shape can fit several: x [2048, 4, 32, 64] with cos [2048, 4, 1, 64] is BSND and SBND."""
+def _transposed(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """A 4-D shape with axes 1 and 2 swapped (that of `.transpose(1, 2)`)."""
+    return shape[0], shape[2], shape[1], shape[3]
+
+
+_LAYOUT_AXES = ((0, 1, 2), (0, 2, 1), (1, 2, 0))
+"""(batch, heads, sequence) axes of the layouts npu_rotary_mul reads 4-D x as: BNSD, BSND, SBND (D is axis 3)."""
+
+
+def _layouts(x_shape: tuple[int, ...], cos_shape: tuple[int, ...], rotation: Rotation) -> list[tuple[int, int]]:
+    """The (batch, heads) sizes of each layout (BNSD, BSND, SBND) npu_rotary_mul can read 4-D x and cos as.
+
+    It can when cos keeps the sequence and last axes, the batch axis too, or all four, and is 1 on the others
+    ('interleave' takes the first form only). A shape can fit several: x [2048, 4, 32, 64] with cos [2048, 4, 1, 64]
+    is BSND and SBND.
+    """
     found = []
-    for batch_axis, heads_axis in ((0, 1), (0, 2), (1, 2)):
-        seq_axis = 3 - batch_axis - heads_axis
-        forms = ({seq_axis, 3}, {batch_axis, seq_axis, 3}, {0, 1, 2, 3})
-        for kept in forms[:1] if rotation == "interleave" else forms:
-            if tuple(cos.shape) == tuple(x.shape[axis] if axis in kept else 1 for axis in range(4)):
-                found.append((x.shape[batch_axis], x.shape[heads_axis]))
+    for batch_axis, heads_axis, seq_axis in _LAYOUT_AXES:
+        if cos_shape[seq_axis] != x_shape[seq_axis] or cos_shape[3] != x_shape[3]:
+            continue
+        batch, heads = x_shape[batch_axis], x_shape[heads_axis]
+        cos_batch, cos_heads = cos_shape[batch_axis], cos_shape[heads_axis]
+        # the sequence and last axes only; or the batch axis too; or all four ('half' mode takes all three forms)
+        if (cos_batch == 1 and cos_heads == 1) or (
+            rotation != "interleave" and cos_batch == batch and cos_heads in (1, heads)
+        ):
+            found.append((batch, heads))
     return found
 
 
 def _limits_reason(batch: int, heads: int, rotation: Rotation, needs_grad: bool) -> str | None:
-    """Why npu_rotary_mul (or, when cos/sin need gradients, its backward) refuses x read with these batch and heads
-    sizes, or None."""
+    """Why npu_rotary_mul refuses x read with these batch and heads sizes, or None.
+
+    When cos/sin need gradients, the refusal may be its backward's (npu_rotary_mul_backward).
+    """
     if rotation == "interleave" and batch * heads >= 1000:
         return f"batch x heads = {batch * heads} must be below 1000 in interleave mode"
     if rotation == "half" and (batch >= 1000 or heads >= 1000):
@@ -161,22 +198,51 @@ def _rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation:
     Hessian-vector products) the gradient is eager's math on the operands the op keeps (no other tensor is kept),
     so second-order gradients are eager's; a plain backward is the op's."""
     x_op, cos_op, sin_op, swapped = _operands(x, cos, sin)
-    x_op, cos_op, sin_op = x_op.contiguous(), cos_op.contiguous(), sin_op.contiguous()
     out = torch_npu.npu_rotary_mul(x_op, cos_op, sin_op, rotary_mode=rotation)
-    out = with_eager_double_backward(out, partial(_rotate_eager, rotation=rotation), x_op, cos_op, sin_op)
+    if torch.is_grad_enabled():  # else autograd records nothing, and with_eager_double_backward returns out as it is
+        out = with_eager_double_backward(out, partial(_rotate_eager, rotation=rotation), x_op, cos_op, sin_op)
     return out.transpose(1, 2) if swapped else out
 
 
 def _operands(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """What npu_rotary_mul is given: x itself when contiguous, else its BNSD <-> BSND transpose when that is
-    contiguous (True: the output goes back through the same transpose; cos/sin follow, their size-1 axes
-    copy nothing), else x as it is, which the caller makes contiguous (a copy)."""
-    swapped = x.transpose(1, 2)
-    if not x.is_contiguous() and swapped.is_contiguous():
-        return swapped, cos.transpose(1, 2), sin.transpose(1, 2), True
-    return x, cos, sin, False
+    """What npu_rotary_mul is given, contiguous: (x, cos, sin, whether x is transposed).
+
+    x itself when contiguous, else its BNSD <-> BSND transpose when that is contiguous (True: the output goes back
+    through the same transpose; cos/sin follow, their size-1 axes copy nothing), else a contiguous copy of x; cos/sin
+    made contiguous.
+    """
+    if x.is_contiguous():
+        return x, cos.contiguous(), sin.contiguous(), False
+    if _transpose_contiguous(x):
+        x_op, cos_op, sin_op = x.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2)
+        return x_op, cos_op.contiguous(), sin_op.contiguous(), True
+    return x.contiguous(), cos.contiguous(), sin.contiguous(), False
+
+
+def _swapped(x: torch.Tensor) -> bool:
+    """Whether npu_rotary_mul is given 4-D x's BNSD <-> BSND transpose: x is not contiguous and its transpose is."""
+    return not x.is_contiguous() and _transpose_contiguous(x)
+
+
+def _transpose_contiguous(x: torch.Tensor) -> bool:
+    """Whether `x.transpose(1, 2)` (x 4-D) is contiguous as torch judges it, without making the view.
+
+    Contiguous means no elements, or, sizes of 1 aside, each stride the product of the sizes after it; this is read
+    from x's sizes and strides.
+    """
+    sizes, strides = x.shape, x.stride()
+    if 0 in sizes:
+        return True
+    expected = 1
+    for axis in (3, 1, 2, 0):  # the transpose's axes, last first
+        size = sizes[axis]
+        if size != 1:
+            if strides[axis] != expected:
+                return False
+            expected *= size
+    return True
 
 
 def _cann_version() -> tuple[int, int] | None:
@@ -192,13 +258,18 @@ def _cann_text() -> str:
     return str(getattr(torch.version, "cann", None))
 
 
+_IN_PLACE_HEAD_DIMS = (64, 128)
+"""The head dims npu_apply_rotary_pos_emb rotates (all of them)."""
+
 _UB_BYTES = 192 * 1024
 """The on-chip unified buffer of an Atlas A2/A3 AI core, which npu_apply_rotary_pos_emb's q and k heads must fit."""
 
 
 def _in_place_ub_bytes(heads: int, q: torch.Tensor) -> int:
-    """The on-chip memory npu_apply_rotary_pos_emb needs for q's and k's `heads` in all, in q's dtype
-    (aclnnApplyRotaryPosEmbV2's `ub_required`, with its head dim of 128 whatever the head dim)."""
+    """The on-chip memory npu_apply_rotary_pos_emb needs for q's and k's `heads` in all, in q's dtype.
+
+    This is aclnnApplyRotaryPosEmbV2's `ub_required`, with its head dim of 128 whatever the head dim.
+    """
     cast = int(q.dtype == torch.bfloat16)
     dtype_size = q.element_size()
     cast_size = 4 if cast else dtype_size
@@ -210,42 +281,54 @@ def _in_place_unavailable_reason(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    unsqueeze_dim: int = 1,
-    style: Style = "llama",
+    unsqueeze_dim: int,
+    style: Style,
+    devices_reason: str | None,
 ) -> str | None:
-    """Why q and k (cos/sin as transformers passes them, [B or 1, S, D]) are not rotated by one in-place
-    `npu_apply_rotary_pos_emb` call, or None when they are."""
+    """Why q and k are not rotated by one in-place `npu_apply_rotary_pos_emb` call, or None when they are.
+
+    cos/sin are as transformers passes them, [B or 1, S, D]; `devices_reason` is `npu_unavailable_reason(q, k, cos,
+    sin)`, which the caller has.
+    """
     if not torch.is_inference_mode_enabled():
         return "not in inference mode (npu_apply_rotary_pos_emb has no backward and writes q/k in place)"
     if style != "llama":
         return f"style {style!r}: npu_apply_rotary_pos_emb computes Llama's 'half' rotation only"
-    reason = npu_unavailable_reason(q, k, cos, sin)
-    if reason is not None:
-        return reason
+    if devices_reason is not None:
+        return devices_reason
     if not hasattr(torch_npu, "npu_apply_rotary_pos_emb"):
         return "this torch_npu has no npu_apply_rotary_pos_emb (torch_npu >= 2.7 has it)"
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or unsqueeze_dim not in (1, 2):
         return "q/k must be 4-D and cos/sin [B, S, D]"
-    if sin.shape != cos.shape:
-        return f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} differ in shape"
-    if q.dtype not in FUSED_DTYPES or len({q.dtype, k.dtype, cos.dtype, sin.dtype}) != 1:
+    cos_shape = cos.shape
+    if sin.shape != cos_shape:
+        return f"sin {tuple(sin.shape)} and cos {tuple(cos_shape)} differ in shape"
+    dtype = q.dtype
+    if dtype not in FUSED_DTYPES or k.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype:
         return f"q, k and cos/sin must share one of {FUSED_DTYPES}, got {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}"
-    if q.shape[-1] not in (64, 128) or cos.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1]:
-        return f"head dim {q.shape[-1]} (rotary dim {cos.shape[-1]}): the op rotates all of a 64 or 128 head dim"
+    q_shape, k_shape = q.shape, k.shape
+    head_dim = q_shape[-1]
+    if head_dim not in _IN_PLACE_HEAD_DIMS or cos_shape[-1] != head_dim or k_shape[-1] != head_dim:
+        return f"head dim {head_dim} (rotary dim {cos_shape[-1]}): the op rotates all of a 64 or 128 head dim"
     cann = _cann_version()
-    if q.shape[-1] == 64 and (cann is None or cann < (9, 1)):
+    if head_dim == 64 and (cann is None or cann < (9, 1)):
         return f"head dim 64 needs CANN 9.1 or later in npu_apply_rotary_pos_emb (CANN {_cann_text()})"
-    q_bsnd, k_bsnd = (t.transpose(1, 2) if unsqueeze_dim == 1 else t for t in (q, k))
-    if not (q_bsnd.is_contiguous() and k_bsnd.is_contiguous()):
+    # q/k as the op reads them (BSND), judged from their sizes and strides without making the transposes
+    if unsqueeze_dim == 1:
+        bsnd = _transpose_contiguous(q) and _transpose_contiguous(k)
+        q_shape, k_shape = _transposed(q_shape), _transposed(k_shape)
+    else:
+        bsnd = q.is_contiguous() and k.is_contiguous()
+    if not bsnd:
         return "q/k are not BSND in memory (the op would need a copy)"
-    if q.numel() == 0 or k.numel() == 0:
+    if 0 in q_shape or 0 in k_shape:  # no elements
         return "empty input"
-    if cos.shape[:2] != q_bsnd.shape[:2] or k_bsnd.shape[:2] != q_bsnd.shape[:2]:
-        return f"cos {tuple(cos.shape)} must give every batch row its own angles (no broadcast over the batch)"
-    heads = q_bsnd.shape[2] + k_bsnd.shape[2]
+    if cos_shape[:2] != q_shape[:2] or k_shape[:2] != q_shape[:2]:
+        return f"cos {tuple(cos_shape)} must give every batch row its own angles (no broadcast over the batch)"
+    heads = q_shape[2] + k_shape[2]
     if _in_place_ub_bytes(heads, q) > _UB_BYTES:
         return f"{heads} q and k heads in all do not fit npu_apply_rotary_pos_emb's on-chip memory in {q.dtype}"
-    if _share_memory(q_bsnd, k_bsnd):
+    if _share_memory(q, k):  # as their transposes would: a transpose keeps the storage, offset and size
         return "q and k share memory (the in-place op would rotate it twice)"
     return None
 
@@ -288,14 +371,25 @@ def apply_rotary_pos_emb(
         The rotated q and k. In inference mode, where the one-call op applies (see
         `apply_rotary_pos_emb_unavailable_reason(..., in_place=True)`), these are q and k, rotated in place.
     """
-    if fused and _in_place_unavailable_reason(q, k, cos, sin, unsqueeze_dim, style) is None:
-        ran_eager(module, None)
-        q_bsnd, k_bsnd = (t.transpose(1, 2) if unsqueeze_dim == 1 else t for t in (q, k))
-        torch_npu.npu_apply_rotary_pos_emb(q_bsnd, k_bsnd, cos.unsqueeze(2), sin.unsqueeze(2), layout="BSND")
-        return q, k
+    on_npu = False
+    if fused:
+        devices_reason = npu_unavailable_reason(q, k, cos, sin)
+        # q's head dim first (none for a 0-D q): the in-place op takes no other, and is dearer to ask about in full
+        head_dim = q.shape[-1:]
+        if (
+            head_dim
+            and head_dim[0] in _IN_PLACE_HEAD_DIMS
+            and _in_place_unavailable_reason(q, k, cos, sin, unsqueeze_dim, style, devices_reason) is None
+        ):
+            ran_eager(module, None)
+            q_bsnd, k_bsnd = (t.transpose(1, 2) if unsqueeze_dim == 1 else t for t in (q, k))
+            torch_npu.npu_apply_rotary_pos_emb(q_bsnd, k_bsnd, cos.unsqueeze(2), sin.unsqueeze(2), layout="BSND")
+            return q, k
+        on_npu = devices_reason is None
     rotary_style = STYLES[style]
-    cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
-    (q_out, q_reason), (k_out, k_reason) = (_apply(x, cos, sin, rotary_style, fused) for x in (q, k))
+    cos, sin = _angles(cos.unsqueeze(unsqueeze_dim), rotary_style), _angles(sin.unsqueeze(unsqueeze_dim), rotary_style)
+    q_out, q_reason = _apply(q, cos, sin, rotary_style, fused, on_npu)
+    k_out, k_reason = _apply(k, cos, sin, rotary_style, fused, on_npu)
     if fused:
         ran_eager(module, f"q: {q_reason}" if q_reason else f"k: {k_reason}" if k_reason else None)
     return q_out, k_out
@@ -328,30 +422,35 @@ def apply_rotary_pos_emb_unavailable_reason(
     With `in_place=True`: why the one-call in-place `npu_apply_rotary_pos_emb` is not used (the
     two-call `npu_rotary_mul` path may still be), or None when it is.
     """
-    reason = _in_place_unavailable_reason(q, k, cos, sin, unsqueeze_dim, style)
+    devices_reason = npu_unavailable_reason(q, k, cos, sin)
+    reason = _in_place_unavailable_reason(q, k, cos, sin, unsqueeze_dim, style, devices_reason)
     if in_place or reason is None:
         return reason
     rotary_style = STYLES[style]
     cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
     for name, x in (("q", q), ("k", k)):
         x_rot, cos_rot, sin_rot, _ = _prepared(x, cos, sin, rotary_style)
-        reason = _rotary_mul_unavailable_reason(x_rot, cos_rot, sin_rot, rotary_style.rotation)
+        reason = _rotary_mul_unavailable_reason(
+            x_rot, cos_rot, sin_rot, rotary_style.rotation, on_npu=devices_reason is None
+        )
         if reason is not None:
             return f"{name}: {reason}"
     return None
 
 
 def _angles(t: torch.Tensor, style: RotaryStyle) -> torch.Tensor:
-    first_half = t[..., : t.shape[-1] // 2]
-    if style.angles == "doubled":
+    """The per-element cos or sin the op takes, from `t` as transformers passes it (see `RotaryStyle.angles`)."""
+    angles = style.angles
+    if angles == "as_is":
+        return t
+    if angles == "doubled":
         return torch.cat((t, t), dim=-1)
-    if style.angles == "first_half_doubled":
-        return torch.cat((first_half, first_half), dim=-1)
-    if style.angles == "first_half_interleaved":
-        return first_half.repeat_interleave(2, dim=-1)
-    if style.angles == "interleaved":
+    if angles == "interleaved":
         return t.repeat_interleave(2, dim=-1)
-    return t
+    first_half = t[..., : t.shape[-1] // 2]
+    if angles == "first_half_doubled":
+        return torch.cat((first_half, first_half), dim=-1)
+    return first_half.repeat_interleave(2, dim=-1)  # "first_half_interleaved"
 
 
 def _prepared(
@@ -364,7 +463,7 @@ def _prepared(
         compute = torch.promote_types(x.dtype, cos.dtype)
     else:
         compute = None
-    x_rot = x[..., : cos.shape[-1] if style.partial else x.shape[-1]]
+    x_rot = x[..., : cos.shape[-1]] if style.partial else x  # not partial: all of x meets cos/sin
     if style.deinterleave:
         x_rot = torch.cat((x_rot[..., 0::2], x_rot[..., 1::2]), dim=-1)
     if compute is not None:
@@ -373,16 +472,21 @@ def _prepared(
 
 
 def _apply(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RotaryStyle, fused: bool
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RotaryStyle, fused: bool, on_npu: bool
 ) -> tuple[torch.Tensor, str | None]:
-    """(x rotated in `style`, why npu_rotary_mul did not rotate it or None): the op where it applies and `fused`."""
+    """Rotate x in `style`, returning (x rotated, why npu_rotary_mul did not rotate it or None).
+
+    The op rotates where it applies and `fused` (`on_npu`: see `_rotary_mul_unavailable_reason`).
+    """
     x_rot, cos, sin, compute = _prepared(x, cos, sin, style)
-    reason = _rotary_mul_unavailable_reason(x_rot, cos, sin, style.rotation) if fused else "fused=False"
+    reason = _rotary_mul_unavailable_reason(x_rot, cos, sin, style.rotation, on_npu) if fused else "fused=False"
     if reason is None:
         rotated = _rotary_mul(x_rot, cos, sin, style.rotation)
     else:
         rotated = _rotate_eager(x_rot, cos, sin, style.rotation)
     if compute is not None:
         rotated = rotated.to(x.dtype)
+    if not style.partial:  # x_rot has all of x's last dim
+        return rotated, reason
     rotary_dim = x_rot.shape[-1]
     return (rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)), reason
