@@ -1,5 +1,6 @@
-"""Registers npu-hub-kernels' `npu_hub` kernel plugin in LLaMA-Factory as soon as LLaMA-Factory's kernel interface
-is imported, with no change to LLaMA-Factory and no cost until then.
+"""Registers npu-hub-kernels' `npu_hub` kernel plugin in LLaMA-Factory as soon as its kernel interface is imported.
+
+The registration needs no change to LLaMA-Factory and costs nothing until then.
 
 `install()` runs at interpreter startup (the `npu_hub_kernels_llamafactory.pth` file the package installs into
 site-packages) and at `import npu_hub_kernels`. It registers the plugin at once if LLaMA-Factory's kernel interface
@@ -52,8 +53,11 @@ def install() -> None:
 
 
 def register(interface: ModuleType) -> None:
-    """Register the `npu_hub` plugin in this imported kernel interface, once; log (never raise) a failure. Where the
-    environment cannot run npu-hub-kernels (`environment_problem`), the plugin registered refuses with that reason."""
+    """Register the `npu_hub` plugin in this imported kernel interface, once; log (never raise) a failure.
+
+    Where the environment cannot run npu-hub-kernels (`environment_problem`), the plugin registered refuses with
+    that reason.
+    """
     if any(module is interface for module in _attempted):
         return
     _attempted.append(interface)  # first: importing npu_hub_kernels below runs install() again
@@ -89,8 +93,11 @@ LLAMAFACTORY_PINS = (
 
 
 def environment_problem() -> str | None:
-    """Why npu-hub-kernels cannot run in this environment (an installed transformers or kernels outside its pins),
-    or None; read from the installed distributions' metadata, without importing either."""
+    """Why npu-hub-kernels cannot run in this environment, or None.
+
+    The reason is an installed transformers or kernels outside its pins, read from the installed distributions'
+    metadata, without importing either.
+    """
     from importlib.metadata import PackageNotFoundError, requires, version
 
     from packaging.requirements import Requirement
@@ -116,8 +123,10 @@ def environment_problem() -> str | None:
 
 
 def register_refusal(interface: ModuleType, problem: str) -> None:
-    """Register an `npu_hub` plugin that raises RuntimeError(problem) when LLaMA-Factory uses it (either registry
-    kind: 0.9.5's functions, or newer `BaseKernel` classes, which refuse at `check_device`)."""
+    """Register an `npu_hub` plugin that raises RuntimeError(problem) when LLaMA-Factory uses it.
+
+    Either registry kind is served: 0.9.5's functions, or newer `BaseKernel` classes, which refuse at `check_device`.
+    """
 
     def refuse(*args, **kwargs):
         raise RuntimeError(problem)
@@ -131,8 +140,11 @@ def register_refusal(interface: ModuleType, problem: str) -> None:
 
 
 def kernel_class_base(interface: ModuleType) -> type | None:
-    """The `BaseKernel` plugins subclass where the interface's registry takes classes (newer LLaMA-Factory: with
-    `check_device`, next to `KernelPlugin`); None where it takes functions (0.9.5)."""
+    """The `BaseKernel` plugins subclass where the interface's registry takes classes; None where it takes functions.
+
+    The registry takes classes in newer LLaMA-Factory (with `check_device`, next to `KernelPlugin`) and functions
+    in 0.9.5.
+    """
     base_kernel = getattr(sys.modules[interface.KernelPlugin.__module__], "BaseKernel", None)
     return base_kernel if base_kernel is not None and hasattr(base_kernel, "check_device") else None
 

@@ -201,8 +201,11 @@ def render_front_matter(card: Card) -> str:
 
 
 def render_readme(card: Card, variants: list[Variant]) -> str:
-    """The card text (with its version filled in) after the front matter, its benchmark summary when
-    `make bench` has written one, then the supported classes and the table of build variants."""
+    """The card's README after the front matter: its text, benchmark summary, supported classes and build variants.
+
+    The card text comes with its version filled in, then its benchmark summary when `make bench` has written one,
+    then the supported classes and the table of build variants.
+    """
     rows = ["| variant | torch | CANN | CPU |", "|---|---|---|---|"]
     for v in variants:
         if v.cann is None:

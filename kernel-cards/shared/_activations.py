@@ -12,8 +12,10 @@ from ._internals import instance_forward
 
 
 def is_silu(act_fn: Callable | None) -> bool:
-    """Whether an activation is exactly SiLU: `F.silu`, `nn.SiLU` (ACT2FN["swish"]) or transformers'
-    `SiLUActivation` (ACT2FN["silu"]), not a subclass, its forward not swapped for another."""
+    """Return whether an activation is exactly SiLU.
+
+    That is, `F.silu`, `nn.SiLU` (ACT2FN["swish"]) or transformers' `SiLUActivation` (ACT2FN["silu"]), not a subclass,
+    its forward not swapped for another."""
     if act_fn is F.silu:
         return True
     activations = sys.modules.get("transformers.activations")

@@ -20,8 +20,9 @@ logger = logging.getLogger(f"npu_hub_kernels.{CARD}")
 
 
 class EagerRecord:
-    """What a module's layer ran eager for: its last call's reason (None when that call fused), and how many calls
-    each reason sent to eager."""
+    """What a module's layer ran eager for.
+
+    It holds its last call's reason (None when that call fused), and how many calls each reason sent to eager."""
 
     __slots__ = ("counts", "last")
 
@@ -38,8 +39,10 @@ _SAID: set[tuple[type | None, str]] = set()
 
 
 def ran_eager(module: nn.Module | None, reason: str | None) -> bool:
-    """Whether this call runs eager (`reason` is not None), recorded for `module` (the module whose layer runs, None
-    for a direct call of the op) and said once per (module class, reason) at DEBUG."""
+    """Return whether this call runs eager, recording it for `module` and logging it once.
+
+    It does when `reason` is not None; it is recorded for `module` (the module whose layer runs, None for a direct call
+    of the op) and said once per (module class, reason) at DEBUG."""
     if reason is None:
         if id(module) in _LAST_EAGER:
             _LAST_EAGER.discard(id(module))

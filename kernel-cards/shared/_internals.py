@@ -1,5 +1,7 @@
-"""Every private internal of another library a card reads, in one place (the build copies this file into the cards
-that list it): what it reads, why, the versions it was checked against and the public alternative, if any.
+"""Every private internal of another library a card reads, in one place.
+
+The build copies this file into the cards that list it. For each: what it reads, why, the versions it was checked
+against and the public alternative, if any.
 
 A card ships frozen per version to the Hub, so a library release that changes one of these breaks published code:
 this ledger is where to look first. tests/test_kernels_compat.py holds every other file of kernel-cards/ to reading
@@ -155,8 +157,10 @@ def zero3_gathered(tensor: torch.Tensor) -> bool | None:
 
 
 def fsdp2_original_class(module: nn.Module) -> type:
-    """The class whose forward `module` runs: its own, or under FSDP2 (`fully_shard` makes its class a subclass
-    `FSDP<cls>` of FSDPModule and cls, which adds no forward) that cls."""
+    """Return the class whose forward `module` runs, FSDP2's wrapping class aside.
+
+    That is its own, or under FSDP2 (`fully_shard` makes its class a subclass `FSDP<cls>` of FSDPModule and cls, which
+    adds no forward) that cls."""
     fsdp = sys.modules.get("torch.distributed.fsdp")  # imported wherever fully_shard ran
     if fsdp is not None and isinstance(module, fsdp.FSDPModule):
         return type(module).__mro__[type(module)._orig_cls_mro_index]

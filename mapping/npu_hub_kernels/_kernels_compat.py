@@ -195,8 +195,10 @@ def own_kernel_funcs(owner: object) -> dict[str, object] | None:
 
 
 def set_own_kernel_funcs(owner: object, funcs: dict[str, object] | None) -> None:
-    """Make `funcs` the `_kernel_funcs` of a class (kernelize reads it on every instance without its own) or of
-    one module instance; None removes the owner's own."""
+    """Make `funcs` the `_kernel_funcs` of a class or of one module instance; None removes the owner's own.
+
+    On a class, kernelize reads it on every instance without its own.
+    """
     if funcs is None:
         del owner._kernel_funcs
     else:
@@ -214,8 +216,11 @@ def release_instance_forward(module: nn.Module) -> None:
 
 
 def is_layer_forward(function: object) -> bool:
-    """Whether `function` is a forward kernelize binds as a layer's: the `forward` of a layer class of a kernel kernels
-    has loaded (from any repository, npu-hub-kernels' cards or not), or the forward of a kernels function-module."""
+    """Whether `function` is a forward kernelize binds as a layer's.
+
+    Such a forward is the `forward` of a layer class of a kernel kernels has loaded (from any repository,
+    npu-hub-kernels' cards or not), or the forward of a kernels function-module.
+    """
     if getattr(function, "__code__", None) is _FUNCTION_MODULE_FORWARD:
         return True
     for loaded in get_loaded_kernels():
@@ -252,8 +257,10 @@ def _replace_forward_unless_kept(module: nn.Module, layer: type) -> None:
 
 
 def keep_forwards(keeper: ForwardKeeper) -> None:
-    """From now on, kernelize leaves the forward of every module for which `keeper(module)` is true as it is: it binds
-    neither a layer's forward nor the class's own there. Every other module is bound as kernels binds it."""
+    """Make kernelize, from now on, leave the forward of every module for which `keeper(module)` is true as it is.
+
+    It binds neither a layer's forward nor the class's own there. Every other module is bound as kernels binds it.
+    """
     global _forward_keeper, _wrapped_replace_forward
     if _KERNELS_LAYER._replace_forward is not _replace_forward_unless_kept:
         _wrapped_replace_forward = _KERNELS_LAYER._replace_forward
@@ -280,8 +287,11 @@ _FUNCTION_MODULE_FORWARD = type(use_kernel_forward_from_hub("npu-hub-kernels:pro
 
 
 def function_module_function(function_module: object) -> FunctionType | None:
-    """The plain function a kernels function-module (`use_kernel_forward_from_hub` on a function)
-    calls; None for anything else, including a function-module whose class forward was replaced."""
+    """The plain function a kernels function-module calls; None for anything else.
+
+    A function-module is `use_kernel_forward_from_hub` on a function. "Anything else" includes a function-module
+    whose class forward was replaced.
+    """
     forward = type(function_module).__dict__.get("forward")
     if not inspect.isfunction(forward) or forward.__code__ is not _FUNCTION_MODULE_FORWARD:
         return None
@@ -289,8 +299,11 @@ def function_module_function(function_module: object) -> FunctionType | None:
 
 
 def attached_at_construction(cls: type) -> tuple[object, ...]:
-    """The functions `use_kernelized_func` attaches to every instance of `cls` as it is built (its `_kernel_funcs`),
-    read from the closure of the `__init__` the decorator put on the class; () for a class it did not decorate."""
+    """The functions `use_kernelized_func` attaches to every instance of `cls` as it is built (its `_kernel_funcs`).
+
+    They are read from the closure of the `__init__` the decorator put on the class; () for a class it did not
+    decorate.
+    """
     init = getattr(cls, "__init__", None)
     cells = getattr(init, "__closure__", None) or ()
     return tuple(item for cell in cells if isinstance(cell.cell_contents, tuple) for item in cell.cell_contents)
@@ -303,8 +316,10 @@ VariantCheck = Callable[[Path, Metadata], object]
 
 
 def get_kernel_validators() -> list[MetadataValidator]:
-    """The metadata checks `get_kernel` makes before an import: python-depends, minimum kernels version, a clean
-    build, the device architecture."""
+    """The metadata checks `get_kernel` makes before an import.
+
+    They check python-depends, the minimum kernels version, a clean build and the device architecture.
+    """
     return [*default_metadata_validators(), ArchValidator()]
 
 
@@ -316,8 +331,11 @@ def hub_resolver(trust_remote_code: bool | list[str]) -> Resolver:
 
 
 def version_commit(repo_id: str, version: int, *, local_files_only: bool) -> str:
-    """The commit the branch `v<version>` of `repo_id` names, as LayerRepository resolves a version: from the
-    Hub's refs, or the cache's when `local_files_only`. Raises ValueError when there is no such version."""
+    """The commit the branch `v<version>` of `repo_id` names, as LayerRepository resolves a version.
+
+    It is read from the Hub's refs, or the cache's when `local_files_only`. Raises ValueError when there is no such
+    version.
+    """
     return resolve_version_spec_as_ref(repo_id, version, local_files_only=local_files_only).target_commit
 
 
@@ -332,8 +350,10 @@ def cached_variant(repo_id: str, revision: str) -> LocalKernel:
 
 
 def load_layer_checked(repository: LayerRepository | LocalLayerRepository, check: VariantCheck) -> type[nn.Module]:
-    """`repository.load()` as kernels runs it, with `check(variant_path, metadata)` called on every variant of
-    the kernel's dependency tree once it is installed (downloaded, when online) and before it is imported.
+    """`repository.load()` as kernels runs it, with `check(variant_path, metadata)` called on every variant.
+
+    `check` sees every variant of the kernel's dependency tree once it is installed (downloaded, when online) and
+    before it is imported.
 
     A LayerRepository loads as `get_kernel` at its resolved revision, a LocalLayerRepository as `get_local_kernel`
     of its folder: the same resolvers and metadata validators, so the same build variant.

@@ -108,8 +108,10 @@ CARDS: dict[str, Card] = _load_cards()
 
 
 def card_piece(package: str, card: Card) -> ModuleType | None:
-    """The card's module `<package>.<card package name>` (a piece found by the card's name), or None when that
-    module does not exist; an import error inside it propagates."""
+    """The card's module `<package>.<card package name>`, or None when that module does not exist.
+
+    It is a piece found by the card's name; an import error inside it propagates.
+    """
     name = f"{package}.{card.python_name}"
     try:
         return importlib.import_module(name)

@@ -131,11 +131,13 @@ class CardReport:
 
 @dataclass
 class ModelReport:
-    """What runs in a model: how many of its modules run each card's layer (`fused`, by card), those whose layer ran
-    eager (`eager`: each with its last reason and every reason, counted), the modules of classes a card lists that
-    run eager on this transformers release because their code is not code the tests proved (`not_proven`), and the
-    modules of swapped classes that run none because kernelize keeps the forward another library set on them
-    (`not_fused`)."""
+    """What runs in a model: which of its modules run a card's layer, which ran eager, and which run none.
+
+    `fused`: how many of its modules run each card's layer, by card. `eager`: those whose layer ran eager, each with
+    its last reason and every reason, counted. `not_proven`: the modules of classes a card lists that run eager on
+    this transformers release because their code is not code the tests proved. `not_fused`: the modules of swapped
+    classes that run none because kernelize keeps the forward another library set on them.
+    """
 
     model_class: str
     fused: dict[str, int]
@@ -181,8 +183,10 @@ class _Refusal(Exception):
 
 
 def diagnose(org: str | None = None, version: int = 1, model: nn.Module | None = None) -> Report:
-    """Diagnose every card of `org` (default as register_npu_kernels) at API version `version`, and what runs in
-    `model` when one is given (`model_report`)."""
+    """Diagnose every card of `org` at API version `version`, and what runs in `model` when one is given.
+
+    `org` defaults as register_npu_kernels'; what runs in `model` is its `model_report`.
+    """
     org = resolve_org(org)
     cards = [_diagnose_card(card, org, version) for card in CARDS.values()]
     host = host_report()
@@ -206,8 +210,11 @@ def diagnose(org: str | None = None, version: int = 1, model: nn.Module | None =
 
 
 def model_report(model: nn.Module) -> ModelReport:
-    """How many modules of `model` run each card's layer, which of them ran eager and why, and which modules of
-    swapped classes keep another library's forward instead, with why (`swapped_modules`, `kept_forwards`)."""
+    """How many modules of `model` run each card's layer, which ran eager and why, and which keep a foreign forward.
+
+    The last are modules of swapped classes that keep another library's forward instead, with why. Read from
+    `swapped_modules` and `kept_forwards`.
+    """
     swaps = swapped_modules(model)
     return ModelReport(
         model_class=type(model).__name__,
@@ -419,8 +426,11 @@ def _hub_refusal(error: Exception) -> _Refusal:
 
 
 def _loader(call: Callable[[], _T], version: int, report: CardReport, copy: Path) -> _T:
-    """Run one of kernels' resolvers; its refusal becomes ours, with the cause huggingface_hub gave. A variant
-    whose metadata.json the resolver cannot read (missing, unparsable, an empty folder) is a damaged `copy`."""
+    """Run one of kernels' resolvers; its refusal becomes ours, with the cause huggingface_hub gave.
+
+    A variant whose metadata.json the resolver cannot read (missing, unparsable, an empty folder) is a damaged
+    `copy`.
+    """
     try:
         return call()
     except FileNotFoundError as error:  # kernels: no variant fits; huggingface_hub: an incomplete snapshot
@@ -478,8 +488,10 @@ def _cache_snapshot(repo_id: str, commit: str) -> Path:
 
 
 def _check_files(report: CardReport, variant_dir: Path, copy: Path) -> Metadata:
-    """The variant's metadata, once its files match the digest in it: the check register_npu_kernels' loader
-    makes before importing a variant (kernels itself does not make it).
+    """The variant's metadata, once its files match the digest in it.
+
+    This is the check register_npu_kernels' loader makes before importing a variant (kernels itself does not make
+    it).
 
     `copy` is what to replace when they do not: the cache snapshot, or the LOCAL_KERNELS folder.
     """

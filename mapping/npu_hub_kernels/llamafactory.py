@@ -85,8 +85,10 @@ def kernel_class(base_kernel: type) -> type:
     """The `npu_hub` plugin as a subclass of newer LLaMA-Factory's `BaseKernel`."""
 
     class NpuHubKernel(base_kernel):
-        """`kernel_config: {name: npu_hub, include_kernels: ...}`; without include_kernels, every card (in this
-        registry the name alone selects the plugin)."""
+        """The plugin `kernel_config: {name: npu_hub, include_kernels: ...}` names.
+
+        Without include_kernels it applies every card (in this registry the name alone selects the plugin).
+        """
 
         @staticmethod
         def check_device() -> None:

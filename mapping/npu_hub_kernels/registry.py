@@ -118,8 +118,10 @@ def register_npu_kernels(
 
 
 def registration() -> dict[str, Any] | None:
-    """The source arguments (org, version, local_dir, trust_remote_code) of the process's last
-    `register_npu_kernels` call that registered cards; None if none did, or since `unregister_npu_kernels()`.
+    """The source arguments of the process's last `register_npu_kernels` call that registered cards, or None.
+
+    The arguments are org, version, local_dir and trust_remote_code. None if no call registered cards, or since
+    `unregister_npu_kernels()`.
 
     Pass them to `register_npu_kernels` or `apply_npu_kernels` to load more cards from the same place.
     """
@@ -127,8 +129,11 @@ def registration() -> dict[str, Any] | None:
 
 
 def unregister_npu_kernels() -> None:
-    """Undo the retagging, wrapping and attaching, and release the card forward kernelize bound on the rotary
-    function-modules a family's models share (the mapping entries stay, unused)."""
+    """Undo the retagging, wrapping and attaching, and release the card forward bound on shared rotary functions.
+
+    That forward is the one kernelize bound on the rotary function-modules a family's models share. The mapping
+    entries stay, unused.
+    """
     global _registration
     _registration = None
     retag.restore()
@@ -140,8 +145,9 @@ def apply_npu_kernels(
     mode: Mode | None = None,
     **register_kwargs,
 ) -> nn.Module:
-    """Register the selected cards and kernelize `model` for "npu" with those cards only (LLaMA-Factory's
-    `apply_default_kernels`).
+    """Register the selected cards and kernelize `model` for "npu" with those cards only.
+
+    It is the counterpart of LLaMA-Factory's `apply_default_kernels`.
 
     The selection applies to `model` whatever was registered before: the layers of cards registered
     earlier but not selected now keep (or get back) their original forward in `model`. The rotary
@@ -179,8 +185,11 @@ def apply_npu_kernels(
 
 
 def _repository(card: Card, layer: str, *, org: str, version: int, local_dir, trust):
-    """kernels' repository of one layer of `card`; it refuses to import a build variant whose files fail the
-    digest in its metadata.json (npu_hub_kernels.integrity)."""
+    """kernels' repository of one layer of `card`, which checks each build variant's files before importing it.
+
+    It refuses to import a build variant whose files fail the digest in its metadata.json
+    (npu_hub_kernels.integrity).
+    """
     if local_dir is None:
         return CheckedLayerRepository(card.repo_id(org), layer_name=layer, version=version, trust_remote_code=trust)
     card_dir = Path(local_dir) / card.repo_name

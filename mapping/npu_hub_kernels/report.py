@@ -1,6 +1,9 @@
-"""What runs where: the modules of a model whose forward is a card's layer, checked against what the code calls (with
-why each last ran eager, as the card recorded it), and the modules of swapped classes that keep a forward another
-library set on them (and so run no card's layer)."""
+"""What runs where: the modules of a model whose forward is a card's layer, and the swapped ones that run none.
+
+The modules whose forward is a card's layer are checked against what the code calls (with why each last ran eager,
+as the card recorded it). The modules of swapped classes that keep a forward another library set on them run no
+card's layer.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +26,13 @@ ROOT_MODULE = "<root>"
 
 @dataclass(frozen=True)
 class Swap:
-    """A module of a model whose forward is a card's layer; `eager_reason`: why its last call ran eager (None when that
-    call fused, or it has not run), `eager_calls`: every reason its calls ran eager for, with how many, as the card's
-    layer recorded them (its `_fallbacks`). `variant` None: a module of a class the card lists that runs eager on this
-    transformers release (its code is not code the tests proved, `models.fingerprints`), `eager_reason` says so."""
+    """A module of a model whose forward is a card's layer, with why its calls ran eager.
+
+    `eager_reason`: why its last call ran eager (None when that call fused, or it has not run), `eager_calls`: every
+    reason its calls ran eager for, with how many, as the card's layer recorded them (its `_fallbacks`). `variant`
+    None: a module of a class the card lists that runs eager on this transformers release (its code is not code the
+    tests proved, `models.fingerprints`), `eager_reason` says so.
+    """
 
     module: str
     module_class: str
@@ -39,8 +45,11 @@ class Swap:
 
 @dataclass(frozen=True)
 class KeptForward:
-    """A module of a class a card swaps that runs no card's layer: another library set its forward, which kernelize
-    keeps (`forward`, that forward's qualified name; `reason`, the sentence saying so)."""
+    """A module of a class a card swaps that runs no card's layer, because kernelize keeps another library's forward.
+
+    Another library set its forward, which kernelize keeps (`forward`, that forward's qualified name; `reason`, the
+    sentence saying so).
+    """
 
     module: str
     module_class: str
@@ -50,8 +59,9 @@ class KeptForward:
 
 
 def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
-    """Which modules of `model` run an npu-hub-kernels layer, from which card and build variant
-    (only those of `card`, e.g. "npu-rope", when given).
+    """Which modules of `model` run an npu-hub-kernels layer, from which card and build variant.
+
+    Only those of `card` (e.g. "npu-rope") are listed when it is given.
 
     Function-modules that a module calls (transformers attaches `apply_rotary_pos_emb` to each
     attention module under `_kernel_funcs`) are listed under the calling module's name and the name
@@ -113,10 +123,13 @@ def _eager_record(build: ModuleType, module: nn.Module) -> object | None:
 
 
 def kept_forwards(model: nn.Module, card: str | None = None) -> list[KeptForward]:
-    """The modules of `model` whose class a card swaps (only `card`'s, when given) but which run no card's layer,
-    because another library set their forward (`foreign_forward`): TRL's fused LM head on a `*ForCausalLM`, accelerate's
-    autocast wrapper of a class's own forward, ... kernelize keeps such a forward (npu-hub-kernels never replaces a
-    forward it did not install), so the module is not fused; named as `swapped_modules` names modules."""
+    """The modules of `model` whose class a card swaps but which run another library's forward, not a card's layer.
+
+    Only `card`'s are listed, when given. Another library set their forward (`foreign_forward`): TRL's fused LM head
+    on a `*ForCausalLM`, accelerate's autocast wrapper of a class's own forward, ... kernelize keeps such a forward
+    (npu-hub-kernels never replaces a forward it did not install), so the module is not fused. Modules are named as
+    `swapped_modules` names them.
+    """
     kept = []
     for qualified, candidate in _candidates(model):
         swapped_by = retagged_card(type(candidate))
@@ -163,17 +176,22 @@ def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def retagged_card(cls: type) -> str | None:
-    """The card whose layer name npu-hub-kernels tagged `cls` with (its own `kernel_layer_name`, e.g.
-    "npu-rms-norm:RMSNorm"); None for a class it did not retag (its subclasses included)."""
+    """The card whose layer name npu-hub-kernels tagged `cls` with, or None.
+
+    The layer name is `cls`'s own `kernel_layer_name`, e.g. "npu-rms-norm:RMSNorm". None for a class it did not retag
+    (its subclasses included).
+    """
     tag = cls.__dict__.get("kernel_layer_name")
     card, _, layer = tag.partition(":") if isinstance(tag, str) else ("", "", "")
     return card if any(c.repo_name == card and layer in c.layers for c in CARDS.values()) else None
 
 
 def foreign_forward(module: nn.Module) -> object | None:
-    """The forward another library set on `module` itself (TRL's fused LM head, accelerate's autocast wrapper, ...);
+    """The forward another library set on `module` itself (TRL's fused LM head, accelerate's autocast wrapper, ...).
+
     None where none is set, or the one set is one kernelize binds: a kernels layer's forward (from any repository)
-    or the class's own."""
+    or the class's own.
+    """
     forward = compat.instance_forward(module)
     if isinstance(forward, MethodType) and (
         forward.__func__ is getattr(type(module), "forward", None) or compat.is_layer_forward(forward.__func__)
@@ -183,9 +201,11 @@ def foreign_forward(module: nn.Module) -> object | None:
 
 
 def qualified_name(function: object) -> str:
-    """`module.qualname` of a function (bound or not) by its code, which `functools.wraps` does not rename (TRL's head
-    takes the name of the class's forward): "trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward"; a
-    callable object's class otherwise."""
+    """`module.qualname` of a function (bound or not) by its code; a callable object's class otherwise.
+
+    The name is its code's, which `functools.wraps` does not rename (TRL's head takes the name of the class's
+    forward): "trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward".
+    """
     function = getattr(function, "__func__", function)
     code = getattr(function, "__code__", None)
     if code is None:
@@ -194,8 +214,10 @@ def qualified_name(function: object) -> str:
 
 
 def _wrapped_functions(forward: object) -> list[object]:
-    """`forward` (a bound method as its function), then what it wraps, and so on: the chain of `__wrapped__` that
-    `functools.wraps` and accelerate's autocast wrapper set."""
+    """`forward` (a bound method as its function), then what it wraps, and so on.
+
+    This is the chain of `__wrapped__` that `functools.wraps` and accelerate's autocast wrapper set.
+    """
     chain: list[object] = []
     while forward is not None and all(forward is not seen for seen in chain):
         forward = getattr(forward, "__func__", forward)
@@ -205,8 +227,7 @@ def _wrapped_functions(forward: object) -> list[object]:
 
 
 def _called_function_modules(module: nn.Module, cache: dict) -> list[tuple[str, nn.Module]]:
-    """(global name, function-module) for each function-module of `module._kernel_funcs` that the
-    module's code calls.
+    """(global name, function-module) for each function-module of `module._kernel_funcs` the module's code calls.
 
     The code calls a module global, not its `_kernel_funcs` entry: an entry counts while that global
     is the entry itself or another instance of its class (the shared original of a deep copy made
@@ -235,8 +256,10 @@ def _called_function_modules(module: nn.Module, cache: dict) -> list[tuple[str, 
 
 
 def _global_lookups(cls: type, forward=None) -> list[tuple[str, dict]]:
-    """(name, globals) of every global name looked up by the methods of `cls` (those of nn.Module
-    aside; `forward`, when given, in place of the class's forward)."""
+    """(name, globals) of every global name looked up by the methods of `cls`.
+
+    The methods of nn.Module are left aside; `forward`, when given, stands in place of the class's forward.
+    """
     methods = {}
     for klass in reversed(cls.__mro__):
         if klass not in nn.Module.__mro__:
@@ -258,8 +281,10 @@ def global_names(code: CodeType) -> set[str]:
 
 
 def card_layer_of(module: nn.Module) -> tuple[ModuleType, str] | None:
-    """(the card's generated `_build` module, the layer name) when kernelize gave `module` a card
-    layer's forward, which runs also inside a wrapper another library put around it since; None otherwise."""
+    """(the card's generated `_build` module, the layer name) when kernelize gave `module` a card layer's forward.
+
+    That forward counts also when it runs inside a wrapper another library put around it since. None otherwise.
+    """
     for function in _wrapped_functions(compat.instance_forward(module)):
         build = _card_build_of(function) if inspect.isfunction(function) else None
         layer = None if build is None else _layer_name_of(function)
@@ -269,9 +294,11 @@ def card_layer_of(module: nn.Module) -> tuple[ModuleType, str] | None:
 
 
 def card_package(module: nn.Module) -> ModuleType | None:
-    """The card package (e.g. the loaded `npu_swiglu`) whose layer kernelize gave `module` (or a function-module
-    such as a swapped `apply_rotary_pos_emb`), for calling the card's functions directly; None when `module`
-    runs no card layer."""
+    """The card package (e.g. the loaded `npu_swiglu`) whose layer kernelize gave `module`, or None.
+
+    `module` may also be a function-module, such as a swapped `apply_rotary_pos_emb`. The package is for calling the
+    card's functions directly; None when `module` runs no card layer.
+    """
     build, _ = card_layer_of(module) or (None, None)
     return None if build is None else sys.modules[build.__name__.rpartition(".")[0]]
 

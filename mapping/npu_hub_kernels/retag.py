@@ -77,8 +77,10 @@ class _Retagging:
     """Module name -> (rule, mapping name) for the rules whose module is not imported yet."""
 
     def record(self, change: Hashable, undo: Callable[[], None], *, replace: bool = False) -> None:
-        """Remember how to undo `change`: the first time it is made (the state before this module touched
-        it), or every time with `replace`."""
+        """Remember how to undo `change`, the first time it is made, or every time with `replace`.
+
+        The first time keeps the state before this module touched it.
+        """
         if replace or change not in self.undo:
             self.undo[change] = undo
 
@@ -145,8 +147,10 @@ def _put_back_global(module: ModuleType, name: str, function: object, function_m
 
 
 def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
-    """Make the rule's class (or function) of an imported module kernelizable under `mapping_name`, when its installed
-    code is proven (`models.fingerprints`)."""
+    """Make the rule's class (or function) of an imported module kernelizable under `mapping_name`, when proven.
+
+    It is proven when its installed code is code the tests proved (`models.fingerprints`).
+    """
     name = rule.class_name
     obj = getattr(module, name, _MISSING)
     if obj is _MISSING:
@@ -185,9 +189,11 @@ def _proven(rule: ClassRule, code: object) -> bool:
 
 
 def _keep_eager(cls: type) -> None:
-    """Have kernelize skip the modules of exactly `cls`, which transformers may have tagged itself (its "RMSNorm"
-    entry maps npu to another hub kernel): while the cards are registered, a listed class left unproven runs its own
-    forward, as it says. Undone by `restore()`."""
+    """Have kernelize skip the modules of exactly `cls`, so that a listed class left unproven runs its own forward.
+
+    transformers may have tagged `cls` itself (its "RMSNorm" entry maps npu to another hub kernel): while the cards
+    are registered, a listed class left unproven runs its own forward, as it says. Undone by `restore()`.
+    """
     if getattr(cls, "kernel_layer_name", None) is None:
         return
     _state.record((cls, "tag"), partial(_untag, cls, _own(cls, "kernel_layer_name"), _own(cls, "kernel_condition")))
@@ -205,8 +211,11 @@ def _stays_eager(rule: ClassRule, reason: str) -> None:
 
 
 def _share(function_module: nn.Module, name: str) -> None:
-    """Make a rotary function-module behave like the function it stands for: named after it (transformers
-    attaches it to models under that name) and shared by deep copies, which call the module global."""
+    """Make a rotary function-module behave like the function it stands for.
+
+    It is named after that function (transformers attaches it to models under that name) and shared by deep copies,
+    which call the module global.
+    """
     _state.record(
         (function_module, "shared"),
         partial(
@@ -228,12 +237,14 @@ def _same_object(self, memo):
 
 
 def _replacement(module: ModuleType, name: str, obj: object) -> str | None:
-    """What another library replaced transformers' function `name` of `module` with (for the log), or
-    None when `obj` is still that function: as shipped, or a function-module made of it (by transformers
-    or the registry) whose class forward is still the one kernels gives it.
+    """What another library replaced transformers' function `name` of `module` with (for the log), or None.
+
+    None when `obj` is still that function: as shipped, or a function-module made of it (by transformers or the
+    registry) whose class forward is still the one kernels gives it.
 
     A forward set on the function-module instance is not a replacement: kernelize owns it (it binds the
-    card's forward there, or the class forward when the function-module is not mapped)."""
+    card's forward there, or the class forward when the function-module is not mapped).
+    """
     if inspect.isfunction(obj):
         return None if _is_shipped(module, name, obj) else f"replaced it with {_qualified(obj)}"
     function = compat.function_module_function(obj)
@@ -262,8 +273,10 @@ def _qualified(obj: object) -> str:
 
 
 def _leave_alone(module: ModuleType, name: str, obj: object, replacement: str, *, card: str) -> None:
-    """Keep another library's rotary function: log it once, and undo what an earlier registration did
-    for this global (the function-module it attached or retagged, which nothing calls any more)."""
+    """Keep another library's rotary function: log it once, and undo what an earlier registration did for this global.
+
+    What it did is the function-module it attached or retagged, which nothing calls any more.
+    """
     if _state.left_alone.get((module, name)) is not obj:
         _state.left_alone[(module, name)] = obj
         logger.warning(
@@ -302,8 +315,11 @@ _KEPT_FORWARDS = "kernelize keeps other libraries' forwards"
 
 
 def keeps_forward(module: nn.Module) -> bool:
-    """Whether kernelize is to leave `module`'s forward as it is: its class is one this module retagged, and another
-    library set its forward (neither a kernels layer's nor the class's own: `report.foreign_forward`)."""
+    """Whether kernelize is to leave `module`'s forward as it is.
+
+    It is to when its class is one this module retagged, and another library set its forward (neither a kernels
+    layer's nor the class's own: `report.foreign_forward`).
+    """
     return retagged_card(type(module)) is not None and foreign_forward(module) is not None
 
 

@@ -1,5 +1,7 @@
-"""npu-add-rms-norm: a decoder layer's residual add and the RMSNorm after it, fused for training on Huawei Ascend NPUs
-(torch_npu.npu_add_rms_norm forward, torch_npu.npu_rms_norm_backward backward)."""
+"""npu-add-rms-norm: a decoder layer's residual add and the following RMSNorm, fused for training on Huawei Ascend NPUs.
+
+The forward is torch_npu.npu_add_rms_norm, the backward torch_npu.npu_rms_norm_backward.
+"""
 
 from . import layers
 from ._build import VARIANT

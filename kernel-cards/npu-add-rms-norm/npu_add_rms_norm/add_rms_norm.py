@@ -1,5 +1,7 @@
-"""A residual add and the RMSNorm of the sum, fused for training: `torch_npu.npu_add_rms_norm` forward (which has no
-backward of its own) and `torch_npu.npu_rms_norm_backward` backward, in this module's autograd function.
+"""A residual add and the RMSNorm of the sum, fused for training in this module's autograd function.
+
+The forward is `torch_npu.npu_add_rms_norm` (which has no backward of its own), the backward
+`torch_npu.npu_rms_norm_backward`.
 
 `add_rms_norm(residual, update, norm, scaling)` returns `(norm(residual + update), residual + update)`: what a
 decoder layer computes between its attention and its MLP. The op adds in the inputs' dtype (the sum is rounded to
@@ -111,8 +113,11 @@ def add_rms_norm(
     *,
     module: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(norm(residual + update), residual + update)`, fused on npu tensors with a backward, as
-    `add_rms_norm_unavailable_reason` decides, recorded for `module` (the decoder layer, when its layer calls it)."""
+    """`(norm(residual + update), residual + update)`, fused on npu tensors with a backward when it can be.
+
+    Whether it is fused is as `add_rms_norm_unavailable_reason` decides, recorded for `module` (the decoder layer,
+    when its layer calls it).
+    """
     if ran_eager(module, add_rms_norm_unavailable_reason(residual, update, norm, scaling, family)):
         return add_rms_norm_eager(residual, update, norm)
     gamma = 1.0 + norm.weight if scaling == "zero_centered" else norm.weight
@@ -122,17 +127,22 @@ def add_rms_norm(
 def add_rms_norm_eager(
     residual: torch.Tensor, update: torch.Tensor, norm: nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' `hidden_states = residual + hidden_states; residual = hidden_states;
+    """transformers' residual add and post-attention norm, the norm called as a module.
+
+    That is `hidden_states = residual + hidden_states; residual = hidden_states;
     hidden_states = self.post_attention_layernorm(hidden_states)`, the norm called as a module (its own forward, or
-    the one another card swapped in)."""
+    the one another card swapped in).
+    """
     summed = residual + update
     return norm(summed), summed
 
 
 class _AddRmsNorm(torch.autograd.Function):
-    """npu_add_rms_norm forward; npu_rms_norm_backward plus the sum's own gradient backward, or, recorded, eager's
-    math differentiated. Keeps the sum (an output), gamma and rstd, as npu_rms_norm's autograd node keeps its input,
-    gamma and rstd."""
+    """npu_add_rms_norm forward; npu_rms_norm_backward plus the sum's own gradient backward.
+
+    A recorded backward differentiates eager's math instead. Keeps the sum (an output), gamma and rstd, as
+    npu_rms_norm's autograd node keeps its input, gamma and rstd.
+    """
 
     @staticmethod
     def forward(ctx, residual: torch.Tensor, update: torch.Tensor, gamma: torch.Tensor, eps: float, scaling: Scaling):
@@ -161,8 +171,10 @@ class _AddRmsNorm(torch.autograd.Function):
 def _eager_grads(
     summed: torch.Tensor, gamma: torch.Tensor, grad_y: torch.Tensor, eps: float, scaling: Scaling, wants_gamma: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The gradients of the norm's eager math at the kept sum and gamma, differentiable in both and in grad_y (what
-    flows back into the sum reaches residual and update through `_AddRmsNorm`'s node again)."""
+    """The gradients of the norm's eager math at the kept sum and gamma, differentiable in both and in grad_y.
+
+    What flows back into the sum reaches residual and update through `_AddRmsNorm`'s node again.
+    """
     # In gamma's terms: a (1 + weight) norm is fused in float32 only, where (h * (1 + weight.float())).type_as(h) is
     # (gamma.float() * h).to(dtype), the float32-scale form.
     form = "plain" if scaling == "plain" else "float32_scale"

@@ -18,8 +18,10 @@ from .add_rms_norm import add_rms_norm
 
 
 def family(layer: nn.Module) -> str:
-    """The modeling file of the layer's transformers class, past the classes torch puts in front of it (FSDP2's
-    `fully_shard` makes the module an instance of a subclass it creates)."""
+    """The modeling file of the layer's transformers class, past the classes torch puts in front of it.
+
+    FSDP2's `fully_shard` makes the module an instance of a subclass it creates.
+    """
     return next(cls.__module__ for cls in type(layer).__mro__ if not cls.__module__.startswith("torch."))
 
 
@@ -54,8 +56,10 @@ def _decoder_layer_forward(
 
 
 class DecoderLayer(nn.Module):
-    """Decoder layers whose post-attention norm scales by its weight (LlamaRMSNorm): Llama, Mistral, Qwen2/3,
-    Qwen2/3-MoE, DeepseekV3, ..."""
+    """Decoder layers whose post-attention norm scales by its weight (LlamaRMSNorm).
+
+    Llama, Mistral, Qwen2/3, Qwen2/3-MoE, DeepseekV3, ...
+    """
 
     has_backward = True
     # torch.compile of the fused path is not verified on Ascend hardware yet.

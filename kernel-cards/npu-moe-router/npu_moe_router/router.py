@@ -97,10 +97,13 @@ def moe_router_top_k(
     cast_weights: bool = True,
     module: nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k], int64 expert ids [T, k]) of transformers' router math: one npu_moe_gating_top_k,
-    `top_logits_softmax` (renormalised softmax), or eager, as `moe_router_top_k_unavailable_reason` decides, recorded
-    for `module` (the router, when its layer calls it). Weights in the logits' dtype, or float32 with
-    `cast_weights=False` (Mixtral's routers return the float32 softmax)."""
+    """(weights [T, k], int64 expert ids [T, k]) of transformers' router math, fused on the NPU when it can be.
+
+    It runs one npu_moe_gating_top_k, `top_logits_softmax` (renormalised softmax), or eager, as
+    `moe_router_top_k_unavailable_reason` decides, recorded for `module` (the router, when its layer calls it).
+    Weights in the logits' dtype, or float32 with `cast_weights=False` (Mixtral's routers return the float32
+    softmax).
+    """
     groups = {"num_groups": num_groups, "topk_groups": topk_groups}
     reason = moe_router_top_k_unavailable_reason(
         router_logits, top_k, scoring=scoring, renormalize=renormalize, bias=bias, **groups
@@ -158,8 +161,11 @@ def _chosen_weights(
 
 
 class _ContiguousGradient(torch.autograd.Function):
-    """The identity, whose backward hands on its gradient contiguous: npu_moe_gating_top_k_backward takes no other
-    grad_y (its doc: 不支持非连续 Tensor), and autograd may give a strided one (a sum's expanded gradient)."""
+    """The identity, whose backward hands on its gradient contiguous.
+
+    npu_moe_gating_top_k_backward takes no other grad_y (its doc: 不支持非连续 Tensor), and autograd may give a
+    strided one (a sum's expanded gradient).
+    """
 
     @staticmethod
     def forward(ctx, weights: torch.Tensor) -> torch.Tensor:
@@ -171,8 +177,11 @@ class _ContiguousGradient(torch.autograd.Function):
 
 
 def top_logits_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 weights, int64 ids) of a renormalised softmax router in two ops: the top-k logits, then their
-    float32 softmax (equal to `softmax(logits)[top-k] / sum`; see the module's docstring for ties)."""
+    """(float32 weights, int64 ids) of a renormalised softmax router in two ops.
+
+    The ops: the top-k logits, then their float32 softmax (equal to `softmax(logits)[top-k] / sum`; see the module's
+    docstring for ties).
+    """
     top = torch.topk(router_logits, top_k, dim=-1)
     return torch.softmax(top.values, dim=-1, dtype=torch.float32), top.indices
 
@@ -190,8 +199,10 @@ def moe_router_top_k_eager(
     routed_scaling_factor: float = 1.0,
     cast_weights: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same routing with transformers' ops, op for op (Qwen2-MoE's, Mixtral's and DeepSeek-V3's routers); the
-    weights in the logits' dtype, or float32 with `cast_weights=False` (Mixtral)."""
+    """The same routing with transformers' ops, op for op (Qwen2-MoE's, Mixtral's and DeepSeek-V3's routers).
+
+    The weights are in the logits' dtype, or float32 with `cast_weights=False` (Mixtral).
+    """
     if scoring == "softmax":
         probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
     elif scoring == "sigmoid":

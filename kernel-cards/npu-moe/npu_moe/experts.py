@@ -57,14 +57,19 @@ rather than a loop over experts (measured on CPU: see `make bench`)."""
 
 
 class _ActFnWatched(str):
-    """A reason that is about act_fn's call being watched: the module's own forward, which calls act_fn as eager
-    does, is the eager path (the layer runs it where the class has one)."""
+    """A reason that is about act_fn's call being watched.
+
+    For such a reason the module's own forward, which calls act_fn as eager does, is the eager path (the layer runs
+    it where the class has one).
+    """
 
 
 def _act_fn_call_unavailable_reason(act_fn) -> _ActFnWatched | None:
-    """Why the experts must call their `act_fn` module as eager does rather than compute its SiLU themselves: hooks
-    of the user's own on it (DeepSpeed's and FSDP2's aside), a forward replaced on its instance (as accelerate's
-    hooks replace it), or module hooks registered for every module; or None."""
+    """Why the experts must call their `act_fn` module as eager does rather than compute its SiLU themselves, or None.
+
+    The reasons: hooks of the user's own on it (DeepSpeed's and FSDP2's aside), a forward replaced on its instance
+    (as accelerate's hooks replace it), or module hooks registered for every module.
+    """
     forward = instance_forward(act_fn) if isinstance(act_fn, nn.Module) else None
     if forward is not None and getattr(forward, "__func__", None) is not type(act_fn).forward:
         return _ActFnWatched("act_fn's forward is replaced on its instance: the experts call it, as eager does")
@@ -90,10 +95,12 @@ def swiglu_experts_unavailable_reason(
     act_fn,
     top_k_weights: torch.Tensor | None = None,
 ) -> str | None:
-    """Why the grouped-matmul path will not run for these inputs, or None when it will (`top_k_weights`, when
-    given, is checked too: npu_moe_token_unpermute takes it as its probs). One condition only the fused path's own
-    per-expert counts show: a placeholder id E in top_k_index (expert parallelism) runs eager, saying so
-    (`PLACEHOLDER_IDS`)."""
+    """Why the grouped-matmul path will not run for these inputs, or None when it will.
+
+    `top_k_weights`, when given, is checked too: npu_moe_token_unpermute takes it as its probs. One condition only
+    the fused path's own per-expert counts show: a placeholder id E in top_k_index (expert parallelism) runs eager,
+    saying so (`PLACEHOLDER_IDS`).
+    """
     watched = _act_fn_call_unavailable_reason(act_fn)
     if not is_silu(act_fn):
         reason = f"activation {act_fn!r} is not SiLU"
@@ -166,8 +173,10 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor)
 
 
 def _list_type(counts: torch.Tensor) -> int:
-    """group_list_type for the per-expert counts: 1 (counts), or 0 (cumsum) for a single expert, whose one count
-    is its cumsum: npu_grouped_matmul refuses a counts list of length 1."""
+    """group_list_type for the per-expert counts: 1 (counts), or 0 (cumsum) for a single expert.
+
+    A single expert's one count is its cumsum: npu_grouped_matmul refuses a counts list of length 1.
+    """
     return 1 if counts.numel() > 1 else 0
 
 
@@ -179,8 +188,10 @@ def swiglu_experts(
     down_proj: torch.Tensor,
     act_fn: Callable,
 ) -> torch.Tensor:
-    """transformers' Experts forward: grouped matmuls on the NPU, `swiglu_experts_eager` where
-    `swiglu_experts_unavailable_reason` says they do not apply."""
+    """transformers' Experts forward, as grouped matmuls on the NPU where they apply.
+
+    It runs `swiglu_experts_eager` where `swiglu_experts_unavailable_reason` says they do not apply.
+    """
     reason = swiglu_experts_unavailable_reason(
         hidden_states, top_k_index, gate_up_proj, down_proj, act_fn, top_k_weights=top_k_weights
     )
@@ -244,10 +255,12 @@ def swiglu_experts_eager(
     down_proj: torch.Tensor,
     act_fn: Callable,
 ) -> torch.Tensor:
-    """The same experts math without NPU ops: the token copies sorted by expert once, then one matmul
-    per non-empty expert, or, for many experts with few rows each (where a Python loop of small
-    matmuls costs more than the math), torch's grouped matmul per projection; weighted and summed
-    back per token."""
+    """The same experts math without NPU ops.
+
+    The token copies are sorted by expert once, then one matmul runs per non-empty expert, or, for many experts with
+    few rows each (where a Python loop of small matmuls costs more than the math), torch's grouped matmul per
+    projection; the results are weighted and summed back per token.
+    """
     experts = gate_up_proj.shape[0]
     top_k = top_k_index.shape[1]
     flat = top_k_index.flatten()

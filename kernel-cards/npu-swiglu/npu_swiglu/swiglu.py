@@ -144,8 +144,10 @@ def _save_rows(ctx, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch
 
 
 def _gate_up_gradients(ctx, grad_gate: torch.Tensor, grad_up: torch.Tensor, grad_rows: Callable) -> tuple:
-    """The gradients of (x, gate weight, up weight, gate bias, up bias) from those of gate_proj(x) and up_proj(x):
-    dx from `grad_rows(gate_weight, up_weight)`, each weight's from its own matmul, into a tensor of its own."""
+    """The gradients of (x, gate weight, up weight, gate bias, up bias) from those of gate_proj(x) and up_proj(x).
+
+    dx comes from `grad_rows(gate_weight, up_weight)`, each weight's from its own matmul, into a tensor of its own.
+    """
     rows, gate_weight, up_weight = ctx.saved_tensors
     needs = ctx.needs_input_grad
     return (
@@ -222,8 +224,11 @@ def swiglu_mlp(
     *,
     module: nn.Module | None = None,
 ) -> torch.Tensor:
-    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused on the NPU (the cheaper gate/up matmuls: module doc) as
-    `swiglu_mlp_unavailable_reason` decides, recorded for `module` (the MLP, when its layer calls it)."""
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused on the NPU as `swiglu_mlp_unavailable_reason` decides.
+
+    The fused path takes the cheaper gate/up matmuls (module doc). The path taken is recorded for `module` (the MLP,
+    when its layer calls it).
+    """
     if ran_eager(module, swiglu_mlp_unavailable_reason(x, gate_proj, up_proj, act_fn)):
         return swiglu_mlp_eager(x, gate_proj, up_proj, down_proj, act_fn)
     dtype = _compute_dtype(x)
@@ -241,8 +246,11 @@ def swiglu_mlp(
 
 
 def _gated_eager(x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:
-    """`act_fn(gate_proj(x)) * up_proj(x)` for a SiLU act_fn, on the tensors the fused path reads (autocast's casts
-    made): what a recorded backward differentiates in place of the fused gate/up matmuls and npu_swiglu."""
+    """`act_fn(gate_proj(x)) * up_proj(x)` for a SiLU act_fn, on the tensors the fused path reads.
+
+    Those tensors are the ones autocast's casts made. This is what a recorded backward differentiates in place of the
+    fused gate/up matmuls and npu_swiglu.
+    """
     return F.silu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)
 
 
@@ -261,8 +269,11 @@ def swiglu_mlp_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj
 def swiglu_gate_up_mlp(
     x: torch.Tensor, gate_up_proj: nn.Module, down_proj: nn.Module, act_fn, *, module: nn.Module | None = None
 ) -> torch.Tensor:
-    """`gate, up = gate_up_proj(x).chunk(2, -1)`; `down_proj(up * act_fn(gate))`, fused (gate rows come first) as
-    `swiglu_gate_up_mlp_unavailable_reason` decides, recorded for `module` (the MLP, when its layer calls it)."""
+    """`down_proj(up * act_fn(gate))` for `gate, up = gate_up_proj(x).chunk(2, -1)`, fused on the NPU when it can be.
+
+    It is fused (gate rows come first) as `swiglu_gate_up_mlp_unavailable_reason` decides, recorded for `module`
+    (the MLP, when its layer calls it).
+    """
     if ran_eager(module, swiglu_gate_up_mlp_unavailable_reason(x, gate_up_proj, act_fn)):
         return swiglu_gate_up_mlp_eager(x, gate_up_proj, down_proj, act_fn)
     gate_up = gate_up_proj(x).contiguous()
@@ -270,8 +281,10 @@ def swiglu_gate_up_mlp(
 
 
 def _gate_up_gated_eager(gate_up: torch.Tensor) -> torch.Tensor:
-    """`up * act_fn(gate)` for `gate, up = gate_up.chunk(2, -1)` and a SiLU act_fn (Phi3MLP's): what a recorded
-    backward differentiates in place of npu_swiglu."""
+    """`up * act_fn(gate)` for `gate, up = gate_up.chunk(2, -1)` and a SiLU act_fn (Phi3MLP's).
+
+    This is what a recorded backward differentiates in place of npu_swiglu.
+    """
     gate, up = gate_up.chunk(2, dim=-1)
     return up * F.silu(gate)
 

@@ -1,5 +1,6 @@
-"""What the installed transformers defines, read from its modeling files' source (nothing is imported): the ground each
-model table's `candidates()` surveys.
+"""What the installed transformers defines, read from its modeling files' source (nothing is imported).
+
+This is the ground each model table's `candidates()` surveys.
 
 Paths are relative to `transformers.models`, as in the tables: `<model>.<modeling file>.<name>`.
 """
@@ -54,8 +55,10 @@ def _parsed() -> tuple[tuple[str, ast.Module, str], ...]:
 
 
 def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
-    """The statements of a module's body, those under its top-level `if` and `try` blocks included (a class defined
-    only when an optional dependency is missing is defined at module level all the same)."""
+    """The statements of a module's body, those under its top-level `if` and `try` blocks included.
+
+    A class defined only when an optional dependency is missing is defined at module level all the same.
+    """
     found = []
     for node in body:
         found.append(node)

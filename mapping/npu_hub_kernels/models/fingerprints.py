@@ -45,8 +45,11 @@ def leave_eager(path: str, reason: str) -> bool:
 
 
 def left_eager() -> dict[str, str]:
-    """Class (or rotary function) path -> why the registered cards leave it eager although their tables list it: its
-    installed code is not code the parity tests proved, or this transformers lacks it. Emptied by `forget_eager`."""
+    """Class (or rotary function) path -> why the registered cards leave it eager although their tables list it.
+
+    The reason is that its installed code is not code the parity tests proved, or that this transformers lacks it.
+    Emptied by `forget_eager`.
+    """
     return dict(_left_eager)
 
 
@@ -73,8 +76,10 @@ def fingerprint(obj: object) -> str:
 
 
 def code_of(obj: object) -> object:
-    """What a listed object's fingerprint is taken of: a class or function itself, the function a kernels
-    function-module stands for."""
+    """What a listed object's fingerprint is taken of.
+
+    That is a class or function itself, or the function a kernels function-module stands for.
+    """
     if isinstance(obj, type | FunctionType):
         return obj
     return compat.function_module_function(obj) or obj
@@ -133,9 +138,11 @@ def _resolved(cls: type, name: str) -> Callable | None:
 
 
 def _called(function: FunctionType, owner: type | None) -> list[object]:
-    """What `function` names that transformers defines: its globals (functions, classes; for a function-module, the
-    function it stands for, so that making it kernelizable changes no fingerprint) and, for a method, the methods of
-    `owner` it looks up on self."""
+    """What `function` names that transformers defines: its globals and, for a method, what it looks up on self.
+
+    Its globals are functions and classes (for a function-module, the function it stands for, so that making it
+    kernelizable changes no fingerprint); for a method, the methods of `owner` it looks up on self count too.
+    """
     found = []
     for name in sorted(_names(function.__code__)):
         value = function.__globals__.get(name)
@@ -168,8 +175,10 @@ class _WithoutDocstrings(ast.NodeTransformer):
 
 @functools.cache
 def _normalised(function: FunctionType) -> str:
-    """`function`'s source without comments, docstrings, decorators or formatting (a generated function, such as a
-    dataclass's `__init__`, has none: its argument and global names stand for it)."""
+    """`function`'s source without comments, docstrings, decorators or formatting.
+
+    A generated function, such as a dataclass's `__init__`, has none: its argument and global names stand for it.
+    """
     try:
         source = inspect.getsource(function)
     except OSError:

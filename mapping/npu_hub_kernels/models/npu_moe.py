@@ -98,8 +98,11 @@ LEFT_OUT: dict[str, str] = {
 
 
 def candidates() -> set[str]:
-    """The classes that look like this card's region: every class with its own __init__ named like Experts, or
-    holding 3-D expert weights (a gate_up_proj Parameter)."""
+    """The classes that look like this card's region.
+
+    Those are every class with its own __init__ named like Experts, or holding 3-D expert weights (a gate_up_proj
+    Parameter).
+    """
     return {
         c.path
         for c in _survey.classes()

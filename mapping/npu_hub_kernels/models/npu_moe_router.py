@@ -116,8 +116,10 @@ LEFT_OUT: dict[str, str] = {
 
 
 def candidates() -> set[str]:
-    """The classes that look like this card's region: every class named like a Router, and every Gate whose forward
-    takes a top-k."""
+    """The classes that look like this card's region.
+
+    Those are every class named like a Router, and every Gate whose forward takes a top-k.
+    """
     return {
         c.path
         for c in _survey.classes()

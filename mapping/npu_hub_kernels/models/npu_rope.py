@@ -255,6 +255,9 @@ LEFT_OUT: dict[str, str] = {
 
 
 def candidates() -> set[str]:
-    """The functions that look like this card's region: every module-level apply_rotary_pos_emb(_interleave) a
-    modeling file binds (defined, assigned or imported; decorated or not)."""
+    """The functions that look like this card's region.
+
+    Those are every module-level apply_rotary_pos_emb(_interleave) a modeling file binds (defined, assigned or
+    imported; decorated or not).
+    """
     return set(_survey.module_names(("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")))

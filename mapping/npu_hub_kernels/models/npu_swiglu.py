@@ -206,8 +206,10 @@ LEFT_OUT: dict[str, str] = {
 
 
 def candidates() -> set[str]:
-    """The classes that look like this card's region: every class whose own __init__ builds a gate_up_proj Linear,
-    or both gate_proj and up_proj."""
+    """The classes that look like this card's region.
+
+    Those are every class whose own __init__ builds a gate_up_proj Linear, or both gate_proj and up_proj.
+    """
     found = set()
     for definition in _survey.classes():
         init = definition.method_source("__init__")

@@ -1,5 +1,8 @@
-"""Tiny random-weight transformers models, built from configs (nothing downloaded), for checking a
-kernelized model against eager on any host: used by the demo and the tests, and handy for yours."""
+"""Tiny random-weight transformers models, built from configs, for checking a kernelized model against eager.
+
+Nothing is downloaded, and the check runs on any host: the models are used by the demo and the tests, and handy for
+yours.
+"""
 
 from __future__ import annotations
 
@@ -93,8 +96,10 @@ IMAGE_TEXT_TO_TEXT = {"qwen2_5_vl"}
 
 
 def tiny_config_values(model_type: str, **overrides) -> dict:
-    """The config values of a tiny `model_type` model (a key of TINY_CONFIGS), with `overrides` on top:
-    what `tiny_causal_lm` passes to `AutoConfig.for_model`."""
+    """The config values of a tiny `model_type` model (a key of TINY_CONFIGS), with `overrides` on top.
+
+    These are what `tiny_causal_lm` passes to `AutoConfig.for_model`.
+    """
     return {**_TINY, **TINY_CONFIGS[model_type], **overrides}
 
 
@@ -132,9 +137,12 @@ def norm_module_count(model: PreTrainedModel) -> int:
 
 
 def gating_op_routers(model: torch.nn.Module, *, training: bool) -> int:
-    """Router modules of a kernelized model that call npu_moe_gating_top_k in one forward: sigmoid routers that
-    renormalise, and, where autograd does not record (`training` False), softmax routers that do not (the op's
-    backward takes the sigmoid mode only; renormalised softmax routers run the softmax of their top-k logits)."""
+    """Router modules of a kernelized model that call npu_moe_gating_top_k in one forward.
+
+    Those are sigmoid routers that renormalise, and, where autograd does not record (`training` False), softmax
+    routers that do not (the op's backward takes the sigmoid mode only; renormalised softmax routers run the softmax
+    of their top-k logits).
+    """
     from npu_hub_kernels.report import swapped_modules
 
     modules = dict(model.named_modules())

@@ -1,5 +1,7 @@
-"""Autograd for emulated ops that keeps for backward what the real op keeps: its inputs, not the float32
-intermediates of the emulation's math (so memory measured on the emulation means what it means on a device).
+"""Autograd for emulated ops that keeps for backward what the real op keeps: its inputs, not float32 intermediates.
+
+The float32 intermediates of the emulation's math are not kept, so memory measured on the emulation means what it
+means on a device.
 
 `keeping_inputs(math, *inputs)` runs `math(*inputs)` without recording it, saves the inputs alone, and in
 backward runs `math` again on them under autograd: the same float32 ops, so the same gradients as autograd
@@ -27,9 +29,11 @@ import torch
 
 
 def device_backward(op: str) -> Callable:
-    """Decorate an autograd Function's `backward(ctx, *grads)` that runs the device op `op`: computed without
-    recording, and, when autograd records it, its tensor results wrapped as torch_npu's fallback wraps an op without
-    a derivative (see the module's docstring)."""
+    """Decorate an autograd Function's `backward(ctx, *grads)` that runs the device op `op`, as the device runs it.
+
+    The backward is computed without recording, and, when autograd records it, its tensor results are wrapped as
+    torch_npu's fallback wraps an op without a derivative (see the module's docstring).
+    """
 
     def decorate(backward: Callable) -> Callable:
         @functools.wraps(backward)
@@ -56,8 +60,11 @@ def device_backward(op: str) -> Callable:
 
 
 class _NoDerivative(torch.autograd.Function):
-    """A result of `op` computed in a recorded backward: connected to the backward's inputs that require grad, as
-    torch_npu's fallback connects it; differentiating through it warns and gives them nothing."""
+    """A result of `op` computed in a recorded backward, whose own backward warns and passes no gradient.
+
+    It is connected to the backward's inputs that require grad, as torch_npu's fallback connects it; differentiating
+    through it warns and gives them nothing.
+    """
 
     @staticmethod
     def forward(ctx, op: str, result: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
@@ -81,9 +88,11 @@ def keeping_inputs(
     backward_op: str,
     check_backward: Callable[..., None] | None = None,
 ) -> torch.Tensor:
-    """`math(*inputs)`, differentiable in every input, keeping only the inputs for backward, which is the device op
-    `backward_op` (`device_backward`); backward first runs `check_backward(grad, *inputs)` when given (it raises for a
-    call the backward op refuses)."""
+    """`math(*inputs)`, differentiable in every input, keeping only the inputs for backward.
+
+    The backward is the device op `backward_op` (`device_backward`); it first runs `check_backward(grad, *inputs)`
+    when given (it raises for a call the backward op refuses).
+    """
     return _RecomputedFromInputs.apply(math, backward_op, check_backward, *inputs)
 
 

@@ -34,8 +34,11 @@ _CROSS_DEVICE_OPS = {
 
 
 def _histc(x, bins=100, min=0, max=0):
-    """histc of any dtype: accelerators count integer tensors too (transformers' MoE routing does);
-    the CPU kernel takes floating point only. Counts of small integers are exact in float64."""
+    """histc of any dtype, counted in float64 and returned in `x`'s dtype.
+
+    Accelerators count integer tensors too (transformers' MoE routing does); the CPU kernel takes floating point
+    only. Counts of small integers are exact in float64.
+    """
     return torch.histc(x.double(), bins=bins, min=min, max=max).to(x.dtype)
 
 
@@ -83,11 +86,13 @@ class NpuTensor(torch.Tensor):
         return self._cpu.data_ptr()
 
     def __deepcopy__(self, memo):
-        """A copy in new device memory: the same values, sizes, strides and storage offset, and what the
-        tensor carries (requires_grad, grad, Parameter flag, attributes). Tensors that shared a buffer share
-        the copy's buffer, as torch's deepcopy keeps views of one storage together (the inner host tensors
-        are deep-copied with the same memo). torch's own `Tensor.__deepcopy__` would restore the storage
-        onto a 0-d wrapper and leave it 0-d."""
+        """A copy in new device memory, with the same values, layout and what the tensor carries.
+
+        The copy has the same values, sizes, strides and storage offset, and what the tensor carries (requires_grad,
+        grad, Parameter flag, attributes). Tensors that shared a buffer share the copy's buffer, as torch's deepcopy
+        keeps views of one storage together (the inner host tensors are deep-copied with the same memo). torch's own
+        `Tensor.__deepcopy__` would restore the storage onto a 0-d wrapper and leave it 0-d.
+        """
         if not self.is_leaf:
             return super().__deepcopy__(memo)  # raises torch's error for non-leaf tensors
         if id(self) in memo:
@@ -103,10 +108,13 @@ class NpuTensor(torch.Tensor):
         return new
 
     def __reduce_ex__(self, proto):
-        """Pickle (torch.save) as a device tensor, not as this Python class: its values as a host tensor
-        rebuilt on the device at load (`torch._utils._rebuild_device_tensor_from_cpu_tensor`, which follows
-        `map_location`), which `torch.load(weights_only=True)` accepts, as it accepts a real npu tensor
-        (optimizer states in a Trainer checkpoint). A Parameter stays a Parameter."""
+        """Pickle (torch.save) as a device tensor, not as this Python class.
+
+        Its values are pickled as a host tensor rebuilt on the device at load
+        (`torch._utils._rebuild_device_tensor_from_cpu_tensor`, which follows `map_location`), which
+        `torch.load(weights_only=True)` accepts, as it accepts a real npu tensor (optimizer states in a Trainer
+        checkpoint). A Parameter stays a Parameter.
+        """
         if isinstance(self, torch.nn.Parameter):
             return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
         args = (self._cpu, self.dtype, str(self.device), self.requires_grad)
@@ -122,8 +130,10 @@ class NpuTensor(torch.Tensor):
 
     @data.setter
     def data(self, new: torch.Tensor) -> None:
-        """`param.data = other` (how nn.Module casts a parameter in place): torch copies the tensor's
-        metadata; the values live in `_cpu`, which has to follow."""
+        """`param.data = other` (how nn.Module casts a parameter in place), with the host values following.
+
+        torch copies the tensor's metadata; the values live in `_cpu`, which has to follow.
+        """
         torch._C.TensorBase.data.__set__(self, new)  # refuses a host tensor: incompatible tensor type
         self._cpu = new._cpu
 
@@ -155,9 +165,11 @@ def _written_arguments(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ..
 
 
 def _follow_written_host_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
-    """Give each npu tensor `func` wrote the sizes its host data now has. An op may resize what it writes (an
-    `out=` tensor of the wrong size, as `torch.arange(n, device=...)` passes an empty one; `resize_`, `unsqueeze_`),
-    and it did so on the host tensor only."""
+    """Give each npu tensor `func` wrote the sizes its host data now has.
+
+    An op may resize what it writes (an `out=` tensor of the wrong size, as `torch.arange(n, device=...)` passes an
+    empty one; `resize_`, `unsqueeze_`), and it did so on the host tensor only.
+    """
     for position, name in _written_arguments(func):
         written = args[position] if position < len(args) else kwargs.get(name)
         for tensor in written if isinstance(written, (list, tuple)) else (written,):
@@ -166,9 +178,11 @@ def _follow_written_host_tensors(func: torch._ops.OpOverload, args: tuple, kwarg
 
 
 def _follow_host_metadata(wrapper: NpuTensor) -> None:
-    """Set the wrapper's sizes, strides and storage offset to its host tensor's, as a device's resize sets a
-    tensor's own. The wrapper's storage holds no data (its metadata lives on the meta device): torch's meta
-    kernel of `set_` resets the metadata, with no dispatch to this class."""
+    """Set the wrapper's sizes, strides and storage offset to its host tensor's, as a device's resize sets its own.
+
+    The wrapper's storage holds no data (its metadata lives on the meta device): torch's meta kernel of `set_` resets
+    the metadata, with no dispatch to this class.
+    """
     cpu = wrapper._cpu
     if (wrapper.shape, wrapper.stride(), wrapper.storage_offset()) == (cpu.shape, cpu.stride(), cpu.storage_offset()):
         return
@@ -291,8 +305,10 @@ The emulation stands for the Atlas A2 training series (docs/torch-npu-ops.md), t
 
 
 class EmulatedNpuModule(EmulatedNpuStreams):
-    """What `torch.npu` offers that transformers, accelerate, kernels, DDP, FSDP2 and DeepSpeed ask of it (streams,
-    events and allocator statistics: `streams.EmulatedNpuStreams`)."""
+    """What `torch.npu` offers that transformers, accelerate, kernels, DDP, FSDP2 and DeepSpeed ask of it.
+
+    That includes streams, events and allocator statistics (`streams.EmulatedNpuStreams`).
+    """
 
     @staticmethod
     def memory_allocated(device=None) -> int:
@@ -365,8 +381,11 @@ class EmulatedNpuModule(EmulatedNpuStreams):
 
 
 def _register_factories(lib: torch.library.Library) -> None:
-    """Tensor creation with device="npu" and host-to-device copies reach these PrivateUse1 kernels
-    (no npu tensor input carries the Python key); the rest dispatches through `NpuTensor.__torch_dispatch__`."""
+    """Register the PrivateUse1 kernels that tensor creation with device="npu" and host-to-device copies reach.
+
+    They reach these kernels because no npu tensor input carries the Python key; the rest dispatches through
+    `NpuTensor.__torch_dispatch__`.
+    """
 
     def empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
         cpu = torch.empty(size, dtype=dtype, memory_format=memory_format or torch.contiguous_format)
@@ -394,11 +413,13 @@ _PINNED: dict[int, StorageWeakRef] = {}
 
 
 def _register_pinned_host_memory(lib: torch.library.Library) -> None:
-    """`Tensor.pin_memory()` and `is_pinned()` on a host whose accelerator is the npu (a DataLoader with
-    `pin_memory=True`, the Trainer's default): torch_npu gives pinned (page-locked) host buffers; a Python
-    backend cannot register the pinned allocator, so these CPU kernels stand in for it. `pin_memory` copies
-    into a new host buffer of the same sizes and strides (what `_pin_memory` does with the pinned
-    allocator), and `is_pinned` is True exactly for the buffers it made, while they live."""
+    """Register `Tensor.pin_memory()` and `is_pinned()` for a host whose accelerator is the npu.
+
+    A DataLoader with `pin_memory=True` (the Trainer's default) calls them: torch_npu gives pinned (page-locked)
+    host buffers; a Python backend cannot register the pinned allocator, so these CPU kernels stand in for it.
+    `pin_memory` copies into a new host buffer of the same sizes and strides (what `_pin_memory` does with the
+    pinned allocator), and `is_pinned` is True exactly for the buffers it made, while they live.
+    """
 
     def pin_memory(self, device=None):
         _check_pinning_device(device)

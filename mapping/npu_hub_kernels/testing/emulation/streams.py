@@ -1,5 +1,4 @@
-"""Streams, events and allocator statistics of the emulated npu, as DDP, FSDP2 and DeepSpeed's NPU accelerator use
-them.
+"""Streams, events and allocator statistics of the emulated npu, as DDP, FSDP2 and DeepSpeed's NPU accelerator use them.
 
 The emulated device runs every op synchronously on the host, in program order, on one stream. So:
 - `torch.npu.Stream()`, `current_stream()` and `default_stream()` give that one stream (a `torch.Stream` of the

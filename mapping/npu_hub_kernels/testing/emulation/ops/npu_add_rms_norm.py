@@ -1,5 +1,6 @@
-"""Emulated `torch_npu.npu_add_rms_norm` and `torch_npu.npu_rms_norm_backward`: the contracts in
-docs/torch-npu-ops.md, sections "npu_add_rms_norm" and "npu_rms_norm_backward".
+"""Emulated `torch_npu.npu_add_rms_norm` and `torch_npu.npu_rms_norm_backward`, as docs/torch-npu-ops.md states them.
+
+The contracts are in docs/torch-npu-ops.md, sections "npu_add_rms_norm" and "npu_rms_norm_backward".
 
 `npu_add_rms_norm(x1, x2, gamma, epsilon)`: the sum `x = x1 + x2` rounded to the inputs' dtype (op-plugin's golden
 adds in the input dtype), then the RMSNorm of that rounded sum in float32 with one final cast:

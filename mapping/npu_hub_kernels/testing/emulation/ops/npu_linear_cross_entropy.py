@@ -1,5 +1,6 @@
-"""Emulated `torch_npu.npu_cross_entropy_loss` and its backward: the contract in docs/torch-npu-ops.md, section
-"npu_cross_entropy_loss".
+"""Emulated `torch_npu.npu_cross_entropy_loss` and its backward, as docs/torch-npu-ops.md states them.
+
+The contract is in docs/torch-npu-ops.md, section "npu_cross_entropy_loss".
 
 Per row n of `input [N, C]`, in float32: `log_prob = x - logsumexp(x)`, `l_n = -w[y_n] * log_prob[n, y_n]` and,
 with label smoothing ls, `(1 - ls) * l_n + ls / C * (-sum_c w[c] * log_prob[n, c])`; rows whose target is
@@ -171,8 +172,10 @@ def _backward(
     grad_loss, log_prob, target, weight, reduction, ignore_index, label_smoothing, grad_zloss=None,
     lse_square_scale_for_zloss=0.0,
 ) -> torch.Tensor:  # fmt: skip
-    """npu_cross_entropy_loss_backward within its rules: d loss / d input from the kept log_prob, float32 inside, in
-    grad_loss's dtype."""
+    """npu_cross_entropy_loss_backward within its rules: d loss / d input from the kept log_prob.
+
+    It computes in float32 inside and returns grad_loss's dtype.
+    """
     enforce(
         BACKWARD_RULES, grad_loss=grad_loss, log_prob=log_prob, target=target, weight=weight, reduction=reduction,
         ignore_index=ignore_index, grad_zloss=grad_zloss, lse_square_scale_for_zloss=lse_square_scale_for_zloss,

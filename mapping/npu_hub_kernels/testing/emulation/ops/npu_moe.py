@@ -1,5 +1,7 @@
-"""Emulated torch_npu MoE routing and grouped matmul: the contracts in docs/torch-npu-ops.md, sections
-"npu_grouped_matmul" and "npu_moe_token_permute / npu_moe_token_unpermute".
+"""Emulated torch_npu MoE routing and grouped matmul, as docs/torch-npu-ops.md states them.
+
+The contracts are in docs/torch-npu-ops.md, sections "npu_grouped_matmul" and
+"npu_moe_token_permute / npu_moe_token_unpermute".
 
 - `npu_moe_token_permute`: tokens gathered in stable expert order; `sorted_indices` is the INVERSE
   permutation (int32): `permuted[sorted_indices[i]] == tokens[i // K]`. Backward for tokens: each token's
@@ -60,14 +62,19 @@ _STALE_MOE_DOCSTRING = (
 
 
 def _transposed(t: torch.Tensor) -> bool:
-    """Stored with its last two dims swapped, as op-plugin's adapter tells (`is_weight_trans`: stride(-2) == 1 and
-    stride(-1) == size(-2)); a contiguous tensor also counts when that holds (a dim of size 1 leaves it open)."""
+    """Whether `t` is stored with its last two dims swapped, as op-plugin's adapter tells.
+
+    The adapter's test is `is_weight_trans`: stride(-2) == 1 and stride(-1) == size(-2); a contiguous tensor also
+    counts when that holds (a dim of size 1 leaves it open).
+    """
     return t.dim() >= 2 and t.stride(-2) == 1 and t.stride(-1) == t.shape[-2]
 
 
 def _strictly_transposed(t: torch.Tensor) -> bool:
-    """Transposed and not contiguous: a layout nothing but a transpose gives (the doc: 'transposed means not
-    contiguous')."""
+    """Whether `t` is transposed and not contiguous.
+
+    That is a layout nothing but a transpose gives (the doc: 'transposed means not contiguous').
+    """
     return _transposed(t) and not t.is_contiguous()
 
 
@@ -651,8 +658,11 @@ def npu_moe_token_permute(
 
 
 class _Permute(torch.autograd.Function):
-    """npu_moe_token_permute with the op's autograd (op-plugin derivatives.yaml: `npu_moe_token_permute_grad_v2`
-    from `sorted_indices` and the tokens' row count and dtype; the tokens themselves are not kept)."""
+    """npu_moe_token_permute with the op's autograd.
+
+    As op-plugin's derivatives.yaml says, the backward is `npu_moe_token_permute_grad_v2` from `sorted_indices` and
+    the tokens' row count and dtype; the tokens themselves are not kept.
+    """
 
     @staticmethod
     def forward(ctx, tokens: torch.Tensor, indices: torch.Tensor, top_k: int):
@@ -711,9 +721,12 @@ def npu_moe_token_unpermute(
 
 
 class _Unpermute(torch.autograd.Function):
-    """npu_moe_token_unpermute with the op's autograd (op-plugin derivatives.yaml, `_npu_moe_token_unpermute`:
+    """npu_moe_token_unpermute with the op's autograd.
+
+    As op-plugin's derivatives.yaml says (`_npu_moe_token_unpermute`), the backward is
     `npu_moe_token_unpermute_grad_v2` from sorted_indices, probs, the row count and dtype of permuted_tokens, and
-    permuted_tokens themselves only when the adapter keeps them: with probs, or on CANN before 9.1)."""
+    permuted_tokens themselves only when the adapter keeps them: with probs, or on CANN before 9.1.
+    """
 
     @staticmethod
     def forward(ctx, permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None):
@@ -801,10 +814,12 @@ def npu_grouped_matmul(
     tuning_config: list[int] | None = None,
     **quantisation,
 ) -> list[torch.Tensor]:
-    """The single-tensor forms the cards use: group_type 0 (x [M, K] rows split, weight [E, K, N] -> y [M, N])
-    and group_type 2 (x [K, M] with M split, weight [M, N] -> y [E, K, N]). Other documented forms (lists, bias,
-    activation, quantisation, group_type -1, a list group_list) raise NotImplementedError; calls outside the
-    ledger raise DeviceRefusal."""
+    """Emulated `torch_npu.npu_grouped_matmul` in the single-tensor forms the cards use.
+
+    The forms are group_type 0 (x [M, K] rows split, weight [E, K, N] -> y [M, N]) and group_type 2 (x [K, M] with M
+    split, weight [M, N] -> y [E, K, N]). Other documented forms (lists, bias, activation, quantisation,
+    group_type -1, a list group_list) raise NotImplementedError; calls outside the ledger raise DeviceRefusal.
+    """
     quantised = sorted(name for name, value in quantisation.items() if value is not None)
     enforce(
         _GMM_CALL,

@@ -1,5 +1,6 @@
-"""Emulated `torch_npu.npu_moe_gating_top_k` and its backward: the contract in docs/torch-npu-ops.md,
-section "npu_moe_gating_top_k"; the limits of both in `LEDGER`.
+"""Emulated `torch_npu.npu_moe_gating_top_k` and its backward, as docs/torch-npu-ops.md states them.
+
+The contract is in docs/torch-npu-ops.md, section "npu_moe_gating_top_k"; the limits of both are in `LEDGER`.
 
 Per row, in float32: `norm = softmax(x)` or `sigmoid(x)`; experts are chosen on `norm + bias`, after
 masking to -inf all but the `k_group` best of `group_count` groups (scored by their maximum or the sum
@@ -168,8 +169,10 @@ def _gating_backward(
     norm: torch.Tensor, grad_y: torch.Tensor, expert_idx: torch.Tensor, renorm: int, norm_type: int, scale: float,
     eps: float,
 ) -> torch.Tensor:  # fmt: skip
-    """npu_moe_gating_top_k_backward within its rules (sigmoid mode): d/dx of `y = scale * norm[idx] / (sum + eps)`,
-    `norm = sigmoid(x)`, float32 inside, in grad_y's dtype."""
+    """npu_moe_gating_top_k_backward within its rules (sigmoid mode): d/dx of `y = scale * norm[idx] / (sum + eps)`.
+
+    Here `norm = sigmoid(x)`; it computes in float32 inside and returns grad_y's dtype.
+    """
     enforce(BACKWARD_RULES, x_norm=norm, grad_y=grad_y, expert_idx=expert_idx, renorm=renorm, norm_type=norm_type)
     idx = expert_idx.long()
     grad = grad_y.float() * scale

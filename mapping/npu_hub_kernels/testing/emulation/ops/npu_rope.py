@@ -1,5 +1,6 @@
-"""Emulated torch_npu rotary ops: the contracts in docs/torch-npu-ops.md, sections "npu_rotary_mul" and
-"npu_apply_rotary_pos_emb".
+"""Emulated torch_npu rotary ops, as docs/torch-npu-ops.md states them.
+
+The contracts are in docs/torch-npu-ops.md, sections "npu_rotary_mul" and "npu_apply_rotary_pos_emb".
 
 `npu_rotary_mul`: `out = x * r1 + rotate(x) * r2`, r1/r2 first cast to x's dtype, then everything in
 float32 and one cast back. 'half' rotates like transformers' `rotate_half` (`cat(-x2, x1)`);
@@ -67,9 +68,12 @@ def _cann_at_least(version: tuple[int, int]) -> bool:
 
 
 def _readings(x: torch.Tensor, r1: torch.Tensor, mode: str) -> list[tuple[int, int]]:
-    """(batch, heads) of each layout npu_rotary_mul can read x in, in `mode`, given r1's shape: the layouts of which
-    r1's shape is an r1 form (the axes of x it keeps, 1 on the others). None, one or several: x [2048, 4, 32, 64]
-    with r1 [2048, 4, 1, 64] is BSND with B=2048 and SBND with B=4. TND x [T, N, D] reads as batch 1, N heads."""
+    """(batch, heads) of each layout npu_rotary_mul can read x in, in `mode`, given r1's shape.
+
+    Those are the layouts of which r1's shape is an r1 form (the axes of x it keeps, 1 on the others). None, one or
+    several: x [2048, 4, 32, 64] with r1 [2048, 4, 1, 64] is BSND with B=2048 and SBND with B=4. TND x [T, N, D]
+    reads as batch 1, N heads.
+    """
     shape = tuple(r1.shape)
     if x.dim() == 3:
         forms = [(x.shape[0], 1, x.shape[2])] + ([tuple(x.shape)] if mode == "half" else [])
@@ -88,8 +92,11 @@ def _within_mode_limits(mode: str, batch: int, heads: int) -> bool:
 
 
 def _limits_hold(x: torch.Tensor, r1: torch.Tensor, mode: str, grad_limit: bool = False) -> bool:
-    """Whether one layout x can be read in (see `_readings`) is within `mode`'s limits (and B*N <= 1024 too, with
-    `grad_limit`): a shape several layouts read is taken when one of them is within all the limits."""
+    """Whether one layout x can be read in (see `_readings`) is within `mode`'s limits.
+
+    With `grad_limit`, B*N <= 1024 too. A shape several layouts read is taken when one of them is within all the
+    limits.
+    """
     return any(
         _within_mode_limits(mode, batch, heads) and (not grad_limit or batch * heads <= 1024)
         for batch, heads in _readings(x, r1, mode)
