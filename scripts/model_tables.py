@@ -27,7 +27,7 @@ from pathlib import Path
 import transformers
 
 from npu_hub_kernels.cards import CARDS
-from npu_hub_kernels.models import MODEL_CLASSES, ClassRule, fingerprints
+from npu_hub_kernels.models import MODEL_CLASSES, fingerprints
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVEN_DIR = ROOT / "mapping" / "npu_hub_kernels" / "models" / "proven"
@@ -67,15 +67,6 @@ def _pytest(workers: str, env: dict[str, str] | None = None) -> subprocess.Compl
     return subprocess.run([*command, *MODEL_TABLE_TESTS], cwd=ROOT, env=env)
 
 
-def _installed(rule: ClassRule) -> object | None:
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(rule.module), rule.class_name, None)
-    except ImportError:
-        return None
-
-
 def prove(workers: str) -> int:
     """Run the parity tests in proving mode and record this release's proven fingerprints."""
     release = transformers.__version__
@@ -90,7 +81,7 @@ def prove(workers: str) -> int:
         path_file = PROVEN_DIR / f"{card.python_name}.json"
         proven = _without_release(json.loads(path_file.read_text()) if path_file.exists() else {}, release)
         for rule in rules:
-            obj = _installed(rule)
+            obj = rule.installed()
             if obj is None:
                 continue
             if rule.path not in passed:
@@ -161,7 +152,7 @@ def status() -> int:
     unproven_total = 0
     for kernel_id, rules in MODEL_CLASSES.items():
         card = CARDS[kernel_id]
-        present = [(rule, obj) for rule in rules if (obj := _installed(rule)) is not None]
+        present = [(rule, obj) for rule in rules if (obj := rule.installed()) is not None]
         reasons = {
             rule.path: reason
             for rule, obj in present

@@ -9,11 +9,14 @@ subprocess (see `run_python`).
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 # One torch thread per process, children included (they inherit the variable): `make test` runs two xdist
 # workers on two cores, and torch's default of one thread per core oversubscribes them. Tiny-model ops then spend
@@ -75,6 +78,34 @@ def kernels_mapping_restored():
 
     with use_kernel_mapping({}, inherit_mapping=True):
         yield
+
+
+@pytest.fixture
+def cann_version():
+    """Set the CANN version the emulated host reports for one test, then restore it."""
+    import torch
+
+    before = torch.version.cann
+    yield emulation.set_cann_version
+    emulation.set_cann_version(before)
+
+
+def imported_modeling_modules() -> list[ModuleType]:
+    """Every transformers modeling module that imports here (one with a missing optional dependency is skipped)."""
+    import transformers.models
+
+    modules = []
+    for model in pkgutil.iter_modules(transformers.models.__path__):
+        if not model.ispkg:
+            continue
+        package = importlib.import_module(f"transformers.models.{model.name}")
+        for file in pkgutil.iter_modules(package.__path__):
+            if file.name.startswith("modeling_"):
+                try:
+                    modules.append(importlib.import_module(f"{package.__name__}.{file.name}"))
+                except ImportError:  # optional dependency missing (e.g. torchaudio)
+                    continue
+    return modules
 
 
 @pytest.fixture

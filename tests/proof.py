@@ -10,7 +10,6 @@ class is swapped whatever its fingerprint, and each test appends one verdict lin
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,19 +26,10 @@ def proving() -> bool:
     return PROOF_FILE is not None
 
 
-def installed(rule: ClassRule) -> object | None:
-    """The rule's class (or rotary function global) in the installed transformers; None when this release lacks it."""
-    try:
-        module = importlib.import_module(rule.module)
-    except ImportError:
-        return None
-    return getattr(module, rule.class_name, None)
-
-
 def proven_rules(rules: list[ClassRule]) -> list[ClassRule]:
     """The rules whose class the installed transformers defines with code proven for it (every installed one while
     proving): the classes the registry swaps, which the parity tests check."""
-    return [rule for rule in rules if (obj := installed(rule)) is not None and (proving() or _proven(rule, obj))]
+    return [rule for rule in rules if (obj := rule.installed()) is not None and (proving() or _proven(rule, obj))]
 
 
 def _proven(rule: ClassRule, obj: object) -> bool:

@@ -525,14 +525,6 @@ def _unpermute_float_math(permuted, sorted_indices, probs):
     return gathered.sum(dim=1).to(permuted.dtype)
 
 
-@pytest.fixture
-def cann_version():
-    """Set the CANN version the emulated host reports for one test, then restore it."""
-    before = torch.version.cann
-    yield emulation.set_cann_version
-    emulation.set_cann_version(before)
-
-
 @pytest.mark.parametrize(
     ("with_probs", "cann", "keeps_tokens"),
     [(True, "9.1.0", True), (False, "9.1.0", False), (False, "8.5.0", True)],

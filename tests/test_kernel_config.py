@@ -22,9 +22,7 @@ counted (`emulation.count_op_calls`), next to a negative control where they must
 
 from __future__ import annotations
 
-import importlib
 import json
-import pkgutil
 import subprocess
 import sys
 from collections import Counter
@@ -32,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers.models
+from conftest import imported_modeling_modules
 from hub_server import LoopbackHub, client_env
 from huggingface_hub import HfApi, constants
 from kernels import Mode
@@ -355,36 +353,27 @@ def _tagged_card_layers() -> tuple[dict[tuple[str, str], set[str]], list[tuple[s
     }
     model_types: dict[tuple[str, str], set[str]] = {}
     mixed = []
-    for model in pkgutil.iter_modules(transformers.models.__path__):
-        if not model.ispkg:
-            continue
-        package = importlib.import_module(f"transformers.models.{model.name}")
-        for file in pkgutil.iter_modules(package.__path__):
-            if not file.name.startswith("modeling_"):
+    for module in imported_modeling_modules():
+        model_type, file_name = module.__name__.split(".")[-2:]
+        attached = {
+            id(function)
+            for cls in vars(module).values()
+            if isinstance(cls, type)
+            for function in compat.attached_at_construction(cls)
+        }
+        in_file: dict[str, set[str]] = {}
+        for name, obj in vars(module).items():
+            if isinstance(obj, type) and obj.__module__ == module.__name__:
+                tag = obj.__dict__.get("kernel_layer_name")
+            elif isinstance(obj, nn.Module) and id(obj) in attached:
+                tag = type(obj).__dict__.get("kernel_layer_name")
+            else:
                 continue
-            try:
-                module = importlib.import_module(f"{package.__name__}.{file.name}")
-            except ImportError:  # optional dependency missing
-                continue
-            attached = {
-                id(function)
-                for cls in vars(module).values()
-                if isinstance(cls, type)
-                for function in compat.attached_at_construction(cls)
-            }
-            in_file: dict[str, set[str]] = {}
-            for name, obj in vars(module).items():
-                if isinstance(obj, type) and obj.__module__ == module.__name__:
-                    tag = obj.__dict__.get("kernel_layer_name")
-                elif isinstance(obj, nn.Module) and id(obj) in attached:
-                    tag = type(obj).__dict__.get("kernel_layer_name")
-                else:
-                    continue
-                layer = listed.get(f"{model.name}.{file.name}.{name}")
-                if tag is not None and layer is not None:
-                    in_file.setdefault(tag, set()).add(layer)
-                    model_types.setdefault((tag, layer), set()).add(model.name)
-            mixed += [(module.__name__, tag, layers) for tag, layers in in_file.items() if len(layers) > 1]
+            layer = listed.get(f"{model_type}.{file_name}.{name}")
+            if tag is not None and layer is not None:
+                in_file.setdefault(tag, set()).add(layer)
+                model_types.setdefault((tag, layer), set()).add(model_type)
+        mixed += [(module.__name__, tag, layers) for tag, layers in in_file.items() if len(layers) > 1]
     return model_types, mixed
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 
-import proof
 import pytest
 import torch
 import transformers
@@ -51,7 +50,7 @@ def test_every_listed_class_is_proven_on_the_surveyed_release(card):
     """A table edit that is not proven (scripts/model_tables.py prove) fails here, before any release runs it eager."""
     unproven = {}
     for rule in MODEL_CLASSES[card.kernel_id]:
-        reason = fingerprints.unproven_reason(card, rule.path, fingerprints.code_of(proof.installed(rule)))
+        reason = fingerprints.unproven_reason(card, rule.path, fingerprints.code_of(rule.installed()))
         if reason is not None:
             unproven[rule.path] = reason
     assert unproven == {}
@@ -71,7 +70,7 @@ def test_every_installed_class_whose_code_is_not_proven_stays_eager_with_why(npu
     for kernel_id, rules in MODEL_CLASSES.items():
         card = CARDS[kernel_id]
         for rule in rules:
-            obj = proof.installed(rule)
+            obj = rule.installed()
             code = fingerprints.code_of(obj) if obj is not None else None
             reason = None if obj is None else fingerprints.unproven_reason(card, rule.path, code)
             if reason is None:

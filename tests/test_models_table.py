@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import pkgutil
 import types
 
 import proof
 import pytest
 import torch
-import transformers.models
+from conftest import imported_modeling_modules
 from kernels import Mode, kernelize
 from transformers.activations import ACT2FN
 
@@ -34,22 +33,12 @@ def _class(rule: ClassRule) -> type:
 
 def _all_modeling_classes() -> dict[str, type]:
     """Every class defined in a transformers modeling module, by path relative to transformers.models."""
-    found = {}
-    for model in pkgutil.iter_modules(transformers.models.__path__):
-        if not model.ispkg:
-            continue
-        package = importlib.import_module(f"transformers.models.{model.name}")
-        for file in pkgutil.iter_modules(package.__path__):
-            if not file.name.startswith("modeling_"):
-                continue
-            try:
-                module = importlib.import_module(f"{package.__name__}.{file.name}")
-            except ImportError:  # optional dependency missing (e.g. torchaudio)
-                continue
-            for name, obj in vars(module).items():
-                if isinstance(obj, type) and obj.__module__ == module.__name__:
-                    found[f"{model.name}.{file.name}.{name}"] = obj
-    return found
+    return {
+        f"{module.__name__.removeprefix('transformers.models.')}.{name}": obj
+        for module in imported_modeling_modules()
+        for name, obj in vars(module).items()
+        if isinstance(obj, type) and obj.__module__ == module.__name__
+    }
 
 
 @pytest.mark.slow

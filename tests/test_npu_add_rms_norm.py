@@ -301,7 +301,7 @@ def test_no_left_out_decoder_layer_is_one_a_layer_reproduces():
 def test_the_layers_forward_takes_the_parameters_of_the_forward_it_replaces(card):
     for rule in proof.proven_rules(RULES):
         ours = inspect.signature(getattr(card.layers, rule.layer).forward).parameters
-        theirs = inspect.signature(proof.installed(rule).forward).parameters
+        theirs = inspect.signature(rule.installed().forward).parameters
         with proof.checking(rule.path):
             assert [(p.name, p.kind) for p in ours.values()] == [(p.name, p.kind) for p in theirs.values()], rule.path
 

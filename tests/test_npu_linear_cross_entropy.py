@@ -149,7 +149,7 @@ def test_every_listed_class_has_its_layers_forward_and_the_layer_its_signature(n
             check = functools.partial(_fused_model_equals_eager, family)
             references[rule.layer] = proof.reference_holds(reference, check)
         ours = inspect.signature(getattr(card.layers, rule.layer).forward).parameters.values()
-        theirs = inspect.signature(proof.installed(rule).forward).parameters.values()
+        theirs = inspect.signature(rule.installed().forward).parameters.values()
         group = GROUP_OF[rule.layer]
         relative = proof.comparable_with(next(r for r in RULES if r.path == group))
         problems = [

@@ -389,14 +389,6 @@ def test_outside_its_limits_the_one_call_op_is_not_used_and_the_reason_is_given(
         torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture
-def cann_version():
-    """Set the CANN version the emulated host reports for one test, then restore it."""
-    before = torch.version.cann
-    yield emulation.set_cann_version
-    emulation.set_cann_version(before)
-
-
 @pytest.mark.parametrize(
     ("head_dim", "cann", "in_place"), [(64, "9.1.0", True), (64, "8.5.0", False), (128, "8.5.0", True)]
 )

@@ -14,6 +14,7 @@ is code they proved; tests/test_model_tables.py checks that every candidate clas
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -58,6 +59,13 @@ class ClassRule:
     @property
     def class_name(self) -> str:
         return self.path.rpartition(".")[2]
+
+    def installed(self) -> object | None:
+        """The rule's class (or rotary function global) in the installed transformers; None when it lacks it."""
+        try:
+            return getattr(importlib.import_module(self.module), self.class_name, None)
+        except ImportError:
+            return None
 
 
 MODEL_CLASSES: dict[str, list[ClassRule]] = {
