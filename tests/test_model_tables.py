@@ -9,6 +9,7 @@ import importlib
 import pytest
 import torch
 import transformers
+from conftest import ROOT
 from kernels import LayerRepository, Mode, kernelize, use_kernel_mapping
 
 from npu_hub_kernels import register_npu_kernels, swapped_modules, unregister_npu_kernels
@@ -131,3 +132,10 @@ def test_the_docs_table_of_proven_classes_is_the_proven_files():
     import model_tables as script
 
     assert f"{script.BEGIN}\n{script.proven_table()}\n{script.END}" in script.DOCS.read_text()
+
+
+def test_the_tables_are_surveyed_on_the_release_the_dev_stack_pins():
+    """Otherwise the survey tests above would skip in `make test` without a word: bump both, and survey again."""
+    lines = (ROOT / "requirements-dev.txt").read_text().splitlines()
+    pins = dict(line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+    assert pins["transformers"] == SURVEYED_RELEASE
