@@ -205,6 +205,7 @@ def train(model_type: str, engine: Engine, built_cards: str | None) -> Run:
         run.losses.append(loss.item())
         run.calls.append(dict(calls))
         del loss
+        dist.barrier()  # as before the baseline: the step's last collective may still hold its buffers until then
         gc.collect()
         run.memory.append(torch.npu.memory_allocated() - baseline)
     run.final = full_parameters(model)
