@@ -71,7 +71,8 @@ INTERNALS: dict[str, Internal] = {
     "parameter": Internal(
         "torch: nn.Module._parameters, read with dict.get, past DeepSpeed's ZeROOrderedDict.__getitem__",
         "DeepSpeed 0.19.8 gathers a partitioned parameter read through the module's attribute outside its call and "
-        "keeps it resident (an external parameter): the loss card reads lm_head's weight without that",
+        "keeps it resident (an external parameter): the loss card reads lm_head's weight without that; the RMSNorm "
+        "layers read their weight this way too, past nn.Module.__getattr__ (Python: a third of their host cost)",
         "`module.weight`, which triggers that gathering under ZeRO-3",
     ),
     "zero3_partitioned": Internal(

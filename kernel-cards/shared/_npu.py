@@ -38,9 +38,9 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__module__.startswith(_DTENSOR_MODULE)
 
 
-_ON_NPU: dict[torch.device, bool] = {}
-"""Whether each device seen is an npu device (a torch.device is a value: its type never changes): a lookup per tensor,
-where reading `device.type` makes a new string each time."""
+_PLAIN_ON_NPU: set[tuple[type, torch.device]] = set()
+"""The (tensor class, device) pairs seen to be a plain tensor on an npu device: a set lookup per tensor on each call
+(a class never becomes a DTensor, and a torch.device is a value)."""
 
 
 def npu_unavailable_reason(*tensors: torch.Tensor) -> str | None:
@@ -48,15 +48,15 @@ def npu_unavailable_reason(*tensors: torch.Tensor) -> str | None:
     if torch_npu is None:
         return "torch_npu is not installed (torch-universal build on a host without an NPU)"
     for t in tensors:
-        if type(t).__module__.startswith(_DTENSOR_MODULE):  # is_dtensor(t), its call saved: this runs on every call
+        seen = (type(t), t.device)
+        if seen in _PLAIN_ON_NPU:
+            continue
+        if is_dtensor(t):
             return (
                 f"a DTensor ({', '.join(map(str, t.placements))}): the fused op has no sharding rule, so the "
                 "eager math runs on the DTensor (tensor parallel)"
             )
-        device = t.device
-        on_npu = _ON_NPU.get(device)
-        if on_npu is None:
-            on_npu = _ON_NPU[device] = device.type == "npu"
-        if not on_npu:
-            return f"tensor on {device.type}, not on an npu device"
+        if t.device.type != "npu":
+            return f"tensor on {t.device.type}, not on an npu device"
+        _PLAIN_ON_NPU.add(seen)
     return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._rms_norm_forms import computes_the_norm_forward, epsilon_of
+from ._rms_norm_forms import computes_the_norm_forward, epsilon_of, weight_of
 from .rms_norm import rms_norm
 
 
@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
 
     @computes_the_norm_forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, epsilon_of(self), "plain", module=self)
+        return rms_norm(hidden_states, weight_of(self), epsilon_of(self), "plain", module=self)
 
 
 class RMSNormZeroCentered(nn.Module):
@@ -34,7 +34,7 @@ class RMSNormZeroCentered(nn.Module):
 
     @computes_the_norm_forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, epsilon_of(self), "zero_centered", module=self)
+        return rms_norm(hidden_states, weight_of(self), epsilon_of(self), "zero_centered", module=self)
 
 
 class RMSNormFloat32Scale(nn.Module):
@@ -45,4 +45,4 @@ class RMSNormFloat32Scale(nn.Module):
 
     @computes_the_norm_forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, epsilon_of(self), "float32_scale", module=self)
+        return rms_norm(hidden_states, weight_of(self), epsilon_of(self), "float32_scale", module=self)

@@ -36,16 +36,17 @@ def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: 
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype} is not supported by npu_rms_norm (float16, bfloat16, float32)"
     if scaling == "plain":
-        if weight_dtype != dtype:
+        if weight_dtype is not dtype:  # a dtype is a singleton
             return f"weight dtype {weight_dtype} differs from input dtype {dtype}: eager promotes the output dtype"
     elif scaling == "float32_scale" and weight_dtype not in (dtype, torch.float32):
         return f"npu_rms_norm takes a weight in the input dtype or float32, not {weight_dtype} with {dtype}"
-    if not 2 <= x.dim() <= 8:
-        return f"npu_rms_norm takes 2 to 8 dims, got {x.dim()}"
-    if x.numel() == 0:
+    shape = x.shape
+    if not 2 <= len(shape) <= 8:
+        return f"npu_rms_norm takes 2 to 8 dims, got {len(shape)}"
+    if 0 in shape:
         return "empty input"
-    weight_shape, shape = weight.shape, x.shape
-    if weight_shape != shape[-1:]:  # torch.Size compares as the tuple it is
+    weight_shape = weight.shape
+    if len(weight_shape) != 1 or weight_shape[0] != shape[-1]:
         return f"weight shape {tuple(weight_shape)} does not match the last dim of the input {tuple(shape)}"
     return None
 
