@@ -15,7 +15,7 @@ from torch import nn
 
 from ._fallbacks import ran_eager
 from ._internals import accelerate_wrapped_forward, modeling_global
-from .loss import _call_unavailable_reason, loss_in_lm_head_call
+from .loss import _call_unavailable_reason, linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,9 @@ def _fused_or_own(module: nn.Module, row: Layer, arguments: dict):
     It is fused (the router's auxiliary loss added as `row.aux` says), or, where
     `linear_cross_entropy_unavailable_reason` says the call cannot be fused, the class's own forward."""
     kwargs = arguments.pop("kwargs")
-    labels, lm_head = arguments["labels"], operator.attrgetter(row.lm_head)(module)
+    labels, lm_head, loss_function = arguments["labels"], operator.attrgetter(row.lm_head)(module), module.loss_function
     training_step = module.training and torch.is_grad_enabled()
-    reason = _call_unavailable_reason(lm_head, labels, module.loss_function, arguments["logits_to_keep"], training_step)
+    reason = _call_unavailable_reason(lm_head, labels, loss_function, arguments["logits_to_keep"], training_step)
     if ran_eager(module, reason):
         return type(module).forward(module, **arguments, **kwargs)
     return_dict = arguments["return_dict"] if "return_dict" in arguments else kwargs.pop("return_dict", None)
@@ -130,8 +130,8 @@ def _fused_or_own(module: nn.Module, row: Layer, arguments: dict):
         model_inputs[_ROUTER] = asked and (aux.only_if is None or getattr(config, aux.only_if))
     outputs = operator.attrgetter(row.base_model)(module)(**model_inputs, **(kwargs if row.kwargs_to_model else {}))
     vocab_size = operator.attrgetter(row.vocab_size)(module)
-    loss, logits = loss_in_lm_head_call(
-        outputs.last_hidden_state, lm_head, labels, vocab_size, module.loss_function, None, kwargs, module
+    loss, logits = linear_cross_entropy(
+        outputs.last_hidden_state, lm_head, labels, vocab_size, loss_function=loss_function, module=module, **kwargs
     )
     fields = {name: getattr(outputs, name) for name in row.extra}
     if aux is not None and model_inputs[_ROUTER]:  # the class's lines: its modeling module's function
@@ -147,9 +147,7 @@ def _fused_or_own(module: nn.Module, row: Layer, arguments: dict):
         loss=loss, logits=logits, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
         attentions=outputs.attentions, **fields,
     )  # fmt: skip
-    if return_dict is None:
-        return_dict = getattr(config, "return_dict", True)
-    if return_dict:
+    if return_dict or (return_dict is None and getattr(config, "return_dict", True)):
         return output
     # `output.to_tuple()` with the logits' slot kept (None where the fused loss made none): eager's tuple has its
     # logits there, so every later field keeps its position (`out[1]` is never the cache)

@@ -39,10 +39,7 @@ def default_chunk_tokens(tokens: int, hidden_size: int) -> int:
 
 
 def chunked_form_pays(tokens: int, hidden_size: int, needs_grad: bool) -> bool:
-    """Return whether the chunked form moves and holds less than the log-probability form here.
-
-    It does (README) with a gradient wanted and at least CHUNKED_FORM_TOKENS_PER_HIDDEN tokens per unit of hidden
-    size."""
+    """Return whether the chunked form moves and holds less than the log-probability form (README: why)."""
     return needs_grad and tokens >= CHUNKED_FORM_TOKENS_PER_HIDDEN * hidden_size
 
 
@@ -61,9 +58,8 @@ def linear_cross_entropy_unavailable_reason(
     This is the one decision of the card. `training_step`: train() and grad enabled. An lm_head whose engine gathers its
     weight in its own call (ZeRO-3, an FSDP2 unit) gets its partitioned weight's reason here: the layers judge the
     tensors inside that call."""
-    return _call_unavailable_reason(
-        lm_head, labels, loss_function, logits_to_keep, training_step
-    ) or _tensors_unavailable_reason(hidden_states, lm_head, labels, vocab_size)
+    call_reason = _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep, training_step)
+    return call_reason or _tensors_unavailable_reason(hidden_states, lm_head, labels, vocab_size)
 
 
 def _call_unavailable_reason(
@@ -139,35 +135,20 @@ def linear_cross_entropy(
     loss_function: object = None,
     logits_to_keep: int | torch.Tensor = 0,
     chunk_tokens: int | None = None,
+    module: nn.Module | None = None,
     **loss_kwargs,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Return (loss, logits) of `lm_head` then transformers' causal-LM loss, fused when it can be.
 
-    They come from chunked npu_cross_entropy_loss with logits None, or `linear_cross_entropy_eager`'s, as
-    `linear_cross_entropy_unavailable_reason` decides. loss_kwargs: what the model's forward passes its loss_function
-    (num_items_in_batch, ignore_index, shift_labels, and others it ignores)."""
-    if ran_eager(None, _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep)):
+    `linear_cross_entropy_unavailable_reason` decides: its call part first (else `linear_cross_entropy_eager`'s), then,
+    inside lm_head's call, its tensors part (chunked npu_cross_entropy_loss with logits None, or the loss on the
+    Linear's logits). loss_kwargs: what the model's forward passes its loss_function (num_items_in_batch, ignore_index,
+    shift_labels, and others it ignores); `module`: the layer whose record the decisions go to (None: direct calls)."""
+    if ran_eager(module, _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep)):
         return linear_cross_entropy_eager(
             hidden_states, lm_head, labels, vocab_size, loss_function=loss_function, logits_to_keep=logits_to_keep,
             **loss_kwargs,
         )  # fmt: skip
-    return loss_in_lm_head_call(hidden_states, lm_head, labels, vocab_size, loss_function, chunk_tokens, loss_kwargs)
-
-
-def loss_in_lm_head_call(
-    hidden_states: torch.Tensor,
-    lm_head: nn.Module,
-    labels: torch.Tensor,
-    vocab_size: int,
-    loss_function: object,
-    chunk_tokens: int | None,
-    loss_kwargs: dict,
-    module: nn.Module | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Return (loss, logits) of a call whose own part of the decision passed, deciding in lm_head's call.
-
-    They are computed as lm_head's call deciding on its tensors there (recorded for `module`, the layer's): the fused
-    loss, or eager's loss on the Linear's logits."""
     fused = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -193,10 +174,7 @@ def _fused_loss(
     targets = shift_labels.reshape(-1).to(hidden_states.device)
     counted = targets != ignore_index
     divisor = loss_kwargs.get("num_items_in_batch")
-    if divisor is None:
-        divisor = counted.sum()
-    elif not torch.is_tensor(divisor):
-        divisor = torch.tensor(divisor, device=hidden_states.device)
+    divisor = torch.as_tensor(counted.sum() if divisor is None else divisor).to(hidden_states.device, torch.float32)
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     weight, bias = parameter(lm_head, "weight"), parameter(lm_head, "bias")
     if not torch.is_grad_enabled():  # the Function would see requires_grad and make gradients no one asked for
@@ -205,14 +183,13 @@ def _fused_loss(
     if torch.is_autocast_enabled(device_type):  # as autocast's linear: operands cast once, gradients cast back
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight, bias = (None if t is None else t.to(dtype) for t in (hidden, weight, bias))
-    targets, divisor = torch.where(counted, targets, 0), divisor.to(hidden.device, torch.float32)
+    targets = torch.where(counted, targets, 0)
     needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     with torch.autocast(device_type, enabled=False):  # the chunks' matmuls in that dtype, nothing cast again
         if chunk_tokens is None and not chunked_form_pays(hidden.shape[0], hidden.shape[1], needs_grad):
             total = None  # the log-probability form: autograd through the op, which keeps its log-probabilities
             for start in range(0, hidden.shape[0], MAX_ROWS):
-                rows = slice(start, start + MAX_ROWS)
-                part = _chunk(hidden[rows], weight, bias, targets[rows], counted[rows], rows, (None, None, None))
+                part = _chunk(hidden, weight, bias, targets, counted, slice(start, start + MAX_ROWS), (None,) * 3)
                 total = part if total is None else total + part
         else:
             chunk = min(chunk_tokens or default_chunk_tokens(*hidden.shape), MAX_ROWS)
@@ -239,8 +216,8 @@ def linear_cross_entropy_eager(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Run the transformers forward's lm_head and loss lines.
 
-    They are `logits = lm_head(hidden[:, slice])`, then, with labels, the model's loss_function (ForCausalLMLoss's math
-    when none is given) on them."""
+    They are `logits = lm_head(hidden[:, slice])`, then, with labels, the model's loss_function on them (transformers'
+    ForCausalLMLoss when none is given: imported only then)."""
     positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     logits = lm_head(hidden_states[:, positions, :])
     if labels is None:
@@ -249,32 +226,10 @@ def linear_cross_entropy_eager(
 
 
 def _loss_of_logits(logits, labels, vocab_size: int, loss_function: object, loss_kwargs: dict) -> torch.Tensor:
-    """The model's loss_function (ForCausalLMLoss's math when none is given) on the logits, as the forward calls it."""
-    loss_function = loss_function or causal_lm_loss_eager
+    """The model's loss_function on the logits, as the forward calls it (transformers' ForCausalLMLoss if None)."""
+    if loss_function is None:  # a direct call's; transformers is imported only then
+        from transformers.loss.loss_utils import ForCausalLMLoss as loss_function
     return loss_function(logits=logits, labels=labels, vocab_size=vocab_size, **loss_kwargs)
-
-
-def causal_lm_loss_eager(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    vocab_size: int,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    ignore_index: int = -100,
-    shift_labels: torch.Tensor | None = None,
-    **kwargs,
-) -> torch.Tensor:
-    """Compute transformers 5.22.2's ForCausalLMLoss, op for op.
-
-    It is copied here (the card imports no transformers: a direct call of a `linear_cross_entropy*` function without a
-    loss_function runs this); other keywords ignored, as it ignores them."""
-    logits = logits.float()
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
-    logits, shift_labels = logits.view(-1, vocab_size), shift_labels.view(-1).to(logits.device)
-    if num_items_in_batch is None:
-        return F.cross_entropy(logits, shift_labels, ignore_index=ignore_index)
-    loss = F.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum")
-    return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
 
 
 _LINEAR_FORWARD = nn.Linear.forward
@@ -334,8 +289,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_grad[2] else None
         grads = (grad_hidden, grad_weight, grad_bias)
         for start in range(0, hidden.shape[0], chunk):
-            rows = slice(start, start + chunk)
-            total += _chunk(hidden[rows], weight, bias, targets[rows], counted[rows], rows, grads)
+            total += _chunk(hidden, weight, bias, targets, counted, slice(start, start + chunk), grads)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, counted.any())
         ctx.weight_dtype = weight.dtype
         return total
@@ -351,11 +305,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return *scaled, None, None, None
 
 
-def _chunk(h, weight, bias, target, mask, rows: slice, grads: tuple) -> torch.Tensor:
-    """Return one chunk's summed loss over the counted rows; add its share into the gradients that are not None.
+def _chunk(hidden, weight, bias, targets, counted, rows: slice, grads: tuple) -> torch.Tensor:
+    """Return the chunk `rows`' summed loss over its counted rows; add its share into the gradients that are not None.
 
     (A function, so that every [chunk, V] buffer is freed when it returns.)"""
-    grad_hidden, grad_weight, grad_bias = grads
+    h, target, mask, (grad_hidden, grad_weight, grad_bias) = hidden[rows], targets[rows], counted[rows], grads
     logits = F.linear(h, weight, bias).float()
     per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
     del logits
