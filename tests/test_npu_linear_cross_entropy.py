@@ -165,6 +165,30 @@ def test_every_listed_class_has_its_layers_forward_and_the_layer_its_signature(n
     assert failures == []
 
 
+def test_each_layer_binds_its_arguments_as_its_signature_does(card, monkeypatch):
+    """The forward binds by hand (Signature.bind is too slow for every generation step): positional, keyword, default
+    and extra arguments land where `inspect.Signature.bind` puts them, and a call the signature refuses raises its
+    TypeError."""
+    seen = []
+    monkeypatch.setattr(card.layers, "_fused_or_own", lambda module, row, arguments: seen.append(arguments))
+    for name, row in card.layers.LAYERS.items():
+        layer = getattr(card.layers, name)()
+        signature = inspect.signature(type(layer).forward)
+        n = len(row.parameters)
+        calls = [((), {}), (tuple(range(n)), {}), ((1, 2), {"extra": 3, row.parameters[-1]: 4}), ((), {"labels": 5})]
+        for args, kwargs in calls:
+            seen.clear()
+            layer(*args, **kwargs)
+            bound = signature.bind(layer, *args, **kwargs)
+            bound.apply_defaults()
+            assert seen == [{k: v for k, v in bound.arguments.items() if k != "self"}], (name, args, kwargs)
+        for args, kwargs in ((tuple(range(n + 1)), {}), ((1,), {row.parameters[0]: 1})):
+            with pytest.raises(TypeError):
+                signature.bind(layer, *args, **kwargs)
+            with pytest.raises(TypeError):
+                layer(*args, **kwargs)
+
+
 def _class_path(model_type: str) -> str:
     cls = type(_tiny(model_type))
     return f"{cls.__module__.removeprefix('transformers.models.')}.{cls.__name__}"

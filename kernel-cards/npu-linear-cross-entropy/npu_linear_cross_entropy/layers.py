@@ -90,11 +90,15 @@ def _layer(name: str, row: Layer) -> type[nn.Module]:
     keyword = Parameter.POSITIONAL_OR_KEYWORD
     parameters = [Parameter(p, keyword, default=0 if p == _KEEP else None) for p in row.parameters]
     signature = Signature([Parameter("self", keyword), *parameters, Parameter("kwargs", Parameter.VAR_KEYWORD)])
+    names, defaults = row.parameters, {p.name: p.default for p in parameters}
 
     def forward(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
+        # bound by hand: Signature.bind takes 7 us, paid at every generation step; it raises Python's errors
+        if len(args) > len(names) or any(name in kwargs for name in names[: len(args)]):
+            signature.bind(self, *args, **kwargs)
+        arguments = dict(zip(names, args, strict=False))  # args: at most as many as names
+        arguments.update((name, kwargs.pop(name, defaults[name])) for name in names[len(args) :])
+        arguments["kwargs"] = kwargs
         # inside accelerate's mixed-precision wrapper where a later kernelize replaced that wrapper
         if accelerate_wrapped_forward(self) and not torch.is_autocast_enabled(next(self.parameters()).device.type):
             return _as_accelerates_autocast_wrapper(_fused_or_own, self, row, arguments)
