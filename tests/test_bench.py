@@ -496,6 +496,19 @@ def test_a_spec_missing_pieces_is_named_piece_by_piece(monkeypatch):
     ]
 
 
+def test_a_host_timing_with_a_direct_call_off_a_llama_layer_or_without_shapes_is_named(monkeypatch):
+    """The per-call overhead and fallback rows call a card's function on a Llama layer, with its shapes in the note."""
+    rms_norm = CARDS["npu_fused_rmsnorm"]
+    where = "npu-rms-norm: scripts/bench/cards/npu_rms_norm.py"
+    timing = npu_rms_norm.HOST_TIMING
+    monkeypatch.setattr(npu_rms_norm, "HOST_TIMING", dataclasses.replace(timing, model="qwen3_moe"))
+    assert cards.missing_pieces(rms_norm) == [f"{where}: HOST_TIMING's direct_call is timed on a Llama layer only"]
+    monkeypatch.setattr(npu_rms_norm, "HOST_TIMING", dataclasses.replace(timing, shapes=None))
+    assert cards.missing_pieces(rms_norm) == [f"{where}: HOST_TIMING has a direct_call or shapes without the other"]
+    monkeypatch.setattr(npu_rms_norm, "HOST_TIMING", dataclasses.replace(timing, direct_call=None, shapes=None))
+    assert cards.missing_pieces(rms_norm) == []
+
+
 PEER_DESCRIPTION = "RMSNorm by class name"
 """The one region name a generic bench module writes: report.peer_text describes LLaMA-Factory's kernels, whose
 RMSNorm kernel matches modules by class name (its own rule, not a card's region)."""

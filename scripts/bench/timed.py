@@ -111,7 +111,7 @@ def overhead_rows(device: str, repeats: int, number: int) -> list[Row]:
     """Return the rows of the per-call cost of each card's kernelized module over its card function.
 
     The cost is that of a kernelized module (eager column: calling its card function directly), tiny tensors: each card
-    with a HOST_TIMING in its spec, on its region of a tiny Llama decoder layer."""
+    whose HOST_TIMING has a direct_call, on its region of a tiny Llama decoder layer."""
     from kernels import Mode, kernelize
 
     model = tiny_causal_lm("llama", num_hidden_layers=1).to(device)
@@ -119,7 +119,7 @@ def overhead_rows(device: str, repeats: int, number: int) -> list[Row]:
     layer = model.model.layers[0]
     rows = []
     with torch.no_grad():
-        for card, timing in with_piece("HOST_TIMING"):
+        for card, timing in direct_calls():
             module = timing.region(layer)
             inputs = timing.inputs(model.config, 1, 8, device)
             function = timing.direct_call(_card_of(module), module)
@@ -322,29 +322,37 @@ def host_cost_rows(device: str, repeats: int, number: int, measure: Callable = p
 
     It is measured at decode size (`HOST_COST_SHAPE`, bfloat16, inference mode), its ops stubbed (`OpTape`), as a ratio
     to a bare module call issuing the same ops (`BareCall`), timed interleaved in one run: each card with a HOST_TIMING
-    in its spec, on its region of a tiny Llama decoder layer; subclasses' torch-function off, as for torch_npu's
-    plain tensors (the module's docstring)."""
+    in its spec, on its region of the first decoder layer of a tiny model of its `model` type; subclasses'
+    torch-function off, as for torch_npu's plain tensors (the module's docstring)."""
     from kernels import Mode, kernelize
 
     batch, seq = HOST_COST_SHAPE
-    model = tiny_causal_lm("llama", num_hidden_layers=1).to(device=device, dtype=DTYPE)
-    kernelize(model, mode=Mode.INFERENCE, device="npu")
-    layer = model.model.layers[0]
+    timings = with_piece("HOST_TIMING")
     rows = []
-    try:
-        with torch.inference_mode(), torch._C.DisableTorchFunctionSubclass():
-            for card, timing in with_piece("HOST_TIMING"):
-                module = timing.region(layer)
-                inputs = tuple(
-                    t.to(DTYPE) if t.is_floating_point() else t for t in timing.inputs(model.config, batch, seq, device)
-                )
-                tape = OpTape()
-                with tape.stubbing(sys.modules.get("torch_npu"), fused_ops()):
-                    call_s, bare_s, steps = host_cost(module, inputs, tape, repeats, number, measure)
-                rows.append(host_cost_row(card.region, call_s, bare_s, steps, device, repeats, number))
-    finally:
-        kernelize(model, mode=Mode.INFERENCE, device="cpu")
+    for model_type in dict.fromkeys(timing.model for _, timing in timings):
+        model = tiny_causal_lm(model_type, num_hidden_layers=1).to(device=device, dtype=DTYPE)
+        kernelize(model, mode=Mode.INFERENCE, device="npu")
+        layer = model.model.layers[0]
+        try:
+            with torch.inference_mode(), torch._C.DisableTorchFunctionSubclass():
+                for card, timing in ((c, t) for c, t in timings if t.model == model_type):
+                    module = timing.region(layer)
+                    inputs = tuple(
+                        t.to(DTYPE) if t.is_floating_point() else t
+                        for t in timing.inputs(model.config, batch, seq, device)
+                    )
+                    tape = OpTape()
+                    with tape.stubbing(sys.modules.get("torch_npu"), fused_ops()):
+                        call_s, bare_s, steps = host_cost(module, inputs, tape, repeats, number, measure)
+                    rows.append(host_cost_row(card.region, call_s, bare_s, steps, device, repeats, number))
+        finally:
+            kernelize(model, mode=Mode.INFERENCE, device="cpu")
     return rows
+
+
+def direct_calls() -> list[tuple[Any, Any]]:
+    """(card, HostTiming) of the cards whose HOST_TIMING has a direct_call (on a Llama layer: the spec check)."""
+    return [(card, timing) for card, timing in with_piece("HOST_TIMING") if timing.direct_call is not None]
 
 
 def host_cost_row(
@@ -432,7 +440,7 @@ def fallback_rows(build: Path, repeats: int, quick: bool) -> list[Row]:
     """Return the rows timing the torch-universal build on CPU tensors against transformers' eager forward.
 
     Timed (float32, no module call overhead on either side: the class forward against the card function), for each card
-    with a HOST_TIMING in its spec, on its region of a Llama decoder layer."""
+    whose HOST_TIMING has a direct_call, on its region of a Llama decoder layer."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -442,7 +450,7 @@ def fallback_rows(build: Path, repeats: int, quick: bool) -> list[Row]:
         num_key_value_heads=max(heads // 4, 1), head_dim=128,
     )  # fmt: skip
     layer = LlamaDecoderLayer(config, layer_idx=0)
-    timings = with_piece("HOST_TIMING")
+    timings = direct_calls()
     universal = {card.repo_name: load_variant(build / card.repo_name, "torch-universal") for card, _ in timings}
     rows = []
     with torch.no_grad():

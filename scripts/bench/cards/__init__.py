@@ -26,9 +26,10 @@ The spec contract. `scripts/bench/cards/<py>.py` defines:
 - `FUSED_OPS: dict[str, FusedOp]`: the accounting rule (`bench.accounting.FusedOp`) of every torch_npu op the
   card's emulation module brings (`npu_hub_kernels/testing/emulation/ops/<py>.py`, its `__all__`), and of no other
   op ({} when the card brings none: an op two cards call lives with one of them).
-- `HOST_TIMING: HostTiming | None`: how the timed mode calls the card's function directly (per-call overhead of
-  the kernelized module, torch-universal fallback against eager), or None, with a comment saying why the card is
-  not timed on the host.
+- `HOST_TIMING: HostTiming | None`: where the timed mode finds the card's region in a tiny model (host cost of a
+  call) and, on a Llama layer, how it calls the card's function directly (per-call overhead of the kernelized
+  module, torch-universal fallback against eager), or None, with a comment saying why the card is not timed on
+  the host.
 
 and may define:
 
@@ -87,19 +88,24 @@ measures, counts, builds a model or renders."""
 
 @dataclass(frozen=True)
 class HostTiming:
-    """How the timed mode calls a card's function directly, for a Llama decoder layer's region of the card.
+    """Where the timed mode finds a card's region in a decoder layer, and how it calls the card's function directly.
 
-    region: the region's module (or function-module) in a Llama decoder layer.
+    region: the region's module (or function-module) in a decoder layer of `model`.
     inputs: the tensors of one call of the region, from the layer's config, batch, sequence and device.
     direct_call: the card package's function as the card's layer calls it for that module: a callable taking the
-        call's tensors (the function looked up once, so that timing the callable times the function).
-    shapes: the call's shapes as the fallback row's note states them, from the module and the inputs.
+        call's tensors (the function looked up once, so that timing the callable times the function); None: the
+        card gets a host-cost row only (the per-call overhead and fallback rows time a Llama layer's cards).
+    shapes: the call's shapes as the fallback row's note states them, from the module and the inputs (None with
+        direct_call).
+    model: the tiny model type (`TINY_CONFIGS`) whose first decoder layer holds the region; a card with a
+        direct_call is timed on a Llama layer.
     """
 
     region: Callable[[nn.Module], Any]
     inputs: Callable[[Any, int, int, str], tuple[torch.Tensor, ...]]
-    direct_call: Callable[[ModuleType, Any], Callable[..., Any]]
-    shapes: Callable[[Any, tuple[torch.Tensor, ...]], str]
+    direct_call: Callable[[ModuleType, Any], Callable[..., Any]] | None = None
+    shapes: Callable[[Any, tuple[torch.Tensor, ...]], str] | None = None
+    model: str = "llama"
 
 
 @dataclass(frozen=True)
@@ -292,6 +298,10 @@ def missing_pieces(card: Card) -> list[str]:
     timing = getattr(module, "HOST_TIMING", None)
     if timing is not None and not isinstance(timing, HostTiming):
         missing.append(f"{card.repo_name}: {where}: HOST_TIMING is neither a HostTiming nor None")
+    elif timing is not None and (timing.direct_call is None) != (timing.shapes is None):
+        missing.append(f"{card.repo_name}: {where}: HOST_TIMING has a direct_call or shapes without the other")
+    elif timing is not None and timing.direct_call is not None and timing.model != "llama":
+        missing.append(f"{card.repo_name}: {where}: HOST_TIMING's direct_call is timed on a Llama layer only")
     outside = getattr(module, "OUTSIDE_REGION", None)
     if outside is not None and not isinstance(outside, OutsideRegion):
         missing.append(f"{card.repo_name}: {where}: OUTSIDE_REGION is not an OutsideRegion")

@@ -110,8 +110,8 @@ FUSED_OPS = {
 }
 
 HOST_TIMING = None
-"""Not timed on the host: the region is a whole model's head, not a module of the Llama decoder layer the per-call
-overhead and fallback rows time."""
+"""Not timed on the host: its layer is the whole *ForCausalLM forward, which at decode (no labels) makes one decision
+and runs the class's own forward; a bare replay of the model's ops would charge the card with transformers' Python."""
 
 
 def _inputs(lm_head: nn.Module, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

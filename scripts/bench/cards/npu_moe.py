@@ -29,7 +29,7 @@ from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
 from ..targets import CountedTarget
-from . import ExpertsSweep
+from . import ExpertsSweep, HostTiming
 
 BYTES_TOLERANCE = 1.01
 """Kernelized bytes of the MoE experts within 1% of the floor."""
@@ -108,8 +108,17 @@ FUSED_OPS = {
     "npu_grouped_matmul": FusedOp(_grouped_matmul_outputs, flops=_grouped_matmul_flops),
 }
 
-HOST_TIMING = None
-"""Not timed on the host: the per-call overhead and fallback rows time the dense Llama layer's cards."""
+
+def _routed_tokens(config: Any, batch: int, seq: int, device: str) -> tuple[torch.Tensor, ...]:
+    """Tokens [T, H], each routed to top_k distinct experts, with their weights: the experts module's call."""
+    tokens, top_k = batch * seq, config.num_experts_per_tok
+    top_k_index = torch.rand(tokens, config.num_experts).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k).softmax(dim=-1)
+    return tuple(t.to(device) for t in (torch.randn(tokens, config.hidden_size), top_k_index, weights))
+
+
+# Host cost only, on a Qwen3-MoE layer: the per-call overhead and fallback rows time the dense Llama layer's cards.
+HOST_TIMING = HostTiming(region=lambda layer: layer.mlp.experts, inputs=_routed_tokens, model="qwen3_moe")
 
 
 def is_region(module: nn.Module) -> bool:

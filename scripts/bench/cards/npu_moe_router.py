@@ -26,6 +26,7 @@ from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
 from ..targets import CountedTarget
+from . import HostTiming
 
 BYTES_TOLERANCE = 1.01
 """Kernelized bytes of the router within 1% of the floor (issue 19)."""
@@ -75,8 +76,12 @@ FUSED_OPS = {
     "npu_moe_gating_top_k_backward": FusedOp(lambda a: empty_of(a["x_norm"], dtype=a["grad_y"].dtype)),
 }
 
-HOST_TIMING = None
-"""Not timed on the host: the per-call overhead and fallback rows time the dense Llama layer's cards."""
+# Host cost only, on a Qwen3-MoE layer: the per-call overhead and fallback rows time the dense Llama layer's cards.
+HOST_TIMING = HostTiming(
+    region=lambda layer: layer.mlp.gate,
+    inputs=lambda config, batch, seq, device: (torch.randn(batch * seq, config.hidden_size, device=device),),
+    model="qwen3_moe",
+)
 
 
 def is_region(module: nn.Module) -> bool:
