@@ -15,7 +15,7 @@ from torch import nn
 
 from ._fallbacks import ran_eager
 from ._internals import accelerate_wrapped_forward, modeling_global
-from .loss import _call_unavailable_reason, linear_cross_entropy
+from .loss import _call_unavailable_reason, loss_in_lm_head_call
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,8 @@ def _fused_or_own(module: nn.Module, row: Layer, arguments: dict):
         model_inputs[_ROUTER] = asked and (aux.only_if is None or getattr(config, aux.only_if))
     outputs = operator.attrgetter(row.base_model)(module)(**model_inputs, **(kwargs if row.kwargs_to_model else {}))
     vocab_size = operator.attrgetter(row.vocab_size)(module)
-    loss, logits = linear_cross_entropy(
-        outputs.last_hidden_state, lm_head, labels, vocab_size, loss_function=loss_function, module=module, **kwargs
+    loss, logits = loss_in_lm_head_call(
+        outputs.last_hidden_state, lm_head, labels, vocab_size, loss_function, None, kwargs, module
     )
     fields = {name: getattr(outputs, name) for name in row.extra}
     if aux is not None and model_inputs[_ROUTER]:  # the class's lines: its modeling module's function

@@ -135,7 +135,6 @@ def linear_cross_entropy(
     loss_function: object = None,
     logits_to_keep: int | torch.Tensor = 0,
     chunk_tokens: int | None = None,
-    module: nn.Module | None = None,
     **loss_kwargs,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Return (loss, logits) of `lm_head` then transformers' causal-LM loss, fused when it can be.
@@ -143,12 +142,28 @@ def linear_cross_entropy(
     `linear_cross_entropy_unavailable_reason` decides: its call part first (else `linear_cross_entropy_eager`'s), then,
     inside lm_head's call, its tensors part (chunked npu_cross_entropy_loss with logits None, or the loss on the
     Linear's logits). loss_kwargs: what the model's forward passes its loss_function (num_items_in_batch, ignore_index,
-    shift_labels, and others it ignores); `module`: the layer whose record the decisions go to (None: direct calls)."""
-    if ran_eager(module, _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep)):
+    shift_labels, and others it ignores)."""
+    if ran_eager(None, _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep)):
         return linear_cross_entropy_eager(
             hidden_states, lm_head, labels, vocab_size, loss_function=loss_function, logits_to_keep=logits_to_keep,
             **loss_kwargs,
         )  # fmt: skip
+    return loss_in_lm_head_call(hidden_states, lm_head, labels, vocab_size, loss_function, chunk_tokens, loss_kwargs)
+
+
+def loss_in_lm_head_call(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    vocab_size: int,
+    loss_function: object,
+    chunk_tokens: int | None,
+    loss_kwargs: dict,
+    module: nn.Module | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Return (loss, logits) of a call whose call part of the decision passed; its tensors part decides in the call.
+
+    The fused loss, or the loss of the Linear's logits, recorded for `module` (the layer's; None for a direct call)."""
     fused = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
