@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
-import torch_npu
 
-from npu_hub_kernels.testing import emulation
-
-from . import npu
+from . import made_at_first_use, npu, torch_npu
+from . import on_cann as _cann
 
 rotary_mul = torch_npu.npu_rotary_mul
 apply_rotary = torch_npu.npu_apply_rotary_pos_emb
 
 OLD_CANN = "8.5.0"
 """A CANN before 9.0: no TND npu_rotary_mul, and npu_apply_rotary_pos_emb with D = 128 and BSND only."""
-
-
-@contextmanager
-def _cann(version: str | None):
-    """The emulated host reports CANN `version` inside the block (None: leave it as it is)."""
-    if version is None:
-        yield
-        return
-    before = torch.version.cann
-    emulation.set_cann_version(version)
-    try:
-        yield
-    finally:
-        emulation.set_cann_version(before)
 
 
 def _mul(x_shape, r_shape, mode="half", *, dtype=torch.float32, r2_shape=None, cann=None, grad=False, **kwargs):
@@ -59,8 +43,10 @@ def _trained(x_shape, r_shape, mode="half", *, r1_grad=True, forward_cann=None, 
 
 
 def _apply(q_heads=8, k_heads=2, d=64, *, dtype=torch.float32, layout="BSND", cann=None, grad=False, **change):
-    """npu_apply_rotary_pos_emb of q [2, 5, q_heads, d], k [2, 5, k_heads, d], cos/sin [2, 5, 1, d] (TND: without
-    the batch), each replaced by `change` when given."""
+    """npu_apply_rotary_pos_emb of q [2, 5, q_heads, d], k [2, 5, k_heads, d], cos/sin [2, 5, 1, d].
+
+    TND: without the batch. Each is replaced by `change` when given.
+    """
 
     def call():
         lead = (2, 5) if layout == "BSND" else (10,)
@@ -88,48 +74,57 @@ X, R = (2, 5, 4, 8), (1, 5, 1, 8)
 """BSND x and its 1S1D r1/r2."""
 TND = (10, 8, 64), (10, 2, 64), (10, 1, 64)
 """q, k and cos/sin shapes of TND npu_apply_rotary_pos_emb."""
-CASES = {
-    "npu_rotary_mul/rotary-mode": (_mul(X, R, "interleave"), _mul(X, R, "quarter")),
-    "npu_rotary_mul/dtype": (_mul(X, R, dtype=torch.bfloat16), _mul(X, R, dtype=torch.float64)),
-    "npu_rotary_mul/rank": (_mul((4, 2, 8), (4, 1, 8)), _mul((5, 8), (5, 8))),
-    "npu_rotary_mul/tnd-cann": (_mul((4, 2, 8), (4, 1, 8), cann="9.0.0"), _mul((4, 2, 8), (4, 1, 8), cann=OLD_CANN)),
-    "npu_rotary_mul/same-shape": (_mul(X, R), _mul(X, R, r2_shape=(2, 5, 1, 8))),
-    "npu_rotary_mul/head-dim": (_mul((1, 2, 3, 894), (1, 1, 3, 894)), _mul((1, 2, 3, 896), (1, 1, 3, 896))),
-    "npu_rotary_mul/half-forms": (_mul(X, (2, 5, 1, 8)), _mul(X, (1, 5, 4, 8))),
-    "npu_rotary_mul/interleave-forms": (
-        _mul((2, 4, 3, 8), (1, 1, 3, 8), "interleave"), _mul((2, 4, 3, 8), (2, 1, 3, 8), "interleave"),
-    ),
-    # [1000, 4, 2, 8] with r1 [1000, 4, 1, 8] is BSND with B = 1000 and SBND with B = 4: taken as SBND
-    "npu_rotary_mul/half-limits": (_mul((1000, 4, 2, 8), (1000, 4, 1, 8)), _mul((1000, 2, 3, 8), (1, 1, 3, 8))),
-    "npu_rotary_mul/interleave-limits": (
-        _mul((10, 99, 3, 8), (1, 1, 3, 8), "interleave"), _mul((10, 100, 3, 8), (1, 1, 3, 8), "interleave"),
-    ),
-    "npu_rotary_mul/rotate": (_mul(X, R), _mul(X, R, rotate=npu(8, 8, 1))),
-    "npu_rotary_mul/rotate-no-grad": (_mul(X, R, grad=True), _mul(X, R, grad=True, rotate=npu(8, 8))),
-    "npu_rotary_mul_backward/rank": (
-        _trained((4, 2, 8), (4, 1, 8)), _trained((4, 2, 8), (4, 1, 8), backward_cann=OLD_CANN),
-    ),
-    "npu_rotary_mul_backward/grad-limits": (
-        _trained((2, 3, 512, 8), (1, 3, 1, 8)), _trained((2, 3, 513, 8), (1, 3, 1, 8)),
-    ),
-    "npu_apply_rotary_pos_emb/layout": (_apply(layout="TND"), _apply(layout="BNSD")),
-    "npu_apply_rotary_pos_emb/rotary-mode": (_apply_mode("half"), _apply_mode("interleave")),
-    "npu_apply_rotary_pos_emb/no-autograd": (_apply(), _apply(grad=True)),
-    "npu_apply_rotary_pos_emb/tnd-cann": (_apply(layout="TND"), _apply(layout="TND", cann=OLD_CANN)),
-    "npu_apply_rotary_pos_emb/rank": (
-        _apply(), _apply(query=npu(*TND[0]), key=npu(*TND[1]), cos=npu(*TND[2]), sin=npu(*TND[2])),
-    ),
-    "npu_apply_rotary_pos_emb/non-empty": (_apply(), _apply(query=npu(2, 5, 0, 64))),
-    "npu_apply_rotary_pos_emb/dtype": (_apply(dtype=torch.bfloat16), _apply(dtype=torch.float64)),
-    "npu_apply_rotary_pos_emb/same-dtype": (_apply(), _apply(cos=npu(2, 5, 1, 64, dtype=torch.float16))),
-    "npu_apply_rotary_pos_emb/head-dim": (_apply(d=128), _apply(d=80)),
-    "npu_apply_rotary_pos_emb/head-dim-cann": (_apply(d=128, cann=OLD_CANN), _apply(d=64, cann=OLD_CANN)),
-    "npu_apply_rotary_pos_emb/same-head-dim": (_apply(), _apply(d=128, cos=npu(2, 5, 1, 64), sin=npu(2, 5, 1, 64))),
-    "npu_apply_rotary_pos_emb/leading-dims": (_apply(), _apply(cos=npu(1, 5, 1, 64))),
-    "npu_apply_rotary_pos_emb/cos-heads": (_apply(), _apply(sin=npu(2, 5, 2, 64))),
-    # 76 q and k heads in all fill the 192 KiB of on-chip memory in float32 and bfloat16 exactly; 152 in float16
-    "npu_apply_rotary_pos_emb/ub": (_apply(64, 12, dtype=torch.bfloat16), _apply(64, 13, dtype=torch.float32)),
-}  # fmt: skip
+
+
+def _cases() -> dict:
+    """`CASES`, made at first use (`made_at_first_use`): some of its calls take npu tensors made once."""
+    return {
+        "npu_rotary_mul/rotary-mode": (_mul(X, R, "interleave"), _mul(X, R, "quarter")),
+        "npu_rotary_mul/dtype": (_mul(X, R, dtype=torch.bfloat16), _mul(X, R, dtype=torch.float64)),
+        "npu_rotary_mul/rank": (_mul((4, 2, 8), (4, 1, 8)), _mul((5, 8), (5, 8))),
+        "npu_rotary_mul/tnd-cann": (
+            _mul((4, 2, 8), (4, 1, 8), cann="9.0.0"), _mul((4, 2, 8), (4, 1, 8), cann=OLD_CANN),
+        ),
+        "npu_rotary_mul/same-shape": (_mul(X, R), _mul(X, R, r2_shape=(2, 5, 1, 8))),
+        "npu_rotary_mul/head-dim": (_mul((1, 2, 3, 894), (1, 1, 3, 894)), _mul((1, 2, 3, 896), (1, 1, 3, 896))),
+        "npu_rotary_mul/half-forms": (_mul(X, (2, 5, 1, 8)), _mul(X, (1, 5, 4, 8))),
+        "npu_rotary_mul/interleave-forms": (
+            _mul((2, 4, 3, 8), (1, 1, 3, 8), "interleave"), _mul((2, 4, 3, 8), (2, 1, 3, 8), "interleave"),
+        ),
+        # [1000, 4, 2, 8] with r1 [1000, 4, 1, 8] is BSND with B = 1000 and SBND with B = 4: taken as SBND
+        "npu_rotary_mul/half-limits": (_mul((1000, 4, 2, 8), (1000, 4, 1, 8)), _mul((1000, 2, 3, 8), (1, 1, 3, 8))),
+        "npu_rotary_mul/interleave-limits": (
+            _mul((10, 99, 3, 8), (1, 1, 3, 8), "interleave"), _mul((10, 100, 3, 8), (1, 1, 3, 8), "interleave"),
+        ),
+        "npu_rotary_mul/rotate": (_mul(X, R), _mul(X, R, rotate=npu(8, 8, 1))),
+        "npu_rotary_mul/rotate-no-grad": (_mul(X, R, grad=True), _mul(X, R, grad=True, rotate=npu(8, 8))),
+        "npu_rotary_mul_backward/rank": (
+            _trained((4, 2, 8), (4, 1, 8)), _trained((4, 2, 8), (4, 1, 8), backward_cann=OLD_CANN),
+        ),
+        "npu_rotary_mul_backward/grad-limits": (
+            _trained((2, 3, 512, 8), (1, 3, 1, 8)), _trained((2, 3, 513, 8), (1, 3, 1, 8)),
+        ),
+        "npu_apply_rotary_pos_emb/layout": (_apply(layout="TND"), _apply(layout="BNSD")),
+        "npu_apply_rotary_pos_emb/rotary-mode": (_apply_mode("half"), _apply_mode("interleave")),
+        "npu_apply_rotary_pos_emb/no-autograd": (_apply(), _apply(grad=True)),
+        "npu_apply_rotary_pos_emb/tnd-cann": (_apply(layout="TND"), _apply(layout="TND", cann=OLD_CANN)),
+        "npu_apply_rotary_pos_emb/rank": (
+            _apply(), _apply(query=npu(*TND[0]), key=npu(*TND[1]), cos=npu(*TND[2]), sin=npu(*TND[2])),
+        ),
+        "npu_apply_rotary_pos_emb/non-empty": (_apply(), _apply(query=npu(2, 5, 0, 64))),
+        "npu_apply_rotary_pos_emb/dtype": (_apply(dtype=torch.bfloat16), _apply(dtype=torch.float64)),
+        "npu_apply_rotary_pos_emb/same-dtype": (_apply(), _apply(cos=npu(2, 5, 1, 64, dtype=torch.float16))),
+        "npu_apply_rotary_pos_emb/head-dim": (_apply(d=128), _apply(d=80)),
+        "npu_apply_rotary_pos_emb/head-dim-cann": (_apply(d=128, cann=OLD_CANN), _apply(d=64, cann=OLD_CANN)),
+        "npu_apply_rotary_pos_emb/same-head-dim": (_apply(), _apply(d=128, cos=npu(2, 5, 1, 64), sin=npu(2, 5, 1, 64))),
+        "npu_apply_rotary_pos_emb/leading-dims": (_apply(), _apply(cos=npu(1, 5, 1, 64))),
+        "npu_apply_rotary_pos_emb/cos-heads": (_apply(), _apply(sin=npu(2, 5, 2, 64))),
+        # 76 q and k heads in all fill the 192 KiB of on-chip memory in float32 and bfloat16 exactly; 152 in float16
+        "npu_apply_rotary_pos_emb/ub": (_apply(64, 12, dtype=torch.bfloat16), _apply(64, 13, dtype=torch.float32)),
+    }  # fmt: skip
+
+
+__getattr__ = made_at_first_use(globals(), CASES=_cases)
 
 
 def _rope(
@@ -147,9 +142,11 @@ def _rope(
     inference: bool = False,
     cann: str | None = None,
 ):
-    """A LIMITS case: the card's rotation of q [B, H, S, D] (BSND memory in inference, where the in-place op may
-    run), k with `kv_heads`, cos/sin [B or cos_batch, S, D]; `grad` names the tensors that require grad ("qkcs":
-    q, k, cos, sin), and the run goes through backward then."""
+    """A LIMITS case: the card's rotation of q [B, H, S, D], k with `kv_heads`, cos/sin [B or cos_batch, S, D].
+
+    q and k are BSND memory in inference, where the in-place op may run. `grad` names the tensors that require grad
+    ("qkcs": q, k, cos, sin), and the run goes through backward then.
+    """
 
     def make(card):
         mode = torch.inference_mode() if inference else nullcontext()
@@ -180,8 +177,10 @@ def _rope(
 
 
 def _three_dim(card):
-    """q/k [B, S, D] with cos/sin [B, S, D] unsqueezed at 0: transformers' math broadcasts them to 4-D; the card
-    sends npu_rotary_mul no 3-D x (the op's TND layout), which runs eager."""
+    """q/k [B, S, D] with cos/sin [B, S, D] unsqueezed at 0: the card runs it eager.
+
+    transformers' math broadcasts them to 4-D; the card sends npu_rotary_mul no 3-D x (the op's TND layout).
+    """
     q, k, cos, sin = npu(2, 5, 64), npu(2, 5, 64), npu(2, 5, 64), npu(2, 5, 64)
     return (
         lambda: card.apply_rotary_pos_emb(q, k, cos, sin, 0),

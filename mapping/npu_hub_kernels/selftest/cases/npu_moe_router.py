@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch_npu
 
-from . import npu, npu_int
+from . import made_at_first_use, npu, npu_int, torch_npu
 
 gating = torch_npu.npu_moe_gating_top_k
 backward = torch_npu.npu_moe_gating_top_k_backward
@@ -37,47 +36,56 @@ def _trained(norm_type: int):
     return call
 
 
-CASES = {
-    "npu_moe_gating_top_k/x-rank": (_gate(), lambda: gating(npu(2, 4, 8), 2)),
-    "npu_moe_gating_top_k/x-dtype": (_gate(dtype=torch.bfloat16), _gate(dtype=torch.float64)),
-    "npu_moe_gating_top_k/experts-max": (_gate(experts=2048), _gate(experts=2049)),
-    "npu_moe_gating_top_k/bias-shape": (_gate(bias=npu(8)), _gate(bias=npu(1, 8))),
-    "npu_moe_gating_top_k/bias-dtype": (_gate(bias=npu(8)), _gate(bias=npu(8, dtype=torch.bfloat16))),
-    "npu_moe_gating_top_k/group-count": (_gate(experts=12, group_count=4), _gate(experts=12, group_count=5)),
-    "npu_moe_gating_top_k/experts-per-group": (_gate(experts=3, k=1), _gate(experts=2, k=1)),
-    "npu_moe_gating_top_k/groups-aligned": (
-        _gate(experts=2048, group_count=64, k_group=2), _gate(experts=1089, group_count=33, k_group=2),
-    ),
-    "npu_moe_gating_top_k/k-group": (
-        _gate(experts=16, group_count=4, k_group=4), _gate(experts=16, group_count=4, k_group=5),
-    ),
-    "npu_moe_gating_top_k/k-range": (
-        _gate(experts=16, k=8, group_count=4, k_group=2), _gate(experts=16, k=9, group_count=4, k_group=2),
-    ),
-    "npu_moe_gating_top_k/group-select-mode": (_gate(group_select_mode=1), _gate(group_select_mode=2)),
-    "npu_moe_gating_top_k/renorm": (_gate(renorm=0), _gate(renorm=1)),
-    "npu_moe_gating_top_k/norm-type": (_gate(norm_type=1), _gate(norm_type=2)),
-    "npu_moe_gating_top_k_backward/norm-type": (_trained(norm_type=1), _trained(norm_type=0)),
-    "npu_moe_gating_top_k_backward/renorm": (_sigmoid_backward(), _sigmoid_backward(renorm=1)),
-    "npu_moe_gating_top_k_backward/x-norm-rank": (
-        _sigmoid_backward(), _sigmoid_backward(x_norm=torch.rand(4, 8, 1).to("npu")),
-    ),
-    "npu_moe_gating_top_k_backward/x-norm-dtype": (
-        _sigmoid_backward(), _sigmoid_backward(x_norm=torch.rand(4, 8).bfloat16().to("npu")),
-    ),
-    "npu_moe_gating_top_k_backward/experts-range": (
-        _sigmoid_backward(experts=2, k=1), _sigmoid_backward(experts=1, k=1),
-    ),
-    "npu_moe_gating_top_k_backward/grad-y-shape": (_sigmoid_backward(), _sigmoid_backward(grad_y=npu(3, 2))),
-    "npu_moe_gating_top_k_backward/grad-y-dtype": (
-        _sigmoid_backward(grad_y=npu(4, 2, dtype=torch.bfloat16)), _sigmoid_backward(grad_y=npu(4, 2).double()),
-    ),
-    "npu_moe_gating_top_k_backward/grad-y-contiguous": (_sigmoid_backward(), _sigmoid_backward(grad_y=npu(2, 4).t())),
-    "npu_moe_gating_top_k_backward/k-range": (
-        _sigmoid_backward(k=8), _sigmoid_backward(k=9, expert_idx=npu_int(8, 4, 9, dtype=torch.int32)),
-    ),
-    "npu_moe_gating_top_k_backward/expert-idx": (_sigmoid_backward(), _sigmoid_backward(expert_idx=npu_int(8, 4, 2))),
-}  # fmt: skip
+def _cases() -> dict:
+    """`CASES`, made at first use (`made_at_first_use`): some of its calls take npu tensors made once."""
+    return {
+        "npu_moe_gating_top_k/x-rank": (_gate(), lambda: gating(npu(2, 4, 8), 2)),
+        "npu_moe_gating_top_k/x-dtype": (_gate(dtype=torch.bfloat16), _gate(dtype=torch.float64)),
+        "npu_moe_gating_top_k/experts-max": (_gate(experts=2048), _gate(experts=2049)),
+        "npu_moe_gating_top_k/bias-shape": (_gate(bias=npu(8)), _gate(bias=npu(1, 8))),
+        "npu_moe_gating_top_k/bias-dtype": (_gate(bias=npu(8)), _gate(bias=npu(8, dtype=torch.bfloat16))),
+        "npu_moe_gating_top_k/group-count": (_gate(experts=12, group_count=4), _gate(experts=12, group_count=5)),
+        "npu_moe_gating_top_k/experts-per-group": (_gate(experts=3, k=1), _gate(experts=2, k=1)),
+        "npu_moe_gating_top_k/groups-aligned": (
+            _gate(experts=2048, group_count=64, k_group=2), _gate(experts=1089, group_count=33, k_group=2),
+        ),
+        "npu_moe_gating_top_k/k-group": (
+            _gate(experts=16, group_count=4, k_group=4), _gate(experts=16, group_count=4, k_group=5),
+        ),
+        "npu_moe_gating_top_k/k-range": (
+            _gate(experts=16, k=8, group_count=4, k_group=2), _gate(experts=16, k=9, group_count=4, k_group=2),
+        ),
+        "npu_moe_gating_top_k/group-select-mode": (_gate(group_select_mode=1), _gate(group_select_mode=2)),
+        "npu_moe_gating_top_k/renorm": (_gate(renorm=0), _gate(renorm=1)),
+        "npu_moe_gating_top_k/norm-type": (_gate(norm_type=1), _gate(norm_type=2)),
+        "npu_moe_gating_top_k_backward/norm-type": (_trained(norm_type=1), _trained(norm_type=0)),
+        "npu_moe_gating_top_k_backward/renorm": (_sigmoid_backward(), _sigmoid_backward(renorm=1)),
+        "npu_moe_gating_top_k_backward/x-norm-rank": (
+            _sigmoid_backward(), _sigmoid_backward(x_norm=torch.rand(4, 8, 1).to("npu")),
+        ),
+        "npu_moe_gating_top_k_backward/x-norm-dtype": (
+            _sigmoid_backward(), _sigmoid_backward(x_norm=torch.rand(4, 8).bfloat16().to("npu")),
+        ),
+        "npu_moe_gating_top_k_backward/experts-range": (
+            _sigmoid_backward(experts=2, k=1), _sigmoid_backward(experts=1, k=1),
+        ),
+        "npu_moe_gating_top_k_backward/grad-y-shape": (_sigmoid_backward(), _sigmoid_backward(grad_y=npu(3, 2))),
+        "npu_moe_gating_top_k_backward/grad-y-dtype": (
+            _sigmoid_backward(grad_y=npu(4, 2, dtype=torch.bfloat16)), _sigmoid_backward(grad_y=npu(4, 2).double()),
+        ),
+        "npu_moe_gating_top_k_backward/grad-y-contiguous": (
+            _sigmoid_backward(), _sigmoid_backward(grad_y=npu(2, 4).t()),
+        ),
+        "npu_moe_gating_top_k_backward/k-range": (
+            _sigmoid_backward(k=8), _sigmoid_backward(k=9, expert_idx=npu_int(8, 4, 9, dtype=torch.int32)),
+        ),
+        "npu_moe_gating_top_k_backward/expert-idx": (
+            _sigmoid_backward(), _sigmoid_backward(expert_idx=npu_int(8, 4, 2)),
+        ),
+    }  # fmt: skip
+
+
+__getattr__ = made_at_first_use(globals(), CASES=_cases)
 
 
 def _route(experts: int, top_k: int, *, scoring: str, renormalize: bool, grad: bool = False, **groups):

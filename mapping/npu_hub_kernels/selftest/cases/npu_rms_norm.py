@@ -7,9 +7,8 @@ npu_rms_norm_backward's rules, which npu_rms_norm's autograd node checks too, ha
 from __future__ import annotations
 
 import torch
-import torch_npu
 
-from . import npu
+from . import npu, torch_npu
 
 BF16, F16, F64 = torch.bfloat16, torch.float16, torch.float64
 ONES_8D = (1, 1, 1, 1, 1, 1, 2)

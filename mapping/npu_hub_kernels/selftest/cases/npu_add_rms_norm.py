@@ -1,17 +1,17 @@
-"""npu-add-rms-norm: npu_add_rms_norm's and npu_rms_norm_backward's rules (`CASES`), and the card at and just past
-each limit (`LIMITS`). npu_rms_norm_backward's rules hold both for the op called directly and in npu_rms_norm's
-autograd node (the gamma-rank case shows the node refusing what the forward accepts).
+"""npu-add-rms-norm's cases: its ops' rules (`CASES`), the card at and just past each limit (`LIMITS`), its forms.
+
+npu_add_rms_norm's and npu_rms_norm_backward's rules; npu_rms_norm_backward's rules hold both for the op called
+directly and in npu_rms_norm's autograd node (the gamma-rank case shows the node refusing what the forward accepts).
 """
 
 from __future__ import annotations
 
 import torch
-import torch_npu
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.helium.modeling_helium import HeliumRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from . import npu
+from . import npu, torch_npu
 
 BF16, F16, F64 = torch.bfloat16, torch.float16, torch.float64
 ONES_8D = (1, 1, 1, 1, 1, 1, 2)
