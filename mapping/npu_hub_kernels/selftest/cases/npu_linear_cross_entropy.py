@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..forms import ALL_LAYERS, Form, Widths, linear, randn
 from . import made_at_first_use, npu, npu_int, torch_npu
 
 loss = torch_npu.npu_cross_entropy_loss
@@ -112,3 +113,44 @@ LIMITS = {
     ),
     "float64 (outside the op's dtypes)": _linear_cross_entropy(16, dtype=torch.float64),
 }
+
+
+MAX_FORM_VOCAB = 16384
+"""The vocabulary a form's LM head has at most: the op's math is per row over the vocabulary, and a float64
+reference of Llama-3's 128,256 x 4,096 head (and its gradient) would take 8 GB of host memory."""
+
+
+def _loss_form(chunked: bool) -> Form:
+    """The fused loss of the LM head: chunked (at least 2 x hidden tokens, where the card chunks) or on its logits."""
+
+    def make(widths: Widths, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        vocab = min(widths.vocab, MAX_FORM_VOCAB)
+        tokens = 2 * widths.hidden if chunked else widths.tokens
+        labels = torch.randint(0, vocab, (1, tokens), generator=generator)
+        labels[0, : tokens // 8] = -100  # a prompt's ignored tokens, as in SFT
+        return {
+            "hidden_states": randn(1, tokens, widths.hidden, generator=generator),
+            "lm_head": randn(vocab, widths.hidden, generator=generator, scale=widths.hidden**-0.5),
+            "labels": labels,
+        }
+
+    def call(function: str):
+        def loss(card, t):
+            out = getattr(card, function)(t["hidden_states"], linear(t["lm_head"]), t["labels"], t["lm_head"].shape[0])
+            return out[0]
+
+        return loss
+
+    return Form(
+        layers=ALL_LAYERS,
+        make=make,
+        fused=call("linear_cross_entropy"),
+        eager=call("linear_cross_entropy_eager"),
+        reason=lambda card, t: card.linear_cross_entropy_unavailable_reason(
+            t["hidden_states"], linear(t["lm_head"]), t["labels"], t["lm_head"].shape[0]
+        ),
+        grads=("hidden_states", "lm_head"),
+    )
+
+
+FORMS = {"loss on the logits": _loss_form(chunked=False), "chunked loss (no logits)": _loss_form(chunked=True)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..forms import Form, Widths, randn
 from . import made_at_first_use, npu, npu_int, torch_npu
 
 gmm = torch_npu.npu_grouped_matmul
@@ -362,4 +363,48 @@ LIMITS = {
     ),
     "float64 routing weights (unpermute's probs refuse them)": _experts(weights_dtype=torch.float64, grad=True),
     "float64 tokens": _experts(dtype=torch.float64),
+}
+
+
+MAX_FORM_EXPERTS = 16
+"""The experts a form runs at most: enough for grouped rows of every size, and a float64 reference of a few GB at
+most at real widths (the op's math is per expert: more experts add calls of the same shapes)."""
+
+
+def _experts_tensors(widths: Widths, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Tokens routed to `top_k` distinct experts each, softmax weights, and the experts' weights."""
+    experts = min(widths.experts, MAX_FORM_EXPERTS)
+    top_k = min(widths.top_k, experts)
+    hidden, inner, tokens = widths.hidden, widths.moe_intermediate or widths.intermediate, widths.tokens
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    return {
+        "hidden_states": randn(tokens, hidden, generator=generator),
+        "top_k_index": index,
+        "top_k_weights": randn(tokens, top_k, generator=generator).softmax(-1),
+        "gate_up_proj": randn(experts, 2 * inner, hidden, generator=generator, scale=hidden**-0.5),
+        "down_proj": randn(experts, hidden, inner, generator=generator, scale=inner**-0.5),
+    }
+
+
+def _experts_call(function: str):
+    def call(card, t):
+        return getattr(card, function)(
+            t["hidden_states"], t["top_k_index"], t["top_k_weights"], t["gate_up_proj"], t["down_proj"], F.silu
+        )
+
+    return call
+
+
+FORMS = {
+    "SwiGLU experts (permute, grouped matmuls, unpermute)": Form(
+        layers=("SwiGLUExperts",),
+        make=_experts_tensors,
+        fused=_experts_call("swiglu_experts"),
+        eager=_experts_call("swiglu_experts_eager"),
+        reason=lambda card, t: card.swiglu_experts_unavailable_reason(
+            t["hidden_states"], t["top_k_index"], t["gate_up_proj"], t["down_proj"], F.silu, t["top_k_weights"]
+        ),
+        grads=("hidden_states", "top_k_weights", "gate_up_proj", "down_proj"),
+        applies=lambda widths: widths.experts > 0,
+    )
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..forms import Form, Widths, randn
 from . import made_at_first_use, npu, npu_int, torch_npu
 
 gating = torch_npu.npu_moe_gating_top_k
@@ -124,4 +125,76 @@ LIMITS = {
     "sigmoid, groups aligned past 2048": _route(1089, 2, **SIGMOID, num_groups=33, topk_groups=2),
     "top-k at experts / groups * kept": _route(16, 8, **SIGMOID, num_groups=4, topk_groups=2),
     "top-k past it": _route(16, 9, **SIGMOID, num_groups=4, topk_groups=2),
+}
+
+
+def _logits(widths: Widths, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Router logits of `tokens` tokens over the experts, each row a shuffle of evenly spaced values.
+
+    The values are distinct in every dtype (0.05 apart within [-3, 3]; bfloat16 is 1/64 apart there), so that the
+    fused and the eager top-k choose the same experts: a tie would make their weights incomparable, not wrong.
+    """
+    spaced = torch.linspace(-3.0, 3.0, widths.experts, dtype=torch.float64) * (widths.experts - 1) * 0.05 / 6.0
+    rows = [spaced[torch.randperm(widths.experts, generator=generator)] for _ in range(widths.tokens)]
+    return {"router_logits": torch.stack(rows), "bias": randn(widths.experts, generator=generator, scale=0.01)}
+
+
+def _groups(widths: Widths) -> dict[str, int]:
+    """DeepSeek-V3's grouping (8 groups, 4 kept) where the experts allow it, else 4 groups of 2 kept, else none."""
+    for groups, kept in ((8, 4), (4, 2)):
+        if (
+            widths.experts % groups == 0
+            and widths.experts // groups > 2
+            and widths.top_k <= widths.experts // groups * kept
+        ):
+            return {"num_groups": groups, "topk_groups": kept}
+    return {}
+
+
+def _route_form(scoring: str, renormalize: bool, layers: tuple[str, ...], inference: bool = False) -> Form:
+    def settings(t):
+        return {"scoring": scoring, "renormalize": renormalize}
+
+    def call(function: str):
+        def run(card, t):
+            extra = {"bias": t["bias"], "eps": 1e-20, **_groups_of(t)} if scoring == "sigmoid" else {}
+            return getattr(card, function)(t["router_logits"], _top_k_of(t), **settings(t), **extra)
+
+        return run
+
+    def reason(card, t):
+        extra = {"bias": t["bias"], **_groups_of(t)} if scoring == "sigmoid" else {}
+        return card.moe_router_top_k_unavailable_reason(t["router_logits"], _top_k_of(t), **settings(t), **extra)
+
+    def make(widths, generator):
+        top_k = torch.tensor([widths.top_k, *_groups(widths).values()])  # carried with the tensors
+        return {**_logits(widths, generator), "settings": top_k}
+
+    return Form(
+        layers=layers,
+        make=make,
+        fused=call("moe_router_top_k"),
+        eager=call("moe_router_top_k_eager"),
+        reason=reason,
+        grads=("router_logits",),
+        inference=inference,
+        applies=lambda widths: widths.experts > 0 and widths.top_k > 0,
+    )
+
+
+def _top_k_of(t: dict[str, torch.Tensor]) -> int:
+    return int(t["settings"][0])
+
+
+def _groups_of(t: dict[str, torch.Tensor]) -> dict[str, int]:
+    values = [int(v) for v in t["settings"][1:]]
+    return dict(zip(("num_groups", "topk_groups"), values, strict=True)) if values else {}
+
+
+SOFTMAX_LAYERS = ("SoftmaxTopKRouter", "RenormalisedSoftmaxTopKRouter", "RenormalisedFloat32SoftmaxTopKRouter")
+FORMS = {
+    # the op's backward takes the sigmoid mode only: softmax routing fuses where autograd does not record
+    "softmax top-k (inference)": _route_form("softmax", False, SOFTMAX_LAYERS[:1], inference=True),
+    "softmax top-k, renormalised (inference)": _route_form("softmax", True, SOFTMAX_LAYERS[1:], inference=True),
+    "sigmoid group top-k (DeepSeek-V3)": _route_form("sigmoid", True, ("SigmoidGroupTopKRouter",)),
 }

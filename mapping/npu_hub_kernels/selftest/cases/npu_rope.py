@@ -6,6 +6,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..forms import Form, Widths, randn
 from . import made_at_first_use, npu, torch_npu
 from . import on_cann as _cann
 
@@ -217,3 +218,59 @@ LIMITS = {
     "in place, 152 float16 heads": _rope(1, 128, 2, 128, kv_heads=24, inference=True, dtype=torch.float16),
     "in place, 153 float16 heads": _rope(1, 128, 2, 128, kv_heads=25, inference=True, dtype=torch.float16),
 }  # fmt: skip
+
+
+STYLE_LAYERS = {
+    "llama": ("RotaryPosEmb",),
+    "llama_partial": ("RotaryPosEmbPartial", "RotaryPosEmbPositionIds"),
+    "cast_back": ("RotaryPosEmbCastBack",),
+    "float32": ("RotaryPosEmbFloat32",),
+    "half_angles": ("RotaryPosEmbHalfAngles",),
+    "pairs": ("RotaryPosEmbPairs",),
+    "pairs_partial": ("RotaryPosEmbPairsPartial",),
+    "pairs_float32": ("RotaryPosEmbPairsFloat32",),
+    "pairs_half_angles": ("RotaryPosEmbPairsHalfAngles",),
+    "glm": ("RotaryPosEmbGlm",),
+    "glm_partial": ("RotaryPosEmbGlmPartial",),
+    "glm_float32": ("RotaryPosEmbGlmFloat32",),
+    "deinterleave": ("RotaryPosEmbDeinterleave",),
+}
+"""The card's rotary styles (`rotary.STYLES`) and the layers that rotate in each."""
+HALF_WIDTH_ANGLES = {"half_angles", "pairs_half_angles", "llama_partial", "pairs_partial", "glm_partial"}
+"""Styles whose cos/sin are half the head dim wide: one angle per pair, or a rotary dim of half the head dim."""
+
+
+def _rope_form(style: str, inference: bool = False) -> Form:
+    """q [1, heads, tokens, head_dim] and k with the kv heads rotated by cos/sin of random angles.
+
+    In inference q and k are transposes of BSND memory, as the projections make them, where the card may rotate
+    them in place with npu_apply_rotary_pos_emb.
+    """
+
+    def make(widths: Widths, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        width = widths.head_dim // 2 if style in HALF_WIDTH_ANGLES else widths.head_dim
+        angles = torch.rand(1, widths.tokens, width, generator=generator, dtype=torch.float64) * 100.0
+        return {
+            "q": randn(1, widths.tokens, widths.heads, widths.head_dim, generator=generator),
+            "k": randn(1, widths.tokens, widths.kv_heads, widths.head_dim, generator=generator),
+            "cos": angles.cos(),
+            "sin": angles.sin(),
+        }
+
+    def args(t):
+        return t["q"].transpose(1, 2), t["k"].transpose(1, 2), t["cos"], t["sin"], 1, style
+
+    return Form(
+        layers=STYLE_LAYERS[style],
+        make=make,
+        fused=lambda card, t: card.apply_rotary_pos_emb(*args(t)),
+        eager=lambda card, t: card.apply_rotary_pos_emb_eager(*args(t)),
+        reason=lambda card, t: card.apply_rotary_pos_emb_unavailable_reason(*args(t), in_place=inference),
+        grads=("q", "k"),
+        inference=inference,
+    )
+
+
+FORMS = {style: _rope_form(style) for style in STYLE_LAYERS} | {
+    "llama, in place (inference)": _rope_form("llama", inference=True)
+}

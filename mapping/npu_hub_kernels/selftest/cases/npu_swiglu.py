@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..forms import Form, Widths, linear, randn
 from . import npu, torch_npu
 
 BF16, F64 = torch.bfloat16, torch.float64
@@ -143,3 +144,54 @@ LIMITS = {
     "split: float64 (not a dtype of the op)": _split_case((4, HIDDEN), F64),
     "split: bfloat16": _split_case((4, HIDDEN), BF16),
 }
+
+
+def _mlp_tensors(widths: Widths, generator: torch.Generator, *names_and_shapes: tuple[str, int, int]):
+    """x [1, tokens, hidden] and each named weight [out, in], scaled as a trained layer's (1 / sqrt(in))."""
+    tensors = {"x": randn(1, widths.tokens, widths.hidden, generator=generator)}
+    for name, out, inner in names_and_shapes:
+        tensors[name] = randn(out, inner, generator=generator, scale=inner**-0.5)
+    return tensors
+
+
+def _split_form() -> Form:
+    def make(widths, generator):
+        hidden, inner = widths.hidden, widths.intermediate
+        return _mlp_tensors(widths, generator, ("gate", inner, hidden), ("up", inner, hidden), ("down", hidden, inner))
+
+    def call(function):
+        return lambda card, t: getattr(card, function)(
+            t["x"], linear(t["gate"]), linear(t["up"]), linear(t["down"]), nn.SiLU()
+        )
+
+    return Form(
+        layers=("SwiGLUMLP",),
+        make=make,
+        fused=call("swiglu_mlp"),
+        eager=call("swiglu_mlp_eager"),
+        reason=lambda card, t: card.swiglu_mlp_unavailable_reason(
+            t["x"], linear(t["gate"]), linear(t["up"]), nn.SiLU()
+        ),
+        grads=("x", "gate", "up", "down"),
+    )
+
+
+def _gate_up_form() -> Form:
+    def make(widths, generator):
+        hidden, inner = widths.hidden, widths.intermediate
+        return _mlp_tensors(widths, generator, ("gate_up", 2 * inner, hidden), ("down", hidden, inner))
+
+    def call(function):
+        return lambda card, t: getattr(card, function)(t["x"], linear(t["gate_up"]), linear(t["down"]), nn.SiLU())
+
+    return Form(
+        layers=("SwiGLUGateUpMLP",),
+        make=make,
+        fused=call("swiglu_gate_up_mlp"),
+        eager=call("swiglu_gate_up_mlp_eager"),
+        reason=lambda card, t: card.swiglu_gate_up_mlp_unavailable_reason(t["x"], linear(t["gate_up"]), nn.SiLU()),
+        grads=("x", "gate_up", "down"),
+    )
+
+
+FORMS = {"split gate_proj / up_proj": _split_form(), "one gate_up_proj": _gate_up_form()}
