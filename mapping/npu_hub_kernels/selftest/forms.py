@@ -88,8 +88,9 @@ class Form:
 class Judged:
     """One form judged in one dtype at one shape.
 
-    `status`: "pass", "fail", "eager" (the card does not fuse it here) or "error" (the fused call raised). `errors`: per output and gradient, (fused error, eager error, allowed) against the float64 reference; `reason`:
-    the card's reason (eager) or the error (error); `worst`: the output or gradient furthest past its bound.
+    `status`: "pass", "fail", "eager" (the card does not fuse it here) or "error" (the fused call raised).
+    `errors`: per output and gradient, (fused error, eager error, allowed) against the float64 reference. `reason`:
+    the card's reason (eager) or the error (error). `worst`: the output or gradient furthest past its bound.
     """
 
     status: str

@@ -234,7 +234,7 @@ def _judge_form(card_module, card, name, form: Form, widths, tokens, repeats, en
                         "layers": layers,
                         "why": f"{dtype_name}, {count} tokens at {width.model}'s widths: {why}",
                     }
-                if judged.status != "eager" and fused_here is None:
+                if judged.status in ("pass", "fail") and fused_here is None:
                     fused_here = dtype
         if fused_here is not None:
             fused_ms, eager_ms = forms.time_form(card_module, form, width.with_tokens(tokens[-1]), fused_here, "npu",
