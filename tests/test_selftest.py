@@ -193,3 +193,12 @@ def test_command_line_writes_the_json_report_and_prints_the_table(built_cards, t
     assert report["schema"] == results.SCHEMA and set(report["cards"]) == {"npu-rms-norm"}
     assert not results.results_dir().exists()  # --no-record
     assert main([*argv[:-1], "--cards", "npu-nothing"]) == 2
+
+
+def test_the_hardware_tests_read_every_form_and_case_of_the_selftest():
+    import test_hardware
+
+    forms = {(card.repo_name, name) for card, name, _ in test_hardware.HARDWARE_FORMS}
+    assert forms == {(card.repo_name, name) for card in CARDS.values() for name in cases_of(card).FORMS}
+    cases = {rule for rule, _ in test_hardware.HARDWARE_CASES}
+    assert cases == {rule for card in CARDS.values() for rule in cases_of(card).CASES}
