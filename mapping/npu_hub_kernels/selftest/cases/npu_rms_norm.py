@@ -1,7 +1,7 @@
-"""npu-rms-norm: npu_rms_norm's rules (`CASES`), and the card at and just past each limit (`LIMITS`).
+"""npu-rms-norm's cases: npu_rms_norm's rules (`CASES`), the card at and just past each limit (`LIMITS`), its forms.
 
 npu_rms_norm_backward's rules, which npu_rms_norm's autograd node checks too, have their cases with the op in
-`ledger_cases/npu_add_rms_norm.py` (that card's emulated ops list them).
+`cases/npu_add_rms_norm.py` (that card's emulated ops list them).
 """
 
 from __future__ import annotations
