@@ -35,7 +35,8 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 ALL_LAYERS = ("*",)
 """`Form.layers` of a form every layer of the card runs."""
 
-Tensors = dict[str, torch.Tensor]
+Tensors = dict[str, Any]
+"""A form's inputs by name: tensors, and settings (ints, ...) that pass through as they are."""
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,13 @@ class Widths:
 class Form:
     """One fused form of a card: its tensors at a model's widths, the fused call and the eager one.
 
-    `make(widths, generator)`: the tensors, float64 (floats) on the host; `grads`: those that get gradients;
-    `kept`: tensors kept in a dtype of their own (a float32 weight beside bfloat16 activations); `fused(card, t)`,
-    `eager(card, t)`: the card's fused function and its eager math on those tensors, returning a tensor or a tuple;
-    `reason(card, t)`: the card's `<op>_unavailable_reason` on them. `layers`: the card's layers that run this form,
-    which stand down on a host where it fails (`register_npu_kernels`). `inference`: the form runs under
-    `torch.inference_mode` (no backward). `applies(widths)`: whether the model has the region (experts, say).
+    `make(widths, generator)`: the tensors, float64 (floats) on the host, and any settings; `grads`: those that get
+    gradients; `kept`: tensors kept in a dtype of their own (a float32 weight beside bfloat16 activations);
+    `fused(card, t)`, `eager(card, t)`: the card's fused function and its eager math on those tensors, returning a
+    tensor or a tuple; `reason(card, t)`: the card's `<op>_unavailable_reason` on them. `layers`: the card's layers
+    that run this form, which stand down on a host where it fails (`register_npu_kernels`). `inference`: the form
+    runs under `torch.inference_mode` (no backward). `applies(widths)`: whether the model has the region (experts,
+    say).
     """
 
     layers: tuple[str, ...]
@@ -172,6 +174,9 @@ def _prepare(made: Tensors, form: Form, dtype: torch.dtype, device: str) -> Tens
             return _prepare(made, Form(**{**form.__dict__, "inference": False, "grads": ()}), dtype, device)
     prepared = {}
     for name, tensor in made.items():
+        if not isinstance(tensor, torch.Tensor):
+            prepared[name] = tensor
+            continue
         if tensor.is_floating_point():
             tensor = tensor.to(torch.float64 if dtype == torch.float64 else form.kept.get(name, dtype))
         tensor = tensor.to(device)

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from huggingface_hub import constants
 from huggingface_hub.file_download import repo_folder_name
 
@@ -55,8 +56,6 @@ def host_key() -> dict[str, str] | None:
         if importlib.util.find_spec("torch_npu") is None:
             return None
         torch_npu = importlib.import_module("torch_npu")
-    import torch
-
     if not torch.npu.is_available():
         return None
     from torch_npu.utils.collect_env import get_cann_version

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import platform
 import sys
 import time
@@ -223,7 +224,7 @@ def _judge_form(card_module, card, name, form: Form, widths, tokens, repeats, en
                 entry["forms"].append({
                     "form": name, "layers": layers, "model": width.model, "tokens": count, "dtype": dtype_name,
                     "status": judged.status, "reason": judged.reason, "worst": judged.worst,
-                    "errors": {k: list(v) for k, v in judged.errors.items()},
+                    "errors": {k: [e if math.isfinite(e) else None for e in v] for k, v in judged.errors.items()},
                 })  # fmt: skip
                 where = f", {width.model}" if len(widths) > 1 else ""
                 say(f"    {name}, {dtype_name}, {count} tokens{where}: {judged.status}"

@@ -152,23 +152,21 @@ def _groups(widths: Widths) -> dict[str, int]:
 
 
 def _route_form(scoring: str, renormalize: bool, layers: tuple[str, ...], inference: bool = False) -> Form:
-    def settings(t):
-        return {"scoring": scoring, "renormalize": renormalize}
+    settings = {"scoring": scoring, "renormalize": renormalize}
 
     def call(function: str):
         def run(card, t):
-            extra = {"bias": t["bias"], "eps": 1e-20, **_groups_of(t)} if scoring == "sigmoid" else {}
-            return getattr(card, function)(t["router_logits"], _top_k_of(t), **settings(t), **extra)
+            extra = {"bias": t["bias"], "eps": 1e-20, **t["groups"]} if scoring == "sigmoid" else {}
+            return getattr(card, function)(t["router_logits"], t["top_k"], **settings, **extra)
 
         return run
 
     def reason(card, t):
-        extra = {"bias": t["bias"], **_groups_of(t)} if scoring == "sigmoid" else {}
-        return card.moe_router_top_k_unavailable_reason(t["router_logits"], _top_k_of(t), **settings(t), **extra)
+        extra = {"bias": t["bias"], **t["groups"]} if scoring == "sigmoid" else {}
+        return card.moe_router_top_k_unavailable_reason(t["router_logits"], t["top_k"], **settings, **extra)
 
     def make(widths, generator):
-        top_k = torch.tensor([widths.top_k, *_groups(widths).values()])  # carried with the tensors
-        return {**_logits(widths, generator), "settings": top_k}
+        return {**_logits(widths, generator), "top_k": widths.top_k, "groups": _groups(widths)}
 
     return Form(
         layers=layers,
@@ -180,15 +178,6 @@ def _route_form(scoring: str, renormalize: bool, layers: tuple[str, ...], infere
         inference=inference,
         applies=lambda widths: widths.experts > 0 and widths.top_k > 0,
     )
-
-
-def _top_k_of(t: dict[str, torch.Tensor]) -> int:
-    return int(t["settings"][0])
-
-
-def _groups_of(t: dict[str, torch.Tensor]) -> dict[str, int]:
-    values = [int(v) for v in t["settings"][1:]]
-    return dict(zip(("num_groups", "topk_groups"), values, strict=True)) if values else {}
 
 
 SOFTMAX_LAYERS = ("SoftmaxTopKRouter", "RenormalisedSoftmaxTopKRouter", "RenormalisedFloat32SoftmaxTopKRouter")
