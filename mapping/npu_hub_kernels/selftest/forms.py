@@ -71,7 +71,9 @@ class Form:
     tensor or a tuple; `reason(card, t)`: the card's `<op>_unavailable_reason` on them. `layers`: the card's layers
     that run this form, which stand down on a host where it fails (`register_npu_kernels`). `inference`: the form
     runs under `torch.inference_mode` (no backward). `applies(widths)`: whether the model has the region (experts,
-    say).
+    say). `tokens(widths)`: the token count the form needs, when the selftest's would not do (the chunked loss
+    chunks from 2 x hidden tokens on). `flops(widths)`: the float64 reference's floating-point operations, forward
+    and backward, where matmuls make them many (the selftest's time estimate).
     """
 
     layers: tuple[str, ...]
@@ -84,6 +86,12 @@ class Form:
     dtypes: tuple[torch.dtype, ...] = HALF_DTYPES
     inference: bool = False
     applies: Callable[[Widths], bool] = lambda widths: True
+    tokens: Callable[[Widths], int] | None = None
+    flops: Callable[[Widths], float] = lambda widths: 0.0
+
+    def at(self, widths: Widths) -> Widths:
+        """The widths this form runs at: `widths`, at the form's own token count when it has one."""
+        return widths if self.tokens is None else widths.with_tokens(self.tokens(widths))
 
 
 @dataclass
@@ -110,7 +118,7 @@ class Judged:
 
 def judge(card: ModuleType, form: Form, widths: Widths, dtype: torch.dtype, device: str, seed: int = 0) -> Judged:
     """Run `form` fused and eager in `dtype` on `device` and against float64 eager on the host: the verdict."""
-    made = form.make(widths, torch.Generator().manual_seed(seed))
+    made = form.make(form.at(widths), torch.Generator().manual_seed(seed))
     on_device = _prepare(made, form, dtype, device)
     with torch.inference_mode(form.inference):
         reason = form.reason(card, on_device)
@@ -137,7 +145,7 @@ def time_form(
     card: ModuleType, form: Form, widths: Widths, dtype: torch.dtype, device: str, repeats: int
 ) -> tuple[float, float]:
     """The median milliseconds of one fused and one eager call of the region (forward and backward), synchronised."""
-    made = form.make(widths, torch.Generator().manual_seed(0))
+    made = form.make(form.at(widths), torch.Generator().manual_seed(0))
     medians = []
     for call in (form.fused, form.eager):
         times = []

@@ -62,6 +62,9 @@ A2_SECONDS_PER_JUDGEMENT = 0.5
 """Estimated seconds for one form judged in one dtype at one shape on an Atlas A2 host: fused, eager and their
 backward on the device (a few ms) and the float64 reference on the host (up to ~20 GFLOP at Llama-3-8B's MLP widths,
 most of the time). An estimate from the op counts, not a measurement: no A2 was at hand."""
+HOST_FLOPS = 2e10
+"""Float64 operations per second of the host's float64 reference (a server CPU's few cores): where a form's matmuls
+make its reference long (`Form.flops`), that time is added to `A2_SECONDS_PER_JUDGEMENT`."""
 A2_SECONDS_PER_TIMED_CALL = 0.01
 """Estimated seconds of one timed region call (forward and backward, synchronised) on an A2."""
 A2_SECONDS_PER_PROBE = 0.005
@@ -176,9 +179,9 @@ def estimate_a2_seconds(cards: list[Card], widths: list[Widths], tokens: tuple[i
         module = cases_of(card)
         card_forms = getattr(module, "FORMS", {})
         for form in card_forms.values():
-            shapes = sum(form.applies(w) for w in widths) * len(tokens)
-            total += shapes * len(form.dtypes) * A2_SECONDS_PER_JUDGEMENT
-            total += sum(form.applies(w) for w in widths) * 2 * (repeats + 1) * A2_SECONDS_PER_TIMED_CALL
+            for shape in {form.at(w.with_tokens(count)) for w in widths if form.applies(w) for count in tokens}:
+                judgement = A2_SECONDS_PER_JUDGEMENT + form.flops(shape) / HOST_FLOPS
+                total += len(form.dtypes) * judgement + 2 * (repeats + 1) * A2_SECONDS_PER_TIMED_CALL / len(tokens)
         probes = 2 * len(getattr(module, "CASES", {})) + len(getattr(module, "LIMITS", {}))
         total += probes * A2_SECONDS_PER_PROBE
     return total
@@ -217,7 +220,7 @@ def _judge_form(card_module, card, name, form: Form, widths, tokens, repeats, en
         if not form.applies(width):
             continue
         fused_here = None
-        for count in tokens:
+        for count in sorted({form.at(width.with_tokens(count)).tokens for count in tokens}):
             for dtype in form.dtypes:
                 judged = forms.judge(card_module, form, width.with_tokens(count), dtype, "npu")
                 dtype_name = str(dtype).removeprefix("torch.")
@@ -238,10 +241,10 @@ def _judge_form(card_module, card, name, form: Form, widths, tokens, repeats, en
                 if judged.status in ("pass", "fail") and fused_here is None:
                     fused_here = dtype
         if fused_here is not None:
-            fused_ms, eager_ms = forms.time_form(card_module, form, width.with_tokens(tokens[-1]), fused_here, "npu",
-                                                 repeats)  # fmt: skip
+            timed = form.at(width.with_tokens(tokens[-1]))
+            fused_ms, eager_ms = forms.time_form(card_module, form, timed, fused_here, "npu", repeats)
             entry["timings"].append({
-                "form": name, "model": width.model, "tokens": tokens[-1],
+                "form": name, "model": width.model, "tokens": timed.tokens,
                 "dtype": str(fused_here).removeprefix("torch."),
                 "fused_ms": round(fused_ms, 3), "eager_ms": round(eager_ms, 3),
             })  # fmt: skip

@@ -118,14 +118,18 @@ LIMITS = {
 MAX_FORM_VOCAB = 16384
 """The vocabulary a form's LM head has at most: the op's math is per row over the vocabulary, and a float64
 reference of Llama-3's 128,256 x 4,096 head (and its gradient) would take 8 GB of host memory."""
+MAX_CHUNKED_VOCAB = 2048
+"""The chunked form's, whose 2 x hidden tokens make its float64 reference's matmuls long (0.4 TFLOP at 4,096)."""
 
 
 def _loss_form(chunked: bool) -> Form:
     """The fused loss of the LM head: chunked (at least 2 x hidden tokens, where the card chunks) or on its logits."""
 
+    def _vocab(widths: Widths) -> int:
+        return min(widths.vocab, MAX_CHUNKED_VOCAB if chunked else MAX_FORM_VOCAB)
+
     def make(widths: Widths, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        vocab = min(widths.vocab, MAX_FORM_VOCAB)
-        tokens = 2 * widths.hidden if chunked else widths.tokens
+        vocab, tokens = _vocab(widths), widths.tokens
         labels = torch.randint(0, vocab, (1, tokens), generator=generator)
         labels[0, : tokens // 8] = -100  # a prompt's ignored tokens, as in SFT
         return {
@@ -150,6 +154,8 @@ def _loss_form(chunked: bool) -> Form:
             t["hidden_states"], linear(t["lm_head"]), t["labels"], t["lm_head"].shape[0]
         ),
         grads=("hidden_states", "lm_head"),
+        tokens=(lambda widths: 2 * widths.hidden) if chunked else None,
+        flops=lambda widths: 6.0 * widths.tokens * _vocab(widths) * widths.hidden,
     )
 
 

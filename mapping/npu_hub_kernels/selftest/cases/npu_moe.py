@@ -406,5 +406,6 @@ FORMS = {
         ),
         grads=("hidden_states", "top_k_weights", "gate_up_proj", "down_proj"),
         applies=lambda widths: widths.experts > 0,
+        flops=lambda widths: 6.0 * widths.tokens * widths.top_k * 3 * widths.hidden * widths.moe_intermediate,
     )
 }

@@ -154,6 +154,11 @@ def _mlp_tensors(widths: Widths, generator: torch.Generator, *names_and_shapes: 
     return tensors
 
 
+def _mlp_flops(widths: Widths) -> float:
+    """The MLP's three matmuls, forward (2 per multiply-add) and backward (4)."""
+    return 6.0 * widths.tokens * 3 * widths.hidden * widths.intermediate
+
+
 def _split_form() -> Form:
     def make(widths, generator):
         hidden, inner = widths.hidden, widths.intermediate
@@ -173,6 +178,7 @@ def _split_form() -> Form:
             t["x"], linear(t["gate"]), linear(t["up"]), nn.SiLU()
         ),
         grads=("x", "gate", "up", "down"),
+        flops=_mlp_flops,
     )
 
 
@@ -191,6 +197,7 @@ def _gate_up_form() -> Form:
         eager=call("swiglu_gate_up_mlp_eager"),
         reason=lambda card, t: card.swiglu_gate_up_mlp_unavailable_reason(t["x"], linear(t["gate_up"]), nn.SiLU()),
         grads=("x", "gate_up", "down"),
+        flops=_mlp_flops,
     )
 
 
