@@ -40,7 +40,7 @@ import torch
 
 from ..cards import CARDS, Card, resolve_org
 from . import forms, results
-from .cases import NeedsOtherCann, cases_of
+from .cases import NotRunHere, cases_of
 from .forms import ALL_LAYERS, Form, Widths
 
 DEFAULT_MODELS = (
@@ -265,7 +265,7 @@ def _outcome(call: Callable[[], Any]) -> str:
     try:
         call()
         _synchronize()
-    except NeedsOtherCann as reason:
+    except NotRunHere as reason:
         return f"not run: {reason}"
     except Exception as error:  # what the device says is the probe's result
         return f"raised {_one_line(error)}"
@@ -279,7 +279,7 @@ def _limit(name: str, make: Callable, card_module: ModuleType) -> dict[str, Any]
         why = reason()
         run()
         _synchronize()
-    except NeedsOtherCann as error:
+    except NotRunHere as error:
         return {"limit": name, "outcome": f"not run: {error}", "finding": None}
     except Exception as error:  # a card that sends the device what it refuses: a bug to report
         return {"limit": name, "outcome": f"raised {_one_line(error)}", "finding": "bug: the card's call raised"}

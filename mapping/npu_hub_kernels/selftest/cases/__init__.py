@@ -59,7 +59,9 @@ class _DeviceOps:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             module = importlib.import_module("torch_npu")
-            op = getattr(module, name, None) or getattr(torch.ops.npu, name)
+            op = getattr(module, name, None) or getattr(torch.ops.npu, name, None)
+            if op is None:
+                raise NotRunHere(f"this torch_npu has no op {name} (neither torch_npu.{name} nor torch.ops.npu.{name})")
             return op(*args, **kwargs)
 
         call.__name__ = name
@@ -72,7 +74,11 @@ torch_npu = _DeviceOps()
 _cann_switch: list[Callable[[str], None]] = []
 
 
-class NeedsOtherCann(RuntimeError):
+class NotRunHere(RuntimeError):
+    """A case this host cannot run (an op its torch_npu lacks, another CANN): not run, which says nothing of limits."""
+
+
+class NeedsOtherCann(NotRunHere):
     """A case needs the host to report another CANN, which this host cannot do: it is not run here."""
 
 
