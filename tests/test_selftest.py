@@ -126,7 +126,9 @@ def test_a_wrong_op_fails_its_forms_and_the_card_stands_down_after_the_result_ex
     swaps, fused_calls, _ = _rms_norm_swaps(built_cards)  # no result kept yet: nothing stands down
     assert swaps and all(swap.variant is not None for swap in swaps) and fused_calls > 0
 
+    assert results.summary().startswith("not run on this host: python -m npu_hub_kernels selftest")
     results.save_result(report)
+    assert results.summary().startswith("fail on ") and "npu-rms-norm: plain" in results.summary()
     swaps, fused_calls, model = _rms_norm_swaps(built_cards)
     assert swaps and fused_calls == 0
     assert all(swap.variant is None and swap.eager_reason.startswith(results.REASON_PREFIX) for swap in swaps)
