@@ -2,10 +2,11 @@
 it or runs eager with its reason, never a call the device refuses.
 
 Cards run standalone from the Hub and cannot import the emulation's ledger, so this test is what keeps their
-`<op>_unavailable_reason` in step with it. Each card's cases are `LIMITS` in `tests/ledger_cases/<card package>.py`:
-a name and a function of the loaded card returning `(run, reason)`: `run()` calls the card's fused function on inputs
-at or just past a limit, `reason()` its `<op>_unavailable_reason` on the same inputs. The emulated ops raise
-`DeviceRefusal` (naming the rule) for a call outside the ledger, so a card that sends one fails here.
+`<op>_unavailable_reason` in step with it. Each card's cases are `LIMITS` in `npu_hub_kernels/selftest/cases/<card
+package>.py`: a name and a function of the loaded card returning `(run, reason)`: `run()` calls the card's fused
+function on inputs at or just past a limit, `reason()` its `<op>_unavailable_reason` on the same inputs. The
+emulated ops raise `DeviceRefusal` (naming the rule) for a call outside the ledger, so a card that sends one fails
+here.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Run there with `NPU_HUB_KERNELS_REAL_NPU=1 pytest -m npu_hardware tests/test_hardware.py` (the
 variable keeps conftest from installing the emulation). Skipped everywhere else.
+
+Every card's fused forms and ledger cases are the selftest's (`npu_hub_kernels.selftest.cases`): a form a card adds
+there is tested here and by `python -m npu_hub_kernels selftest`, with the same judge and tolerances.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import pytest
 import torch
 from kernels import Mode, get_local_kernel, kernelize
 
-from npu_hub_kernels import register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels import CARDS, register_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels.selftest.cases import NotRunHere, cases_of
+from npu_hub_kernels.selftest.forms import judge
+from npu_hub_kernels.selftest.run import DEFAULT_MODELS, TOKENS
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import norm_module_count, token_ids
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
@@ -142,3 +148,36 @@ def test_one_bfloat16_training_step_on_the_device(built_cards, model_type):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters(), strict=True))
     torch.testing.assert_close(output.loss.detach().float().cpu(), eager_loss, rtol=2e-2, atol=2e-2)
+
+
+HARDWARE_FORMS = [(card, name, form) for card in CARDS.values() for name, form in cases_of(card).FORMS.items()]
+"""Every fused form of every card, as the selftest runs them."""
+HARDWARE_CASES = [(rule, calls) for card in CARDS.values() for rule, calls in cases_of(card).CASES.items()]
+"""Every ledger rule's call just inside its limit and just past it, as the selftest's probes run them."""
+
+
+@pytest.mark.parametrize(
+    ("card", "name", "form"), HARDWARE_FORMS, ids=[f"{c.repo_name}: {n}" for c, n, _ in HARDWARE_FORMS]
+)
+def test_every_fused_form_holds_to_eager_on_the_device(built_cards, card, name, form):
+    """The selftest's judge at the default models' widths: fused error at most the stated multiple of eager's."""
+    loaded = get_local_kernel(built_cards / card.repo_name)
+    for widths in (w.with_tokens(TOKENS[-1]) for w in DEFAULT_MODELS if form.applies(w)):
+        for dtype in form.dtypes:
+            judged = judge(loaded, form, widths, dtype, "npu")
+            assert judged.status in ("pass", "eager"), f"{widths.model}, {dtype}: {judged.reason or judged.worst}"
+
+
+@pytest.mark.parametrize(("rule", "calls"), HARDWARE_CASES, ids=[rule for rule, _ in HARDWARE_CASES])
+def test_the_device_accepts_and_refuses_as_the_ledger_says(rule, calls):
+    accepted, refused = calls
+    try:
+        accepted()
+        torch.npu.synchronize()
+    except NotRunHere as reason:
+        pytest.skip(str(reason))
+    with pytest.raises(RuntimeError) as refusal:
+        refused()
+        torch.npu.synchronize()
+    if isinstance(refusal.value, NotRunHere):
+        pytest.skip(str(refusal.value))

@@ -2,12 +2,12 @@
 
 The ledger (`npu_hub_kernels.testing.emulation.ledger`, each op's rules beside it in `ops/<card>.py`) is what makes
 the emulation refuse what the device refuses. These tests hold every rule to a call it accepts and one it refuses
-(`tests/ledger_cases/<card>.py`), every emulated op to having rules, and docs/torch-npu-ops.md to the ledger.
+(`npu_hub_kernels/selftest/cases/<card>.py`, which the selftest runs on a device too), every emulated op to having
+rules, and docs/torch-npu-ops.md to the ledger.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 import sys
 from pathlib import Path
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from npu_hub_kernels.cards import CARDS
+from npu_hub_kernels.selftest.cases import cases_of
 from npu_hub_kernels.testing.emulation import EMULATED_OPS, LEDGER, DeviceRefusal, emulated_ops_of, ledger_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,13 +27,8 @@ CARDS_WITH_OPS = [card for card in CARDS.values() if emulated_ops_of(card)]
 
 
 def _case_module(card):
-    """`tests/ledger_cases/<card package>.py`, or None when the card has none yet."""
-    try:
-        return importlib.import_module(f"ledger_cases.{card.python_name}")
-    except ModuleNotFoundError as error:
-        if error.name != f"ledger_cases.{card.python_name}":
-            raise
-        return None
+    """`npu_hub_kernels/selftest/cases/<card package>.py`, or None when the card has none yet."""
+    return cases_of(card)
 
 
 def _cases() -> dict[str, tuple]:
@@ -49,7 +45,7 @@ RULES = {rule.id: rule for rule in LEDGER}
 
 def test_rule_ids_are_unique_and_every_rule_has_a_source_and_cases():
     assert len(RULES) == len(LEDGER), "two rules share an id"
-    assert sorted(RULES) == sorted(CASES), "a rule without cases, or cases of no rule (tests/ledger_cases/)"
+    assert sorted(RULES) == sorted(CASES), "a rule without cases, or cases of no rule (npu_hub_kernels/selftest/cases/)"
     for rule in LEDGER:
         assert SOURCE.match(rule.source), f"{rule.id}: source {rule.source!r} is not repository@commit:path:line"
         assert rule.text and rule.name.replace("-", "").replace("_", "").isalnum(), rule.id
@@ -57,7 +53,7 @@ def test_rule_ids_are_unique_and_every_rule_has_a_source_and_cases():
 
 @pytest.mark.parametrize("card", CARDS_WITH_OPS, ids=lambda c: c.repo_name)
 def test_every_emulated_op_has_rules(card):
-    assert _case_module(card) is not None, f"{card.repo_name}: add tests/ledger_cases/{card.python_name}.py"
+    assert _case_module(card) is not None, f"{card.repo_name}: add npu_hub_kernels/selftest/cases/{card.python_name}.py"
     ops_with_rules = {rule.op for rule in ledger_of(card)}
     missing = sorted(set(emulated_ops_of(card)) - ops_with_rules)
     assert not missing, f"{card.repo_name}: emulated ops without a ledger rule: {missing}"

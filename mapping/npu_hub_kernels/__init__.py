@@ -19,6 +19,8 @@ What lives where:
 - `integrity`: the digest check of a build variant before it is imported (loader and doctor);
 - `_kernels_compat`: every private `kernels` API the project uses, in one place;
 - `doctor`, `offline`: `python -m npu_hub_kernels doctor`, the offline Hub cache;
+- `selftest/`: `python -m npu_hub_kernels selftest` (every card against its eager math on the device, and the card
+  forms that stand down where they failed) and the cases of every card it shares with the tests (`selftest/cases`);
 - `testing/`: test-only helpers, never imported here: the CPU emulation of torch_npu and the "npu"
   device (docs/torch-npu-ops.md) and tiny models for tests, the demo and the bench;
 - `llamafactory`: the `npu_hub` kernel plugin of LLaMA-Factory v1, registered by the top-level

@@ -1,4 +1,4 @@
-"""Command line of npu-hub-kernels: `python -m npu_hub_kernels doctor [--org ORG] [--version N] [--json]`."""
+"""Command line of npu-hub-kernels: `python -m npu_hub_kernels doctor ...` and `... selftest ...`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import doctor
+from .selftest import run as selftest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +21,16 @@ def main(argv: list[str] | None = None) -> int:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
+    selftest.add_arguments(
+        commands.add_parser(
+            "selftest",
+            help="the cards against their eager math on this host's npu device, and a report to send",
+            description=selftest.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     args = parser.parse_args(argv)
-    return doctor.run(args)
+    return selftest.run(args) if args.command == "selftest" else doctor.run(args)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_
 from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
 from .report import KeptForward, Swap, kept_forwards, swapped_modules
+from .selftest.results import REASON_PREFIX
+from .selftest.results import summary as selftest_summary
 
 NOT_INSTALLED = "not installed"
 NOT_CACHED_HINT = (
@@ -109,6 +111,8 @@ class HostReport:
     hub: str
     cache_dir: str
     notes: list[str] = field(default_factory=list)
+    selftest: str = ""
+    """This host's last `python -m npu_hub_kernels selftest` result, or how to run it."""
 
 
 @dataclass
@@ -243,6 +247,7 @@ def host_report() -> HostReport:
         platform=f"{platform.machine()}-{platform.system().lower()}",
         hub=hub,
         cache_dir=f"{default_cache_dir()} ({cache_source})",
+        selftest=selftest_summary(),
     )
     if not offline and constants.HF_HUB_DISABLE_TELEMETRY:
         host.notes.append(TELEMETRY_HINT)
@@ -573,6 +578,7 @@ def format_report(report: Report) -> str:
             ("platform", host.platform),
             ("Hub", host.hub),
             ("cache", host.cache_dir),
+            ("selftest", host.selftest),
             *(("note", note) for note in host.notes),
         ]
     )
@@ -586,7 +592,7 @@ def format_report(report: Report) -> str:
             lines += _eager_rows(swap)
         lines += _rows([("kept", f"{k.module} ({k.module_class}): {k.reason}") for k in report.model.not_fused])
         lines += _rows(
-            [("not proven", f"{u.module} ({u.module_class}, {u.card}:{u.layer}): {u.eager_reason}")
+            [(_left_eager_label(u), f"{u.module} ({u.module_class}, {u.card}:{u.layer}): {u.eager_reason}")
              for u in report.model.not_proven]
         )  # fmt: skip
     shown_rejections: dict[str, str] = {}
@@ -617,6 +623,11 @@ def format_report(report: Report) -> str:
         lines.append(f"PROBLEM: {failing} of {len(report.cards)} cards would not load on this host. Hints:")
         lines += [f"  - {hint}" for hint in report.hints()]
     return "\n".join(lines)
+
+
+def _left_eager_label(swap: Swap) -> str:
+    """ "stood down" for a layer that failed this host's selftest, "not proven" for a class of unproven code."""
+    return "stood down" if (swap.eager_reason or "").startswith(REASON_PREFIX) else "not proven"
 
 
 def _eager_rows(swap: Swap) -> list[str]:

@@ -26,6 +26,7 @@ from . import retag
 from .cards import CARDS, Card, resolve_org, version_problem
 from .integrity import CheckedLayerRepository, CheckedLocalLayerRepository
 from .models import MODEL_CLASSES
+from .selftest import results as selftest_results
 from .zero3 import mark_zero3_leaf_mlps
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ def register_npu_kernels(
     local_dir: str | Path | None = None,
     kernels: KernelSelection = "auto",
     trust_remote_code: bool | list[str] | None = None,
+    use_selftest: bool | None = None,
 ) -> list[str]:
     """Map the selected cards' layers for the "npu" device (inference and training), retag the classes.
 
@@ -89,6 +91,8 @@ def register_npu_kernels(
         kernels: "auto" for all cards, a list or comma-separated string of kernel ids, None for none.
         trust_remote_code: passed to the `kernels` loader. None trusts exactly the selected card
             repositories (you asked for them by calling this function), nothing else.
+        use_selftest: stand down the card forms that failed this host's last `python -m npu_hub_kernels selftest`
+            (their layers run eager, saying why; docs/selftest.md). None: unless $NPU_HUB_KERNELS_USE_SELFTEST=0.
 
     Returns:
         The kernel ids registered.
@@ -109,6 +113,7 @@ def register_npu_kernels(
             repo = _repository(card, layer, org=org, version=version, local_dir=local_dir, trust=trust)
             mapping[card.mapping_name(layer)] = {"npu": {Mode.INFERENCE: repo, Mode.TRAINING: repo}}
     register_kernel_mapping(mapping)
+    selftest_results.stand_down(cards, org=org, version=version, local_dir=local_dir, use=use_selftest)
     for card in cards:
         for rule in MODEL_CLASSES[card.kernel_id]:
             retag.tag_when_imported(rule, card.mapping_name(rule.layer))
@@ -137,6 +142,7 @@ def unregister_npu_kernels() -> None:
     global _registration
     _registration = None
     retag.restore()
+    selftest_results.forget()
 
 
 def apply_npu_kernels(

@@ -31,7 +31,8 @@ class Swap:
     `eager_reason`: why its last call ran eager (None when that call fused, or it has not run), `eager_calls`: every
     reason its calls ran eager for, with how many, as the card's layer recorded them (its `_fallbacks`). `variant`
     None: a module of a class the card lists that runs eager on this transformers release (its code is not code the
-    tests proved, `models.fingerprints`), `eager_reason` says so.
+    tests proved, `models.fingerprints`), or whose layer failed this host's selftest and stands down
+    (`selftest.results`); `eager_reason` says which.
     """
 
     module: str

@@ -52,6 +52,7 @@ from . import _kernels_compat as compat
 from .cards import CARDS
 from .models import ClassRule, fingerprints
 from .report import card_layer_of, foreign_forward, global_names, retagged_card
+from .selftest.results import stood_down
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +182,12 @@ def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
 
 
 def _proven(rule: ClassRule, code: object) -> bool:
-    """Whether `code` (the installed class or function of `rule`) is proven; if not, it stays eager, with why."""
-    reason = fingerprints.unproven_reason(CARDS[rule.kernel_id], rule.path, code)
+    """Whether `code` (the installed class or function of `rule`) is proven; if not, it stays eager, with why.
+
+    A layer that failed this host's selftest (`selftest.results`) stays eager too, saying so.
+    """
+    card = CARDS[rule.kernel_id]
+    reason = stood_down(card.repo_name, rule.layer) or fingerprints.unproven_reason(card, rule.path, code)
     if reason is not None:
         _stays_eager(rule, reason)
     return reason is None

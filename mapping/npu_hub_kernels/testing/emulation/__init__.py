@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ...cards import CARDS, Card, card_piece
+from ...selftest import cases
 from .checks import OP_CALLS
 from .device import NpuTensor, install_device
 from .distributed import install_hccl
@@ -128,7 +129,20 @@ def install(cann_version: str = DEFAULT_CANN_VERSION) -> ModuleType:
     torch.version.cann = cann_version  # type: ignore[attr-defined]
     module = _build_torch_npu_module()
     sys.modules.update({m.__name__: m for m in (module, module.utils, module.utils.collect_env)})
+    for name, op in _backward_ops().items():  # torch_npu keeps them under torch.ops.npu only
+        setattr(torch.ops.npu, name, op)
+    cases.set_cann_switch(set_cann_version)  # the shared cases may run on another CANN here
     return module
+
+
+def _backward_ops() -> dict[str, Callable[..., Any]]:
+    """The backward ops the ledger names that an `ops/<card>.py` defines as a function (outside its `__all__`).
+
+    The others run only inside their forward op's autograd node.
+    """
+    names = {rule.op for rule in LEDGER} - set(EMULATED_OPS)
+    modules = [module for card in CARDS.values() if (module := card_piece(f"{__name__}.ops", card)) is not None]
+    return {name: getattr(module, name) for module in modules for name in names if hasattr(module, name)}
 
 
 def set_cann_version(cann_version: str) -> None:

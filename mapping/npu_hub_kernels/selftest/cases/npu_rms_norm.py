@@ -1,15 +1,15 @@
-"""npu-rms-norm: npu_rms_norm's rules (`CASES`), and the card at and just past each limit (`LIMITS`).
+"""npu-rms-norm's cases: npu_rms_norm's rules (`CASES`), the card at and just past each limit (`LIMITS`), its forms.
 
 npu_rms_norm_backward's rules, which npu_rms_norm's autograd node checks too, have their cases with the op in
-`ledger_cases/npu_add_rms_norm.py` (that card's emulated ops list them).
+`cases/npu_add_rms_norm.py` (that card's emulated ops list them).
 """
 
 from __future__ import annotations
 
 import torch
-import torch_npu
 
-from . import npu
+from ..forms import Form, Widths, randn
+from . import npu, torch_npu
 
 BF16, F16, F64 = torch.bfloat16, torch.float16, torch.float64
 ONES_8D = (1, 1, 1, 1, 1, 1, 2)
@@ -81,4 +81,32 @@ LIMITS = {
     "float16 weight with bfloat16 x (float32_scale: not a pair)": _card_case((4, 8), BF16, F16, "float32_scale"),
     "1 + weight in float32 with bfloat16 x (zero_centered)": _card_case((4, 8), BF16, BF16, "zero_centered"),
     "float64 x (not a dtype of the op)": _card_case((4, 8), F64),
+}
+
+
+def norm_tensors(widths: Widths, generator: torch.Generator, scaling: str) -> dict[str, torch.Tensor]:
+    """x [1, tokens, hidden] and a weight as a model of `scaling` holds it (near 0 for zero_centered, else near 1)."""
+    return {
+        "x": randn(1, widths.tokens, widths.hidden, generator=generator, scale=3.0),
+        "weight": randn(widths.hidden, generator=generator, scale=0.5) + (0.0 if scaling == "zero_centered" else 1.0),
+    }
+
+
+def _norm_form(scaling: str, layer: str) -> Form:
+    return Form(
+        layers=(layer,),
+        make=lambda widths, generator: norm_tensors(widths, generator, scaling),
+        fused=lambda card, t: card.rms_norm(t["x"], t["weight"], EPS, scaling),
+        eager=lambda card, t: card.rms_norm_eager(t["x"], t["weight"], EPS, scaling),
+        reason=lambda card, t: card.rms_norm_unavailable_reason(t["x"], t["weight"], scaling),
+        grads=("x", "weight"),
+        kept={"weight": torch.float32} if scaling == "float32_scale" else {},
+    )
+
+
+EPS = 1e-6
+FORMS = {
+    "plain": _norm_form("plain", "RMSNorm"),
+    "zero_centered (1 + weight)": _norm_form("zero_centered", "RMSNormZeroCentered"),
+    "float32_scale (float32 weight)": _norm_form("float32_scale", "RMSNormFloat32Scale"),
 }

@@ -1,18 +1,17 @@
-"""npu-swiglu: npu_swiglu's and npu_swiglu_backward's rules (`CASES`), and the card at and just past each limit
-(`LIMITS`). The backward's refusals go through npu_swiglu's autograd node where its gradient can be wrong
-(`grad_fn.apply`, or `backward` with a non-contiguous gradient), and through the op otherwise (what the node
-checks on x and dim, the forward has checked already).
+"""npu-swiglu's cases: its ops' rules (`CASES`), the card at and just past each limit (`LIMITS`), its forms.
+
+The rules are npu_swiglu's and npu_swiglu_backward's. The backward's refusals go through npu_swiglu's autograd node
+where its gradient can be wrong (`grad_fn.apply`, or `backward` with a non-contiguous gradient), and through the op
+otherwise (what the node checks on x and dim, the forward has checked already).
 """
 
 from __future__ import annotations
 
 import torch
-import torch_npu
 from torch import nn
 
-from npu_hub_kernels.testing.emulation.ops.npu_swiglu import npu_swiglu_backward
-
-from . import npu
+from ..forms import Form, Widths, linear, randn
+from . import npu, torch_npu
 
 BF16, F64 = torch.bfloat16, torch.float64
 ONES_8D = (1, 1, 1, 1, 1, 1, 2)
@@ -26,7 +25,7 @@ def _swiglu(x: torch.Tensor, dim: int = -1, grad: torch.Tensor | None = None) ->
 
 
 def _node(x: torch.Tensor, grad: torch.Tensor) -> None:
-    """npu_swiglu's autograd node called with `grad` as is: npu_swiglu_backward(grad, self, dim)."""
+    """npu_swiglu's autograd node called with `grad` as is: torch_npu.npu_swiglu_backward(grad, self, dim)."""
     torch_npu.npu_swiglu(x.requires_grad_()).grad_fn.apply(grad)
 
 
@@ -57,7 +56,7 @@ CASES = {
     ),
     "npu_swiglu_backward/x-dtype": (
         lambda: _swiglu(npu(4, 8, dtype=BF16, grad=True), grad=npu(4, 4, dtype=BF16)),
-        lambda: npu_swiglu_backward(npu(4, 4, dtype=F64), npu(4, 8, dtype=F64)),
+        lambda: torch_npu.npu_swiglu_backward(npu(4, 4, dtype=F64), npu(4, 8, dtype=F64)),
     ),
     "npu_swiglu_backward/grad_output-dtype": (
         lambda: _node(npu(4, 8), npu(4, 4)),
@@ -65,15 +64,15 @@ CASES = {
     ),
     "npu_swiglu_backward/x-rank": (
         lambda: _swiglu(npu(*ONES_8D, 8, grad=True), grad=npu(*ONES_8D, 4)),
-        lambda: npu_swiglu_backward(npu(*ONES_8D, 1, 4), npu(*ONES_8D, 1, 8)),
+        lambda: torch_npu.npu_swiglu_backward(npu(*ONES_8D, 1, 4), npu(*ONES_8D, 1, 8)),
     ),
     "npu_swiglu_backward/dim-range": (
         lambda: _swiglu(npu(4, 8, grad=True), dim=0, grad=npu(2, 8)),
-        lambda: npu_swiglu_backward(npu(4, 4), npu(4, 8), dim=2),
+        lambda: torch_npu.npu_swiglu_backward(npu(4, 4), npu(4, 8), dim=2),
     ),
     "npu_swiglu_backward/x-nonempty": (
-        lambda: npu_swiglu_backward(npu(1, 4), npu(1, 8)),
-        lambda: npu_swiglu_backward(npu(0, 4), npu(0, 8)),
+        lambda: torch_npu.npu_swiglu_backward(npu(1, 4), npu(1, 8)),
+        lambda: torch_npu.npu_swiglu_backward(npu(0, 4), npu(0, 8)),
     ),
     "npu_swiglu_backward/grad_output-nonempty": (
         lambda: _node(npu(1, 8), npu(1, 4)),
@@ -113,8 +112,10 @@ def _split_case(shape, dtype=torch.float32):
 
 
 def _gate_up_case(shape, dtype=torch.float32):
-    """The card's `swiglu_gate_up_mlp` (one gate_up_proj) forward and backward on x of `shape`. (An odd number of
-    features, which the card's reason refuses too, is no MLP eager computes either.)"""
+    """The card's `swiglu_gate_up_mlp` (one gate_up_proj) forward and backward on x of `shape`.
+
+    (An odd number of features, which the card's reason refuses too, is no MLP eager computes either.)
+    """
 
     def make(card):
         x = npu(*shape, dtype=dtype, grad=True)
@@ -143,3 +144,61 @@ LIMITS = {
     "split: float64 (not a dtype of the op)": _split_case((4, HIDDEN), F64),
     "split: bfloat16": _split_case((4, HIDDEN), BF16),
 }
+
+
+def _mlp_tensors(widths: Widths, generator: torch.Generator, *names_and_shapes: tuple[str, int, int]):
+    """x [1, tokens, hidden] and each named weight [out, in], scaled as a trained layer's (1 / sqrt(in))."""
+    tensors = {"x": randn(1, widths.tokens, widths.hidden, generator=generator)}
+    for name, out, inner in names_and_shapes:
+        tensors[name] = randn(out, inner, generator=generator, scale=inner**-0.5)
+    return tensors
+
+
+def _mlp_flops(widths: Widths) -> float:
+    """The MLP's three matmuls, forward (2 per multiply-add) and backward (4)."""
+    return 6.0 * widths.tokens * 3 * widths.hidden * widths.intermediate
+
+
+def _split_form() -> Form:
+    def make(widths, generator):
+        hidden, inner = widths.hidden, widths.intermediate
+        return _mlp_tensors(widths, generator, ("gate", inner, hidden), ("up", inner, hidden), ("down", hidden, inner))
+
+    def call(function):
+        return lambda card, t: getattr(card, function)(
+            t["x"], linear(t["gate"]), linear(t["up"]), linear(t["down"]), nn.SiLU()
+        )
+
+    return Form(
+        layers=("SwiGLUMLP",),
+        make=make,
+        fused=call("swiglu_mlp"),
+        eager=call("swiglu_mlp_eager"),
+        reason=lambda card, t: card.swiglu_mlp_unavailable_reason(
+            t["x"], linear(t["gate"]), linear(t["up"]), nn.SiLU()
+        ),
+        grads=("x", "gate", "up", "down"),
+        flops=_mlp_flops,
+    )
+
+
+def _gate_up_form() -> Form:
+    def make(widths, generator):
+        hidden, inner = widths.hidden, widths.intermediate
+        return _mlp_tensors(widths, generator, ("gate_up", 2 * inner, hidden), ("down", hidden, inner))
+
+    def call(function):
+        return lambda card, t: getattr(card, function)(t["x"], linear(t["gate_up"]), linear(t["down"]), nn.SiLU())
+
+    return Form(
+        layers=("SwiGLUGateUpMLP",),
+        make=make,
+        fused=call("swiglu_gate_up_mlp"),
+        eager=call("swiglu_gate_up_mlp_eager"),
+        reason=lambda card, t: card.swiglu_gate_up_mlp_unavailable_reason(t["x"], linear(t["gate_up"]), nn.SiLU()),
+        grads=("x", "gate_up", "down"),
+        flops=_mlp_flops,
+    )
+
+
+FORMS = {"split gate_proj / up_proj": _split_form(), "one gate_up_proj": _gate_up_form()}

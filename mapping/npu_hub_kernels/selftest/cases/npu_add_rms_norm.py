@@ -1,17 +1,19 @@
-"""npu-add-rms-norm: npu_add_rms_norm's and npu_rms_norm_backward's rules (`CASES`), and the card at and just past
-each limit (`LIMITS`). npu_rms_norm_backward's rules hold both for the op called directly and in npu_rms_norm's
-autograd node (the gamma-rank case shows the node refusing what the forward accepts).
+"""npu-add-rms-norm's cases: its ops' rules (`CASES`), the card at and just past each limit (`LIMITS`), its forms.
+
+npu_add_rms_norm's and npu_rms_norm_backward's rules; npu_rms_norm_backward's rules hold both for the op called
+directly and in npu_rms_norm's autograd node (the gamma-rank case shows the node refusing what the forward accepts).
 """
 
 from __future__ import annotations
 
 import torch
-import torch_npu
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.helium.modeling_helium import HeliumRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from . import npu
+from ..forms import HALF_DTYPES, Form, Widths, randn
+from . import npu, torch_npu
+from .npu_rms_norm import EPS, norm_tensors
 
 BF16, F16, F64 = torch.bfloat16, torch.float16, torch.float64
 ONES_8D = (1, 1, 1, 1, 1, 1, 2)
@@ -156,4 +158,45 @@ LIMITS = {
     "1 + weight in float32 (zero_centered)": _card_case((4, 8), scaling="zero_centered"),
     "1 + weight with bfloat16 input (zero_centered)": _card_case((4, 8), BF16, "zero_centered"),
     "float64 input (not a dtype of the op)": _card_case((4, 8), F64),
+}
+
+
+def _norm(scaling: str, weight: torch.Tensor) -> torch.nn.Module:
+    """The transformers norm of `scaling` holding `weight` itself."""
+    norm = NORMS[scaling](1, eps=EPS)
+    norm.weight = weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight, requires_grad=False)
+    return norm
+
+
+def _add_norm_form(scaling: str, layer: str, dtypes: tuple[torch.dtype, ...] = HALF_DTYPES) -> Form:
+    def make(widths: Widths, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        tensors = norm_tensors(widths, generator, scaling)
+        update = randn(1, widths.tokens, widths.hidden, generator=generator)
+        return {"residual": tensors.pop("x"), "update": update, **tensors}
+
+    def fused(card, t):
+        norm = _norm(scaling, t["weight"])
+        return card.add_rms_norm(t["residual"], t["update"], norm, scaling, type(norm).__module__)
+
+    def reason(card, t):
+        norm = _norm(scaling, t["weight"])
+        return card.add_rms_norm_unavailable_reason(t["residual"], t["update"], norm, scaling, type(norm).__module__)
+
+    return Form(
+        layers=(layer,),
+        make=make,
+        fused=fused,
+        eager=lambda card, t: card.add_rms_norm_eager(t["residual"], t["update"], _norm(scaling, t["weight"])),
+        reason=reason,
+        grads=("residual", "update", "weight"),
+        kept={"weight": torch.float32} if scaling == "float32_scale" else {},
+        dtypes=dtypes,
+    )
+
+
+FORMS = {
+    "plain": _add_norm_form("plain", "DecoderLayer"),
+    # the op takes gamma in the input dtype: these two fuse in float32 only (the card's reasons say so otherwise)
+    "zero_centered (1 + weight)": _add_norm_form("zero_centered", "DecoderLayerZeroCentered", (torch.float32,)),
+    "float32_scale (float32 weight)": _add_norm_form("float32_scale", "DecoderLayerFloat32Scale", (torch.float32,)),
 }

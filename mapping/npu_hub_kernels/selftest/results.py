@@ -1,0 +1,178 @@
+"""The selftest's last result for this host, kept in a per-user cache, and the card forms that stand down for it.
+
+`python -m npu_hub_kernels selftest` records its result in `result_path()`: one file per host identity (`host_key`:
+device name, CANN, torch_npu), under huggingface_hub's `HF_HOME` (`$HF_HOME`, else `$XDG_CACHE_HOME/huggingface`, else
+`~/.cache/huggingface`) in `npu-hub-kernels/selftest/`, or under `$NPU_HUB_KERNELS_SELFTEST_DIR` when set. Nodes of
+a cluster that share a home directory and a device, CANN and torch_npu share the result.
+
+`register_npu_kernels()` reads it (`stand_down`): each card form whose numbers failed there makes the card's layers
+that run it stay eager, with the reason "failed the selftest on this host: ...", as long as the result is for this
+device, CANN and torch_npu, and for the card version and build variant (its metadata.json digest) that would load
+now. `register_npu_kernels(use_selftest=False)`, or `NPU_HUB_KERNELS_USE_SELFTEST=0`, turns this off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import constants
+from huggingface_hub.file_download import repo_folder_name
+
+from .. import _kernels_compat as compat
+from ..cards import Card
+from ..offline import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+DIR_ENV = "NPU_HUB_KERNELS_SELFTEST_DIR"
+USE_ENV = "NPU_HUB_KERNELS_USE_SELFTEST"
+REASON_PREFIX = "failed the selftest on this host: "
+SCHEMA = 1
+"""The version of the result's JSON schema (docs/selftest.md)."""
+
+_stood_down: dict[tuple[str, str], str] = {}
+"""(card, layer) -> why it stays eager, for the cards the last `register_npu_kernels` registered."""
+
+
+def results_dir() -> Path:
+    """Where the selftest keeps its results: $NPU_HUB_KERNELS_SELFTEST_DIR, else <HF_HOME>/npu-hub-kernels/selftest."""
+    configured = os.environ.get(DIR_ENV)
+    return Path(configured) if configured else Path(constants.HF_HOME) / "npu-hub-kernels" / "selftest"
+
+
+def host_key() -> dict[str, str] | None:
+    """This host's identity for the results: device name, CANN and torch_npu; None without an npu device."""
+    torch_npu = sys.modules.get("torch_npu")
+    if torch_npu is None:
+        if importlib.util.find_spec("torch_npu") is None:
+            return None
+        torch_npu = importlib.import_module("torch_npu")
+    if not torch.npu.is_available():
+        return None
+    from torch_npu.utils.collect_env import get_cann_version
+
+    return {
+        "device": str(torch.npu.get_device_name(0)),
+        "cann": str(get_cann_version()),
+        "torch_npu": str(getattr(torch_npu, "__version__", "unknown")),
+    }
+
+
+def result_path(host: dict[str, str]) -> Path:
+    """The file of the result for `host` (`host_key`)."""
+    digest = hashlib.sha256(json.dumps(host, sort_keys=True).encode()).hexdigest()[:16]
+    return results_dir() / f"result-{digest}.json"
+
+
+def save_result(report: dict[str, Any]) -> Path:
+    """Keep `report` (the selftest's JSON report) as the last result of its host; returns the file."""
+    path = result_path(report["host"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(report, indent=2))
+    partial.replace(path)  # a reader never sees half a file
+    return path
+
+
+def load_result(host: dict[str, str]) -> dict[str, Any] | None:
+    """The last result kept for `host`, None if there is none (or it cannot be read, or is of another schema)."""
+    path = result_path(host)
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if result.get("schema") != SCHEMA or result.get("host") != host:
+        return None
+    return result
+
+
+def summary() -> str:
+    """One line on this host's last selftest result, for the doctor: its verdict and file, or how to run it."""
+    run = "python -m npu_hub_kernels selftest (docs/selftest.md)"
+    try:
+        host = host_key()
+    except Exception:  # a broken torch_npu: the doctor reports it on its own line
+        host = None
+    if host is None:
+        return f"no npu device: {run} runs on an Ascend host"
+    result = load_result(host)
+    if result is None:
+        return f"not run on this host: {run}"
+    failed = sorted(f"{card}: {form}" for card, entry in result["cards"].items() for form in entry["failed"])
+    stands_down = f"; stands down {', '.join(failed)}" if failed else ""
+    return f"{result['verdict']} on {result['started']} ({result_path(host)}){stands_down}"
+
+
+def variant_digest(variant_dir: Path) -> str:
+    """The build variant's identity: the sha256 of its metadata.json (which holds the digest of its files)."""
+    return hashlib.sha256((Path(variant_dir) / "metadata.json").read_bytes()).hexdigest()
+
+
+def stand_down(cards: list[Card], *, org: str, version: int, local_dir: str | Path | None, use: bool | None) -> None:
+    """Read the last result for this host and stand down the layers of the card forms that failed there.
+
+    `use` None: as $NPU_HUB_KERNELS_USE_SELFTEST says (default on). Called by `register_npu_kernels`.
+    """
+    _stood_down.clear()
+    if use is False or (use is None and os.environ.get(USE_ENV, "1") == "0"):
+        return
+    try:
+        host = host_key()
+    except Exception as error:  # a broken torch_npu is the doctor's finding, not a reason to fail registering
+        logger.debug("no selftest result applies: this host's identity cannot be read (%s)", error)
+        return
+    result = None if host is None else load_result(host)
+    if result is None:
+        return
+    for card in cards:
+        recorded = result.get("cards", {}).get(card.repo_name)
+        if not recorded or not recorded.get("failed") or recorded.get("version") != version:
+            continue
+        loads = _variant_that_loads(card, org=org, version=version, local_dir=local_dir)
+        if loads != (recorded.get("variant"), recorded.get("digest")):
+            logger.debug("the selftest result of %s is for another build (%s), ignored", card.repo_name, loads)
+            continue
+        for form, failure in recorded["failed"].items():
+            layers = card.layers if failure["layers"] == ["*"] else failure["layers"]
+            for layer in layers:
+                _stood_down[(card.repo_name, layer)] = f"{REASON_PREFIX}{form}: {failure['why']}"
+
+
+def stood_down(card: str, layer: str) -> str | None:
+    """Why the card's layer stays eager on this host after its selftest, or None."""
+    return _stood_down.get((card, layer))
+
+
+def forget() -> None:
+    """Stand nothing down (`unregister_npu_kernels`)."""
+    _stood_down.clear()
+
+
+def _variant_that_loads(card: Card, *, org: str, version: int, local_dir: str | Path | None) -> tuple[str, str] | None:
+    """(variant, `variant_digest`) of the build the loader would take now, from the folder or the Hub cache.
+
+    None when it cannot be known without the network (then no result applies: the selftest loads the cards, so a
+    host that ran it has them in its cache).
+    """
+    try:
+        if local_dir is not None:
+            build = Path(local_dir) / card.repo_name / "build"
+        else:
+            commit = compat.version_commit(card.repo_id(org), version, local_files_only=True)
+            folder = repo_folder_name(repo_id=card.repo_id(org), repo_type="kernel")
+            build = default_cache_dir() / folder / "snapshots" / commit / "build"
+        accepted, _ = compat.resolve_variants(compat.get_variants_local(build))
+        variant = accepted[0].variant_str
+        return variant, variant_digest(build / variant)
+    except Exception as error:  # not cached, or not resolvable here: the result cannot be matched
+        logger.debug("%s: the build that would load is unknown offline (%s)", card.repo_name, error)
+        return None
