@@ -7,7 +7,12 @@ call the op (or run its autograd backward). `refused` must break that rule and n
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+
+from npu_hub_kernels.testing import emulation
 
 
 def npu(*shape: int, dtype: torch.dtype = torch.float32, grad: bool = False) -> torch.Tensor:
@@ -19,3 +24,17 @@ def npu(*shape: int, dtype: torch.dtype = torch.float32, grad: bool = False) -> 
 def npu_int(high: int, *shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Random integers in [0, high) on the emulated npu device."""
     return torch.randint(0, high, shape, dtype=dtype).to("npu")
+
+
+@contextmanager
+def reporting_cann(version: str | None) -> Iterator[None]:
+    """The emulated host reports CANN `version` inside the block (None: leave it as it is)."""
+    if version is None:
+        yield
+        return
+    before = torch.version.cann
+    emulation.set_cann_version(version)
+    try:
+        yield
+    finally:
+        emulation.set_cann_version(before)

@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch_npu
 
-from npu_hub_kernels.testing import emulation
-
 from . import npu
+from . import reporting_cann as _cann
 
 rotary_mul = torch_npu.npu_rotary_mul
 apply_rotary = torch_npu.npu_apply_rotary_pos_emb
 
 OLD_CANN = "8.5.0"
 """A CANN before 9.0: no TND npu_rotary_mul, and npu_apply_rotary_pos_emb with D = 128 and BSND only."""
-
-
-@contextmanager
-def _cann(version: str | None):
-    """The emulated host reports CANN `version` inside the block (None: leave it as it is)."""
-    if version is None:
-        yield
-        return
-    before = torch.version.cann
-    emulation.set_cann_version(version)
-    try:
-        yield
-    finally:
-        emulation.set_cann_version(before)
 
 
 def _mul(x_shape, r_shape, mode="half", *, dtype=torch.float32, r2_shape=None, cann=None, grad=False, **kwargs):
