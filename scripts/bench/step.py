@@ -695,14 +695,14 @@ def write_step_chart(rows: list[Row], path) -> str | None:
             ax.text(x, total, f"{total:.2f} s", ha="center", va="bottom", fontsize=8)
         ax.set_title(model, fontsize=10)
         ax.set_ylabel("estimated device time per step, s (estimate)")
-    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, loc="center right")  # beside the bars
     first = chosen[0]
     fig.suptitle(
         f"Training step, batch {first.batch} x seq {first.seq}: estimated Atlas A2 device time by category "
         "(an estimate from counted bytes and FLOPs, docs/step-model.md)",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
