@@ -19,7 +19,7 @@ from bench import cards, configs, counted, regions, report, targets
 from bench.accounting import count_device_ops, fake_module, fused_ops
 from bench.cards import npu_rms_norm, npu_rope
 from bench.peer import PARITY_TOLERANCE, load_peer, parity_rows
-from bench.rows import CSV_COLUMNS, EMULATED, MEMORY_UNITS, Row
+from bench.rows import CSV_COLUMNS, EMULATED, ESTIMATE_UNIT, MEMORY_UNITS, Row
 from conftest import ROOT
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
@@ -303,6 +303,7 @@ def test_rope_in_inference_is_one_op_at_the_floor_with_grad_two_each_way(npu_ker
     assert met == {
         "RoPE: kernelized op count = floor (fwd)": True,
         "RoPE: kernelized bytes <= 1.05 x floor (fwd and fwd+bwd)": True,
+        "RoPE: kernelized estimated time <= eager (every size) (fwd and fwd+bwd)": True,
     }
 
 
@@ -322,8 +323,12 @@ def test_the_default_path_is_the_only_kernelized_variant_and_rows_are_selected_b
     rows = counted.counted_rows(TINY_LLAMA, [(2, 16)])
     assert {r.variant for r in rows} == {"default"} and {r.study for r in rows} == {"layer"}
     measurements = [(r.kind, r.phase, r.unit) for r in rows]
-    assert len(measurements) == len(set(measurements)) == 5 * (2 * 2 + len(MEMORY_UNITS))
-    assert {unit for _, phase, unit in measurements if phase == "fwd"} == {"ops", "bytes"}  # memory: with grad
+    assert len(measurements) == len(set(measurements)) == 5 * (2 * 3 + len(MEMORY_UNITS))
+    assert {unit for _, phase, unit in measurements if phase == "fwd"} == {
+        "ops",
+        "bytes",
+        ESTIMATE_UNIT,
+    }  # memory: grad
     assert {kind for kind, _, _ in measurements} == {"RMSNorm", "RoPE", "SwiGLU MLP", ADD_NORM, cards.LAYER}
     relabelled = [dataclasses.replace(r, op="?", config="?") for r in rows]
     assert targets.evaluate(relabelled) == targets.evaluate(rows)

@@ -181,3 +181,59 @@ def test_the_device_accepts_and_refuses_as_the_ledger_says(rule, calls):
         torch.npu.synchronize()
     if isinstance(refusal.value, NotRunHere):
         pytest.skip(str(refusal.value))
+
+
+def _float32_out_addmm_reason(built_cards) -> str | None:
+    """Why the loss card's weight gradient takes no 16-bit operands on this host (None: it does)."""
+    card = get_local_kernel(built_cards / "npu-linear-cross-entropy")
+    return card.loss.half_weight_grad_unavailable_reason()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_addmm_sums_16bit_products_into_a_float32_out_in_place_on_the_device(built_cards, dtype):
+    """Issue 35's call form: `torch.addmm(acc, g.t(), h, out_dtype=torch.float32, out=acc)` dispatches, writes acc in
+    place in float32, and its error against float64 is float32 accumulation's, not a 16-bit rounding's."""
+    reason = _float32_out_addmm_reason(built_cards)
+    if reason is not None:
+        pytest.skip(reason)
+    generator = torch.Generator().manual_seed(0)
+    acc = torch.randn(4096, 512, generator=generator)
+    g = (torch.randn(1024, 4096, generator=generator) / 64).to(dtype)
+    h = torch.randn(1024, 512, generator=generator).to(dtype)
+    want = acc.double() + g.double().t() @ h.double()
+    on_device = acc.npu()
+    address = on_device.data_ptr()
+    out = torch.addmm(on_device, g.npu().t(), h.npu(), out_dtype=torch.float32, out=on_device)
+    assert out.dtype == torch.float32 and out.data_ptr() == address
+    error = ((out.cpu().double() - want).norm() / want.norm()).item()
+    assert error < 1e-5, error  # a 16-bit rounding of the sum or the products would be about 1e-3
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_loss_weight_gradient_from_bfloat16_products_within_twice_eagers_error_on_the_device(built_cards, chunks):
+    """The loss card's chunked dW on the device (bf16 operands, float32 sum): counted nowhere here, so its error is
+    the proof: at most twice eager's (one bf16 GEMM) against float64."""
+    reason = _float32_out_addmm_reason(built_cards)
+    if reason is not None:
+        pytest.skip(reason)
+    card = get_local_kernel(built_cards / "npu-linear-cross-entropy")
+    generator = torch.Generator().manual_seed(chunks)
+    tokens, hidden, vocab = 2048, 256, 8192
+    lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.randn(vocab, hidden, generator=generator) / hidden**0.5)
+    h = torch.randn(1, tokens, hidden, generator=generator)
+    labels = torch.randint(0, vocab, (1, tokens), generator=generator)
+
+    def weight_grad(fn, dtype, device, **kwargs):
+        head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype).to(device)
+        head.load_state_dict(lm_head.state_dict())
+        loss, _ = fn(h.to(dtype).to(device), head, labels.to(device), vocab, **kwargs)
+        loss.backward()
+        return head.weight.grad.cpu().double()
+
+    reference = weight_grad(card.linear_cross_entropy_eager, torch.float64, "cpu")
+    eager = weight_grad(card.linear_cross_entropy_eager, torch.bfloat16, "npu")
+    fused = weight_grad(card.linear_cross_entropy, torch.bfloat16, "npu", chunk_tokens=tokens // chunks)
+    errors = [((t - reference).norm() / reference.norm()).item() for t in (fused, eager)]
+    assert errors[0] <= 2 * errors[1], errors

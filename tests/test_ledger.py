@@ -16,14 +16,22 @@ import pytest
 
 from npu_hub_kernels.cards import CARDS
 from npu_hub_kernels.selftest.cases import cases_of
-from npu_hub_kernels.testing.emulation import EMULATED_OPS, LEDGER, DeviceRefusal, emulated_ops_of, ledger_of
+from npu_hub_kernels.testing.emulation import (
+    DEVICE_KERNELS,
+    EMULATED_OPS,
+    LEDGER,
+    DeviceRefusal,
+    device_kernels_of,
+    emulated_ops_of,
+    ledger_of,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORIES = "Ascend/op-plugin@517f2e7|hicann/ops-nn@e5c3fa9|hicann/ops-transformer@c29bc10"
-SOURCE = re.compile(rf"^({REPOSITORIES}):[\w./（）-]+:\d+")
+SOURCE = re.compile(rf"^({REPOSITORIES}):[\w./（）&-]+:\d+")
 
 
-CARDS_WITH_OPS = [card for card in CARDS.values() if emulated_ops_of(card)]
+CARDS_WITH_OPS = [card for card in CARDS.values() if emulated_ops_of(card) or device_kernels_of(card)]
 
 
 def _case_module(card):
@@ -55,7 +63,7 @@ def test_rule_ids_are_unique_and_every_rule_has_a_source_and_cases():
 def test_every_emulated_op_has_rules(card):
     assert _case_module(card) is not None, f"{card.repo_name}: add npu_hub_kernels/selftest/cases/{card.python_name}.py"
     ops_with_rules = {rule.op for rule in ledger_of(card)}
-    missing = sorted(set(emulated_ops_of(card)) - ops_with_rules)
+    missing = sorted({*emulated_ops_of(card), *device_kernels_of(card)} - ops_with_rules)
     assert not missing, f"{card.repo_name}: emulated ops without a ledger rule: {missing}"
 
 
@@ -77,6 +85,7 @@ def test_docs_ledger_section_is_rendered_from_the_ledger():
 
 
 def test_every_op_the_ledger_names_is_emulated_or_a_backward_of_one():
-    """A rule's op is an emulated op, or the backward op one of them calls in its autograd node."""
-    backward_ops = {rule.op for rule in LEDGER} - set(EMULATED_OPS)
+    """A rule's op is an emulated op, an aten op the emulated device has a kernel of, or the backward op one of them
+    calls in its autograd node."""
+    backward_ops = {rule.op for rule in LEDGER} - set(EMULATED_OPS) - set(DEVICE_KERNELS)
     assert all(op.endswith(("_backward", "_grad", "_grad_v2")) for op in backward_ops), sorted(backward_ops)

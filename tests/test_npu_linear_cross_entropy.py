@@ -29,6 +29,7 @@ from kernels import Mode, get_local_kernel, kernelize
 from numerics import relative_error, train_steps
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from npu_hub_kernels import CARDS, apply_npu_kernels, swapped_modules
 from npu_hub_kernels import _kernels_compat as compat
@@ -448,6 +449,84 @@ def test_low_precision_forms_within_twice_eagers_error(card, dtype, chunk):
     for name, f, e, r in zip(("loss", "dh", "dW"), fused, eager, reference, strict=False):
         fused_error, eager_error = relative_error(f, r), relative_error(e, r)
         assert fused_error <= 2 * eager_error + 1e-6, (name, fused_error, eager_error)
+
+
+FLOAT32_OUT_ADDMM = "addmm.dtype_out"
+"""The weight gradient's call, `torch.addmm(sum, grad_logits.t(), h, out_dtype=torch.float32, out=sum)`, as counted."""
+
+
+@contextlib.contextmanager
+def _reporting_cann(version: str):
+    before = torch.version.cann
+    emulation.set_cann_version(version)
+    try:
+        yield
+    finally:
+        emulation.set_cann_version(before)
+
+
+def _eager_logits_grad(lm_head: nn.Linear, h: torch.Tensor, labels: torch.Tensor):
+    """(eager's gradient of the logits [T, V], the hidden states [T, H]), in the model's dtype."""
+    hidden = h.reshape(-1, h.shape[-1])
+    logits = nn.functional.linear(hidden, lm_head.weight).detach().requires_grad_()
+    loss = ForCausalLMLoss(logits=logits.view(*labels.shape, -1), labels=labels, vocab_size=lm_head.out_features)
+    loss.backward()
+    return logits.grad, hidden
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4, 16])
+def test_bfloat16_weight_gradient_sums_bfloat16_products_in_float32_within_twice_eagers_error(card, chunks):
+    """dW from bfloat16 operands, one float32 sum over the chunks (addmm out_dtype, counted): its error against float64
+    at most twice eager's (one bfloat16 GEMM of the whole logits gradient) at every chunk count, and below the negative
+    control's: each chunk's product rounded to bfloat16, then summed in float32 (from eager's own logits gradient)."""
+    tokens = 512
+    lm_head, h, labels = _problem(tokens=tokens, hidden=64, vocab=2000, seed=chunks)
+    reference = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")[2]
+    bf16 = (lm_head.to(torch.bfloat16), h.to(torch.bfloat16), labels)
+    eager = _run(card.linear_cross_entropy_eager, *bf16, "cpu")[2]
+    with emulation.count_op_calls() as calls:
+        fused = _run(card.linear_cross_entropy, *bf16, "npu", chunk_tokens=tokens // chunks)[2]
+    assert calls[FLOAT32_OUT_ADDMM] == chunks
+    grad_logits, hidden = _eager_logits_grad(*bf16)
+    chunk = tokens // chunks
+    products = (grad_logits[r : r + chunk].t() @ hidden[r : r + chunk] for r in range(0, tokens, chunk))
+    rounded_per_chunk = sum(p.float() for p in products).to(torch.bfloat16)
+    fused_error, eager_error, rounded_error = (relative_error(t, reference) for t in (fused, eager, rounded_per_chunk))
+    assert fused_error <= 2 * eager_error, (fused_error, eager_error)
+    assert fused_error < rounded_error, (fused_error, rounded_error)
+
+
+@pytest.mark.parametrize("cann", ["9.0.0", "9.1.0-beta.3"])
+def test_without_the_float32_out_addmm_the_model_sums_float32_products_and_says_why(npu_kernels, cann):
+    """Before CANN 9.1 the weight gradient sums float32 products (no addmm out_dtype call; the loss still fuses),
+    swapped_modules says why, and the gradient is within eager's idiom; from 9.1 (negative control) it calls it."""
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))  # 128 tokens: the chunked form
+    reference = _tiny("llama").double().train()
+    reference(input_ids=ids, labels=_labels(ids)).loss.backward()
+    eager = _tiny("llama").to(torch.bfloat16).train()
+    eager(input_ids=ids, labels=_labels(ids)).loss.backward()
+    grads = {}
+    for version in (cann, emulation.DEFAULT_CANN_VERSION):
+        model = kernelize(_tiny("llama").to(torch.bfloat16).train().to("npu"), mode=Mode.TRAINING, device="npu")
+        with _reporting_cann(version), emulation.count_op_calls() as calls:
+            model(input_ids=ids.to("npu"), labels=_labels(ids).to("npu")).loss.backward()
+        (swap,) = swapped_modules(model, card="npu-linear-cross-entropy")
+        grads[version], said = model.lm_head.weight.grad.cpu(), swap.eager_reason
+        assert calls[OPS[1]] == 2 and calls[FLOAT32_OUT_ADDMM] == (0 if version == cann else 2)  # 2 chunks of 64
+        assert (said is None) == (version != cann) and (version != cann or f"CANN {cann}" in said), said
+    want = reference.lm_head.weight.grad
+    eager_error = relative_error(eager.lm_head.weight.grad, want)
+    assert all(relative_error(grad, want) <= 2 * eager_error for grad in grads.values())
+
+
+def test_float32_weights_keep_float32_products_and_no_reason(npu_kernels):
+    """float32 weights: the model's own dtype, no 16-bit product to make, nothing to say (negative control)."""
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    model = kernelize(_tiny("llama").train().to("npu"), mode=Mode.TRAINING, device="npu")
+    with emulation.count_op_calls() as calls:
+        model(input_ids=ids.to("npu"), labels=_labels(ids).to("npu")).loss.backward()
+    (swap,) = swapped_modules(model, card="npu-linear-cross-entropy")
+    assert calls[OPS[1]] == 2 and calls[FLOAT32_OUT_ADDMM] == 0 and swap.eager_reason is None
 
 
 def test_more_tokens_than_the_op_takes_rows_go_in_chunks_of_200000(card):

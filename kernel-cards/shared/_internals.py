@@ -101,6 +101,13 @@ INTERNALS: dict[str, Internal] = {
         "the MoE loss layers add the router's auxiliary loss with the function the class's forward calls",
         "none: transformers does not export each modeling module's function under one name",
     ),
+    "device_has_kernel": Internal(
+        "torch: torch._C._dispatch_has_kernel_for_dispatch_key(<aten op>, 'PrivateUse1'), the dispatcher's table",
+        "whether this torch_npu registers an aten overload for the npu (addmm.dtype_out, from torch_npu 2.11): the "
+        "loss card's weight gradient calls it only then, and says why not otherwise",
+        "none: calling the op and catching its error would cost a failed device call, and torch_npu's version does "
+        "not say which op-plugin overloads a build carries",
+    ),
 }
 
 HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward")
@@ -178,3 +185,11 @@ def fsdp2_output_dtype(module: nn.Module) -> torch.dtype | None:
 def modeling_global(cls: type, name: str) -> object:
     """The global `name` as `cls.forward` resolves it, in its own modeling module (past the decorators that wrap it)."""
     return inspect.unwrap(cls.forward).__globals__[name]
+
+
+def device_has_kernel(overload: str) -> bool:
+    """Whether the npu device (torch's PrivateUse1) has a kernel of the aten op `overload` ("addmm.dtype_out")."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{overload}", "PrivateUse1")
+    except RuntimeError:  # a torch without that overload
+        return False

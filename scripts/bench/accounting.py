@@ -105,13 +105,16 @@ class OpRecord:
 
     flops: the multiply-adds of a matrix product, counted 2 per multiply-add (`matmul_flops`; fused ops: their
     `FusedOp.flops`); 0 for every other op. elements: the elements of the tensors it wrote (the vector work of an
-    elementwise op, one per element)."""
+    elementwise op, one per element). operand_bytes: the element size of a matrix product's operands (2: bfloat16 or
+    float16, 4: float32), which sets the cube's rate whatever it writes (a float32 out of 16-bit operands runs at the
+    16-bit rate); 0 for an op with no matrix product."""
 
     name: str
     reads: int
     writes: int
     flops: int = 0
     elements: int = 0
+    operand_bytes: int = 0
 
 
 @dataclass
@@ -122,8 +125,10 @@ class Tally:
     memory: Memory | None = None
     """The block's memory, when measured (`memory.tracking_memory`, forward+backward runs of the counted bench)."""
 
-    def add(self, name: str, reads: int, writes: int, flops: int = 0, elements: int = 0) -> None:
-        self.records.append(OpRecord(name, reads, writes, flops, elements))
+    def add(
+        self, name: str, reads: int, writes: int, flops: int = 0, elements: int = 0, operand_bytes: int = 0
+    ) -> None:
+        self.records.append(OpRecord(name, reads, writes, flops, elements, operand_bytes))
 
     @property
     def ops(self) -> int:
@@ -190,17 +195,32 @@ _MATMULS = {
 out=), by name -> their two operands."""
 
 
+def _matmul_operands(func, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The two operands of an aten matrix product (`_MATMULS`), None for any other op."""
+    operands = _MATMULS.get(func.overloadpacket.__name__) if func.namespace == "aten" else None
+    if operands is None:
+        return None
+    named = {arg.name: value for arg, value in zip(func._schema.arguments, args, strict=False)} | kwargs
+    a, b = (named[name] for name in operands)
+    return a, b
+
+
 def matmul_flops(func, args: tuple, kwargs: dict) -> int:
     """Return the FLOPs of an aten matrix product, 2 x its multiply-adds, and 0 for any other op.
 
     A product [.., M, K] @ [.., K, N] counts 2 * batch * M * K * N; the bias or accumulator add of addmm and baddbmm is
     not counted."""
-    operands = _MATMULS.get(func.overloadpacket.__name__) if func.namespace == "aten" else None
+    operands = _matmul_operands(func, args, kwargs)
     if operands is None:
         return 0
-    named = {arg.name: value for arg, value in zip(func._schema.arguments, args, strict=False)} | kwargs
-    a, b = (named[name] for name in operands)
+    a, b = operands
     return 2 * math.prod(a.shape) * b.shape[-1]
+
+
+def matmul_operand_bytes(func, args: tuple, kwargs: dict) -> int:
+    """The element size of an aten matrix product's operands (the wider of the two), 0 for any other op."""
+    operands = _matmul_operands(func, args, kwargs)
+    return 0 if operands is None else max(t.element_size() for t in operands)
 
 
 def _written_elements(func, args: tuple, kwargs: dict, out: Any) -> int:
@@ -275,7 +295,8 @@ class _Recorder(TorchDispatchMode):
         counted = _aten_bytes(func, args, kwargs, out)
         if counted is not None:
             flops, elements = matmul_flops(func, args, kwargs), _written_elements(func, args, kwargs, out)
-            self.tally.add(str(func.overloadpacket.__name__), *counted, flops, elements)
+            operand_bytes = matmul_operand_bytes(func, args, kwargs)
+            self.tally.add(str(func.overloadpacket.__name__), *counted, flops, elements, operand_bytes)
         return out
 
 
@@ -403,7 +424,9 @@ def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tall
         arguments = bound.arguments
         outputs = spec.outputs(arguments)
         flops = spec.flops(arguments, outputs) if spec.flops else 0
-        tally.add(name, _sum_bytes(arguments), _sum_bytes(outputs), flops, sum(t.numel() for t in _tensors(outputs)))
+        operand_bytes = _tensors(arguments)[0].element_size() if flops else 0  # its first tensor: x, query
+        written = sum(t.numel() for t in _tensors(outputs))
+        tally.add(name, _sum_bytes(arguments), _sum_bytes(outputs), flops, written, operand_bytes)
         names = [n for n in spec.grads_for if isinstance(arguments.get(n), torch.Tensor)]
         inputs = [arguments[n] for n in names]
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
@@ -427,6 +450,7 @@ def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tall
                 _sum_bytes(input_grads),
                 backward_flops,
                 sum(g.numel() for g in input_grads if g is not None),
+                operand_bytes if backward_flops else 0,
             )
             return input_grads
 

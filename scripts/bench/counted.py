@@ -25,6 +25,7 @@ from npu_hub_kernels.cards import Card
 from .accounting import Tally, count_device_ops, fake_module
 from .cards import LAYER, NO_CARD, kinds
 from .configs import CONFIGS, DTYPE, PHASES, ModelSpec, experts_key
+from .device_model import device_seconds
 from .floors import floor_of, floor_peak, floor_saved_of
 from .memory import Memory, tracking_memory
 from .peer import Patches, Peer
@@ -39,7 +40,7 @@ from .regions import (
     resolve,
     set_variant,
 )
-from .rows import MEMORY_UNITS, Row, log
+from .rows import ESTIMATE_UNIT, MEMORY_UNITS, Row, log
 from .targets import BEFORE_CARD_STUDY, BeforeCardTarget, counted_target
 
 
@@ -252,10 +253,13 @@ def _sum(tallies: list[Tally | None]) -> Tally | None:
     return Tally([record for t in tallies for record in t.records], _kind_memory([t.memory for t in tallies]))
 
 
-def unit_value(tally: Tally | None, unit: str) -> int | None:
-    """A tally's figure in a unit ("ops", "bytes" or one of MEMORY_UNITS); None without the tally or its memory."""
+def unit_value(tally: Tally | None, unit: str) -> float | None:
+    """A tally's figure in a unit ("ops", "bytes", one of MEMORY_UNITS, or ESTIMATE_UNIT: its ops' estimated device
+    time); None without the tally or its memory."""
     if tally is None:
         return None
+    if unit == ESTIMATE_UNIT:
+        return device_seconds(tally.records) * 1e3
     if unit in MEMORY_UNITS:
         return memory_value(tally.memory, unit)
     return tally.ops if unit == "ops" else tally.bytes
@@ -286,11 +290,11 @@ def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]], peer: Peer 
     for batch, seq in shapes:
         started = time.perf_counter()
         for (kind, phase), m in account(spec, batch, seq, peer=peer).items():
-            units = [("ops", m.floor[0]), ("bytes", m.floor[1])]
+            units = [("ops", m.floor[0]), ("bytes", m.floor[1]), (ESTIMATE_UNIT, None)]
             units += [(unit, memory_value(m.floor_memory, unit)) for unit in MEMORY_UNITS] if m.floor_memory else []
             for unit, floor in units:
                 row = Row(
-                    "counted", spec.name, kind, phase, batch, seq,
+                    "estimated" if unit == ESTIMATE_UNIT else "counted", spec.name, kind, phase, batch, seq,
                     eager=unit_value(m.eager, unit), kernelized=unit_value(m.kernelized, unit), floor=floor,
                     peer=unit_value(m.peer, unit), unit=unit, note=_note(m.kernelized, m.peer_patched),
                     study="layer", kind=kind, model=spec.name, experts=spec.experts, peer_patched=m.peer_patched,

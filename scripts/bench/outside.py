@@ -31,10 +31,10 @@ from .configs import CONFIGS, ModelSpec
 from .counted import build_model, memory_value, unit_value
 from .floors import Floor, floor_peak
 from .memory import Memory, tracking_memory
-from .rows import CHUNK_STUDY, MEMORY_UNITS, OUTSIDE_STUDY, Row, log
+from .rows import CHUNK_STUDY, ESTIMATE_UNIT, MEMORY_UNITS, OUTSIDE_STUDY, Row, log
 from .targets import counted_target
 
-UNITS = ("ops", "bytes", *MEMORY_UNITS)
+UNITS = ("ops", "bytes", *MEMORY_UNITS, ESTIMATE_UNIT)
 """The units of a region outside the decoder layer's rows."""
 EAGER, KERNELIZED = "eager", "kernelized"
 """The columns every region outside the decoder layer is counted in; an extra column's are its studies."""
@@ -151,6 +151,7 @@ def _floor(eager: Counted, default: Counted) -> dict[str, int]:
         "ops": fwd_ops + bwd_ops,
         "bytes": fwd_bytes + bwd_bytes,
         **{u: memory_value(memory, u) for u in MEMORY_UNITS},
+        ESTIMATE_UNIT: None,
     }
 
 
@@ -171,7 +172,8 @@ def _rows(
     rows = []
     for unit in UNITS:
         row = Row(
-            "counted", model, card.region, "fwd+bwd", *shape, eager=unit_value(eager.tally, unit),
+            "estimated" if unit == ESTIMATE_UNIT else "counted", model, card.region, "fwd+bwd", *shape,
+            eager=unit_value(eager.tally, unit),
             kernelized=unit_value(fused.tally, unit), floor=floor[unit], unit=unit, study=study, kind=card.region,
             model=model, chunk=fused.chunk, extra=None if extra is None else unit_value(extra.tally, unit),
         )  # fmt: skip

@@ -13,7 +13,7 @@ from npu_hub_kernels.cards import Card
 from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
-from .rows import CHUNK_STUDY, MEMORY_UNITS, OUTSIDE_STUDY, REGION_STUDIES, Row
+from .rows import CHUNK_STUDY, ESTIMATE_UNIT, MEMORY_UNITS, OUTSIDE_STUDY, REGION_STUDIES, Row
 from .step import step_section
 from .targets import HOST_COST_STUDY, counted_targets, evaluate
 
@@ -35,6 +35,8 @@ def human_bytes(n: float | None) -> str:
 def number(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
+    if unit == ESTIMATE_UNIT:
+        return f"{value:.2f}"
     return human_bytes(value) if unit == "bytes" else f"{value:.0f}" if unit == "ops" else f"{value:.3g}"
 
 
@@ -104,6 +106,39 @@ def counted_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list
     title = f"Counted, forward+backward, batch {batch}, sequence {seq}, bfloat16 (ratio: kernelized bytes / floor "
     title += "bytes; peer ratio: the peer's bytes / floor bytes):" if peer else "bytes):"
     legend = ["", NOT_PATCHED_LEGEND] if any(r.peer_patched is False for r in chosen) else []
+    return ["", title, "", *table(header, body), *legend]
+
+
+def region_time_table(rows: list[Row], kinds: tuple[str, ...] | None = None) -> list[str]:
+    """Render each region's estimated time against eager's, at the largest shape, forward+backward.
+
+    Per model and region kind (all of them, or `kinds`): the estimated Atlas A2 device time of its ops, eager,
+    kernelized and the peer's (when measured), and kernelized / eager."""
+    estimated = [
+        r for r in rows
+        if r.study in REGION_STUDIES and r.unit == ESTIMATE_UNIT and r.phase == "fwd+bwd"
+        and (kinds is None or r.kind in kinds)
+    ]  # fmt: skip
+    if not estimated:
+        return []
+    batch, seq = largest_shape(estimated)
+    chosen = [r for r in estimated if (r.batch, r.seq) == (batch, seq)]
+    peer = any(r.peer is not None for r in chosen)
+    body = []
+    for r in chosen:
+        cells = [r.model, r.kind, f"{r.eager:.2f}", NO_CARD if r.kernelized is None else f"{r.kernelized:.2f}"]
+        cells += [_peer(r, ESTIMATE_UNIT)] if peer else []
+        cells += [_ratio(r.kernelized, r.eager), *([_ratio(r.peer, r.eager)] if peer else [])]
+        body.append(cells)
+    header = ["model", "region", "eager ms", "kernelized ms", *(["peer ms"] if peer else []), "kernelized / eager"]
+    header += ["peer / eager"] if peer else []
+    title = (
+        f"Estimated time of each region, forward+backward, batch {batch}, sequence {seq}, bfloat16 (**estimate**: "
+        "the Atlas A2 model's device time of the region's counted ops, docs/step-model.md; a region of several "
+        "modules, the norms, sums them; every size the bench counts is in bench.csv, unit "
+        f"'{ESTIMATE_UNIT}'):"
+    )
+    legend = ["", NOT_PATCHED_LEGEND] if peer and any(r.peer_patched is False for r in chosen) else []
     return ["", title, "", *table(header, body), *legend]
 
 
@@ -223,18 +258,19 @@ def _chunk_table(card: Card, region: OutsideRegion, rows: list[Row]) -> list[str
     for model in dict.fromkeys(r.model for r in chosen):
         for chunk in sorted({r.chunk for r in chosen if r.model == model}):
             by_unit = {r.unit: r for r in chosen if (r.model, r.chunk) == (model, chunk)}
-            ops, size, peak = (by_unit[unit] for unit in ("ops", "bytes", MEMORY_UNITS[1]))
+            ops, size, peak, time = (by_unit[unit] for unit in ("ops", "bytes", MEMORY_UNITS[1], ESTIMATE_UNIT))
             default = " (default)" if ops.study == OUTSIDE_STUDY else ""
             met = all(t.met(r) for t in held for r in by_unit.values() if t.covers(r))
             body.append([
                 model, f"{chunk}{default}", f"{number(ops.eager, 'ops')} / {number(ops.kernelized, 'ops')}",
                 f"{human_bytes(size.eager)} / {human_bytes(size.kernelized)}", f"{size.kernelized / size.eager:.2f}",
                 f"{human_bytes(peak.eager)} / {human_bytes(peak.kernelized)}", f"{peak.kernelized / peak.eager:.3f}",
+                f"{time.eager:.1f} / {time.kernelized:.1f}", f"{time.kernelized / time.eager:.2f}",
                 "yes" if met else "no",
             ])  # fmt: skip
     met_header = ", ".join(t.text.removeprefix("kernelized ").removesuffix(" (every size)") for t in held)
     header = ["model", "tokens per chunk", "ops eager / card", "bytes eager / card", "ratio"]
-    header += ["peak live eager / card", "ratio", f"met: {met_header}"]
+    header += ["peak live eager / card", "ratio", "est. ms eager / card", "ratio", f"met: {met_header}"]
     title = (
         f"Counted, the {card.region} region ({card.repo_name}), forward+backward, batch {batch}, sequence {seq}, "
         "bfloat16; peak live: the most bytes allocated at once (inputs and weights not counted). "
@@ -336,6 +372,7 @@ def summary(
         lines.append("- No Ascend device here, so no device timings (emulated ones are only in bench.csv, labelled).")
     lines += ["", *_targets_table(rows, None, {True: "yes", False: "**no**", None: "-"})]
     lines += counted_table(rows)
+    lines += region_time_table(rows)
     lines += memory_table(rows)
     lines += step_section(rows)
     for card, _ in with_piece("PREFILL_DECODE_TABLE"):
@@ -388,6 +425,7 @@ def card_summary(card: str, rows: list[Row]) -> str:
         "",
         *_targets_table(rows, kinds, {True: "yes", False: "no", None: "not measured"}),
         *counted_table(rows, kinds),
+        *region_time_table(rows, kinds),
         *memory_table(rows, kinds),
         *(outside_tables(card_named(card), region, rows) if region else []),
     ]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 MEMORY_UNITS = ("saved bytes", "peak bytes")
 """The units of the counted memory rows (forward+backward; `memory`): kept for backward, peak live."""
+ESTIMATE_UNIT = "ms (estimate)"
+"""The unit of a region's estimated Atlas A2 device time (`device_model`, from its counted ops): mode "estimated"."""
 EMULATED = "emulated (not a device measurement)"
 """The note of device timings taken on the emulation."""
 OUTSIDE_STUDY = "outside the layer"

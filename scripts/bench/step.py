@@ -29,6 +29,7 @@ bounds the step (`decode_rows`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import tomllib
 from collections import Counter
@@ -42,7 +43,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .accounting import OpRecord, Tally, count_device_ops, fake_module, fused_ops
+from .accounting import OpRecord, Tally, count_device_ops, fake_module
+from .cards import specs
 from .configs import CONFIGS, DTYPE, ModelSpec
 from .device_model import CONSTANTS, HOST_PER_OP, device_seconds
 from .memory import tracking_memory
@@ -87,30 +89,54 @@ QUICK_STEP_SHAPE = (1, 512)
 VARIANTS = ("eager", "kernelized", "peer")
 """eager: transformers; kernelized: the default path (kernelize alone); peer: LLaMA-Factory's NPU kernels."""
 STEP_STUDY, ESTIMATE_STUDY, CATEGORY_STUDY = "step", "step estimate", "step by category"
+OTHER_OPS_STUDY = "step, largest other ops"
+OTHER_OP = "device s, other op: "
+"""The figures of the ops of `OTHER` by aten op: this prefix, then the op's name."""
+LARGEST_OTHER_OPS = 6
+"""How many of the largest 'other' ops (by our estimated time) the bench reports per model."""
 VALIDATION_STUDY, DECODE_STUDY = "step model validation", "decode step estimate"
 STEP_KIND = "training step"
-CATEGORIES = ("matmuls", "attention", "embedding", "optimizer", "fused card ops", "other (elementwise, casts, copies)")
-"""What a step's ops are, by op: the first four are what no card touches (the matrix products, flash attention, the
-embedding gather and its backward, the AdamW update); the cards' fused torch_npu ops; everything else (elementwise
-ops, casts, copies: the unfused regions and the glue between them)."""
+UNTOUCHED = ("matmuls", "attention", "embedding", "optimizer")
+"""The categories of what no card touches: the matrix products, flash attention, the embedding gather and its
+backward, the AdamW update."""
+OTHER = "other (elementwise, casts, copies)"
+"""Everything else: elementwise ops, casts, copies (the unfused regions and the glue between them)."""
 _MATMUL_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "_grouped_mm"}
 _MATMUL_OPS |= {"npu_grouped_matmul"}
 _ATTENTION_OPS = {"scaled_dot_product_attention", "scaled_dot_product_attention_backward"}
 _EMBEDDING_OPS = {"embedding", "embedding_dense_backward"}
 
 
+@functools.cache
+def _card_categories() -> dict[str, str]:
+    """Each card's fused torch_npu op (and its backward) -> the card's category, "<card> ops" (matrix products aside:
+    npu_grouped_matmul is a matmul)."""
+    return {
+        op: f"{card.repo_name} ops"
+        for card, spec in specs()
+        for name in spec.FUSED_OPS
+        if name not in _MATMUL_OPS
+        for op in (name, f"{name}_backward")
+    }
+
+
+@functools.cache
+def categories() -> tuple[str, ...]:
+    """What a step's ops are, by op: what no card touches (`UNTOUCHED`), each card's fused ops, then `OTHER`."""
+    return (*UNTOUCHED, *dict.fromkeys(_card_categories().values()), OTHER)
+
+
 def category(record: OpRecord, optimizer: bool) -> str:
-    """The category (`CATEGORIES`) of one op of a step."""
+    """The category (`categories()`) of one op of a step."""
     if optimizer:
-        return CATEGORIES[3]
+        return UNTOUCHED[3]
     if record.name in _MATMUL_OPS:
-        return CATEGORIES[0]
+        return UNTOUCHED[0]
     if record.name in _ATTENTION_OPS:
-        return CATEGORIES[1]
+        return UNTOUCHED[1]
     if record.name in _EMBEDDING_OPS:
-        return CATEGORIES[2]
-    fused = {name for name in fused_ops()} | {f"{name}_backward" for name in fused_ops()}
-    return CATEGORIES[4] if record.name in fused else CATEGORIES[5]
+        return UNTOUCHED[2]
+    return _card_categories().get(record.name, OTHER)
 
 
 class _HostOps(TorchDispatchMode):
@@ -169,6 +195,8 @@ def figures_of(
             values[f"bytes: {kind}"] += r.reads + r.writes
             values[f"device s: {kind}"] += seconds
             values[f"ops: {kind}"] += 1
+            if kind == OTHER:
+                values[f"{OTHER_OP}{r.name}"] += seconds
     values["host s"] = values["ops"] * HOST_PER_OP.value
     values["peak bytes"] = base + peak
     values["saved bytes"] = saved
@@ -313,7 +341,7 @@ def _rows_of(model: StepModel, batch: int, seq: int, steps: dict[str, Figures], 
             study=ESTIMATE_STUDY, **common,
         )
     )  # fmt: skip
-    for kind in CATEGORIES:
+    for kind in categories():
         for figure, unit, scale in (("bytes", "bytes", 1), ("device s", "ms", 1e3)):
             label = f"{figure}: {kind}"
             rows.append(
@@ -326,6 +354,18 @@ def _rows_of(model: StepModel, batch: int, seq: int, steps: dict[str, Figures], 
                     kind=STEP_KIND,
                 )
             )  # fmt: skip
+    ours = steps["kernelized"].values
+    largest = sorted((n for n in ours if n.startswith(OTHER_OP)), key=lambda n: -ours[n])[:LARGEST_OTHER_OPS]
+    for label in largest:
+        rows.append(
+            Row(
+                "estimated", name, label.removeprefix(OTHER_OP), "fwd+bwd+AdamW",
+                eager=steps["eager"][label] * 1e3, kernelized=ours[label] * 1e3,
+                peer=peer[label] * 1e3 if peer else None, unit="ms",
+                note="estimate: device time of this aten op in the 'other' category, summed over the step",
+                study=OTHER_OPS_STUDY, path=label.removeprefix(OTHER_OP), **common,
+            )
+        )  # fmt: skip
     return rows
 
 
@@ -516,6 +556,8 @@ def step_section(rows: list[Row]) -> list[str]:
     )
     lines = ["", title, "", *table(["model", "figure", *variants, "ours / eager"], body)]
     lines += _category_table(rows, models)
+    lines += _time_table(rows, models)
+    lines += _other_ops_table(rows, peer)
     lines += _validation_table(rows)
     lines += _decode_table(rows, peer)
     return lines
@@ -534,13 +576,57 @@ def _category_table(rows: list[Row], models: list[str]) -> list[str]:
             if any(v is None for v in values.values()) or not values:
                 continue
             total = sum(values.values())
-            untouched = sum(values[c] for c in CATEGORIES[:4]) / total
-            body.append([model, variant, *(f"{values[c] / total:.0%}" for c in CATEGORIES), f"**{untouched:.0%}**"])
+            untouched = sum(values[c] for c in UNTOUCHED) / total
+            shares = (f"{values[c] / total:.0%}" for c in categories())
+            body.append([model, variant, *shares, f"**{untouched:.0%}**"])
     title = (
         "Where the step's bytes go, by op (counted; share of each step's bytes). The first four are what no card "
         "touches: the next fusion target is the largest share there, or the 'other' ops the cards leave:"
     )
-    return ["", title, "", *table(["model", "variant", *CATEGORIES, "no card touches"], body)]
+    return ["", title, "", *table(["model", "variant", *categories(), "no card touches"], body)]
+
+
+def _time_table(rows: list[Row], models: list[str]) -> list[str]:
+    """Where the step's estimated time goes: per model and variant, the device seconds of each category."""
+    from .report import table
+
+    chosen = [r for r in rows if r.study == CATEGORY_STUDY and r.unit == "ms"]
+    estimates = {r.model: r for r in rows if r.study == ESTIMATE_STUDY}
+    if not chosen:
+        return []
+    body = []
+    for model in models:
+        for variant, attr in (("eager", "eager"), ("ours", "kernelized"), ("peer", "peer")):
+            values = {r.path: getattr(r, attr) for r in chosen if r.model == model}
+            if any(v is None for v in values.values()) or not values:
+                continue
+            step = getattr(estimates[model], attr) if model in estimates else None
+            cells = (_cell(values[c], "ms") for c in categories())
+            body.append([model, variant, *cells, _cell(sum(values.values()), "ms"), _cell(step, "ms")])
+    title = (
+        "Where the step's estimated time goes, by op (**estimate**, Atlas A2 model: each op's device time, "
+        "summed by category; the step is the device's sum or the host's per-op cost, whichever is longer):"
+    )
+    header = ["model", "variant", *categories(), "device", "estimated step"]
+    return ["", title, "", *table(header, body)]
+
+
+def _other_ops_table(rows: list[Row], peer: bool) -> list[str]:
+    """The largest ops of the 'other' category, by our estimated time, per model: where the next fusion would pay."""
+    from .report import table
+
+    chosen = [r for r in rows if r.study == OTHER_OPS_STUDY]
+    if not chosen:
+        return []
+    body = [
+        [r.model, r.op, _cell(r.eager, "ms"), _cell(r.kernelized, "ms"), *([_cell(r.peer, "ms")] if peer else [])]
+        for r in chosen
+    ]
+    title = (
+        f"The {LARGEST_OTHER_OPS} largest aten ops of the '{OTHER}' category in our step, per model (**estimate**: "
+        "device time of every call of the op over the step; the next fusion to make is among them):"
+    )
+    return ["", title, "", *table(["model", "aten op", "eager", "ours", *(["peer"] if peer else [])], body)]
 
 
 def _validation_table(rows: list[Row]) -> list[str]:
@@ -599,23 +685,24 @@ def write_step_chart(rows: list[Row], path) -> str | None:
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         bottoms = [0.0] * len(variants)
-        for i, kind in enumerate(CATEGORIES):
+        colors = plt.get_cmap("tab20").colors
+        for i, kind in enumerate(categories()):
             r = next(r for r in chosen if r.model == model and r.path == kind)
             values = [getattr(r, attr) / 1e3 for _, attr in variants]
-            ax.bar([v for v, _ in variants], values, bottom=bottoms, color=f"C{i}", label=kind)
+            ax.bar([v for v, _ in variants], values, bottom=bottoms, color=colors[i % len(colors)], label=kind)
             bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
         for x, total in enumerate(bottoms):
             ax.text(x, total, f"{total:.2f} s", ha="center", va="bottom", fontsize=8)
         ax.set_title(model, fontsize=10)
         ax.set_ylabel("estimated device time per step, s (estimate)")
-    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, loc="center right")  # beside the bars
     first = chosen[0]
     fig.suptitle(
         f"Training step, batch {first.batch} x seq {first.seq}: estimated Atlas A2 device time by category "
         "(an estimate from counted bytes and FLOPs, docs/step-model.md)",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from npu_hub_kernels.cards import Card
 
 from .cards import LAYER, NO_CARD, specs, with_piece
-from .rows import REGION_STUDIES, Row
+from .rows import ESTIMATE_UNIT, REGION_STUDIES, Row
 
 BYTES_TOLERANCE = 1.05
 """A region's kernelized bytes within 5% of the floor (the cards' specs hold some regions to less)."""
@@ -26,6 +26,13 @@ HOST_COST_SHAPE = (1, 1)
 """Decode size, where the host bounds a step: batch 1, one token."""
 HOST_COST_STUDY = "host cost"
 """The study of the timed rows of a card's host cost against a bare module call."""
+REGION_TIME_PHASES = ("fwd", "fwd+bwd")
+"""Every card's region at most eager's region in estimated device time (Atlas A2 model), in these phases, at every
+size the bench counts."""
+STEP_AHEAD_OF_PEER = 1.03
+"""Our training step's estimated time at most the peer's / 1.03 on every step model (issue 35)."""
+STEP_TARGET_KIND = "training step"
+"""The kind of the step's targets (no region's)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,7 @@ class CountedTarget:
 
     @property
     def text(self) -> str:
-        what = "op count" if self.unit == "ops" else self.unit
+        what = {"ops": "op count", ESTIMATE_UNIT: "estimated time"}.get(self.unit, self.unit)
         if self.against == "eager":
             limit = "eager" if self.bound == 1 else f"{self.bound:g} x eager"
             return f"kernelized {what} <= {limit}" + (" (every size)" if self.shape is None else "")
@@ -95,8 +102,16 @@ LAYER_TARGET = CountedTarget("bytes", ("fwd+bwd",), LAYER_BYTES_TOLERANCE, LAYER
 def counted_targets() -> tuple[CountedTarget, ...]:
     """Return every counted target: each card's, then the decoder layer's.
 
-    A card's are its spec's COUNTED_TARGETS, of its region, in the order of the cards."""
-    cards = tuple(dataclasses.replace(t, kind=card.region) for card, spec in specs() for t in spec.COUNTED_TARGETS)
+    A card's are its spec's COUNTED_TARGETS, of its region, then its region's estimated time at most eager's
+    (`REGION_TIME_PHASES`), in the order of the cards."""
+    cards = tuple(
+        target
+        for card, spec in specs()
+        for target in (
+            *(dataclasses.replace(t, kind=card.region) for t in spec.COUNTED_TARGETS),
+            CountedTarget(ESTIMATE_UNIT, REGION_TIME_PHASES, 1, against="eager", kind=card.region),
+        )
+    )
     return (*cards, LAYER_TARGET)
 
 
@@ -156,7 +171,22 @@ def evaluate(rows: list[Row]) -> list[Result]:
         out += _experts_sweep(card, rows)
     for card, target in with_piece("BEFORE_CARD_TARGET"):
         out += _before_card(card, target, rows)
+    out += _step(rows)
     out += _host(rows)
+    return out
+
+
+def _step(rows: list[Row]) -> list[Result]:
+    """Per step model: our estimated training step at most the peer's / STEP_AHEAD_OF_PEER."""
+    from .step import ESTIMATE_STUDY  # step imports this module
+
+    out = []
+    for r in (r for r in rows if r.study == ESTIMATE_STUDY and r.peer is not None and r.kernelized):
+        label = f"{r.model} {STEP_TARGET_KIND}: estimated time <= peer / {STEP_AHEAD_OF_PEER:g} (batch {r.batch} x "
+        label += f"seq {r.seq}, estimate)"
+        ahead = r.peer / r.kernelized
+        measured = f"peer / ours {ahead:.3f} ({r.kernelized / 1e3:.2f} vs {r.peer / 1e3:.2f} s)"
+        out.append(Result(STEP_TARGET_KIND, label, measured, ahead >= STEP_AHEAD_OF_PEER))
     return out
 
 

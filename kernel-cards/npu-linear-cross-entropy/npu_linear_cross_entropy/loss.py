@@ -16,6 +16,7 @@ from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
 from ._internals import (
     accelerate_hook,
+    device_has_kernel,
     engine_hook,
     fsdp2_original_class,
     fsdp2_output_dtype,
@@ -30,6 +31,9 @@ from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 MAX_ROWS = 200_000  # npu_cross_entropy_loss takes at most 200,000 rows (its 约束说明: N in (0, 200000])
 CHUNKED_FORM_TOKENS_PER_HIDDEN = 2  # the chunked form's threshold, tokens per unit of hidden size (README)
 CHUNK_TOKENS_PER_HIDDEN = 1.15  # the chunked form's largest chunk, tokens per unit of hidden size (README)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT32_OUT_ADDMM = "addmm.dtype_out"  # torch.addmm(..., out_dtype=, out=): torch_npu 2.11 or later registers it
+FLOAT32_OUT_CANN = (9, 1)  # the first CANN whose aclnnAddmm takes 16-bit mat1 and mat2 into a float32 out (README)
 
 
 def default_chunk_tokens(tokens: int, hidden_size: int) -> int:
@@ -170,7 +174,7 @@ def loss_in_lm_head_call(
         if ran_eager(module, _tensors_unavailable_reason(hidden, lm_head, labels, vocab_size)):
             return _LINEAR_FORWARD(lm_head, hidden)
         fused.append(True)
-        return _fused_loss(hidden, lm_head, labels, chunk_tokens, loss_kwargs)
+        return _fused_loss(hidden, lm_head, labels, chunk_tokens, loss_kwargs, module)
 
     output = _call_with_forward(lm_head, forward, hidden_states)
     if fused:
@@ -179,9 +183,16 @@ def loss_in_lm_head_call(
 
 
 def _fused_loss(
-    hidden_states: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, chunk_tokens: int | None, loss_kwargs: dict
+    hidden_states: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    chunk_tokens: int | None,
+    loss_kwargs: dict,
+    module: nn.Module | None = None,
 ) -> torch.Tensor:
-    """The fused loss of lm_head's (whole) parameters, in the form `chunked_form_pays` picks (or chunked, if given)."""
+    """The fused loss of lm_head's (whole) parameters, in the form `chunked_form_pays` picks (or chunked, if given).
+
+    `module`: the layer's, for which a weight gradient summed from float32 products says why (`ran_eager`)."""
     ignore_index = loss_kwargs.get("ignore_index", -100)
     shift_labels = loss_kwargs.get("shift_labels")
     if shift_labels is None:
@@ -208,9 +219,42 @@ def _fused_loss(
                 total = part if total is None else total + part
         else:
             chunk = min(chunk_tokens or default_chunk_tokens(*hidden.shape), MAX_ROWS)
-            total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, chunk)
+            half = _half_weight_grad(hidden, weight, module)
+            total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, chunk, half)
     # the division last: the loss is a tensor of its own, which a trainer may scale in place
     return with_eager_double_backward(total, _counted_loss_eager, hidden, weight, bias, targets, counted) / divisor
+
+
+def _half_weight_grad(hidden: torch.Tensor, weight: torch.Tensor, module: nn.Module | None) -> bool:
+    """Whether the chunks' weight gradient sums 16-bit products into float32 (else float32 products), said if not."""
+    if hidden.dtype not in HALF_DTYPES or not weight.requires_grad:
+        return False  # float32 operands are the model's own (eager's product too), or no weight gradient
+    return not ran_eager(module, half_weight_grad_unavailable_reason())
+
+
+def half_weight_grad_unavailable_reason() -> str | None:
+    """Why lm_head's float32 weight gradient cannot sum float16/bfloat16 products here, or None when it can.
+
+    It can with `torch.addmm(sum, grad_logits.t(), h, out_dtype=torch.float32, out=sum)` (aclnnAddmm's 16-bit inputs
+    with a float32 out: torch_npu 2.11 or later, CANN 9.1 or later; README "How it works"). Without it the loss still
+    fuses, its weight gradient from float32 products at about a quarter of the cube's bfloat16 rate."""
+    slower = "the loss fused; lm_head's weight gradient sums float32 products (a quarter of the bfloat16 cube rate): "
+    if not device_has_kernel(FLOAT32_OUT_ADDMM):
+        return slower + "this torch_npu has no torch.addmm with out_dtype (torch_npu 2.11 or later registers it)"
+    cann = str(getattr(torch.version, "cann", None))
+    if not _cann_release_at_least(FLOAT32_OUT_CANN, cann):
+        return slower + f"CANN {cann}: 16-bit operands into a float32 addmm out need CANN 9.1 or later"
+    return None
+
+
+def _cann_release_at_least(version: tuple[int, int], cann: str) -> bool:
+    """Whether the CANN version text ("9.1.0", "8.3.RC1", "9.1.0-beta.3") is `version` or later (its betas: earlier)."""
+    parts = cann.split(".")
+    try:
+        found = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return False
+    return found > version or (found == version and not any(tag in cann.lower() for tag in ("alpha", "beta")))
 
 
 def _counted_loss_eager(hidden, weight, bias, targets, counted) -> torch.Tensor:
@@ -295,7 +339,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The sum over counted tokens of CE(h W^T + b); the gradients made in forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, counted, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, counted, chunk: int, half_weight_grad: bool):
         needs_grad = ctx.needs_input_grad[:3]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         # dL/dh in the model dtype: each chunk's matmul rounds it to that dtype anyway (as eager's does)
@@ -304,7 +348,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_grad[2] else None
         grads = (grad_hidden, grad_weight, grad_bias)
         for start in range(0, hidden.shape[0], chunk):
-            total += _chunk(hidden, weight, bias, targets, counted, slice(start, start + chunk), grads)
+            total += _chunk(
+                hidden, weight, bias, targets, counted, slice(start, start + chunk), grads, half_weight_grad
+            )
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, counted.any())
         ctx.weight_dtype = weight.dtype
         return total
@@ -317,13 +363,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # new tensors (the saved ones stay for a second backward), each rounded once to the parameters' dtype (dL/dh
         # is in it already: that cast is no op)
         scaled = (None if grad is None else (grad * scale).to(ctx.weight_dtype) for grad in grads)
-        return *scaled, None, None, None
+        return *scaled, None, None, None, None
 
 
-def _chunk(hidden, weight, bias, targets, counted, rows: slice, grads: tuple) -> torch.Tensor:
+def _chunk(
+    hidden, weight, bias, targets, counted, rows: slice, grads: tuple, half_weight_grad: bool = False
+) -> torch.Tensor:
     """Return the chunk `rows`' summed loss over its counted rows; add its share into the gradients that are not None.
 
-    (A function, so that every [chunk, V] buffer is freed when it returns.)"""
+    `half_weight_grad`: the weight gradient's products from the 16-bit grad_logits (the model's dtype, as eager's) and
+    hidden states, summed in float32 in place (`half_weight_grad_unavailable_reason`); else from float32 ones. (A
+    function, so that every [chunk, V] buffer is freed when it returns.)"""
     h, target, mask, (grad_hidden, grad_weight, grad_bias) = hidden[rows], targets[rows], counted[rows], grads
     logits = F.linear(h, weight, bias).float()
     per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
@@ -334,10 +384,14 @@ def _chunk(hidden, weight, bias, targets, counted, rows: slice, grads: tuple) ->
     # softmax - onehot of the counted rows, 0 elsewhere, in float32: grad_loss in log_prob's dtype (1/divisor last)
     grad_logits = torch_npu.npu_cross_entropy_loss_backward(mask.to(log_prob.dtype), log_prob, target, reduction="none")
     del log_prob
-    if grad_weight is not None:  # float32 operands, summed in place: no product buffer of W's size
+    # rounded once to the model's dtype, as eager's logits gradient is (no op in float32)
+    low = grad_logits.to(weight.dtype) if grad_hidden is not None or half_weight_grad else None
+    if grad_weight is not None and half_weight_grad:  # 16-bit operands summed in float32, in place: the cube's rate
+        torch.addmm(grad_weight, low.t(), h, out_dtype=torch.float32, out=grad_weight)
+    elif grad_weight is not None:  # float32 operands, summed in place: no product buffer of W's size
         grad_weight.addmm_(grad_logits.t(), h.float())
     if grad_bias is not None:
         grad_bias += grad_logits.sum(dim=0)
     if grad_hidden is not None:
-        grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
+        grad_hidden[rows] = low @ weight
     return chunk_loss

@@ -1,11 +1,12 @@
-"""Ledger cases of npu_cross_entropy_loss and its backward, and the loss card's limits."""
+"""Ledger cases of npu_cross_entropy_loss and its backward, of the weight gradient's addmm.dtype_out, and the loss
+card's limits."""
 
 from __future__ import annotations
 
 import torch
 
 from ..forms import ALL_LAYERS, Form, Widths, linear, randn
-from . import made_at_first_use, npu, npu_int, torch_npu
+from . import made_at_first_use, npu, npu_int, on_cann, torch_npu
 
 loss = torch_npu.npu_cross_entropy_loss
 backward = torch_npu.npu_cross_entropy_loss_backward
@@ -28,6 +29,23 @@ def _backward(dtype=torch.float32, grad_dtype=None, reduction: str = "none", **c
         args = {"grad_loss": npu(*grad_shape, dtype=grad_dtype or dtype), "log_prob": log_prob,
                 "target": npu_int(6, 4)} | change  # fmt: skip
         return backward(**args, reduction=reduction)
+
+    return call
+
+
+BF16 = (torch.bfloat16, torch.bfloat16)
+
+
+def _addmm(mats=BF16, out_dtype=torch.float32, k2: int = 5, self_shape=(4, 3), self_dtype=None, out=None, cann=None):
+    """`torch.addmm(self, mat1, mat2, out_dtype=, out=)`: mat1 [4, 5] (a transposed view, as the card's), mat2 [k2, 3];
+    into self itself unless `out` is given (dtype, shape)."""
+
+    def call():
+        mat1, mat2 = npu(5, 4, dtype=mats[0]).t(), npu(k2, 3, dtype=mats[1])
+        self = npu(*self_shape, dtype=self_dtype or out_dtype)
+        into = self if out is None else npu(*out[1], dtype=out[0])
+        with on_cann(cann):
+            return torch.addmm(self, mat1, mat2, out_dtype=out_dtype, out=into)
 
     return call
 
@@ -74,6 +92,18 @@ def _cases() -> dict:
         "npu_cross_entropy_loss_backward/zloss": (
             _backward(grad_zloss=npu(0)), _backward(lse_square_scale_for_zloss=0.5),
         ),
+        "addmm.dtype_out/mats": (_addmm(), _addmm(k2=6)),
+        "addmm.dtype_out/self-shape": (
+            _addmm(self_shape=(3,), out=(torch.float32, (4, 3))),
+            _addmm(self_shape=(4, 2), out=(torch.float32, (4, 3))),
+        ),
+        "addmm.dtype_out/mats-dtype": (_addmm(mats=(torch.float16,) * 2), _addmm(mats=(torch.bfloat16, torch.float16))),
+        "addmm.dtype_out/out-dtype": (_addmm(), _addmm(mats=(torch.float32,) * 2, out_dtype=torch.bfloat16)),
+        "addmm.dtype_out/out": (_addmm(), _addmm(out=(torch.float16, (4, 3)))),
+        "addmm.dtype_out/self-dtype": (
+            _addmm(out=(torch.float32, (4, 3))), _addmm(self_dtype=torch.float16, out=(torch.float32, (4, 3))),
+        ),
+        "addmm.dtype_out/cann": (_addmm(cann="9.1.0"), _addmm(cann="9.1.0-beta.3")),
     }  # fmt: skip
 
 

@@ -42,7 +42,7 @@ import torch
 from ...cards import CARDS, Card, card_piece
 from ...selftest import cases
 from .checks import OP_CALLS
-from .device import NpuTensor, install_device
+from .device import NpuTensor, install_device, register_aten_kernel
 from .distributed import install_hccl
 from .ledger import DeviceRefusal, Rule
 
@@ -66,10 +66,21 @@ def ledger_of(card: Card) -> tuple[Rule, ...]:
     return () if module is None else tuple(module.LEDGER)
 
 
+def device_kernels_of(card: Card) -> dict[str, Callable[..., Any]]:
+    """The aten ops `ops/<card package>.py` gives the device a kernel of its own for (its `DEVICE_KERNELS`), by
+    overload ("addmm.dtype_out"); {} without them."""
+    module = card_piece(f"{__name__}.ops", card)
+    return {} if module is None else dict(getattr(module, "DEVICE_KERNELS", {}))
+
+
 EMULATED_OPS: dict[str, Callable[..., Any]] = {
     name: op for card in CARDS.values() for name, op in emulated_ops_of(card).items()
 }
 """Every emulated torch_npu op, by name, gathered from the cards' `ops/<card>.py` files."""
+DEVICE_KERNELS: dict[str, Callable[..., Any]] = {
+    name: kernel for card in CARDS.values() for name, kernel in device_kernels_of(card).items()
+}
+"""Every aten op the emulated device runs with a kernel of its own (as torch_npu registers one), by overload."""
 LEDGER: tuple[Rule, ...] = tuple(rule for card in CARDS.values() for rule in ledger_of(card))
 """Every documented limit the emulated ops enforce (`ledger.py`), gathered from the cards' `ops/<card>.py` files."""
 _NOTEMULATED_OPS = ("npu_fusion_attention",)
@@ -78,6 +89,7 @@ _state = {"cann_version": DEFAULT_CANN_VERSION}
 
 __all__ = [
     "DEFAULT_CANN_VERSION",
+    "DEVICE_KERNELS",
     "LEDGER",
     "DeviceRefusal",
     "NpuTensor",
@@ -125,6 +137,8 @@ def install(cann_version: str = DEFAULT_CANN_VERSION) -> ModuleType:
         )
     set_cann_version(cann_version)
     install_device()
+    for overload, kernel in DEVICE_KERNELS.items():
+        register_aten_kernel(overload, kernel)
     install_hccl()
     torch.version.cann = cann_version  # type: ignore[attr-defined]
     module = _build_torch_npu_module()

@@ -51,6 +51,18 @@ def register_device_kernel(op: torch._ops.OpOverload, kernel) -> None:
     _DEVICE_KERNELS[op] = kernel
 
 
+def register_aten_kernel(overload: str, kernel) -> None:
+    """Give the device a kernel of its own for the aten op `overload` ("addmm.dtype_out"), as torch_npu registers one.
+
+    npu tensors reach `kernel` with their host data (`register_device_kernel`), and the dispatcher lists it for the
+    device (PrivateUse1: what `torch._C._dispatch_has_kernel_for_dispatch_key` answers, as on an Ascend host). Once the
+    device is installed."""
+    name, _, overload_name = overload.partition(".")
+    register_device_kernel(getattr(getattr(torch.ops.aten, name), overload_name or "default"), kernel)
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{overload}", "PrivateUse1"):
+        _LIBRARY.impl(overload, kernel, "PrivateUse1")
+
+
 class NpuTensor(torch.Tensor):
     """A tensor on the emulated npu device; `_cpu` holds its data."""
 

@@ -9,6 +9,10 @@ with label smoothing ls, `(1 - ls) * l_n + ls / C * (-sum_c w[c] * log_prob[n, c
 loss and log_prob are cast once to the input's dtype; zloss and lse_for_zloss are empty (not supported by the op).
 Only loss is differentiable; the autograd node keeps log_prob (and target, weight), as op-plugin's derivatives.yaml
 says, and its backward is `npu_cross_entropy_loss_backward`, whose gradient takes grad_loss's dtype.
+
+Also the device's `torch.addmm(self, mat1, mat2, out_dtype=torch.float32, out=out)` (aten `addmm.dtype_out`, which
+torch_npu registers for the npu from 2.11 on: section "addmm.dtype_out" of docs/torch-npu-ops.md), which the card's
+weight gradient sums into with 16-bit operands: `DEVICE_KERNELS`, run by the emulated device on its host data.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..backward import device_backward
-from ..checks import FLOAT_DTYPES, require_npu
-from ..ledger import OPS_NN, enforce, functions_yaml, op_doc, rules
+from ..checks import FLOAT_DTYPES, OP_CALLS, require_npu
+from ..ledger import OP_PLUGIN, OPS_NN, enforce, functions_yaml, op_doc, rules
 
 __all__ = ["npu_cross_entropy_loss", "npu_cross_entropy_loss_backward"]
 
@@ -85,8 +89,65 @@ BACKWARD_RULES = rules(
      f"{_GRAD_DOC}:392",
      lambda c: (c.grad_zloss is None or not c.grad_zloss.numel()) and c.lse_square_scale_for_zloss == 0.0),
 )  # fmt: skip
-LEDGER = FORWARD_RULES + BACKWARD_RULES
-"""The documented limits of the loss op and its backward (ledger.py)."""
+
+ADDMM_DTYPE_OUT = "addmm.dtype_out"
+_ADDMM_DOC = f"{OPS_NN}:matmul/mat_mul_v3/docs/aclnnAddmm&aclnnInplaceAddmm.md"
+_MATMUL_UTIL = f"{OPS_NN}:matmul/common/op_host/op_api/matmul_util.cpp"
+_ADDMM_CPP = f"{OPS_NN}:matmul/mat_mul_v3/op_host/op_api/aclnn_addmm.cpp"
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLOAT32_OUT_CANN = (9, 1)
+"""The first CANN whose aclnnAddmm takes float16/bfloat16 mat1 and mat2 into a float32 out ("16in32out": hicann/ops-nn
+3f4fac5e9 and its fixes, in its branch 9.1.0, not in 9.0.0 nor in the 9.1.0 betas)."""
+
+
+def cann_at_least(version: tuple[int, int], cann: str) -> bool:
+    """Whether the CANN version text `cann` ("9.1.0", "8.3.RC1", "9.1.0-beta.3") is `version` or later, a release.
+
+    A pre-release (beta, alpha) of `version` itself is before it."""
+    parts = cann.split(".")
+    try:
+        found = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return False
+    return found > version or (found == version and not any(tag in cann.lower() for tag in ("alpha", "beta")))
+
+
+def _product_shape(c) -> tuple[int, int]:
+    """[m, n]: the shape of mat1 @ mat2."""
+    return (c.mat1.shape[0], c.mat2.shape[1])
+
+
+def _broadcasts(shape, to: tuple[int, int]) -> bool:
+    """Whether a tensor of `shape` broadcasts to `to` (sizes equal or 1, from the last)."""
+    return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(to), strict=False))
+
+
+ADDMM_RULES = rules(
+    ADDMM_DTYPE_OUT,
+    ("mats", "mat1 [m, k] and mat2 [k, n] are 2-D with the same k", f"{_ADDMM_DOC}:130",
+     lambda c: c.mat1.dim() == 2 and c.mat2.dim() == 2 and c.mat1.shape[1] == c.mat2.shape[0]),
+    ("self-shape", "self broadcasts to [m, n] (1-D or 2-D)", f"{_ADDMM_DOC}:119",
+     lambda c: 1 <= c.self.dim() <= 2 and _broadcasts(c.self.shape, _product_shape(c))),
+    ("mats-dtype", "mat1 and mat2 share one dtype of float16, bfloat16 and float32 (a float32 out from 16-bit inputs "
+     "needs both float16 or both bfloat16)", f"{_MATMUL_UTIL}:854", lambda c: c.mat1.dtype == c.mat2.dtype
+     and c.mat1.dtype in FLOAT_DTYPES, f"the doc's dtypes: {_ADDMM_DOC}:128"),
+    ("out-dtype", "out_dtype is float32 or the mats' dtype (out's dtype is the one self and mat2 deduce, or FLOAT32 "
+     "from float16/bfloat16 inputs)", f"{_MATMUL_UTIL}:859",
+     lambda c: c.out_dtype in (torch.float32, c.mat1.dtype), f"{_ADDMM_DOC}:175"),
+    ("out", "out is [m, n] of dtype out_dtype (torch_npu's check_tensor on out)",
+     f"{OP_PLUGIN}:op_plugin/ops/opapi/AddmmKernelNpuOpApi.cpp:113",
+     lambda c: c.out.dtype == c.out_dtype and tuple(c.out.shape) == _product_shape(c)),
+    ("self-dtype", "self is float32 or the mats' dtype", f"{_ADDMM_CPP}:527",
+     lambda c: c.self.dtype in (torch.float32, c.mat1.dtype)),
+    ("cann", "a float32 out from float16/bfloat16 mat1 and mat2 needs CANN 9.1 or later (a release, not a 9.1.0 beta)",
+     f"{_MATMUL_UTIL}:847", lambda c: c.mat1.dtype not in _HALF_DTYPES or c.out_dtype != torch.float32
+     or cann_at_least(FLOAT32_OUT_CANN, str(torch.version.cann)),  # type: ignore[attr-defined]
+     "NeedEnableFp32Output, added by ops-nn 3f4fac5e9 (2026-06-02) with fixes to 2026-07 (2bb8909f4, f7292c698, "
+     "d96abd874), all in ops-nn branch 9.1.0 and none in 9.0.0 or the 9.1.0 betas; the in-place GemmV3 route of "
+     "8.5.0 is documented for no float32 out"),
+)  # fmt: skip
+LEDGER = FORWARD_RULES + BACKWARD_RULES + ADDMM_RULES
+"""The documented limits of the loss op and its backward, and of the weight gradient's addmm (ledger.py)."""
 
 
 def npu_cross_entropy_loss(
@@ -192,3 +253,24 @@ def _backward(
     if reduction == "mean":
         scale = scale / w_target.sum()
     return (grad * scale).to(grad_loss.dtype)
+
+
+def addmm_dtype_out(self, mat1, mat2, out_dtype, *, beta=1, alpha=1, out):
+    """aten `addmm.dtype_out` on the device: `out = beta * self + alpha * mat1 @ mat2` in float32, written as out_dtype.
+
+    16-bit mat1 and mat2 into a float32 out: the products summed in float32 (aclnnAddmm's MatMul with FLOAT32
+    accumulation), self added in float32, one write. The same-dtype forms (plain addmm with its own out_dtype) are no
+    card's: not emulated. Called with the npu tensors' host data by the emulated device."""
+    OP_CALLS[ADDMM_DTYPE_OUT] += 1
+    enforce(ADDMM_RULES, self=self, mat1=mat1, mat2=mat2, out_dtype=out_dtype, beta=beta, alpha=alpha, out=out)
+    if mat1.dtype not in _HALF_DTYPES or out_dtype != torch.float32:
+        raise NotImplementedError(
+            f"the emulated addmm.dtype_out takes float16/bfloat16 mat1 and mat2 into a float32 out only (the card's "
+            f"form); {mat1.dtype} into {out_dtype} is not emulated"
+        )
+    result = torch.addmm(self.float(), mat1.float(), mat2.float(), beta=beta, alpha=alpha)
+    return out.copy_(result)
+
+
+DEVICE_KERNELS = {ADDMM_DTYPE_OUT: addmm_dtype_out}
+"""The aten ops the emulated device runs with a kernel of this module (on the npu tensors' host data), by overload."""
