@@ -12,6 +12,7 @@ from npu_hub_kernels.cards import Card
 
 from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
+from .markdown import human_bytes, number, table
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
 from .rows import CHUNK_STUDY, MEMORY_UNITS, OUTSIDE_STUDY, REGION_STUDIES, Row
 from .step import step_section
@@ -21,30 +22,6 @@ README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 FLOOR_TEXT = (
     "each fused region as the fewest kernels that compute it, each reading its inputs and writing its outputs once"
 )
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def number(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    return human_bytes(value) if unit == "bytes" else f"{value:.0f}" if unit == "ops" else f"{value:.3g}"
-
-
-def table(header: list[str], body: list[list[str]]) -> list[str]:
-    """A markdown table: the header, its rule, one line per row."""
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(cells) + " |" for cells in body),
-    ]
 
 
 def _pairs(rows: list[Row]) -> list[tuple[Row, Row]]:

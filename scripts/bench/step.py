@@ -32,7 +32,7 @@ import contextlib
 import time
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves
 from .accounting import OpRecord, Tally, count_device_ops, fake_module, fused_ops
 from .configs import CONFIGS, DTYPE, ModelSpec
 from .device_model import CONSTANTS, HOST_PER_OP, device_seconds
+from .markdown import human_bytes, table
 from .memory import tracking_memory
 from .peer import Peer
 from .rows import Row, log
@@ -267,8 +268,6 @@ def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tup
 
     The rows cover each model (eager, ours, the peer's), its estimated time and its bytes and time by category; then the
     time model's validation and the decode-step estimate."""
-    from .report import human_bytes
-
     batch, seq = QUICK_STEP_SHAPE if quick else STEP_SHAPE
     rows = []
     try:
@@ -277,7 +276,7 @@ def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tup
             model = STEP_MODELS[key]
             variants = [v for v in VARIANTS if v != "peer" or peer is not None]
             steps = {v: derived_step(model, batch, seq, v, peer=peer, build=build) for v in variants}
-            rows += _rows_of(model, batch, seq, steps, human_bytes)
+            rows += _rows_of(model, batch, seq, steps)
             seconds = time.perf_counter() - started
             log(f"  counted training step {model.spec.name}, batch {batch}, seq {seq}: {seconds:.1f} s")
         rows += validation_rows(build, quick, keys)
@@ -289,7 +288,7 @@ def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tup
     return rows
 
 
-def _rows_of(model: StepModel, batch: int, seq: int, steps: dict[str, Figures], human_bytes: Callable) -> list[Row]:
+def _rows_of(model: StepModel, batch: int, seq: int, steps: dict[str, Figures]) -> list[Row]:
     name, peer = model.spec.name, steps.get("peer")
     note = DERIVED_NOTE.format(layers=model.layers, state=human_bytes(steps["eager"]["state bytes"]))
     common = dict(batch=batch, seq=seq, model=name, experts=model.spec.experts, kind=STEP_KIND)
@@ -466,8 +465,6 @@ def constants_table() -> list[list[str]]:
 
 
 def _cell(value: float | None, unit: str) -> str:
-    from .report import human_bytes
-
     if value is None:
         return "-"
     if unit in ("bytes", "peak bytes", "saved bytes"):
@@ -484,8 +481,6 @@ def step_section(rows: list[Row]) -> list[str]:
 
     It holds the counted step per model, its estimated time, the bytes by category, the time model's validation against
     published figures and the decode-step estimate."""
-    from .report import table
-
     counted = [r for r in rows if r.study == STEP_STUDY]
     if not counted:
         return []
@@ -522,8 +517,6 @@ def step_section(rows: list[Row]) -> list[str]:
 
 
 def _category_table(rows: list[Row], models: list[str]) -> list[str]:
-    from .report import table
-
     chosen = [r for r in rows if r.study == CATEGORY_STUDY and r.unit == "bytes"]
     if not chosen:
         return []
@@ -544,8 +537,6 @@ def _category_table(rows: list[Row], models: list[str]) -> list[str]:
 
 
 def _validation_table(rows: list[Row]) -> list[str]:
-    from .report import table
-
     chosen = [r for r in rows if r.study == VALIDATION_STUDY]
     if not chosen:
         return []
@@ -563,8 +554,6 @@ def _validation_table(rows: list[Row]) -> list[str]:
 
 
 def _decode_table(rows: list[Row], peer: bool) -> list[str]:
-    from .report import table
-
     chosen = [r for r in rows if r.study == DECODE_STUDY]
     if not chosen:
         return []
