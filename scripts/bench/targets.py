@@ -105,6 +105,29 @@ def counted_target(row: Row) -> str:
     return next((t.text.removeprefix("kernelized ") for t in counted_targets() if t.applies(row)), "")
 
 
+def unmeasured(rows: list[Row]) -> list[str]:
+    """The counted targets no region row speaks of at any shape, each named "<kind>: <target>".
+
+    On a run over every bench model, such a target's region occurs in none of them: it would be held to nothing."""
+    return [
+        f"{t.kind}: {t.text} ({' and '.join(t.phases)})"
+        for t in counted_targets()
+        if not any(dataclasses.replace(t, shape=None).applies(r) for r in rows)
+    ]
+
+
+def require_every_target_measured(rows: list[Row]) -> None:
+    """Fail (SystemExit) naming each counted target the rows of a run over every bench model do not measure."""
+    missing = unmeasured(rows)
+    if missing:
+        raise SystemExit(
+            "bench: no bench model has the region of these targets, so nothing holds them: "
+            + "; ".join(missing)
+            + ". Give the bench a model with the region (scripts/bench/configs.py, or the OUTSIDE_REGION of the card's"
+            " spec), or drop the target."
+        )
+
+
 @dataclass(frozen=True)
 class Result:
     """A target and what was measured: met True or False, or None when there is nothing to measure yet."""
