@@ -506,8 +506,8 @@ def step_section(rows: list[Row]) -> list[str]:
         "Ops, bytes and FLOPs derived exactly from the model measured whole at 2 and 3 layers "
         "(`scripts/bench/step.py`); peak memory includes the bfloat16 parameters, AdamW's two moments (bfloat16) "
         "and the gradients. The "
-        "estimated time is a model, not a measurement ([docs/step-model.md](docs/step-model.md)); it is shown in "
-        "`.cache/bench/step.png`:"
+        "estimated time is a model, not a measurement (`docs/step-model.md`); it is shown in the step chart "
+        "(step.png):"
     )
     lines = ["", title, "", *table(["model", "figure", *variants, "ours / eager"], body)]
     lines += _category_table(rows, models)
