@@ -53,7 +53,7 @@ from typing import TypeVar
 
 import torch
 from huggingface_hub import constants, try_to_load_from_cache
-from huggingface_hub.errors import IncompleteSnapshotError
+from huggingface_hub.errors import GatedRepoError, IncompleteSnapshotError, RepositoryNotFoundError
 from huggingface_hub.file_download import repo_folder_name
 from kernels import Metadata, VariantAccepted, get_kernel_variants
 from kernels import __version__ as KERNELS_VERSION
@@ -62,7 +62,7 @@ from torch import nn
 
 from . import _kernels_compat as compat
 from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_problem
-from .integrity import VariantFilesError, check_variant_files
+from .integrity import LOAD_ELSEWHERE, VariantFilesError, check_variant_files
 from .offline import default_cache_dir
 from .report import KeptForward, LeftOut, Swap, kept_forwards, left_out_modules, swapped_modules
 
@@ -407,6 +407,10 @@ def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: 
             note = LOCAL_KERNELS_NOTE.format(repo_id=repo_id, version=version) if local is not None else ""
             raise _Refusal(f"not cached: {error}", NOT_CACHED_HINT.format(version=version, org=org) + note) from None
         raise _Refusal(str(error), "pass one of the published versions with --version") from None
+    except RepositoryNotFoundError as error:
+        if isinstance(error, GatedRepoError):
+            raise _hub_refusal(error) from None
+        raise _Refusal(f"not on the Hub, or not visible to your token: {_one_line(error)}", LOAD_ELSEWHERE) from None
     except Exception as error:  # online: the Hub's error, or why it could not be reached
         raise _hub_refusal(error) from None
     if not re.fullmatch("[0-9a-f]{40}", commit or ""):  # a damaged cache: refs/v<N> emptied or overwritten

@@ -98,16 +98,19 @@ def check_variant_files(variant_dir: Path, metadata: Metadata) -> int | None:
     return len(metadata.digest.files)
 
 
+LOAD_ELSEWHERE = (
+    'Load cards you built instead: `make build`, then `register_npu_kernels(local_dir="build")` (or '
+    '`apply_npu_kernels(model, local_dir="build")`); or publish them to your own organisation with `make publish '
+    f'ORG=<org>` and load them with `register_npu_kernels(org="<org>")` or {ORG_ENV}=<org>. See docs/loading.md.'
+)
+"""What to do when the cards are not on the Hub organisation asked (the doctor's hint, and `not_on_the_hub`'s)."""
+
+
 def not_on_the_hub(repo_id: str) -> str:
     """What to do when a card's repository is not on the Hub: load built cards, or publish them to one's own org."""
     org = repo_id.partition("/")[0]
     unpublished = f" (nothing is published under {DEFAULT_ORG} yet)" if org == DEFAULT_ORG else ""
-    return (
-        f"The card {repo_id} is not on the Hub{unpublished}, or your token cannot see it. Load cards you built "
-        'instead: `make build`, then `register_npu_kernels(local_dir="build")` (or `apply_npu_kernels(model, '
-        'local_dir="build")`); or publish them to your own organisation with `make publish ORG=<org>` and load them '
-        f'with `register_npu_kernels(org="<org>")` or {ORG_ENV}=<org>. See docs/loading.md.'
-    )
+    return f"The card {repo_id} is not on the Hub{unpublished}, or your token cannot see it. {LOAD_ELSEWHERE}"
 
 
 class CheckedLayerRepository(compat.HintedLayerRepository):
