@@ -295,7 +295,7 @@ def summary(
     peer: str | None = None,
     peer_absent: str = "",
 ) -> str:
-    """Render the markdown summary (summary.md and the README section).
+    """Render the markdown summary: every table (summary.md, and the tables page docs/benchmarks.md).
 
     Counted and timed figures, no emulated timing. `peer`: the peer's name when it ran, else `peer_absent` says why it
     did not."""
