@@ -27,10 +27,11 @@ build: setup
 demo: build
 	$(PY) scripts/demo.py $(if $(ORG),--org $(ORG))
 
-# Fusion accounting (counted) and timings: writes .cache/bench/, rewrites README's bench section and each
-# card's benchmark.md (which the next build adds to the card's Hub README).
+# Fusion accounting (counted) and timings: writes .cache/bench/, every table to docs/benchmarks.md, the charts to
+# docs/images/, README's short bench section and each card's benchmark.md (which the next build adds to its Hub README).
 bench: build
-	$(PY) scripts/bench --readme README.md --cards-dir kernel-cards $(if $(ORG),--org $(ORG))
+	$(PY) scripts/bench --readme README.md --tables docs/benchmarks.md --images docs/images --cards-dir kernel-cards \
+		$(if $(ORG),--org $(ORG))
 
 # make publish ORG=<Hub organisation> [CARDS=npu-rope,...] [DRY_RUN=1]
 publish: build

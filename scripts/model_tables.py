@@ -6,8 +6,8 @@
     python scripts/model_tables.py status   # per card: listed, in this release, proven, and each unproven class
     python scripts/model_tables.py docs     # rewrite docs/models.md's table of proven classes (prove does too)
 
-Both run the tests marked `model_tables` of MODEL_TABLE_TESTS in this interpreter's environment (`make
-test-transformers` and `make prove-transformers` run them in one environment per admitted release). `prove` reads
+Both run the tests marked `model_tables` (in the files `model_table_tests` finds) in this interpreter's environment
+(`make test-transformers` and `make prove-transformers` run them in one environment per admitted release). `prove` reads
 the verdict each test gave each class (tests/proof.py) and adds this release to the proven fingerprints of
 `mapping/npu_hub_kernels/models/proven/<card package>.json`, replacing what an earlier proof of the release recorded.
 A class that failed any check, or that no test checked, is not recorded: on this release it stays eager, with why.
@@ -16,6 +16,7 @@ A class that failed any check, or that no test checked, is not recorded: on this
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import subprocess
@@ -33,15 +34,24 @@ ROOT = Path(__file__).resolve().parents[1]
 PROVEN_DIR = ROOT / "mapping" / "npu_hub_kernels" / "models" / "proven"
 DOCS = ROOT / "docs" / "models.md"
 BEGIN, END = "<!-- proven:begin -->", "<!-- proven:end -->"
-MODEL_TABLE_TESTS = (
-    "tests/test_model_tables.py",
-    "tests/test_models_table.py",
-    "tests/test_npu_add_rms_norm.py",
-    "tests/test_npu_linear_cross_entropy.py",
-    "tests/test_npu_moe_router.py",
-)
-"""The test files holding the parity tests (marker `model_tables`): they import only the package's own requirements and
-pytest, so an environment with an older transformers runs them without the other dev packages."""
+
+
+def model_table_tests(tests: Path = ROOT / "tests") -> tuple[str, ...]:
+    """The test files that mark a test `model_tables` (the parity tests), as paths from the folder above `tests`.
+
+    Found by the marker in their syntax tree, not by collecting every test file: the model-table files import only the
+    package's own requirements and pytest, so an environment with an older transformers runs them without the other
+    dev packages, which the other test files import."""
+    files = sorted(tests.glob("test_*.py"))
+    return tuple(str(path.relative_to(tests.parent)) for path in files if _marks_model_tables(path))
+
+
+def _marks_model_tables(path: Path) -> bool:
+    """Whether the file uses the marker (`pytest.mark.model_tables`, `mark.model_tables`), not only names it."""
+    return any(
+        isinstance(node, ast.Attribute) and node.attr == "model_tables" and ast.unparse(node.value).endswith("mark")
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +74,7 @@ def _pytest(workers: str, env: dict[str, str] | None = None) -> subprocess.Compl
     """Run the model-table parity tests in this environment."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "model_tables", "-n", workers]
     print(f"the model tables on transformers {transformers.__version__}: {' '.join(command[1:])}", flush=True)
-    return subprocess.run([*command, *MODEL_TABLE_TESTS], cwd=ROOT, env=env)
+    return subprocess.run([*command, *model_table_tests()], cwd=ROOT, env=env)
 
 
 def prove(workers: str) -> int:

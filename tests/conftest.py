@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import platform
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,23 @@ def built_cards(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("build")
     build_cards.main(["--out", str(out)])
     return out
+
+
+@pytest.fixture(scope="module")
+def card(request: pytest.FixtureRequest, built_cards: Path) -> ModuleType:
+    """The built card a card's test file tests (tests/test_<card package>.py), loaded with `get_local_kernel`.
+
+    On the emulated host (CANN 9.1.0) that is the card's arch build for this torch and CANN."""
+    from kernels import get_local_kernel
+
+    from npu_hub_kernels import CARDS
+
+    package = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    (tested,) = [c for c in CARDS.values() if c.python_name == package]
+    module = get_local_kernel(built_cards / tested.repo_name)
+    if emulation.is_installed():
+        assert f"torch213-cxx11-cann91-{platform.machine()}-linux" == module.VARIANT
+    return module
 
 
 @pytest.fixture(scope="session")

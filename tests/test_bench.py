@@ -429,13 +429,26 @@ def test_readme_section_is_rewritten_between_the_markers_only(tmp_path):
     assert plain.read_text() == "no markers\n"
 
 
+def _targets_of(summary: str) -> list[targets.Result]:
+    """The targets table of a summary, read back as results (met: yes, **no**, -)."""
+    start = summary.index("| target | measured | met |")
+    lines = summary[start:].split("\n\n")[0].splitlines()[2:]
+    met = {"yes": True, "**no**": False, "-": None}
+    cells = [line.strip("| ").split(" | ") for line in lines]
+    return [targets.Result("", target, measured, met[mark]) for target, measured, mark in cells]
+
+
 def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     """The command end to end: --quick, one model, device timing forced on the emulation (labelled, kept out of the
-    README), the README section rewritten from summary.md."""
+    README), every table in the tables page (summary.md's), the charts copied beside it, the README section the
+    targets met and missed, the step chart and the link to the tables."""
     out, readme = tmp_path / "out", tmp_path / "README.md"
+    tables, images = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "images"
+    tables.parent.mkdir()
     readme.write_text(f"# x\n{report.README_BEGIN}\n{report.README_END}\nend\n")
     command = [sys.executable, "scripts/bench", "--quick", "--configs", "llama-3-8b", "--device-timing", "on"]
     command += ["--build", str(built_cards), "--out", str(out), "--readme", str(readme), "--org", "bench-test"]
+    command += ["--tables", str(tables), "--images", str(images)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "counted Llama-3-8B, batch 1, seq 512" in done.stdout  # progress
@@ -456,9 +469,15 @@ def test_quick_bench_writes_csv_chart_summary_and_readme(built_cards, tmp_path):
     counted = [r for r in counted if r["kind"] not in outside_layers and r["study"] == "layer"]
     assert {r["phase"] for r in counted} == {"fwd", "fwd+bwd"}
     assert {r["unit"] for r in counted} == {"ops", "bytes", *MEMORY_UNITS}
-    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for chart in ("bench.png", "step.png"):
+        assert (out / chart).read_bytes()[:8] == (images / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
-    assert readme.read_text() == f"# x\n{report.README_BEGIN}\n{summary}{report.README_END}\nend\n"
+    assert tables.read_text() == report.tables_page(summary, ["images/step.png", "images/bench.png"])
+    results = _targets_of(summary)
+    assert {r.met for r in results} >= {True, False}  # the section below lists the missed ones
+    section = report.readme_summary(results, "docs/benchmarks.md", "docs/images/step.png")
+    assert readme.read_text() == f"# x\n{report.README_BEGIN}\n{section}{report.README_END}\nend\n"
+    assert "](docs/images/step.png)" in section and "[benchmarks.md](docs/benchmarks.md)" in section
     assert EMULATED not in summary.replace("emulated ones are only in bench.csv", "")
     targets_shown = ("kernelize of 32 layers", "per-call overhead", "host cost of a call", "torch-universal fallback")
     for target in (*targets_shown, "RMSNorm: kernelized"):
@@ -591,6 +610,25 @@ def rows():
         "bench.cards: spec", "bench: memory", "bench.targets: counted_targets", "bench.cards.npu_rope: floor",
         "bench.report: *", "bench.counted: build_model",
     ]  # fmt: skip
+
+
+def test_a_target_no_row_measures_fails_the_bench_naming_it():
+    """On a run over every bench model, a counted target whose region occurs in no model stops the bench, named;
+    another shape of the region's rows than the target's is enough (the quick run)."""
+
+    def rows_for(kinds: set[str]) -> list[Row]:
+        return [
+            Row("counted", "m", "", phase, 1, 512, unit=t.unit, study="layer", kind=t.kind, model="m")
+            for t in targets.counted_targets() if t.kind in kinds for phase in t.phases
+        ]  # fmt: skip
+
+    every = {t.kind for t in targets.counted_targets()}
+    targets.require_every_target_measured(rows_for(every))
+    with pytest.raises(SystemExit) as stopped:
+        targets.require_every_target_measured(rows_for(every - {"RMSNorm"}))
+    held = [t for t in targets.counted_targets() if t.kind == "RMSNorm"]
+    assert held and all(f"RMSNorm: {t.text}" in str(stopped.value) for t in held)
+    assert "SwiGLU MLP" not in str(stopped.value)
 
 
 def test_a_target_is_held_on_the_models_a_card_swaps_and_names_the_others():

@@ -321,3 +321,37 @@ def test_given_a_model_it_says_what_fuses_and_which_forward_another_library_set_
     assert "\n  fused       npu-add-rms-norm 2, npu-rms-norm 5, npu-rope 2, npu-swiglu 2 (modules" in text
     assert json.loads(json.dumps(report.as_dict()))["model"]["not_fused"][0]["forward"] == TRL_HEAD
     assert diagnose(offline_hub).model is None and "\nmodel " not in format_report(diagnose(offline_hub))
+
+
+def test_given_a_model_it_names_each_module_of_a_left_out_class_with_the_tables_reason(offline_hub, npu_kernels):
+    """A module whose class a card's model table leaves out runs no card's layer: `left_out_modules` and the doctor
+    name it, with the card and the table's reason (Gemma3's GELU-tanh MLPs, its sandwich-norm decoder layers, its
+    soft-capped logits); a Llama model, whose classes every card swaps, has none."""
+    from kernels import Mode, kernelize
+
+    from npu_hub_kernels import left_out_modules, swapped_modules
+    from npu_hub_kernels.models import BY_KERNEL_ID
+
+    model = kernelize(tiny_causal_lm("gemma3_text").to("npu"), mode=Mode.INFERENCE, device="npu")
+    reasons = {
+        (card.repo_name, path.rpartition(".")[2]): reason
+        for kernel_id, card in CARDS.items()
+        for path, reason in BY_KERNEL_ID[kernel_id].LEFT_OUT.items()
+        if path.startswith("gemma3.modeling_gemma3.")
+    }
+    left_out = left_out_modules(model)
+    assert {m.module_class for m in left_out} >= {"Gemma3MLP", "Gemma3DecoderLayer", "Gemma3ForCausalLM"}
+    for m in left_out:
+        assert m.reason == reasons[m.card, m.module_class], m
+    modules = dict(model.named_modules())
+    assert all(m.module == "<root>" or m.module in modules for m in left_out)
+    swapped = {(s.module, s.card) for s in swapped_modules(model)}
+    assert not swapped & {(m.module, m.card) for m in left_out}  # left out by a card: not run by it
+    assert left_out_modules(model, card="npu-swiglu") == [m for m in left_out if m.card == "npu-swiglu"]
+    assert left_out_modules(tiny_causal_lm("llama")) == []
+
+    report = diagnose(offline_hub, model=model)
+    assert report.model.left_out == left_out
+    mlp = next(m for m in left_out if m.module_class == "Gemma3MLP")
+    assert f"\n  left out    {mlp.module} (Gemma3MLP, npu-swiglu): {mlp.reason}" in format_report(report)
+    assert json.loads(json.dumps(report.as_dict()))["model"]["left_out"][0]["reason"] == left_out[0].reason

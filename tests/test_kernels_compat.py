@@ -8,7 +8,7 @@ anything but the file's own classes (`repo._repo_id`, `module._kernel_funcs`, `g
 found by reading kernels' own source; no look into the closures of generated code (`getclosurevars`,
 `__closure__`).
 
-The cards (kernel-cards/, shipped frozen per version to the Hub) have a ledger of their own,
+The cards (kernel-cards/, shipped frozen per version to the Hub) have a register of their own,
 kernel-cards/shared/_internals.py: every private internal of torch, DeepSpeed, accelerate, FSDP2, transformers or
 kernels a card reads goes through one of its functions, each with its entry (what it reads, why, the public
 alternative) and the releases it was checked against. Held here for every other file of kernel-cards/: no private
@@ -328,7 +328,7 @@ an object's instance dict."""
 
 
 def card_files() -> list[Path]:
-    """The files of kernel-cards/ held to the cards' ledger: every Python file but the ledger itself."""
+    """The files of kernel-cards/ held to the internals register: every Python file but the register itself."""
     return sorted(path for path in ROOT.glob("kernel-cards/**/*.py") if path != CARD_INTERNALS)
 
 
@@ -366,8 +366,8 @@ def private_internal_uses(source: str, own: frozenset[str]) -> Iterator[tuple[in
             yield node.lineno, "`vars(...)`"
 
 
-def test_no_card_file_reads_another_librarys_internals_but_through_the_ledger():
-    """Each read found is to go through a function of kernel-cards/shared/_internals.py, with its ledger entry."""
+def test_no_card_file_reads_another_librarys_internals_but_through_the_internals_register():
+    """Each read found is to go through a function of kernel-cards/shared/_internals.py, with its register entry."""
     files = card_files()
     own = cards_own_names(files)
     found = {
@@ -400,23 +400,23 @@ def test_the_card_check_passes_the_cards_own_private_names():
     assert list(private_internal_uses("from ._npu import torch_npu\nx = _chunk(h)", own)) == []
 
 
-def _card_ledger() -> ModuleType:
+def _internals_register() -> ModuleType:
     spec = importlib.util.spec_from_file_location("_card_internals", CARD_INTERNALS)
-    ledger = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = ledger  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(ledger)
-    return ledger
+    register = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = register  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(register)
+    return register
 
 
-def test_the_ledger_has_one_complete_entry_per_function_and_names_the_installed_releases():
-    ledger = _card_ledger()
+def test_the_internals_register_has_one_complete_entry_per_function_and_names_the_installed_releases():
+    register = _internals_register()
     functions = {
         name
-        for name, obj in vars(ledger).items()
-        if inspect.isfunction(obj) and obj.__module__ == ledger.__name__ and not name.startswith("_")
+        for name, obj in vars(register).items()
+        if inspect.isfunction(obj) and obj.__module__ == register.__name__ and not name.startswith("_")
     }
-    assert set(ledger.INTERNALS) == functions
-    assert all(entry.reads and entry.purpose and entry.public for entry in ledger.INTERNALS.values())
+    assert set(register.INTERNALS) == functions
+    assert all(entry.reads and entry.purpose and entry.public for entry in register.INTERNALS.values())
     for package in ("torch", "deepspeed", "accelerate", "transformers", "kernels"):
         installed = Version(importlib.metadata.version(package)).base_version
-        assert f"{package} {installed}" in ledger.CHECKED, (package, installed)
+        assert f"{package} {installed}" in register.CHECKED, (package, installed)

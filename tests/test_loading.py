@@ -6,9 +6,12 @@ import json
 import platform
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import run_python
+from hub_server import LoopbackHub, client_env
 from kernels import Mode, VariantAccepted, get_kernel, get_local_kernel, kernelize
 from test_mapping import expected_calls
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
@@ -17,7 +20,7 @@ from npu_hub_kernels import CARDS, ORG_ENV, register_npu_kernels, registration, 
 from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels.cards import DEFAULT_ORG, resolve_org
 from npu_hub_kernels.doctor import diagnose
-from npu_hub_kernels.integrity import VariantFilesError
+from npu_hub_kernels.integrity import LOAD_ELSEWHERE, VariantFilesError, not_on_the_hub
 from npu_hub_kernels.offline import default_cache_dir, seed_offline_cache
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import norm_module_count, token_ids
@@ -182,6 +185,43 @@ def test_org_from_environment_is_used_for_loading(offline_hub, monkeypatch):
 def test_local_dir_without_a_build_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="make build"):
         register_npu_kernels(local_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_cards_not_on_the_hub_say_how_to_load_them_anyway(tmp_path):
+    """The README's first sample on a host online, before anyone published the cards to the default organisation:
+    kernelize meets huggingface_hub's "repository not found", which names the two fixes (built cards, one's own org);
+    the doctor gives them as its hint."""
+    code = (
+        "from npu_hub_kernels.testing import emulation; emulation.install()\n"
+        "import torch\n"
+        "from kernels import Mode, kernelize\n"
+        "from huggingface_hub.errors import RepositoryNotFoundError\n"
+        "from transformers.models.llama.modeling_llama import LlamaRMSNorm\n"
+        "from npu_hub_kernels import register_npu_kernels\n"
+        "register_npu_kernels(kernels='npu_fused_rmsnorm')\n"
+        "try:\n"
+        "    kernelize(torch.nn.Sequential(LlamaRMSNorm(8)).to('npu'), device='npu', mode=Mode.INFERENCE)\n"
+        "except RepositoryNotFoundError as error:\n"
+        "    print(error)\n"
+    )
+    with LoopbackHub(idle_timeout=60) as hub:
+        hub.add_org(DEFAULT_ORG, kernels_approved=True)  # the organisation exists; the cards are not published
+        env = client_env(hub.url, tmp_path)  # a user's process: online, nothing cached
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        doctor = [sys.executable, "-m", "npu_hub_kernels", "doctor", "--json"]
+        diagnosed = subprocess.run(doctor, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    printed = done.stdout
+    assert f"Repository not found: kernel {DEFAULT_ORG}/npu-rms-norm" in printed  # huggingface_hub's own message
+    assert f"nothing is published under {DEFAULT_ORG} yet" in printed
+    assert 'register_npu_kernels(local_dir="build")' in printed and "make publish ORG=<org>" in printed
+    assert not_on_the_hub(f"{DEFAULT_ORG}/npu-rms-norm") in printed
+    assert "nothing is published" not in not_on_the_hub("my-org/npu-rms-norm")
+    assert diagnosed.returncode == 1, diagnosed.stdout + diagnosed.stderr  # the doctor says the same, once
+    report = json.loads(diagnosed.stdout)
+    assert all(card["problem"].startswith("not on the Hub, or not visible") for card in report["cards"])
+    assert report["hints"] == [LOAD_ELSEWHERE]
 
 
 FUSED_CALL = "fused = torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]"

@@ -5,6 +5,7 @@ the classes it decides), and which listed classes the registry swaps (their inst
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +133,19 @@ def test_the_docs_table_of_proven_classes_is_the_proven_files():
     import model_tables as script
 
     assert f"{script.BEGIN}\n{script.proven_table()}\n{script.END}" in script.DOCS.read_text()
+
+
+def test_the_model_table_runs_find_their_test_files_by_the_marker(tmp_path):
+    """`make test-transformers` and `prove` run the files that mark a test `model_tables`, found with no list kept by
+    hand: a file that uses the marker is found, one that only names it is not."""
+    import model_tables as script
+
+    assert "tests/test_model_table_parity.py" in script.model_table_tests()
+    (tmp_path / "test_marked.py").write_text("import pytest\n\n\n@pytest.mark.model_tables\ndef test_a():\n    pass\n")
+    (tmp_path / "test_named.py").write_text('"""Not a parity test: pytest.mark.model_tables is named here only."""\n')
+    (tmp_path / "test_module_mark.py").write_text("from pytest import mark\n\npytestmark = mark.model_tables\n")
+    found = script.model_table_tests(tmp_path)
+    assert [Path(path).name for path in found] == ["test_marked.py", "test_module_mark.py"]
 
 
 def test_the_tables_are_surveyed_on_the_release_the_dev_stack_pins():

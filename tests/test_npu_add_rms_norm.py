@@ -13,14 +13,13 @@ import ast
 import copy
 import functools
 import inspect
-import platform
 import warnings
 
 import proof
 import pytest
 import torch
 import transformers
-from kernels import Mode, get_local_kernel, kernelize
+from kernels import Mode, kernelize
 from numerics import train_steps
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.helium.modeling_helium import HeliumRMSNorm
@@ -37,13 +36,6 @@ NORMS = {"plain": LlamaRMSNorm, "zero_centered": GemmaRMSNorm, "float32_scale": 
 LLAMA = LlamaDecoderLayer.__module__
 FAMILIES = {"plain": LLAMA, "zero_centered": GemmaRMSNorm.__module__, "float32_scale": HeliumRMSNorm.__module__}
 HIDDEN = 64
-
-
-@pytest.fixture(scope="module")
-def card(built_cards):
-    module = get_local_kernel(built_cards / "npu-add-rms-norm")
-    assert f"torch213-cxx11-cann91-{platform.machine()}-linux" == module.VARIANT
-    return module
 
 
 def make_norm(scaling: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:

@@ -25,7 +25,7 @@ import proof
 import pytest
 import torch
 import transformers
-from kernels import Mode, get_local_kernel, kernelize
+from kernels import Mode, kernelize
 from numerics import relative_error, train_steps
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -56,11 +56,6 @@ GROUP_OF = {
     },
 }
 """A class of each layer's group: every class the layer replaces has this class's forward."""
-
-
-@pytest.fixture(scope="module")
-def card(built_cards):
-    return get_local_kernel(built_cards / "npu-linear-cross-entropy")
 
 
 # --- the table ------------------------------------------------------------------------------------------------

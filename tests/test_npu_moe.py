@@ -15,17 +15,11 @@ from types import MethodType
 import pytest
 import torch
 import torch.nn.functional as F
-from kernels import get_local_kernel
 from transformers.activations import ACT2FN
 
 from npu_hub_kernels.testing import emulation
 
 SILU = ACT2FN["silu"]
-
-
-@pytest.fixture(scope="module")
-def card(built_cards):
-    return get_local_kernel(built_cards / "npu-moe")
 
 
 def routing(tokens: int, experts: int, top_k: int, rng: random.Random, *, skew: str = "random"):

@@ -15,7 +15,7 @@ from collections import Counter
 import proof
 import pytest
 import torch
-from kernels import Mode, get_local_kernel, kernelize
+from kernels import Mode, kernelize
 from numerics import relative_error
 from torch import nn
 
@@ -25,11 +25,6 @@ from npu_hub_kernels.testing import emulation
 
 RULES = MODEL_CLASSES["npu_fused_moe_router"]
 OP = "npu_moe_gating_top_k"
-
-
-@pytest.fixture(scope="module")
-def card(built_cards):
-    return get_local_kernel(built_cards / "npu-moe-router")
 
 
 def bare_router(rule: ClassRule, *, experts: int, hidden: int, top_k: int, renormalize: bool, seed: int = 0):

@@ -12,15 +12,8 @@ import random
 
 import pytest
 import torch
-from kernels import get_local_kernel
 
 from npu_hub_kernels.testing import emulation
-
-
-@pytest.fixture(scope="module")
-def card(built_cards):
-    return get_local_kernel(built_cards / "npu-rope")
-
 
 INTERLEAVED = {"pairs", "pairs_partial", "pairs_float32", "pairs_half_angles", "glm", "glm_partial", "glm_float32"}
 """Styles on npu_rotary_mul's 'interleave' mode, which takes cos/sin without a batch dim."""

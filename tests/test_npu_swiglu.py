@@ -12,16 +12,10 @@ from functools import partial
 
 import pytest
 import torch
-from kernels import get_local_kernel
 from torch import nn
 from transformers.activations import ACT2FN
 
 from npu_hub_kernels.testing import emulation
-
-
-@pytest.fixture(scope="module")
-def card(built_cards):
-    return get_local_kernel(built_cards / "npu-swiglu")
 
 
 class SplitMLP(nn.Module):

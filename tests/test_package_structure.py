@@ -1,4 +1,5 @@
-"""The npu_hub_kernels package's modules log under their own names and import one another without a circle."""
+"""The npu_hub_kernels package's modules log under their own names and import one another without a circle; so do the
+bench's (scripts/bench)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import pytest
 from conftest import ROOT
 
 PACKAGE = ROOT / "mapping" / "npu_hub_kernels"
+BENCH = ROOT / "scripts" / "bench"
 
 
-def package_modules() -> dict[str, Path]:
+def package_modules(package: Path = PACKAGE) -> dict[str, Path]:
     """Dotted module name -> file, for every module of the package (subpackages included)."""
     modules = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
@@ -36,10 +38,13 @@ def misnamed_loggers(source: str) -> list[str]:
 
 def imports_of(name: str, source: str, modules: dict[str, Path], *, is_package: bool = False) -> set[str]:
     """The modules of `modules` that module `name` (of text `source`) imports, at the top or inside a function (a
-    deferred import still makes a circle)."""
+    deferred import still makes a circle), but not under `if TYPE_CHECKING:` (never run)."""
     package = name if is_package else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]:
+        block.body = []  # imports for type checkers only: none at run time
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -99,6 +104,20 @@ def test_the_package_modules_import_one_another_without_a_circle():
     }
     assert "npu_hub_kernels.report" in graph["npu_hub_kernels.retag"]  # the check sees the imports
     assert import_circles(graph) == []
+
+
+def test_the_bench_modules_import_one_another_without_a_circle():
+    """The bench's renderers share their markdown helpers (`bench.markdown`) instead of importing one another."""
+    modules = package_modules(BENCH)
+    graph = {
+        name: imports_of(name, path.read_text(), modules, is_package=path.name == "__init__.py")
+        for name, path in modules.items()
+        if name != "bench"
+    }
+    assert "bench.markdown" in graph["bench.step"]  # the check sees the imports
+    # The one circle left: the spec checker (`cards.missing_pieces`) checks COUNTED_TARGETS against targets'
+    # CountedTarget while targets reads the specs. Drop it from here when CountedTarget moves to the declarations.
+    assert import_circles(graph) == [["bench.cards", "bench.targets"]]
 
 
 def test_the_circle_check_finds_a_circle_through_a_deferred_import():

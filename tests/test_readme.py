@@ -114,13 +114,26 @@ def test_every_number_of_the_readme_outside_the_bench_section_is_one_of_these_te
     lines), the transformers releases the package admits and tests, and Python's (the counts are in the card table,
     checked above). State a new number in a table a test checks, or leave it out."""
     text = README.read_text()
-    prose = text[: text.index("<!-- bench:begin -->")]
+    prose = text[: text.index("<!-- bench:begin -->")] + text[text.index("<!-- bench:end -->") :]  # make bench's
     prose = re.sub(r"```.*?```", "", prose, flags=re.DOTALL)  # code samples
     prose = "\n".join(line for line in prose.splitlines() if not line.startswith("|"))  # tables, checked above
     prose = re.sub(r"`[^`]*`|\([^)]*\.md[^)]*\)|https?://\S+", "", prose)  # identifiers, links
     numbers = set(re.findall(r"(?<![\w.-])\d+(?:\.\d+)*", prose))
     pins = {prefix for pin in _pins().values() for prefix in _prefixes(pin)}
     assert numbers - pins - _admitted_transformers() - {_makefile_python()} == set()
+
+
+def test_the_readme_bench_section_is_a_summary_whose_tables_and_charts_are_in_the_repository():
+    """The README stays a five-minute read: its bench section holds no table (they are in docs/benchmarks.md, which
+    the section links) and shows charts committed to the repository; its hand-written part stays under 15 KB."""
+    text = README.read_text()
+    begin, end = text.index("<!-- bench:begin -->"), text.index("<!-- bench:end -->")
+    section = text[begin:end]
+    assert not [line for line in section.splitlines() if line.startswith("|")]
+    assert "](docs/benchmarks.md)" in section and (ROOT / "docs" / "benchmarks.md").is_file()
+    charts = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", section)
+    assert charts and all((ROOT / chart).is_file() and chart.startswith("docs/") for chart in charts)
+    assert len((text[:begin] + text[end:]).encode()) < 15_000
 
 
 def _prefixes(version: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""Activation checks for npu-hub-kernels cards that fuse SiLU (the build copies this file into every card)."""
+"""Activation checks for the npu-hub-kernels cards that fuse SiLU (copied into the cards whose card.toml lists it)."""
 
 from __future__ import annotations
 

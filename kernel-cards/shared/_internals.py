@@ -4,9 +4,9 @@ The build copies this file into the cards that list it. For each: what it reads,
 against and the public alternative, if any.
 
 A card ships frozen per version to the Hub, so a library release that changes one of these breaks published code:
-this ledger is where to look first. tests/test_kernels_compat.py holds every other file of kernel-cards/ to reading
-them only through the functions below. `INTERNALS` is the ledger, one entry per function; each entry was checked
-against torch 2.13.0, deepspeed 0.19.8, accelerate 1.15.0, transformers 5.22.2 and kernels 0.17.2 (`CHECKED`).
+this internals register is where to look first. tests/test_kernels_compat.py holds every other file of kernel-cards/
+to reading them only through the functions below. `INTERNALS` is the register, one entry per function; each entry was
+checked against torch 2.13.0, deepspeed 0.19.8, accelerate 1.15.0, transformers 5.22.2 and kernels 0.17.2 (`CHECKED`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ CHECKED = "torch 2.13.0, deepspeed 0.19.8, accelerate 1.15.0, transformers 5.22.
 
 @dataclass(frozen=True)
 class Internal:
-    """One ledger entry: what the function reads, why the cards read it, and the public alternative (or why none)."""
+    """A register entry: what the function reads, why the cards read it, and the public alternative (or why none)."""
 
     reads: str
     purpose: str

@@ -13,8 +13,8 @@ What lives where:
 - `models/`: which transformers classes each card's layers replace (one module per card);
 - `registry`: selecting, registering and unregistering cards, `apply_npu_kernels`;
 - `retag`: how classes and rotary functions are made kernelizable under the cards' names;
-- `report`: `swapped_modules`, what runs where, and `kept_forwards`, the modules that keep a forward another
-  library set on them (not fused, and why);
+- `report`: `swapped_modules`, what runs where; `kept_forwards`, the modules that keep a forward another
+  library set on them (not fused, and why); `left_out_modules`, those of classes a card leaves out, and why;
 - `zero3`: split MLPs as DeepSpeed ZeRO-3 leaf modules, so that they fuse under ZeRO-3;
 - `integrity`: the digest check of a build variant before it is imported (loader and doctor);
 - `_kernels_compat`: every private `kernels` API the project uses, in one place;
@@ -38,7 +38,7 @@ from .registry import (
     select_kernels,
     unregister_npu_kernels,
 )
-from .report import KeptForward, Swap, kept_forwards, swapped_modules
+from .report import KeptForward, LeftOut, Swap, kept_forwards, left_out_modules, swapped_modules
 
 _npu_hub_kernels_llamafactory.install()
 
@@ -47,10 +47,12 @@ __all__ = [
     "DEFAULT_ORG",
     "ORG_ENV",
     "KeptForward",
+    "LeftOut",
     "Swap",
     "apply_npu_kernels",
     "available_kernels",
     "kept_forwards",
+    "left_out_modules",
     "register_npu_kernels",
     "registration",
     "select_kernels",

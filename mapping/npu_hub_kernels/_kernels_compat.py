@@ -43,6 +43,9 @@ Private attributes of kernels' objects (the functions of the section "Private at
   `load_layer_checked`, for integrity's repositories; load with the repository's own arguments, as
   its `load()` does. Public: none in kernels 0.17.2 (the constructor arguments are not exposed;
   `str(repository)` names them as text only).
+- `LayerRepository._resolve_revision()`, overridden by `HintedLayerRepository`: kernelize calls it first (to log the
+  repository, `str(repository)`), before `load`, so a repository the Hub does not have fails there; the override adds
+  what to do to that error (integrity's repositories: load built cards or one's own organisation). Public: none.
 - `_kernel_funcs`, the dict of function-modules `use_kernelized_func` puts on a module instance and
   `kernelize` reads (through `getattr`, so a class attribute counts too): `kernel_funcs`,
   `own_kernel_funcs`, `set_own_kernel_funcs`; retag attaches rotary function-modules to the
@@ -107,6 +110,7 @@ from typing import TYPE_CHECKING
 
 import kernels
 from huggingface_hub import constants
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 from kernels import LayerRepository, LocalLayerRepository, Metadata, get_loaded_kernels, use_kernel_forward_from_hub
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -349,6 +353,26 @@ def cached_variant(repo_id: str, revision: str) -> LocalKernel:
     return resolve_hub_cache_kernel(get_hf_api(), repo_id, revision=revision, backend=None)
 
 
+class HintedLayerRepository(LayerRepository):
+    """kernels' LayerRepository whose "repository not found" error says what to do: `hint(repo_id)`, added to it.
+
+    The error keeps its type (huggingface_hub's RepositoryNotFoundError); a gated repository's is left as it is."""
+
+    hint: Callable[[str], str]
+    """What to do about `repo_id`, as a sentence (a subclass sets it)."""
+
+    def _resolve_revision(self) -> str:
+        try:
+            return super()._resolve_revision()
+        except RepositoryNotFoundError as error:
+            if isinstance(error, GatedRepoError):
+                raise
+            message = f"{error}\n\n{self.hint(self._repo_id)}"
+            raise RepositoryNotFoundError(message, response=error.response, server_message=error.server_message) from (
+                error
+            )
+
+
 def load_layer_checked(repository: LayerRepository | LocalLayerRepository, check: VariantCheck) -> type[nn.Module]:
     """`repository.load()` as kernels runs it, with `check(variant_path, metadata)` called on every variant.
 
@@ -403,6 +427,7 @@ __all__ = [
     "DigestValidationError",
     "DigestViolation",
     "ForwardKeeper",
+    "HintedLayerRepository",
     "HubCacheResolver",
     "HubResolver",
     "KernelDependency",

@@ -27,7 +27,8 @@ runs in it: how many modules run each card's layer; each of those whose layer ra
 call and every reason its calls ran eager for, with how many, as the cards recorded them (`report.swapped_modules`);
 and each module of a swapped class that runs none because another library set its forward (TRL's fused LM head,
 accelerate's autocast wrapper), which kernelize keeps: the forward kept, by its qualified name
-(`report.kept_forwards`).
+(`report.kept_forwards`); and each module of a class a card's model table leaves out, with the table's reason
+(`report.left_out_modules`).
 
 The doctor never imports card code and never writes to the cache. Exit status: 0 when every card
 resolves to a variant that loads, 1 otherwise, with a hint per problem; 2 for a version below 1 or a
@@ -52,7 +53,7 @@ from typing import TypeVar
 
 import torch
 from huggingface_hub import constants, try_to_load_from_cache
-from huggingface_hub.errors import IncompleteSnapshotError
+from huggingface_hub.errors import GatedRepoError, IncompleteSnapshotError, RepositoryNotFoundError
 from huggingface_hub.file_download import repo_folder_name
 from kernels import Metadata, VariantAccepted, get_kernel_variants
 from kernels import __version__ as KERNELS_VERSION
@@ -61,9 +62,9 @@ from torch import nn
 
 from . import _kernels_compat as compat
 from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_problem
-from .integrity import VariantFilesError, check_variant_files
+from .integrity import LOAD_ELSEWHERE, VariantFilesError, check_variant_files
 from .offline import default_cache_dir
-from .report import KeptForward, Swap, kept_forwards, swapped_modules
+from .report import KeptForward, LeftOut, Swap, kept_forwards, left_out_modules, swapped_modules
 from .selftest.results import REASON_PREFIX
 from .selftest.results import summary as selftest_summary
 
@@ -140,7 +141,8 @@ class ModelReport:
     `fused`: how many of its modules run each card's layer, by card. `eager`: those whose layer ran eager, each with
     its last reason and every reason, counted. `not_proven`: the modules of classes a card lists that run eager on
     this transformers release because their code is not code the tests proved. `not_fused`: the modules of swapped
-    classes that run none because kernelize keeps the forward another library set on them.
+    classes that run none because kernelize keeps the forward another library set on them. `left_out`: the modules of
+    classes a card's model table leaves out, with the table's reason.
     """
 
     model_class: str
@@ -148,6 +150,7 @@ class ModelReport:
     eager: list[Swap]
     not_fused: list[KeptForward]
     not_proven: list[Swap] = field(default_factory=list)
+    left_out: list[LeftOut] = field(default_factory=list)
 
 
 @dataclass
@@ -214,10 +217,10 @@ def diagnose(org: str | None = None, version: int = 1, model: nn.Module | None =
 
 
 def model_report(model: nn.Module) -> ModelReport:
-    """How many modules of `model` run each card's layer, which ran eager and why, and which keep a foreign forward.
+    """How many modules of `model` run each card's layer, which ran eager and why, and which run none and why.
 
-    The last are modules of swapped classes that keep another library's forward instead, with why. Read from
-    `swapped_modules` and `kept_forwards`.
+    Those that run none are modules of swapped classes that keep another library's forward instead, and modules of
+    classes a card leaves out. Read from `swapped_modules`, `kept_forwards` and `left_out_modules`.
     """
     swaps = swapped_modules(model)
     return ModelReport(
@@ -226,6 +229,7 @@ def model_report(model: nn.Module) -> ModelReport:
         eager=[swap for swap in swaps if swap.eager_calls],
         not_fused=kept_forwards(model),
         not_proven=[swap for swap in swaps if swap.variant is None],
+        left_out=left_out_modules(model),
     )
 
 
@@ -408,6 +412,10 @@ def _version_commit(repo_id: str, org: str, version: int, offline: bool, local: 
             note = LOCAL_KERNELS_NOTE.format(repo_id=repo_id, version=version) if local is not None else ""
             raise _Refusal(f"not cached: {error}", NOT_CACHED_HINT.format(version=version, org=org) + note) from None
         raise _Refusal(str(error), "pass one of the published versions with --version") from None
+    except RepositoryNotFoundError as error:
+        if isinstance(error, GatedRepoError):
+            raise _hub_refusal(error) from None
+        raise _Refusal(f"not on the Hub, or not visible to your token: {_one_line(error)}", LOAD_ELSEWHERE) from None
     except Exception as error:  # online: the Hub's error, or why it could not be reached
         raise _hub_refusal(error) from None
     if not re.fullmatch("[0-9a-f]{40}", commit or ""):  # a damaged cache: refs/v<N> emptied or overwritten
@@ -595,6 +603,8 @@ def format_report(report: Report) -> str:
             [(_left_eager_label(u), f"{u.module} ({u.module_class}, {u.card}:{u.layer}): {u.eager_reason}")
              for u in report.model.not_proven]
         )  # fmt: skip
+        left_out = report.model.left_out
+        lines += _rows([("left out", f"{m.module} ({m.module_class}, {m.card}): {m.reason}") for m in left_out])
     shown_rejections: dict[str, str] = {}
     for card in report.cards:
         lines += ["", f"{card.card}  {card.repo_id}  (kernel id {card.kernel_id})"]

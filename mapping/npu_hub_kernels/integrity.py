@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernels import LayerRepository, LocalLayerRepository, Metadata
+from kernels import LocalLayerRepository, Metadata
 from torch import nn
 
 from . import _kernels_compat as compat
+from .cards import DEFAULT_ORG, ORG_ENV
 from .offline import default_cache_dir
 
 SHOWN_PER_KIND = 5
@@ -97,8 +98,27 @@ def check_variant_files(variant_dir: Path, metadata: Metadata) -> int | None:
     return len(metadata.digest.files)
 
 
-class CheckedLayerRepository(LayerRepository):
-    """kernels' LayerRepository (a Hub repository at a version), refusing a variant whose files fail its digest."""
+LOAD_ELSEWHERE = (
+    'Load cards you built instead: `make build`, then `register_npu_kernels(local_dir="build")` (or '
+    '`apply_npu_kernels(model, local_dir="build")`); or publish them to your own organisation with `make publish '
+    f'ORG=<org>` and load them with `register_npu_kernels(org="<org>")` or {ORG_ENV}=<org>. See docs/loading.md.'
+)
+"""What to do when the cards are not on the Hub organisation asked (the doctor's hint, and `not_on_the_hub`'s)."""
+
+
+def not_on_the_hub(repo_id: str) -> str:
+    """What to do when a card's repository is not on the Hub: load built cards, or publish them to one's own org."""
+    org = repo_id.partition("/")[0]
+    unpublished = f" (nothing is published under {DEFAULT_ORG} yet)" if org == DEFAULT_ORG else ""
+    return f"The card {repo_id} is not on the Hub{unpublished}, or your token cannot see it. {LOAD_ELSEWHERE}"
+
+
+class CheckedLayerRepository(compat.HintedLayerRepository):
+    """kernels' LayerRepository (a Hub repository at a version), refusing a variant whose files fail its digest.
+
+    A repository the Hub does not have fails (RepositoryNotFoundError) saying how to load the cards anyway."""
+
+    hint = staticmethod(not_on_the_hub)
 
     def load(self) -> type[nn.Module]:
         """As LayerRepository.load (get_kernel at the resolved revision), with the files checked."""

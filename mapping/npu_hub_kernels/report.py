@@ -1,8 +1,8 @@
-"""What runs where: the modules of a model whose forward is a card's layer, and the swapped ones that run none.
+"""What runs where: the modules of a model whose forward is a card's layer, and those that run none, with why.
 
 The modules whose forward is a card's layer are checked against what the code calls (with why each last ran eager,
 as the card recorded it). The modules of swapped classes that keep a forward another library set on them run no
-card's layer.
+card's layer (`kept_forwards`), nor do the modules of classes a card's model table leaves out (`left_out_modules`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 from . import _kernels_compat as compat
 from .cards import CARDS
-from .models import MODEL_CLASSES, fingerprints
+from .models import BY_KERNEL_ID, MODEL_CLASSES, fingerprints
 
 _MISSING = object()
 
@@ -153,6 +153,50 @@ def kept_forwards(model: nn.Module, card: str | None = None) -> list[KeptForward
             )
         )
     return kept
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A module of a class (or a called function-module of a function) a card's model table leaves out: it runs eager.
+
+    `reason`: the table's sentence saying why no layer of the card reproduces it (its `LEFT_OUT`)."""
+
+    module: str
+    module_class: str
+    card: str
+    reason: str
+
+
+def left_out_modules(model: nn.Module, card: str | None = None) -> list[LeftOut]:
+    """The modules of `model` whose class a card's model table leaves out, each with the table's reason.
+
+    Only `card`'s are listed, when given. Function-modules its code calls are listed as `swapped_modules` lists them,
+    when the function they call is left out. Each card decides the classes of its own region, so a module is listed
+    once per card that leaves its class out.
+    """
+    left_out = _left_out_paths()
+    found = []
+    for qualified, candidate in _candidates(model):
+        function = compat.function_module_function(candidate)
+        path = _class_path(type(candidate)) if function is None else _function_path(function)
+        for repo_name, reason in left_out.get(path, ()):
+            if card in (None, repo_name):
+                found.append(LeftOut(qualified, type(candidate).__name__, repo_name, reason))
+    return found
+
+
+def _function_path(function: object) -> str:
+    """A function's path as the model tables write it (relative to transformers.models)."""
+    return f"{function.__module__.removeprefix('transformers.models.')}.{function.__qualname__}"
+
+
+def _left_out_paths() -> dict[str, list[tuple[str, str]]]:
+    """Class or function path -> (card, why) for each card whose table leaves it out."""
+    left_out: dict[str, list[tuple[str, str]]] = {}
+    for kernel_id, tables in BY_KERNEL_ID.items():
+        for path, reason in tables.LEFT_OUT.items():
+            left_out.setdefault(path, []).append((CARDS[kernel_id].repo_name, reason))
+    return left_out
 
 
 def _foreign_chain(module: nn.Module, forward: object) -> list[str]:

@@ -1,6 +1,7 @@
 """`make bench`: what the cards save (counted on fake tensors) and what they cost (timed), against a floor.
 
-    python scripts/bench [--out .cache/bench] [--build build] [--readme README.md] [--cards-dir kernel-cards] [--quick]
+    python scripts/bench [--out .cache/bench] [--build build] [--readme README.md] [--tables docs/benchmarks.md]
+        [--images docs/images] [--cards-dir kernel-cards] [--quick]
     cd scripts && python -m bench ...       # the same
 
 Counted (mode "counted", not timed, the same on every host): for one full-size decoder layer of
@@ -30,9 +31,12 @@ labelled "emulated (not a device measurement)" and kept out of the summary.
 Peer (the `peer` column): LLaMA-Factory's in-tree NPU kernels counted on the same layers, and their output
 checked against eager on the tiny model families (`peer`); `--peer off` leaves them out.
 
-Writes bench.csv (one row per measurement), bench.png and summary.md to --out; --readme PATH rewrites
-the part of PATH between `<!-- bench:begin -->` and `<!-- bench:end -->` with the summary; --cards-dir
-writes each card's benchmark.md (its share of the summary, which the build adds to its Hub README).
+Writes bench.csv (one row per measurement), bench.png, step.png and summary.md (every table) to --out; --tables
+PATH writes the tables there too (docs/benchmarks.md), with the charts that --images DIR copies there (docs/images);
+--readme PATH rewrites the part of PATH between `<!-- bench:begin -->` and `<!-- bench:end -->` with the targets met
+and missed, the step chart and a link to the tables; --cards-dir writes each card's benchmark.md (its share of the
+summary, which the build adds to its Hub README). A run over every model fails, naming them, when a counted target has
+no row (its region occurs in no bench model).
 
 Modules: `cards` (a package: one bench spec per card, `cards/<card package>.py`, holding everything the bench
 knows about that card: its floor, targets, accounting rules, direct call and studies; the contract is its
@@ -40,8 +44,9 @@ docstring), `configs` (the models and shapes), `regions` (a decoder layer's fuse
 run), `floors` (the floor of a region and of the layer), `targets`, `accounting` (ops and bytes on fake
 tensors), `memory` (saved and peak bytes on fake tensors), `counted`, `outside` (a region outside the decoder
 layer, counted from the declaration its spec gives: the loss head, its chunk sweep, an extra column such as TRL's
-fused LM head), `timed`, `peer` (LLaMA-Factory's kernels), `rows` (a measurement, bench.csv), `report` (summary,
-README section, card sections), `chart` (bench.png), `__main__` (the command). The modules other than the specs name
+fused LM head), `timed`, `peer` (LLaMA-Factory's kernels), `rows` (a measurement, bench.csv), `markdown` (cells and
+tables, for `report` and `step`), `report` (summary, README section, card sections), `chart` (bench.png),
+`__main__` (the command). The modules other than the specs name
 no card and no region: they iterate over `npu_hub_kernels.CARDS` and the specs; the specs declare, and import from the
 bench only the declaration types and helpers of `cards.SPEC_IMPORTS`.
 """

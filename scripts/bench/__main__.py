@@ -25,6 +25,7 @@ if not __package__:  # `python scripts/bench`: run as the package `bench` of scr
 import argparse
 import logging
 import platform
+import shutil
 
 import torch
 
@@ -39,10 +40,10 @@ from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, TINY_SPECS
 from .counted import before_card_rows, counted_rows, experts_sweep_rows
 from .outside import outside_rows
 from .peer import load_peer, parity_rows
-from .report import card_summary, summary, update_readme
+from .report import card_summary, readme_summary, summary, tables_page, update_readme
 from .rows import Row, log, write_csv
 from .step import STEP_MODELS, step_rows, write_step_chart
-from .targets import LAYER_TARGET_SHAPE
+from .targets import LAYER_TARGET_SHAPE, evaluate, require_every_target_measured
 from .timed import (
     device_rows,
     fallback_rows,
@@ -53,6 +54,8 @@ from .timed import (
     training_rows,
 )
 
+CHARTS = ("step.png", "bench.png")
+"""The charts the bench draws in --out: the training step's estimated time, and the counted and timed figures."""
 QUICK_PARITY = ("llama", "qwen3_moe", "gemma3_text")
 """--quick: the peer parity check on these tiny families only."""
 
@@ -79,7 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / ".cache" / "bench", help="output folder")
     parser.add_argument("--build", type=Path, default=ROOT / "build", help="folder of built cards (make build)")
     parser.add_argument("--org", default=None, help="Hub organisation of the cards in the offline cache")
-    parser.add_argument("--readme", type=Path, help="rewrite the bench section of this file (between its markers)")
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        help="rewrite the bench section of this file (between its markers): targets met and missed, the step chart, a "
+        "link to the tables (--tables)",
+    )
+    parser.add_argument("--tables", type=Path, help="write every table here (docs/benchmarks.md), with the charts")
+    parser.add_argument("--images", type=Path, help="copy the charts here (docs/images) for --tables and --readme")
     parser.add_argument(
         "--cards-dir",
         type=Path,
@@ -117,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     machine, versions = describe_host(emulated)
     log(f"bench: {machine}; {versions}")
     rows: list[Row] = []
+    counted = args.only in (None, "counted") and emulated
     peer, peer_absent = None, "--peer off"
     try:
         if args.only in (None, "counted"):
@@ -153,18 +164,30 @@ def main(argv: list[str] | None = None) -> int:
                 rows += training_rows("npu", emulated, repeats)
     finally:
         unregister_npu_kernels()
+    if counted and len(specs) == len(CONFIGS):
+        require_every_target_measured(rows)
     for row in rows:
         row.machine, row.versions = machine, versions
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, args.out / "bench.csv")
     table = args.out.resolve() / "bench.csv"
     where = str(table.relative_to(ROOT) if table.is_relative_to(ROOT) else table)
-    counted = args.only in (None, "counted") and emulated
     text = summary(rows, machine, versions, where, peer.name if peer else None, peer_absent if counted else "")
     (args.out / "summary.md").write_text(text)
+    for name in CHARTS:  # none left from an earlier run
+        (args.out / name).unlink(missing_ok=True)
     problem = write_chart(rows, args.out / "bench.png", machine) or write_step_chart(rows, args.out / "step.png")
+    charts = [args.out / name for name in CHARTS if (args.out / name).exists()]
+    if args.images:
+        args.images.mkdir(parents=True, exist_ok=True)
+        charts = [Path(shutil.copy(chart, args.images / chart.name)) for chart in charts]
+    tables = args.tables or args.out / "summary.md"
+    if args.tables:
+        tables.write_text(tables_page(text, [os.path.relpath(chart, tables.parent) for chart in charts]))
     if args.readme:
-        update_readme(args.readme, text)
+        here = args.readme.parent
+        step_chart = next((os.path.relpath(c, here) for c in charts if c.name == "step.png"), None)
+        update_readme(args.readme, readme_summary(evaluate(rows), os.path.relpath(tables, here), step_chart))
     for card in CARDS.values() if args.cards_dir else ():
         (args.cards_dir / card.repo_name / "benchmark.md").write_text(card_summary(card.repo_name, rows))
     log(problem or f"wrote {args.out}: bench.csv ({len(rows)} rows), bench.png, step.png, summary.md")

@@ -11,7 +11,8 @@ from npu_hub_kernels.cards import Card
 
 from .cards import LAYER, NO_CARD, ExpertsSweep, kinds, with_piece
 from .configs import CONFIGS
-from .report import human_bytes, largest_shape
+from .markdown import human_bytes
+from .report import largest_shape
 from .rows import MEMORY_UNITS, REGION_STUDIES, Row
 from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US, counted_targets
 

@@ -254,8 +254,9 @@ def _sum(tallies: list[Tally | None]) -> Tally | None:
 
 
 def unit_value(tally: Tally | None, unit: str) -> float | None:
-    """A tally's figure in a unit ("ops", "bytes", one of MEMORY_UNITS, or ESTIMATE_UNIT: its ops' estimated device
-    time); None without the tally or its memory."""
+    """A tally's figure in a unit; None without the tally or its memory.
+
+    The units: "ops", "bytes", one of MEMORY_UNITS, or ESTIMATE_UNIT (its ops' estimated device time)."""
     if tally is None:
         return None
     if unit == ESTIMATE_UNIT:

@@ -105,8 +105,9 @@ def device_seconds(records: Iterable[OpRecord]) -> float:
 
 
 def _float32_matmul(record: OpRecord) -> bool:
-    """A matrix product of float32 operands runs at the float32 rate; of 16-bit ones at the 16-bit rate, whatever it
-    writes (aclnnAddmm's 16-bit inputs with a float32 out accumulate in float32 on the 16-bit cube path)."""
+    """Whether a matrix product runs at the float32 rate: float32 operands do, 16-bit ones whatever they write.
+
+    aclnnAddmm's 16-bit inputs with a float32 out accumulate in float32 on the 16-bit cube path."""
     return bool(record.flops) and record.operand_bytes >= 4
 
 

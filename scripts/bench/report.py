@@ -1,7 +1,10 @@
-"""The markdown the bench writes: summary.md, the README section and each card's benchmark.md.
+"""The markdown the bench writes: summary.md, the tables page, the README's short section, each card's benchmark.md.
 
-The README section is the one between the bench markers. One table renderer (`table`), and one renderer of the counted
-table (`counted_table`) for all three.
+summary.md holds every table; the tables page (docs/benchmarks.md) is summary.md with the charts.
+
+The README section is the one between the bench markers: the targets met and missed, the step chart and a link to the
+tables page. One table renderer (`markdown.table`), and one renderer of the counted table (`counted_table`) for the
+summary and the cards.
 """
 
 from __future__ import annotations
@@ -12,41 +15,16 @@ from npu_hub_kernels.cards import Card
 
 from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
+from .markdown import human_bytes, number, table
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
 from .rows import CHUNK_STUDY, ESTIMATE_UNIT, MEMORY_UNITS, OUTSIDE_STUDY, REGION_STUDIES, Row
 from .step import step_section
-from .targets import HOST_COST_STUDY, counted_targets, evaluate
+from .targets import HOST_COST_STUDY, Result, counted_targets, evaluate
 
 README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 FLOOR_TEXT = (
     "each fused region as the fewest kernels that compute it, each reading its inputs and writing its outputs once"
 )
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def number(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit == ESTIMATE_UNIT:
-        return f"{value:.2f}"
-    return human_bytes(value) if unit == "bytes" else f"{value:.0f}" if unit == "ops" else f"{value:.3g}"
-
-
-def table(header: list[str], body: list[list[str]]) -> list[str]:
-    """A markdown table: the header, its rule, one line per row."""
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(cells) + " |" for cells in body),
-    ]
 
 
 def _pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
@@ -351,7 +329,7 @@ def summary(
     peer: str | None = None,
     peer_absent: str = "",
 ) -> str:
-    """Render the markdown summary (summary.md and the README section).
+    """Render the markdown summary: every table (summary.md, and the tables page docs/benchmarks.md).
 
     Counted and timed figures, no emulated timing. `peer`: the peer's name when it ran, else `peer_absent` says why it
     did not."""
@@ -405,6 +383,35 @@ def summary(
         ]
         header = ["model", "op", "phase", "batch x seq", "eager", "kernelized", "unit"]
         lines += ["", "Timed on the Ascend device:", "", *table(header, body)]
+    return "\n".join(lines) + "\n"
+
+
+def tables_page(text: str, charts: list[str]) -> str:
+    """Render the tables page (docs/benchmarks.md): a title, the charts (links relative to the page), the summary."""
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`scripts/bench/`): do not edit by hand. How the bench measures: `docs/bench.md`.",
+        *(line for chart in charts for line in ("", f"![{Path(chart).stem} chart]({chart})")),
+        "",
+        text.strip(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def readme_summary(results: list[Result], tables: str, chart: str | None = None) -> str:
+    """Render the README's bench section: the targets met, each one missed, the step chart, the tables page's link.
+
+    `results`: `targets.evaluate`'s (those with nothing measured yet are left out); `tables`, `chart`: links relative
+    to the README."""
+    results = [r for r in results if r.met is not None]
+    missed = [r for r in results if r.met is False]
+    met = f"**{len(results) - len(missed)} of {len(results)} targets met**"
+    lines = [f"The last `make bench`: {met}" + ("; missed:" if missed else "."), ""]
+    lines += [f"- {r.target}: {r.measured}" for r in missed] + ([""] if missed else [])
+    if chart:
+        lines += [f"![The training step's estimated device time per model, eager against the cards]({chart})", ""]
+    lines.append(f"Every target, table and chart: [{Path(tables).name}]({tables}).")
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,8 @@ REGION_STUDIES = ("layer", OUTSIDE_STUDY)
 tables."""
 CHUNK_STUDY = "chunk sweep"
 """The study of a region outside the decoder layer counted with the card at other tokens per chunk (`Row.chunk`)."""
+ESTIMATE_STUDY = "step estimate"
+"""The study of a whole training step's estimated Atlas A2 time (`step`), which the step targets read (`targets`)."""
 
 
 @dataclass

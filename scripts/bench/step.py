@@ -33,7 +33,7 @@ import functools
 import time
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,9 +47,10 @@ from .accounting import OpRecord, Tally, count_device_ops, fake_module
 from .cards import specs
 from .configs import CONFIGS, DTYPE, ModelSpec
 from .device_model import CONSTANTS, HOST_PER_OP, device_seconds
+from .markdown import human_bytes, table
 from .memory import tracking_memory
 from .peer import Peer
-from .rows import Row, log
+from .rows import ESTIMATE_STUDY, Row, log
 from .targets import LAYER_TARGET_SHAPE
 
 
@@ -88,7 +89,7 @@ STEP_SHAPE = LAYER_TARGET_SHAPE
 QUICK_STEP_SHAPE = (1, 512)
 VARIANTS = ("eager", "kernelized", "peer")
 """eager: transformers; kernelized: the default path (kernelize alone); peer: LLaMA-Factory's NPU kernels."""
-STEP_STUDY, ESTIMATE_STUDY, CATEGORY_STUDY = "step", "step estimate", "step by category"
+STEP_STUDY, CATEGORY_STUDY = "step", "step by category"
 OTHER_OPS_STUDY = "step, largest other ops"
 OTHER_OP = "device s, other op: "
 """The figures of the ops of `OTHER` by aten op: this prefix, then the op's name."""
@@ -109,8 +110,9 @@ _EMBEDDING_OPS = {"embedding", "embedding_dense_backward"}
 
 @functools.cache
 def _card_categories() -> dict[str, str]:
-    """Each card's fused torch_npu op (and its backward) -> the card's category, "<card> ops" (matrix products aside:
-    npu_grouped_matmul is a matmul)."""
+    """Each card's fused torch_npu op (and its backward) -> the card's category, "<card> ops".
+
+    Matrix products stay aside: npu_grouped_matmul is a matmul."""
     return {
         op: f"{card.repo_name} ops"
         for card, spec in specs()
@@ -295,8 +297,6 @@ def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tup
 
     The rows cover each model (eager, ours, the peer's), its estimated time and its bytes and time by category; then the
     time model's validation and the decode-step estimate."""
-    from .report import human_bytes
-
     batch, seq = QUICK_STEP_SHAPE if quick else STEP_SHAPE
     rows = []
     try:
@@ -305,7 +305,7 @@ def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tup
             model = STEP_MODELS[key]
             variants = [v for v in VARIANTS if v != "peer" or peer is not None]
             steps = {v: derived_step(model, batch, seq, v, peer=peer, build=build) for v in variants}
-            rows += _rows_of(model, batch, seq, steps, human_bytes)
+            rows += _rows_of(model, batch, seq, steps)
             seconds = time.perf_counter() - started
             log(f"  counted training step {model.spec.name}, batch {batch}, seq {seq}: {seconds:.1f} s")
         rows += validation_rows(build, quick, keys)
@@ -317,7 +317,7 @@ def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tup
     return rows
 
 
-def _rows_of(model: StepModel, batch: int, seq: int, steps: dict[str, Figures], human_bytes: Callable) -> list[Row]:
+def _rows_of(model: StepModel, batch: int, seq: int, steps: dict[str, Figures]) -> list[Row]:
     name, peer = model.spec.name, steps.get("peer")
     note = DERIVED_NOTE.format(layers=model.layers, state=human_bytes(steps["eager"]["state bytes"]))
     common = dict(batch=batch, seq=seq, model=name, experts=model.spec.experts, kind=STEP_KIND)
@@ -506,8 +506,6 @@ def constants_table() -> list[list[str]]:
 
 
 def _cell(value: float | None, unit: str) -> str:
-    from .report import human_bytes
-
     if value is None:
         return "-"
     if unit in ("bytes", "peak bytes", "saved bytes"):
@@ -524,8 +522,6 @@ def step_section(rows: list[Row]) -> list[str]:
 
     It holds the counted step per model, its estimated time, the bytes by category, the time model's validation against
     published figures and the decode-step estimate."""
-    from .report import table
-
     counted = [r for r in rows if r.study == STEP_STUDY]
     if not counted:
         return []
@@ -551,8 +547,8 @@ def step_section(rows: list[Row]) -> list[str]:
         "Ops, bytes and FLOPs derived exactly from the model measured whole at 2 and 3 layers "
         "(`scripts/bench/step.py`); peak memory includes the bfloat16 parameters, AdamW's two moments (bfloat16) "
         "and the gradients. The "
-        "estimated time is a model, not a measurement ([docs/step-model.md](docs/step-model.md)); it is shown in "
-        "`.cache/bench/step.png`:"
+        "estimated time is a model, not a measurement (`docs/step-model.md`); it is shown in the step chart "
+        "(step.png):"
     )
     lines = ["", title, "", *table(["model", "figure", *variants, "ours / eager"], body)]
     lines += _category_table(rows, models)
@@ -564,8 +560,6 @@ def step_section(rows: list[Row]) -> list[str]:
 
 
 def _category_table(rows: list[Row], models: list[str]) -> list[str]:
-    from .report import table
-
     chosen = [r for r in rows if r.study == CATEGORY_STUDY and r.unit == "bytes"]
     if not chosen:
         return []
@@ -588,8 +582,6 @@ def _category_table(rows: list[Row], models: list[str]) -> list[str]:
 
 def _time_table(rows: list[Row], models: list[str]) -> list[str]:
     """Where the step's estimated time goes: per model and variant, the device seconds of each category."""
-    from .report import table
-
     chosen = [r for r in rows if r.study == CATEGORY_STUDY and r.unit == "ms"]
     estimates = {r.model: r for r in rows if r.study == ESTIMATE_STUDY}
     if not chosen:
@@ -613,8 +605,6 @@ def _time_table(rows: list[Row], models: list[str]) -> list[str]:
 
 def _other_ops_table(rows: list[Row], peer: bool) -> list[str]:
     """The largest ops of the 'other' category, by our estimated time, per model: where the next fusion would pay."""
-    from .report import table
-
     chosen = [r for r in rows if r.study == OTHER_OPS_STUDY]
     if not chosen:
         return []
@@ -630,8 +620,6 @@ def _other_ops_table(rows: list[Row], peer: bool) -> list[str]:
 
 
 def _validation_table(rows: list[Row]) -> list[str]:
-    from .report import table
-
     chosen = [r for r in rows if r.study == VALIDATION_STUDY]
     if not chosen:
         return []
@@ -649,8 +637,6 @@ def _validation_table(rows: list[Row]) -> list[str]:
 
 
 def _decode_table(rows: list[Row], peer: bool) -> list[str]:
-    from .report import table
-
     chosen = [r for r in rows if r.study == DECODE_STUDY]
     if not chosen:
         return []

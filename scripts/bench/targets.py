@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from npu_hub_kernels.cards import Card
 
 from .cards import LAYER, NO_CARD, specs, with_piece
-from .rows import ESTIMATE_UNIT, REGION_STUDIES, Row
+from .rows import ESTIMATE_STUDY, ESTIMATE_UNIT, REGION_STUDIES, Row
 
 BYTES_TOLERANCE = 1.05
 """A region's kernelized bytes within 5% of the floor (the cards' specs hold some regions to less)."""
@@ -120,6 +120,29 @@ def counted_target(row: Row) -> str:
     return next((t.text.removeprefix("kernelized ") for t in counted_targets() if t.applies(row)), "")
 
 
+def unmeasured(rows: list[Row]) -> list[str]:
+    """The counted targets no region row speaks of at any shape, each named "<kind>: <target>".
+
+    On a run over every bench model, such a target's region occurs in none of them: it would be held to nothing."""
+    return [
+        f"{t.kind}: {t.text} ({' and '.join(t.phases)})"
+        for t in counted_targets()
+        if not any(dataclasses.replace(t, shape=None).applies(r) for r in rows)
+    ]
+
+
+def require_every_target_measured(rows: list[Row]) -> None:
+    """Fail (SystemExit) naming each counted target the rows of a run over every bench model do not measure."""
+    missing = unmeasured(rows)
+    if missing:
+        raise SystemExit(
+            "bench: no bench model has the region of these targets, so nothing holds them: "
+            + "; ".join(missing)
+            + ". Give the bench a model with the region (scripts/bench/configs.py, or the OUTSIDE_REGION of the card's"
+            " spec), or drop the target."
+        )
+
+
 @dataclass(frozen=True)
 class Result:
     """A target and what was measured: met True or False, or None when there is nothing to measure yet."""
@@ -178,7 +201,6 @@ def evaluate(rows: list[Row]) -> list[Result]:
 
 def _step(rows: list[Row]) -> list[Result]:
     """Per step model: our estimated training step at most the peer's / STEP_AHEAD_OF_PEER."""
-    from .step import ESTIMATE_STUDY  # step imports this module
 
     out = []
     for r in (r for r in rows if r.study == ESTIMATE_STUDY and r.peer is not None and r.kernelized):

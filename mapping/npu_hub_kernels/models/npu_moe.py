@@ -3,7 +3,7 @@
 Layer SwiGLUExperts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], act SiLU,
 forward(hidden_states, top_k_index, top_k_weights). Established by a numerical survey of every class of
 transformers 5.22.2 with 3-D expert weights against an fp64 loop of that formula (random routing, an
-expert with no tokens, large inputs to trip clamps); re-proved by tests/test_models_table.py and
+expert with no tokens, large inputs to trip clamps); re-proved by tests/test_model_table_parity.py and
 tests/test_npu_moe.py.
 """
 

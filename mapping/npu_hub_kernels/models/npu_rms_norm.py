@@ -3,7 +3,7 @@
 A class is listed only when the layer computes exactly what its forward computes: established
 numerically for every norm class of transformers 5.22.2 (a survey of all 200 RMSNorm-like classes
 against each formula in float32 and bfloat16), and re-proved for every listed class by
-tests/test_models_table.py. Classes that look alike but compute something else are in LEFT_OUT with
+tests/test_model_table_parity.py. Classes that look alike but compute something else are in LEFT_OUT with
 the reason, and are never swapped.
 """
 

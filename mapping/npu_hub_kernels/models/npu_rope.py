@@ -4,7 +4,7 @@ The listed objects are the module-level `apply_rotary_pos_emb(_interleave)` func
 files; transformers turns most of them into function-modules, and the registry wraps the rest (see
 `npu_hub_kernels.retag`). Established by a numerical survey of every such function of transformers
 5.22.2 against each rotary style (float32 and bfloat16, full and narrower cos/sin), and re-proved per
-function by tests/test_models_table.py.
+function by tests/test_model_table_parity.py.
 """
 
 from __future__ import annotations

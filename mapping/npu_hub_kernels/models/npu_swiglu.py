@@ -2,7 +2,7 @@
 
 Established by a numerical survey of every MLP-like class of transformers 5.22.2 (each built from its
 own config, its forward compared with both formulas, its activation flipped through the config,
-dropout raised in train()); re-proved per class by tests/test_models_table.py. Every class with
+dropout raised in train()); re-proved per class by tests/test_model_table_parity.py. Every class with
 gate_proj/up_proj or a gate_up_proj Linear is listed or left out.
 """
 

@@ -1,5 +1,6 @@
-"""Ledger cases of npu_cross_entropy_loss and its backward, of the weight gradient's addmm.dtype_out, and the loss
-card's limits."""
+"""Ledger cases of npu_cross_entropy_loss, its backward and addmm.dtype_out, and the loss card's limits.
+
+addmm.dtype_out is the weight gradient's 16-bit product into a float32 sum."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ BF16 = (torch.bfloat16, torch.bfloat16)
 
 
 def _addmm(mats=BF16, out_dtype=torch.float32, k2: int = 5, self_shape=(4, 3), self_dtype=None, out=None, cann=None):
-    """`torch.addmm(self, mat1, mat2, out_dtype=, out=)`: mat1 [4, 5] (a transposed view, as the card's), mat2 [k2, 3];
-    into self itself unless `out` is given (dtype, shape)."""
+    """A call of `torch.addmm(self, mat1, mat2, out_dtype=, out=)`, into self itself unless `out` (dtype, shape).
+
+    mat1 is [4, 5] (a transposed view, as the card's), mat2 [k2, 3]."""
 
     def call():
         mat1, mat2 = npu(5, 4, dtype=mats[0]).t(), npu(k2, 3, dtype=mats[1])

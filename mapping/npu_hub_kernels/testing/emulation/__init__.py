@@ -67,8 +67,9 @@ def ledger_of(card: Card) -> tuple[Rule, ...]:
 
 
 def device_kernels_of(card: Card) -> dict[str, Callable[..., Any]]:
-    """The aten ops `ops/<card package>.py` gives the device a kernel of its own for (its `DEVICE_KERNELS`), by
-    overload ("addmm.dtype_out"); {} without them."""
+    """The aten ops `ops/<card package>.py` gives the device a kernel of its own for (its `DEVICE_KERNELS`).
+
+    Keyed by overload ("addmm.dtype_out"); {} without them."""
     module = card_piece(f"{__name__}.ops", card)
     return {} if module is None else dict(getattr(module, "DEVICE_KERNELS", {}))
 
