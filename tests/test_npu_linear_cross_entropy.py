@@ -964,6 +964,42 @@ def test_a_custom_loss_function_keeps_the_class_forward(npu_kernels):
     torch.testing.assert_close(got.loss.cpu(), eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
 
 
+def _z_loss_wrapper():
+    """A user's wrapper of transformers' ForCausalLMLoss (a z-loss added), made with functools.wraps."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    @functools.wraps(ForCausalLMLoss)
+    def with_z_loss(logits, labels, vocab_size, **kwargs):
+        return ForCausalLMLoss(logits, labels, vocab_size, **kwargs) + 1e-2 * logits.float().logsumexp(-1).pow(2).mean()
+
+    return with_z_loss
+
+
+@pytest.mark.parametrize("where", ["model.loss_function", "LOSS_MAPPING"])
+def test_a_loss_function_wrapped_with_functools_wraps_runs(npu_kernels, monkeypatch, where):
+    """functools.wraps copies ForCausalLMLoss's __module__ and __name__: only the function itself is transformers'."""
+    from transformers.loss import loss_utils
+
+    eager, fused = _pair("llama")
+    wrapper = _z_loss_wrapper()
+    assert (wrapper.__module__, wrapper.__name__) == ("transformers.loss.loss_utils", "ForCausalLMLoss")
+    if where == "LOSS_MAPPING":
+        monkeypatch.setitem(loss_utils.LOSS_MAPPING, "ForCausalLM", wrapper)
+    else:
+        fused.loss_function = eager.loss_function = wrapper
+    assert fused.loss_function is wrapper
+    ids = token_ids()
+    with emulation.count_op_calls() as calls:
+        got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"))
+    assert calls[OPS[0]] == 0 and got.logits is not None
+    torch.testing.assert_close(got.loss.cpu(), eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()  # transformers' own loss again: the card fuses (the negative control)
+    with emulation.count_op_calls() as calls:
+        fused.loss_function = loss_utils.ForCausalLMLoss
+        fused(input_ids=ids.to("npu"), labels=ids.to("npu"))
+    assert calls[OPS[0]] > 0
+
+
 @pytest.mark.slow
 def test_training_converges_like_eager(npu_kernels):
     """The convergence idiom: AdamW steps give eager's losses, and every parameter moves as eager moves it, within

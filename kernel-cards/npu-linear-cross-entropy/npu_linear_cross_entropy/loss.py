@@ -6,6 +6,7 @@ It runs without the full logits (its two forms, ignored rows, autocast, the engi
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import torch
@@ -74,9 +75,7 @@ def _call_unavailable_reason(
         return "no labels (inference or generation): the logits are computed and returned as eager computes them"
     if not training_step:
         return "not a training step (the model in eval(), or gradients off): evaluation keeps the class's forward"
-    # transformers' ForCausalLMLoss, recognised without importing it
-    loss_name = getattr(loss_function, "__module__", None), getattr(loss_function, "__name__", None)
-    if loss_function is not None and loss_name != ("transformers.loss.loss_utils", "ForCausalLMLoss"):
+    if loss_function is not None and not _is_transformers_causal_lm_loss(loss_function):
         name = getattr(loss_function, "__qualname__", type(loss_function).__name__)
         return f"the model's loss_function is {name}, not transformers' ForCausalLMLoss"
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
@@ -100,6 +99,16 @@ def _call_unavailable_reason(
     if output_dtype is not None:
         return f"lm_head is an FSDP2 unit whose MixedPrecisionPolicy casts its output (the logits) to {output_dtype}"
     return None
+
+
+def _is_transformers_causal_lm_loss(loss_function: object) -> bool:
+    """Whether `loss_function` is transformers' ForCausalLMLoss itself, found without importing transformers.
+
+    Identity, not names: a wrapper made with functools.wraps (a z-loss, label smoothing, logging) copies its
+    `__module__` and `__name__`, and must run. A process that never imported transformers' loss module holds no
+    ForCausalLMLoss."""
+    loss_utils = sys.modules.get("transformers.loss.loss_utils")
+    return loss_utils is not None and loss_function is getattr(loss_utils, "ForCausalLMLoss", None)
 
 
 def _tensors_unavailable_reason(
