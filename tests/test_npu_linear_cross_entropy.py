@@ -1000,6 +1000,43 @@ def test_a_loss_function_wrapped_with_functools_wraps_runs(npu_kernels, monkeypa
     assert calls[OPS[0]] > 0
 
 
+def _bad_labels(kind: str, ids: torch.Tensor):
+    """Labels as a data pipeline may get them wrong: -1 padding, an id past the vocabulary, another type."""
+    if kind == "-1 padding":
+        return ids.masked_fill(torch.arange(ids.shape[1]) >= ids.shape[1] - 2, -1)
+    if kind == "past the vocabulary":
+        return ids.masked_fill(torch.arange(ids.shape[1]) == 3, 10_000)
+    if kind == "list":
+        return ids.tolist()
+    return ids.to({"int32": torch.int32, "uint8": torch.uint8, "float": torch.float32}[kind])
+
+
+def _outcome(call) -> tuple:
+    """(loss,) of `call()`, or (type, message) of the exception it raised."""
+    try:
+        return (call().loss.detach().cpu(),)
+    except Exception as error:  # compared with eager's outcome
+        return type(error), str(error)
+
+
+@pytest.mark.parametrize("kind", ["-1 padding", "past the vocabulary", "int32", "uint8", "float", "list"])
+def test_bad_labels_get_eagers_answer_and_the_device_never_reads_outside_a_row(npu_kernels, kind):
+    """A label outside [0, vocab) that is not ignore_index raises eager's IndexError naming it, before any device op
+    reads its row; labels of another dtype or type raise eager's exception."""
+    eager, fused = _pair("llama")
+    ids = token_ids()
+    labels = _bad_labels(kind, ids)
+    on_npu = labels if isinstance(labels, list) else labels.to("npu")
+    with emulation.count_op_calls() as calls:
+        got = _outcome(lambda: fused(input_ids=ids.to("npu"), labels=on_npu))
+    want = _outcome(lambda: eager(input_ids=ids, labels=labels))
+    assert len(want) == 2, f"eager took {kind} labels"
+    assert got[0] is want[0], got
+    if want[0] is IndexError:  # eager's "Target -1 is out of bounds.", the bad label named
+        assert want[1].rstrip(".") in got[1], got[1]
+    assert calls[OPS[0]] == 0
+
+
 @pytest.mark.slow
 def test_training_converges_like_eager(npu_kernels):
     """The convergence idiom: AdamW steps give eager's losses, and every parameter moves as eager moves it, within

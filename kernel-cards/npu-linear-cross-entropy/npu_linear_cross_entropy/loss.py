@@ -73,6 +73,9 @@ def _call_unavailable_reason(
     """Why the loss cannot be lm_head's call, whatever its tensors: the call's arguments, lm_head's class and hooks."""
     if labels is None:
         return "no labels (inference or generation): the logits are computed and returned as eager computes them"
+    if not isinstance(labels, torch.Tensor) or labels.dtype is not torch.int64:
+        given = f"in {labels.dtype}" if isinstance(labels, torch.Tensor) else f"a {type(labels).__name__}"
+        return f"labels are {given}, not an int64 tensor: transformers' loss takes them (or refuses them) itself"
     if not training_step:
         return "not a training step (the model in eval(), or gradients off): evaluation keeps the class's forward"
     if loss_function is not None and not _is_transformers_causal_lm_loss(loss_function):
@@ -208,6 +211,7 @@ def _fused_loss(
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight, bias = (None if t is None else t.to(dtype) for t in (hidden, weight, bias))
     targets = torch.where(counted, targets, 0)
+    _check_targets(targets, weight.shape[0], ignore_index)
     needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     with torch.autocast(device_type, enabled=False):  # the chunks' matmuls in that dtype, nothing cast again
         if chunk_tokens is None and not chunked_form_pays(hidden.shape[0], hidden.shape[1], needs_grad):
@@ -220,6 +224,20 @@ def _fused_loss(
             total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, chunk)
     # the division last: the loss is a tensor of its own, which a trainer may scale in place
     return with_eager_double_backward(total, _counted_loss_eager, hidden, weight, bias, targets, counted) / divisor
+
+
+def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise eager's IndexError, naming the label, when a counted target (ignored ones are 0) is outside [0, vocab).
+
+    npu_cross_entropy_loss would read outside the row. The check costs one reduction and one host sync per call
+    (two integers read back): the sync is the price of raising, since the device op raises nothing."""
+    low, high = torch.stack(targets.aminmax()).tolist()
+    if low < 0 or high >= vocab_size:
+        raise IndexError(
+            f"Target {low if low < 0 else high} is out of bounds. Labels must lie in [0, {vocab_size}) or equal "
+            f"ignore_index ({ignore_index}): check the labels (padding with -1 instead of -100, an id past the "
+            "vocabulary)."
+        )
 
 
 def _counted_loss_eager(hidden, weight, bias, targets, counted) -> torch.Tensor:
