@@ -23,6 +23,7 @@ import torch
 from torch.nn.modules import module as torch_module
 
 from npu_hub_kernels import apply_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels._kernels_compat import kernel_funcs
 from npu_hub_kernels.cards import CARDS
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
@@ -183,25 +184,24 @@ def _swapped_module(model, name: str) -> torch.nn.Module:
     modules = dict(model.named_modules())
     if name in modules:
         return modules[name]
-    owner, called = name.rsplit(".", 1)  # a function-module: transformers keeps it in its caller's _kernel_funcs
-    (function_module,) = (f for key, f in vars(modules[owner])["_kernel_funcs"].items() if called.endswith(key))
+    owner, called = name.rsplit(".", 1)  # a function-module: transformers keeps it in its caller's kernel_funcs
+    (function_module,) = (f for key, f in kernel_funcs(modules[owner]).items() if called.endswith(key))
     return function_module
 
 
 @contextlib.contextmanager
-def _function_modules_eager(eager: bool, module: torch.nn.Module):
-    """For the eager model, `module` without the forward kernelize bound on it, if it is a function-module.
+def _function_modules_eager(model):
+    """`model` with its function-modules' own forwards, not the ones kernelize bound on them.
 
-    transformers holds one function-module per function for every model (`rotary_pos_emb`): kernelizing one model
-    swaps it in the other too."""
-    bound = vars(module).get("forward") if eager and type(module).__name__ == "Func" else None
-    if bound is not None:
-        del module.forward
+    transformers holds one function-module per function (`rotary_pos_emb`) for every model: kernelizing one model
+    swaps it in every other, the eager model of `pair` included."""
+    function_modules = {id(f): f for m in model.modules() for f in kernel_funcs(m).values() if "forward" in vars(f)}
+    bound = {key: vars(f).pop("forward") for key, f in function_modules.items()}
     try:
         yield
     finally:
-        if bound is not None:
-            module.forward = bound
+        for key, forward in bound.items():
+            function_modules[key].forward = forward
 
 
 def _step_outcome(model, step) -> tuple:
@@ -237,7 +237,7 @@ def test_a_forward_hook_editing_a_swapped_modules_output_in_place_gives_eagers_g
         for model in (eager, fused):
             handle = _swapped_module(model, name).register_forward_hook(scale_in_place)
             try:
-                with _function_modules_eager(model is eager, _swapped_module(fused, name)):
+                with _function_modules_eager(model) if model is eager else contextlib.nullcontext():
                     outcomes.append(_step_outcome(model, _loss))
             finally:
                 handle.remove()
@@ -269,3 +269,27 @@ def test_transformers_in_place_edits_of_fused_outputs_give_eagers_gradients(buil
         _assert_same_outcome(_step_outcome(fused, seeded_loss), _step_outcome(eager, seeded_loss), family)
     finally:
         unregister_npu_kernels()
+
+
+@pytest.mark.parametrize("pair", CARD_IDS, indirect=True)
+def test_torch_func_grad_and_vmap_over_functional_call_give_eagers_gradients(pair):
+    """torch.func.grad of the loss over functional_call, and per-sample gradients (vmap of grad), as eager's: the
+    cards run eager's math under a torch.func transform (issue 39)."""
+    eager, fused, card = pair
+    ids = token_ids().to("npu")
+    results = []
+    for model in (eager, fused):
+
+        def loss(params, sample, model=model):
+            return torch.func.functional_call(model, params, (sample[None],), {"labels": sample[None]}).loss
+
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        with _function_modules_eager(model) if model is eager else contextlib.nullcontext():
+            whole = torch.func.grad(loss)(params, ids[0])
+            per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, ids)
+        results.append((whole, per_sample))
+    (want_whole, want_per_sample), (got_whole, got_per_sample) = results
+    _assert_close(got_whole, want_whole, "torch.func.grad")
+    _assert_close(got_per_sample, want_per_sample, "vmap of torch.func.grad")
+    reasons = [swap.eager_reason or "" for swap in swapped_modules(fused, card=card.repo_name)]
+    assert any("torch.func" in reason for reason in reasons), reasons

@@ -101,6 +101,12 @@ INTERNALS: dict[str, Internal] = {
         "the MoE loss layers add the router's auxiliary loss with the function the class's forward calls",
         "none: transformers does not export each modeling module's function under one name",
     ),
+    "functorch_transform": Internal(
+        "torch: torch._C._functorch.peek_interpreter_stack() and its key(), the innermost active torch.func transform",
+        "the fused paths are custom autograd Functions around device ops that torch.func does not transform: under "
+        "grad, vmap or jvp the cards run eager's math, which torch.func transforms as it does eager's",
+        "none: torch.func has no public query of the active transforms",
+    ),
 }
 
 HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward")
@@ -178,3 +184,9 @@ def fsdp2_output_dtype(module: nn.Module) -> torch.dtype | None:
 def modeling_global(cls: type, name: str) -> object:
     """The global `name` as `cls.forward` resolves it, in its own modeling module (past the decorators that wrap it)."""
     return inspect.unwrap(cls.forward).__globals__[name]
+
+
+def functorch_transform() -> str | None:
+    """The innermost active torch.func transform ("grad", "vmap", "jvp", "functionalize"), or None outside them."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    return None if interpreter is None else interpreter.key().name.lower()
