@@ -158,7 +158,7 @@ def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
         return
     if isinstance(obj, type):
         if _proven(rule, obj):
-            _retag(obj, mapping_name)
+            _retag(obj, mapping_name, rule)
         else:
             _keep_eager(obj)
         return
@@ -323,13 +323,37 @@ def keeps_forward(module: nn.Module) -> bool:
     return retagged_card(type(module)) is not None and foreign_forward(module) is not None
 
 
-def _retag(cls: type, mapping_name: str) -> None:
+def _retag(cls: type, mapping_name: str, rule: ClassRule | None = None) -> None:
+    """Tag `cls` (a listed class, of `rule`, or a function-module's class) with a card's mapping name."""
     _state.record((cls, "tag"), partial(_untag, cls, _own(cls, "kernel_layer_name"), _own(cls, "kernel_condition")))
-    # Only instances of exactly this class: a subclass may compute something else.
-    replace_kernel_forward_from_hub(cls, mapping_name, condition=lambda module: type(module) is cls)
+    # Only instances of exactly this class (a subclass may compute something else), and, for a listed class, only
+    # while its code is still the proven code: kernelize asks at every call.
+    replace_kernel_forward_from_hub(cls, mapping_name, condition=partial(_exactly_and_still_proven, cls, rule))
     # While a class is retagged, kernelize keeps the forward another library set on one of its modules.
     _state.record(_KEPT_FORWARDS, compat.stop_keeping_forwards)
     compat.keep_forwards(keeps_forward)
+
+
+def _exactly_and_still_proven(cls: type, rule: ClassRule | None, module: nn.Module) -> bool:
+    """The `kernel_condition` of a retagged class: `module` is of exactly `cls`, and `cls`'s code is still proven.
+
+    The code is checked as kernelize runs (registration checked it once): a class another library or the user patched
+    since (Liger-Kernel's `apply_liger_kernel_to_*`, a `functools.wraps` wrapper) keeps running that code, and
+    `swapped_modules` says why. kernelize skips such a module before it loads or validates the card's layer, so a
+    patch with another signature raises nothing either; a layer an earlier kernelize bound on it is released."""
+    if type(module) is not cls:
+        return False
+    if rule is None:
+        return True
+    reason = fingerprints.unproven_reason(CARDS[rule.kernel_id], rule.path, cls)
+    if reason is None:
+        fingerprints.forget_eager(rule.path)
+        return True
+    _stays_eager(rule, reason)
+    bound = compat.instance_forward(module)
+    if bound is not None and compat.is_layer_forward(getattr(bound, "__func__", None)):  # an earlier kernelize's
+        compat.release_instance_forward(module)
+    return False
 
 
 def _untag(cls: type, own_tag: object, own_condition: object) -> None:

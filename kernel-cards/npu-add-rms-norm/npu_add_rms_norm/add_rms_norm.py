@@ -51,6 +51,13 @@ def _norm_problem(norm: nn.Module, family: str | None) -> str | None:
     names = [name for name, _ in norm.named_parameters(recurse=True)]
     if names != ["weight"]:
         return f"the norm has the parameters {names}, not just a weight (a bias or other state the op has no input for)"
+    forward = getattr(cls, "forward", None)
+    defined_in = getattr(forward, "__globals__", {}).get("__name__", "?")
+    if not defined_in.startswith("transformers."):  # code, not names: functools.wraps copies __module__, not globals
+        return (
+            f"the norm's class forward is {defined_in}.{getattr(forward, '__qualname__', forward)}, not transformers' "
+            "(another library's or the user's patch): the norm is called, and that code runs"
+        )
     eps = epsilon_of(norm)
     if not isinstance(eps, float):
         return "the norm has no float epsilon (variance_epsilon or eps)"
