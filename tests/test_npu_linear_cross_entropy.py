@@ -1277,3 +1277,21 @@ def test_labels_on_the_host_are_moved_as_eagers_loss_moves_them(npu_kernels):
         got = fused(input_ids=ids.to("npu"), labels=_labels(ids)).loss
     assert calls[OPS[0]] == 1
     torch.testing.assert_close(got.detach().cpu(), want.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("held", ["weight", "bias"])
+def test_an_lm_head_holding_a_buffer_gives_eagers_loss(npu_kernels, held):
+    """An lm_head whose weight, or bias, is a buffer (a frozen head): eager's loss, the bias never dropped."""
+    eager, fused = _pair("llama")
+    for model in (eager, fused):
+        head = model.lm_head
+        if held == "weight":
+            weight = head.weight.detach().clone()
+            del head.weight
+            head.register_buffer("weight", weight)
+        else:
+            del head.bias
+            head.register_buffer("bias", torch.linspace(-1, 1, head.out_features, device=head.weight.device))
+    ids = token_ids()
+    got = fused(input_ids=ids.to("npu"), labels=ids.to("npu")).loss
+    torch.testing.assert_close(got.cpu(), eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)

@@ -119,6 +119,8 @@ def _tensors_unavailable_reason(
 ) -> str | None:
     """Why the fused op cannot take these hidden states, labels and lm_head's parameters as they are now."""
     weight, bias = parameter(lm_head, "weight"), parameter(lm_head, "bias")
+    if weight is None or (bias is None and getattr(lm_head, "bias", None) is not None):
+        return "lm_head holds its weight or bias as a buffer, not a parameter: nn.Linear's forward runs on it"
     if zero3_partitioned(weight):
         return "lm_head.weight is a DeepSpeed ZeRO-3 parameter, partitioned here: gathered in lm_head's own call"
     if weight.dim() != 2 or weight.shape[0] != vocab_size:
