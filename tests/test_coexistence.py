@@ -546,3 +546,29 @@ def test_a_class_patched_after_kernelize_runs_the_card_until_the_next_kernelize(
         with emulation.count_op_calls() as calls, torch.no_grad():
             model(ids)
         assert (calls["npu_rms_norm"] > 0) is fused, (kernelized_again, dict(calls))
+
+
+@pytest.mark.parametrize("how", ["plain", "functools.wraps"])
+def test_a_replaced_rotate_half_leaves_rope_eager_and_swapped_modules_says_so(register, monkeypatch, how):
+    """The gate's fingerprint of the rotary function counts the rotate_half it calls: replaced (a plain function or a
+    functools.wraps wrapper, computing something else), the rotary function runs eager with it, and swapped_modules
+    lists the rotary function-modules with that reason (issue 39)."""
+    llama = modeling("llama")
+    original = llama.rotate_half
+
+    def rotate_half(x):
+        return original(x) * 0.5
+
+    monkeypatch.setattr(llama, "rotate_half", functools.wraps(original)(rotate_half) if how != "plain" else rotate_half)
+    register()
+    model = tiny_model("llama").to("npu")
+    ids = token_ids().to("npu")
+    with torch.no_grad():
+        want = model(ids).logits
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    with emulation.count_op_calls() as calls, torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls["npu_rotary_mul"] == 0 and calls["npu_rms_norm"] > 0
+    rope = swapped_modules(model, card="npu-rope")
+    assert rope and all(s.variant is None and "differs from the code proven" in s.eager_reason for s in rope), rope

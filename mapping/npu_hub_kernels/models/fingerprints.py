@@ -19,6 +19,7 @@ import hashlib
 import importlib.resources
 import inspect
 import json
+import sys
 import textwrap
 from collections.abc import Callable
 from types import CodeType, FunctionType
@@ -141,6 +142,9 @@ def _collect(obj: object, depth: int, parts: dict[str, str], reached: dict[str, 
             continue
         key = f"{function.__module__}.{function.__qualname__}"
         parts[key] = _normalised(function)
+        foreign = _foreign_globals(function) if reach > 0 else ""  # followed as deep as what it calls
+        if foreign:
+            parts[f"{key} calls"] = foreign
         if reached.get(key, -1) >= reach:
             continue
         reached[key] = reach
@@ -197,6 +201,26 @@ def _called(function: FunctionType, owner: type | None) -> list[object]:
         elif owner is not None and isinstance(_resolved(owner, name), FunctionType) and name not in ("forward",):
             found.append(_resolved(owner, name))
     return found
+
+
+def _foreign_globals(function: FunctionType) -> str:
+    """The Python functions of other code than transformers' that `function` calls by a global name, or "".
+
+    A modeling file's global (its `rotate_half`) that another library or the user replaced with their own function
+    counts so: the code that calls it is not the code proven."""
+    found = []
+    for name in sorted(_names(function.__code__)):
+        value = function.__globals__.get(name)
+        if value is not None and not isinstance(value, type):
+            value = code_of(value)
+        defined_in = getattr(value, "__globals__", {}).get("__name__", "") if isinstance(value, FunctionType) else ""
+        if defined_in and not defined_in.startswith(_LIBRARY_DECORATORS) and not _standard_library(defined_in):
+            found.append(f"{name} = {defined_in}.{value.__qualname__}")
+    return "\n".join(found)
+
+
+def _standard_library(module: str) -> bool:
+    return module.partition(".")[0] in sys.stdlib_module_names
 
 
 def _names(code: CodeType) -> set[str]:
