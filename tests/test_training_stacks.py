@@ -57,17 +57,26 @@ def host_reference(model_type: str, dtype=torch.float64):
 # --- Mixed precision ------------------------------------------------------------------------------------------
 
 AUTOCAST_CALLS = {
-    # Llama: every norm sees the float32 residual stream and fuses; q/k come out of bfloat16 linears while
-    # cos/sin stay float32, so eager's rotary promotes to float32 and the card falls back (counted 0); the MLP
-    # input is float32 and fuses, its gate/up matmuls autocast to bfloat16 as gate_proj(x) is.
-    "llama": {"npu_rms_norm": 5, "npu_swiglu": 2},
-    # Qwen3: q/k norms get bfloat16 q/k with a float32 weight: eager promotes, the card falls back (only the 5
-    # layer and final norms fuse). Their float32 output meets float32 cos/sin: the rotary fuses, in float32.
-    "qwen3": {"npu_rms_norm": 5, "npu_rotary_mul": 4, "npu_swiglu": 2},
+    # Llama: the input and final norms see the float32 residual stream and fuse; the mid residual add meets a
+    # bfloat16 attention output (o_proj autocast): eager's sum promotes to float32, and npu-add-rms-norm adds the
+    # output cast to float32 (exact), fusing the post-attention norm (its backward: npu_rms_norm_backward); q/k come
+    # out of bfloat16 linears while cos/sin stay float32: eager's rotary promotes to float32, and the card rotates q/k
+    # cast to float32; the MLP input is float32 and fuses, its gate/up matmuls autocast to bfloat16 as gate_proj(x) is.
+    "llama": {
+        "npu_rms_norm": 3, "npu_add_rms_norm": 2, "npu_rms_norm_backward": 2, "npu_rotary_mul": 4, "npu_swiglu": 2,
+    },
+    # Qwen3: as Llama, but q/k norms get bfloat16 q/k with a float32 weight: eager rounds the normalised q/k to
+    # bfloat16 before the float32 weight promotes them, which the op cannot: those norms run eager. Their float32
+    # output meets float32 cos/sin: the rotary fuses, in float32.
+    "qwen3": {
+        "npu_rms_norm": 3, "npu_add_rms_norm": 2, "npu_rms_norm_backward": 2, "npu_rotary_mul": 4, "npu_swiglu": 2,
+    },
     # Qwen3-MoE: as Qwen3; the experts get float32 hidden states and float32 weights (torch_npu's grouped matmul
     # is not autocast): 2 grouped matmuls forward and 4 backward per Experts module, in float32 as eager's.
     "qwen3_moe": {
-        "npu_rms_norm": 5,
+        "npu_rms_norm": 3,
+        "npu_add_rms_norm": 2,
+        "npu_rms_norm_backward": 2,
         "npu_rotary_mul": 4,
         "npu_swiglu": 2,
         "npu_moe_token_permute": 2,
@@ -75,7 +84,7 @@ AUTOCAST_CALLS = {
         "npu_moe_token_unpermute": 2,
         # the routers (norm_topk_prob off in the tiny config) record autograd: softmax and top-k, no op call
     },
-}
+}  # fmt: skip
 
 
 def autocast_loss_and_gradients(model, ids, *, autocast: bool = True):
@@ -178,7 +187,9 @@ def test_norms_under_autocast_fall_back_where_eager_promotes(npu_kernels):
     for hook in hooks:
         hook.remove()
     assert norm_inputs == {"q_norm": torch.bfloat16, "input_layernorm": torch.float32}
-    assert calls["npu_rms_norm"] == norm_module_count(model) - 2 * layer_count(model)  # all but the q/k norms
+    # all but the q/k norms, and the post-attention norms, which npu-add-rms-norm fuses with the mid residual add
+    assert calls["npu_rms_norm"] == norm_module_count(model) - 3 * layer_count(model)
+    assert calls["npu_add_rms_norm"] == layer_count(model)
 
 
 # --- transformers' Trainer -----------------------------------------------------------------------------------
