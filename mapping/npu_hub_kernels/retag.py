@@ -51,7 +51,7 @@ from torch import nn
 from . import _kernels_compat as compat
 from .cards import CARDS
 from .models import ClassRule, fingerprints
-from .report import card_layer_of, foreign_forward, global_names, retagged_card
+from .report import card_layer_of, foreign_forward, global_names, qualified_name, retagged_card
 
 logger = logging.getLogger(__name__)
 
@@ -314,13 +314,37 @@ _KEPT_FORWARDS = "kernelize keeps other libraries' forwards"
 """The change `_retag` records for `_kernels_compat.keep_forwards`, undone by `restore()`."""
 
 
-def keeps_forward(module: nn.Module) -> bool:
-    """Whether kernelize is to leave `module`'s forward as it is.
+ACCELERATE_AUTOCAST_MARK = "_npu_hub_kernels_runs_inside_accelerates_autocast"
+"""The attribute a card layer's forward carries when it runs itself inside accelerate's mixed-precision autocast where
+accelerate had wrapped the module's forward (npu-linear-cross-entropy's layers): a name, the card holds no import."""
+
+
+def keeps_forward(module: nn.Module, layer: type) -> bool:
+    """Whether kernelize is to leave `module`'s forward as it is rather than bind `layer`'s.
 
     It is to when its class is one this module retagged, and another library set its forward (neither a kernels
-    layer's nor the class's own: `report.foreign_forward`).
+    layer's nor the class's own: `report.foreign_forward`), unless that forward is accelerate's autocast wrapper of
+    the class's own forward, and `layer` runs itself inside that autocast (`ACCELERATE_AUTOCAST_MARK`):
+    a model loaded with use_kernels=True on the host, moved to the npu and prepared by accelerate (Trainer(bf16=True)).
     """
-    return retagged_card(type(module)) is not None and foreign_forward(module) is not None
+    if retagged_card(type(module)) is None:
+        return False
+    forward = foreign_forward(module)
+    return forward is not None and not (
+        getattr(getattr(layer, "forward", None), ACCELERATE_AUTOCAST_MARK, False)
+        and _accelerates_autocast_wrapper(module, forward)
+    )
+
+
+def _accelerates_autocast_wrapper(module: nn.Module, forward: object) -> bool:
+    """Whether `forward`, set on `module`, is accelerate's mixed-precision wrapper of its class's own forward.
+
+    accelerate's prepare_model keeps the forward it wrapped as `_original_forward` and wraps it (functools.wraps:
+    `__wrapped__`) in its autocast and its fp32 output conversion, both defined in accelerate. (Its wrapper of a card
+    layer's forward is kept: the card runs inside it.)"""
+    if "_original_forward" not in vars(module) or not qualified_name(forward).startswith("accelerate."):
+        return False
+    return inspect.unwrap(getattr(forward, "__func__", forward)) is inspect.unwrap(type(module).forward)
 
 
 def _retag(cls: type, mapping_name: str, rule: ClassRule | None = None) -> None:
