@@ -84,6 +84,12 @@ AUTOCAST_CALLS = {
         "npu_moe_token_unpermute": 2,
         # the routers (norm_topk_prob off in the tiny config) record autograd: softmax and top-k, no op call
     },
+    # DeepSeek-V3 (one MoE layer, one dense): as Llama; its router's logits come out of F.linear, which autocast runs
+    # in bfloat16 despite the router's float32 casts: npu_moe_gating_top_k fuses on them, as eager routes on them.
+    "deepseek_v3": {
+        "npu_rms_norm": 3, "npu_add_rms_norm": 2, "npu_rms_norm_backward": 2, "npu_rotary_mul": 4, "npu_swiglu": 3,
+        "npu_moe_gating_top_k": 1, "npu_moe_token_permute": 1, "npu_grouped_matmul": 6, "npu_moe_token_unpermute": 1,
+    },
 }  # fmt: skip
 
 
