@@ -9,16 +9,21 @@ with labels, against the same model without the cards, float32:
 - a forward hook that edits the output of the swapped module or of any of its children, and a forward replaced on
   such a module's instance (as accelerate's `add_hook_to_module` does), change the loss as they change eager's;
 - a global forward hook (`register_module_forward_hook`) sees the modules eager runs, as often.
+- a forward hook that edits a swapped module's output in place, and transformers' own in-place edits of a fused
+  output (Mixtral's router jitter, OLMoE's clip_qkv), give eager's loss and gradients (issue 39).
 A new card gets these by adding its family to FAMILIES.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from torch.nn.modules import module as torch_module
 
 from npu_hub_kernels import apply_npu_kernels, swapped_modules, unregister_npu_kernels
+from npu_hub_kernels._kernels_compat import kernel_funcs
 from npu_hub_kernels.cards import CARDS
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
@@ -163,3 +168,128 @@ def test_a_global_forward_hook_sees_the_modules_eager_runs(pair):
             handle.remove()
         seen[label] = sorted(name for name in calls if name != "?")
     assert seen["fused"] == seen["eager"]
+
+
+def _floating_outputs(output) -> list[torch.Tensor]:
+    """The floating-point tensors a module's output holds (a tensor, a tuple or a ModelOutput)."""
+    values = output.to_tuple() if hasattr(output, "to_tuple") else output
+    values = values if isinstance(values, tuple) else (values,)
+    return [t for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _swapped_module(model, name: str) -> torch.nn.Module:
+    """The module `swapped_modules` names `name`: a submodule, the model, or a function-module its caller holds."""
+    if name == "<root>":
+        return model
+    modules = dict(model.named_modules())
+    if name in modules:
+        return modules[name]
+    owner, called = name.rsplit(".", 1)  # a function-module: transformers keeps it in its caller's kernel_funcs
+    (function_module,) = (f for key, f in kernel_funcs(modules[owner]).items() if called.endswith(key))
+    return function_module
+
+
+@contextlib.contextmanager
+def _function_modules_eager(model):
+    """`model` with its function-modules' own forwards, not the ones kernelize bound on them.
+
+    transformers holds one function-module per function (`rotary_pos_emb`) for every model: kernelizing one model
+    swaps it in every other, the eager model of `pair` included."""
+    function_modules = {id(f): f for m in model.modules() for f in kernel_funcs(m).values() if "forward" in vars(f)}
+    bound = {key: vars(f).pop("forward") for key, f in function_modules.items()}
+    try:
+        yield
+    finally:
+        for key, forward in bound.items():
+            function_modules[key].forward = forward
+
+
+def _step_outcome(model, step) -> tuple:
+    """(loss, gradients) of `step(model)`'s loss and backward, or the type of the exception it raised."""
+    model.zero_grad(set_to_none=True)
+    try:
+        loss = step(model)
+        loss.backward()
+    except Exception as error:  # compared with eager's outcome
+        return (type(error),)
+    return loss.detach().cpu(), _grads(model)
+
+
+def _assert_same_outcome(got: tuple, want: tuple, what: str) -> None:
+    assert len(want) == 2, f"{what}: eager raised {want[0]}"
+    assert len(got) == 2, f"{what}: eager ran, the kernelized model raised {got[0]}"
+    torch.testing.assert_close(got[0], want[0], rtol=2e-5, atol=2e-5, msg=lambda m: f"{what}, loss: {m}")
+    _assert_close(got[1], want[1], what)
+
+
+@pytest.mark.parametrize("pair", CARD_IDS, indirect=True)
+def test_a_forward_hook_editing_a_swapped_modules_output_in_place_gives_eagers_gradients(pair):
+    """Activation steering: a hook scales the output of each module a card swaps in place (issue 39)."""
+    eager, fused, card = pair
+
+    def scale_in_place(module, args, output):
+        for tensor in _floating_outputs(output):
+            tensor.mul_(1.25)
+
+    names = list(dict.fromkeys(swap.module for swap in swapped_modules(fused, card=card.repo_name)))[:4]
+    for name in names:
+        outcomes = []
+        for model in (eager, fused):
+            handle = _swapped_module(model, name).register_forward_hook(scale_in_place)
+            try:
+                with _function_modules_eager(model) if model is eager else contextlib.nullcontext():
+                    outcomes.append(_step_outcome(model, _loss))
+            finally:
+                handle.remove()
+        _assert_same_outcome(outcomes[1], outcomes[0], f"{name} edited in place")
+
+
+@pytest.mark.parametrize(
+    ("family", "kernel_ids", "config"),
+    [
+        ("mixtral", ["npu_fused_rmsnorm", "npu_fused_moe"], {"router_jitter_noise": 0.1}),
+        ("olmoe", ["npu_fused_rmsnorm", "npu_fused_moe"], {"clip_qkv": 0.05}),
+    ],
+)
+def test_transformers_in_place_edits_of_fused_outputs_give_eagers_gradients(built_cards, family, kernel_ids, config):
+    """Mixtral's router jitter (`hidden_states *= noise` on the norm's output) and OLMoE's clip_qkv (`clamp_` on the
+    q/k norms' outputs), in a training step."""
+    eager = tiny_causal_lm(family, **config).to("npu").train()
+    fused = tiny_causal_lm(family, **config).to("npu").train()
+    fused = apply_npu_kernels(fused, kernels=kernel_ids, local_dir=built_cards)
+    try:
+        for kernel_id in kernel_ids:
+            card = next(card for card in CARDS.values() if card.kernel_id == kernel_id)
+            assert swapped_modules(fused, card=card.repo_name), f"{kernel_id} swaps nothing in {family}"
+
+        def seeded_loss(model):
+            torch.manual_seed(0)  # the same jitter noise for both models
+            return _loss(model)
+
+        _assert_same_outcome(_step_outcome(fused, seeded_loss), _step_outcome(eager, seeded_loss), family)
+    finally:
+        unregister_npu_kernels()
+
+
+@pytest.mark.parametrize("pair", CARD_IDS, indirect=True)
+def test_torch_func_grad_and_vmap_over_functional_call_give_eagers_gradients(pair):
+    """torch.func.grad of the loss over functional_call, and per-sample gradients (vmap of grad), as eager's: the
+    cards run eager's math under a torch.func transform (issue 39)."""
+    eager, fused, card = pair
+    ids = token_ids().to("npu")
+    results = []
+    for model in (eager, fused):
+
+        def loss(params, sample, model=model):
+            return torch.func.functional_call(model, params, (sample[None],), {"labels": sample[None]}).loss
+
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        with _function_modules_eager(model) if model is eager else contextlib.nullcontext():
+            whole = torch.func.grad(loss)(params, ids[0])
+            per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, ids)
+        results.append((whole, per_sample))
+    (want_whole, want_per_sample), (got_whole, got_per_sample) = results
+    _assert_close(got_whole, want_whole, "torch.func.grad")
+    _assert_close(got_per_sample, want_per_sample, "vmap of torch.func.grad")
+    reasons = [swap.eager_reason or "" for swap in swapped_modules(fused, card=card.repo_name)]
+    assert any("torch.func" in reason for reason in reasons), reasons

@@ -462,3 +462,113 @@ def test_unregistering_gives_kernelize_back_its_own_binding(register):
     with use_kernel_mapping({}, inherit_mapping=False):  # no layer mapped: kernelize binds each class's forward
         kernelize(model, mode=Mode.INFERENCE, device="npu")
     assert compat.instance_forward(norm).__func__ is type(norm).forward
+
+
+def _patched_norm_forward(how: str, original):
+    """A patch of LlamaRMSNorm.forward that computes something else (as Liger's or a user's would)."""
+    if how == "another signature":
+
+        def forward(self, hidden_states, scale=1.41):
+            return original(self, hidden_states) * scale
+
+        return forward
+
+    def forward(self, hidden_states):
+        return original(self, hidden_states) * 1.41
+
+    return functools.wraps(original)(forward) if how == "functools.wraps" else forward
+
+
+@pytest.mark.parametrize(
+    ("when", "how", "load"),
+    [
+        ("before registering", "functools.wraps", "kernelize"),
+        ("after registering", "plain", "kernelize"),
+        ("after registering", "functools.wraps", "use_kernels=True"),
+        ("after registering", "another signature", "use_kernels=True"),
+        ("after registering", "functools.wraps", "apply_npu_kernels"),
+        ("after registering", "a subclass", "kernelize"),
+    ],
+)
+def test_a_norm_class_patched_by_another_library_runs_its_patch(
+    register, built_cards, monkeypatch, tmp_path, when, how, load
+):
+    """A class whose code is not the proven code when a card would take it over (Liger's apply_liger_kernel_to_*, a
+    user's functools.wraps patch, a subclass put in its place) runs that code, and swapped_modules says why."""
+    llama = modeling("llama")
+    original = llama.LlamaRMSNorm
+
+    def patch():
+        if how == "a subclass":
+            patched = type("PatchedRMSNorm", (original,), {"forward": _patched_norm_forward("plain", original.forward)})
+            monkeypatch.setattr(llama, "LlamaRMSNorm", patched)
+        else:
+            monkeypatch.setattr(original, "forward", _patched_norm_forward(how, original.forward))
+
+    if when == "before registering":
+        patch()
+    register()
+    if when == "after registering":
+        patch()
+    tiny_model("llama").save_pretrained(tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu")
+    ids = token_ids().to("npu")
+    with torch.no_grad():
+        want = model(ids).logits
+    if load == "use_kernels=True":
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", device_map="npu", use_kernels=True)
+    elif load == "apply_npu_kernels":
+        model = apply_npu_kernels(model, kernels="auto", local_dir=built_cards)
+    else:
+        kernelize(model, mode=Mode.INFERENCE, device="npu")
+    with emulation.count_op_calls() as calls, torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls["npu_rms_norm"] == 0 and calls["npu_add_rms_norm"] == 0
+    assert calls["npu_swiglu"] > 0  # the other cards fuse
+    if how != "a subclass":  # the class listed in the table is left eager, and says why
+        reasons = {s.eager_reason for s in swapped_modules(model, card="npu-rms-norm")}
+        assert reasons and all("patch" in (reason or "") for reason in reasons), reasons
+
+
+def test_a_class_patched_after_kernelize_runs_the_card_until_the_next_kernelize(register, monkeypatch):
+    """kernels' rule for any Hub layer: a class patch does not reach the forward kernelize bound on an instance; the
+    next kernelize releases the card's forward, and the patch runs."""
+    register()
+    model = tiny_model("llama").to("npu")
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    original = modeling("llama").LlamaRMSNorm
+    monkeypatch.setattr(original, "forward", _patched_norm_forward("functools.wraps", original.forward))
+    ids = token_ids().to("npu")
+    for kernelized_again, fused in ((False, True), (True, False)):
+        if kernelized_again:
+            kernelize(model, mode=Mode.INFERENCE, device="npu")
+        with emulation.count_op_calls() as calls, torch.no_grad():
+            model(ids)
+        assert (calls["npu_rms_norm"] > 0) is fused, (kernelized_again, dict(calls))
+
+
+@pytest.mark.parametrize("how", ["plain", "functools.wraps"])
+def test_a_replaced_rotate_half_leaves_rope_eager_and_swapped_modules_says_so(register, monkeypatch, how):
+    """The gate's fingerprint of the rotary function counts the rotate_half it calls: replaced (a plain function or a
+    functools.wraps wrapper, computing something else), the rotary function runs eager with it, and swapped_modules
+    lists the rotary function-modules with that reason (issue 39)."""
+    llama = modeling("llama")
+    original = llama.rotate_half
+
+    def rotate_half(x):
+        return original(x) * 0.5
+
+    monkeypatch.setattr(llama, "rotate_half", functools.wraps(original)(rotate_half) if how != "plain" else rotate_half)
+    register()
+    model = tiny_model("llama").to("npu")
+    ids = token_ids().to("npu")
+    with torch.no_grad():
+        want = model(ids).logits
+    kernelize(model, mode=Mode.INFERENCE, device="npu")
+    with emulation.count_op_calls() as calls, torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls["npu_rotary_mul"] == 0 and calls["npu_rms_norm"] > 0
+    rope = swapped_modules(model, card="npu-rope")
+    assert rope and all(s.variant is None and "differs from the code proven" in s.eager_reason for s in rope), rope

@@ -296,7 +296,7 @@ def test_keep_forwards_leaves_what_the_keeper_keeps_and_kernelize_binds_the_rest
     kept, bound = Identity(), Identity()
     for module in (kept, bound):
         module.forward = MethodType(other_forward, module)
-    compat.keep_forwards(lambda module: module is kept)
+    compat.keep_forwards(lambda module, layer: module is kept)
     try:
         with use_kernel_mapping({}, inherit_mapping=False):
             kernelize(nn.Sequential(kept, bound), mode=Mode.INFERENCE, device="cpu")

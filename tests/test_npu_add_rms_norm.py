@@ -202,7 +202,6 @@ def test_every_fallback_says_why_skips_the_op_and_equals_eager(card, case):
     ("residual_shape", "update_shape", "update_dtype", "phrase"),
     [
         ((2, 3, HIDDEN), (1, 3, HIDDEN), torch.float32, "broadcasts"),
-        ((2, 3, HIDDEN), (2, 3, HIDDEN), torch.float16, "promotes the sum"),
         ((0, 3, HIDDEN), (0, 3, HIDDEN), torch.float32, "empty"),
         ((HIDDEN,), (HIDDEN,), torch.float32, "npu_rms_norm_backward (the backward) 2 to 8"),
         ((2, 3, HIDDEN * 2), (2, 3, HIDDEN * 2), torch.float32, "does not match"),
@@ -220,6 +219,27 @@ def test_tensor_fallbacks(card, residual_shape, update_shape, update_dtype, phra
         got = card.add_rms_norm(residual, update, norm)
     assert calls["npu_add_rms_norm"] == 0
     assert all(torch.equal(g, w) for g, w in zip(got, card.add_rms_norm_eager(residual, update, norm), strict=True))
+
+
+@pytest.mark.parametrize("narrower", ["update", "residual"])
+def test_a_narrower_operand_is_added_as_eager_promotes_it(card, narrower):
+    """A bfloat16 attention output (a linear's, under autocast) added to the float32 residual: eager's sum is float32,
+    and the op adds in float32 the operand cast to it (exact): it fuses with eager's numbers and dtypes (issue 39)."""
+    norm = make_norm("plain", torch.float32).to("npu")
+    wide = torch.randn(2, 3, HIDDEN).to("npu").requires_grad_()
+    narrow = torch.randn(2, 3, HIDDEN).to(torch.bfloat16).to("npu").requires_grad_()
+    residual, update = (wide, narrow) if narrower == "update" else (narrow, wide)
+    assert card.add_rms_norm_unavailable_reason(residual, update, norm) is None
+    results = []
+    for fused in (True, False):
+        with emulation.count_op_calls() as calls:
+            y, summed = (card.add_rms_norm if fused else card.add_rms_norm_eager)(residual, update, norm)
+        assert calls["npu_add_rms_norm"] == int(fused)
+        grads = torch.autograd.grad((y * y).sum() + summed.sum(), (residual, update, norm.weight))
+        results.append((y, summed, *grads))
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_scaling_is_refused(card):

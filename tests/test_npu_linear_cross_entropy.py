@@ -1038,6 +1038,79 @@ def test_a_custom_loss_function_keeps_the_class_forward(npu_kernels):
     torch.testing.assert_close(got.loss.cpu(), eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
 
 
+def _z_loss_wrapper():
+    """A user's wrapper of transformers' ForCausalLMLoss (a z-loss added), made with functools.wraps."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    @functools.wraps(ForCausalLMLoss)
+    def with_z_loss(logits, labels, vocab_size, **kwargs):
+        return ForCausalLMLoss(logits, labels, vocab_size, **kwargs) + 1e-2 * logits.float().logsumexp(-1).pow(2).mean()
+
+    return with_z_loss
+
+
+@pytest.mark.parametrize("where", ["model.loss_function", "LOSS_MAPPING"])
+def test_a_loss_function_wrapped_with_functools_wraps_runs(npu_kernels, monkeypatch, where):
+    """functools.wraps copies ForCausalLMLoss's __module__ and __name__: only the function itself is transformers'."""
+    from transformers.loss import loss_utils
+
+    eager, fused = _pair("llama")
+    wrapper = _z_loss_wrapper()
+    assert (wrapper.__module__, wrapper.__name__) == ("transformers.loss.loss_utils", "ForCausalLMLoss")
+    if where == "LOSS_MAPPING":
+        monkeypatch.setitem(loss_utils.LOSS_MAPPING, "ForCausalLM", wrapper)
+    else:
+        fused.loss_function = eager.loss_function = wrapper
+    assert fused.loss_function is wrapper
+    ids = token_ids()
+    with emulation.count_op_calls() as calls:
+        got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"))
+    assert calls[OPS[0]] == 0 and got.logits is not None
+    torch.testing.assert_close(got.loss.cpu(), eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()  # transformers' own loss again: the card fuses (the negative control)
+    with emulation.count_op_calls() as calls:
+        fused.loss_function = loss_utils.ForCausalLMLoss
+        fused(input_ids=ids.to("npu"), labels=ids.to("npu"))
+    assert calls[OPS[0]] > 0
+
+
+def _bad_labels(kind: str, ids: torch.Tensor):
+    """Labels as a data pipeline may get them wrong: -1 padding, an id past the vocabulary, another type."""
+    if kind == "-1 padding":
+        return ids.masked_fill(torch.arange(ids.shape[1]) >= ids.shape[1] - 2, -1)
+    if kind == "past the vocabulary":
+        return ids.masked_fill(torch.arange(ids.shape[1]) == 3, 10_000)
+    if kind == "list":
+        return ids.tolist()
+    return ids.to({"int32": torch.int32, "uint8": torch.uint8, "float": torch.float32}[kind])
+
+
+def _outcome(call) -> tuple:
+    """(loss,) of `call()`, or (type, message) of the exception it raised."""
+    try:
+        return (call().loss.detach().cpu(),)
+    except Exception as error:  # compared with eager's outcome
+        return type(error), str(error)
+
+
+@pytest.mark.parametrize("kind", ["-1 padding", "past the vocabulary", "int32", "uint8", "float", "list"])
+def test_bad_labels_get_eagers_answer_and_the_device_never_reads_outside_a_row(npu_kernels, kind):
+    """A label outside [0, vocab) that is not ignore_index raises eager's IndexError naming it, before any device op
+    reads its row; labels of another dtype or type raise eager's exception."""
+    eager, fused = _pair("llama")
+    ids = token_ids()
+    labels = _bad_labels(kind, ids)
+    on_npu = labels if isinstance(labels, list) else labels.to("npu")
+    with emulation.count_op_calls() as calls:
+        got = _outcome(lambda: fused(input_ids=ids.to("npu"), labels=on_npu))
+    want = _outcome(lambda: eager(input_ids=ids, labels=labels))
+    assert len(want) == 2, f"eager took {kind} labels"
+    assert got[0] is want[0], got
+    if want[0] is IndexError:  # eager's "Target -1 is out of bounds.", the bad label named
+        assert want[1].rstrip(".") in got[1], got[1]
+    assert calls[OPS[0]] == 0
+
+
 @pytest.mark.slow
 def test_training_converges_like_eager(npu_kernels):
     """The convergence idiom: AdamW steps give eager's losses, and every parameter moves as eager moves it, within
@@ -1278,3 +1351,21 @@ def test_labels_on_the_host_are_moved_as_eagers_loss_moves_them(npu_kernels):
         got = fused(input_ids=ids.to("npu"), labels=_labels(ids)).loss
     assert calls[OPS[0]] == 1
     torch.testing.assert_close(got.detach().cpu(), want.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("held", ["weight", "bias"])
+def test_an_lm_head_holding_a_buffer_gives_eagers_loss(npu_kernels, held):
+    """An lm_head whose weight, or bias, is a buffer (a frozen head): eager's loss, the bias never dropped."""
+    eager, fused = _pair("llama")
+    for model in (eager, fused):
+        head = model.lm_head
+        if held == "weight":
+            weight = head.weight.detach().clone()
+            del head.weight
+            head.register_buffer("weight", weight)
+        else:
+            del head.bias
+            head.register_buffer("bias", torch.linspace(-1, 1, head.out_features, device=head.weight.device))
+    ids = token_ids()
+    got = fused(input_ids=ids.to("npu"), labels=ids.to("npu")).loss
+    torch.testing.assert_close(got.cpu(), eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)

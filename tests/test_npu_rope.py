@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from numerics import relative_error
 
 from npu_hub_kernels.testing import emulation
 
@@ -242,8 +243,9 @@ def _fallback_cases():
         "heads >= 1000": (rotary_inputs(1, 1000, 1000, 1, 8, torch.float32), "below 1000"),
         "empty sequence": (rotary_inputs(2, 4, 2, 0, 64, torch.float32), "empty input"),
         "float64": (rotary_inputs(2, 4, 2, 5, 64, torch.float64), "float64"),
-        "cos dtype differs": (
-            (*rotary_inputs(2, 4, 2, 5, 64, torch.bfloat16)[:2], *rotary_inputs(2, 4, 2, 5, 64, torch.float32)[2:]),
+        "cos dtype differs": (  # float32 q/k, bfloat16 cos/sin: rotate(q) * sin is rounded to neither (a bf16 q/k
+            # with float32 cos/sin is rotated cast to float32: test_bfloat16_q_k_with_float32_angles_fuse_...)
+            (*rotary_inputs(2, 4, 2, 5, 64, torch.float32)[:2], *rotary_inputs(2, 4, 2, 5, 64, torch.bfloat16)[2:]),
             "differs",
         ),
     }
@@ -377,7 +379,7 @@ def test_outside_its_limits_the_one_call_op_is_not_used_and_the_reason_is_given(
         with emulation.count_op_calls() as calls:
             fused = card.apply_rotary_pos_emb(q, k, cos, sin)
     assert calls["npu_apply_rotary_pos_emb"] == 0
-    assert calls["npu_rotary_mul"] == (2 if "float32 cos" not in case else 0)
+    assert calls["npu_rotary_mul"] == 2  # float32 cos with bf16 q/k: q/k rotated cast to float32, as eager promotes
     for got, want in zip(fused, card.apply_rotary_pos_emb_eager(q, k, cos, sin), strict=True):
         torch.testing.assert_close(got.cpu(), want.cpu(), rtol=1e-6, atol=1e-6)
 
@@ -491,3 +493,53 @@ def test_strict_styles_fail_on_narrower_cos_as_their_transformers_function_fails
     with pytest.raises(RuntimeError), emulation.count_op_calls() as calls:
         card.apply_rotary_pos_emb(*npu(q, k, cos, sin), 1, style)
     assert calls["npu_rotary_mul"] == 0
+
+
+def test_a_rotary_call_that_raises_leaves_its_own_reason_not_the_previous_calls(card):
+    """A call whose math raises (interleaved pairs of an odd head dim, as transformers' own raises) records why it did
+    not fuse; the module's last reason is never the previous call's (issue 39)."""
+    fallbacks = importlib.import_module(f"{card.__name__}._fallbacks")
+    module = torch.nn.Module()
+    q, cos = torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8)
+    card.apply_rotary_pos_emb(q, q, cos, cos, 1, "pairs", module=module)  # host tensors: eager, with that reason
+    before = fallbacks.eager_record(module).last
+    assert "not on an npu device" in before
+    q_odd, cos_odd = npu(torch.randn(1, 2, 3, 7), torch.randn(1, 3, 7))
+    with pytest.raises(RuntimeError):
+        card.apply_rotary_pos_emb(q_odd, q_odd, cos_odd, cos_odd, 1, "pairs", module=module)
+    with pytest.raises(RuntimeError):  # what transformers' own interleaved rotation raises there
+        transformers_eager(*(t.cpu() for t in (q_odd, q_odd, cos_odd, cos_odd)), 1, "pairs")
+    assert fallbacks.eager_record(module).last not in (None, before)
+
+
+@pytest.mark.parametrize("style", ["llama", "llama_partial", "pairs"])
+def test_bfloat16_q_k_with_float32_angles_fuse_as_eager_promotes_them(card, style):
+    """Under autocast q/k come out of bfloat16 linears while cos/sin stay float32: eager's products promote to
+    float32; the card rotates q/k cast to float32 (exact) with npu_rotary_mul, in eager's output dtype (issue 39)."""
+    head_dim = 16
+    rotary_dim = head_dim // 2 if style.endswith("partial") else head_dim
+    q = torch.randn(2, 4, 5, head_dim).to(torch.bfloat16).to("npu").requires_grad_()
+    k = torch.randn(2, 2, 5, head_dim).to(torch.bfloat16).to("npu").requires_grad_()
+    cos, sin = (torch.randn(1 if style == "pairs" else 2, 5, rotary_dim).to("npu") for _ in range(2))
+    assert card.apply_rotary_pos_emb_unavailable_reason(q, k, cos, sin, 1, style) is None
+    results = []
+    for run in ("fused", "eager", "float64"):
+        inputs = (
+            (q, k, cos, sin) if run != "float64" else [t.detach().double().requires_grad_() for t in (q, k, cos, sin)]
+        )
+        with emulation.count_op_calls() as calls:
+            if run == "fused":
+                out = card.apply_rotary_pos_emb(*inputs, 1, style)
+            else:
+                out = transformers_eager(*inputs, 1, style)
+        assert calls["npu_rotary_mul"] == (2 if run == "fused" else 0)
+        grads = torch.autograd.grad(sum((o.float() ** 2).sum() for o in out), inputs[:2])
+        results.append((*out, *grads))
+    (*fused_out, fused_dq, fused_dk), (*eager_out, eager_dq, eager_dk), (*_, ref_dq, ref_dk) = results
+    for got, want in zip(fused_out, eager_out, strict=True):  # the forward: eager's float32 products, exactly
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # dq, dk in bfloat16: eager rounds each of the two products' gradients, the cast rounds their float32 sum once
+    for got, want, ref in ((fused_dq, eager_dq, ref_dq), (fused_dk, eager_dk, ref_dk)):
+        assert got.dtype == want.dtype == torch.bfloat16
+        assert relative_error(got, ref) <= 2 * relative_error(want, ref)

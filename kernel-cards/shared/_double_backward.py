@@ -36,7 +36,9 @@ class _EagerWhenRecorded(torch.autograd.Function):
     """The identity on the fused outputs, with eager's math in a backward autograd records.
 
     Its backward hands the gradient to the fused op's node, or, recorded, to eager's math on the inputs (and none to the
-    fused op's node, whose backward has no derivative)."""
+    fused op's node, whose backward has no derivative). The outputs are the fused tensors themselves, marked dirty (as
+    an in-place op marks them), not views made inside the Function: PyTorch refuses in-place edits of such views, and
+    transformers' code (Mixtral's router jitter, OLMoE's clip_qkv) and users' hooks edit a norm's output in place."""
 
     @staticmethod
     def forward(ctx, eager, count: int, *tensors):
@@ -44,8 +46,8 @@ class _EagerWhenRecorded(torch.autograd.Function):
         outputs, inputs = tensors[:count], tensors[count:]
         ctx.none_inputs = [t is None for t in inputs]
         ctx.save_for_backward(*(t for t in inputs if t is not None))
-        views = tuple(t.view_as(t) for t in outputs)
-        return views if count > 1 else views[0]
+        ctx.mark_dirty(*outputs)
+        return outputs if count > 1 else outputs[0]
 
     @staticmethod
     def backward(ctx, *grads):

@@ -108,6 +108,12 @@ INTERNALS: dict[str, Internal] = {
         "none: calling the op and catching its error would cost a failed device call, and torch_npu's version does "
         "not say which op-plugin overloads a build carries",
     ),
+    "functorch_transform": Internal(
+        "torch: torch._C._functorch.peek_interpreter_stack() and its key(), the innermost active torch.func transform",
+        "the fused paths are custom autograd Functions around device ops that torch.func does not transform: under "
+        "grad, vmap or jvp the cards run eager's math, which torch.func transforms as it does eager's",
+        "none: torch.func has no public query of the active transforms",
+    ),
 }
 
 HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward")
@@ -193,3 +199,9 @@ def device_has_kernel(overload: str) -> bool:
         return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{overload}", "PrivateUse1")
     except RuntimeError:  # a torch without that overload
         return False
+
+
+def functorch_transform() -> str | None:
+    """The innermost active torch.func transform ("grad", "vmap", "jvp", "functionalize"), or None outside them."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    return None if interpreter is None else interpreter.key().name.lower()

@@ -13,6 +13,7 @@ from types import ModuleType
 import torch
 
 from ._build import REQUIRES_TORCH_NPU
+from ._internals import functorch_transform
 
 
 def _import_torch_npu() -> ModuleType | None:
@@ -47,6 +48,12 @@ def npu_unavailable_reason(*tensors: torch.Tensor) -> str | None:
     """Why the fused torch_npu op cannot run on these tensors, or None when it can."""
     if torch_npu is None:
         return "torch_npu is not installed (torch-universal build on a host without an NPU)"
+    transform = functorch_transform()
+    if transform is not None:
+        return (
+            f"torch.func's {transform} transform is active: the fused path's autograd Functions and device ops are "
+            "not transformed by torch.func, so eager's math runs (which torch.func transforms as it does eager's)"
+        )
     for t in tensors:
         seen = (type(t), t.device)
         if seen in _PLAIN_ON_NPU:

@@ -238,8 +238,8 @@ def is_layer_forward(function: object) -> bool:
 
 # Private functions wrapped
 
-ForwardKeeper = Callable[["nn.Module"], bool]
-"""Whether kernelize is to leave the forward of a module as it is (True) instead of binding one."""
+ForwardKeeper = Callable[["nn.Module", type], bool]
+"""Whether kernelize is to leave the forward of a module as it is (True) instead of binding the given layer's."""
 
 _KERNELS_LAYER = importlib.import_module("kernels.layer.layer")
 if list(inspect.signature(getattr(_KERNELS_LAYER, "_replace_forward", lambda: None)).parameters) != ["module", "layer"]:
@@ -255,13 +255,13 @@ _wrapped_replace_forward: Callable[[nn.Module, type], None] = _KERNELS_LAYER._re
 def _replace_forward_unless_kept(module: nn.Module, layer: type) -> None:
     """kernels' `_replace_forward(module, layer)`, except for a module the installed keeper keeps."""
     keeper = _forward_keeper
-    if keeper is not None and keeper(module):
+    if keeper is not None and keeper(module, layer):
         return
     _wrapped_replace_forward(module, layer)
 
 
 def keep_forwards(keeper: ForwardKeeper) -> None:
-    """Make kernelize, from now on, leave the forward of every module for which `keeper(module)` is true as it is.
+    """Make kernelize, from now on, leave the forward of every module for which `keeper(module, layer)` is true.
 
     It binds neither a layer's forward nor the class's own there. Every other module is bound as kernels binds it.
     """

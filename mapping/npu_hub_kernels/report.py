@@ -79,7 +79,7 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
     left_eager = _left_eager_rules()
     for qualified, candidate in _candidates(model):
         build, layer = card_layer_of(candidate) or (None, None)
-        unproven = left_eager.get(_class_path(type(candidate))) if build is None else None
+        unproven = left_eager.get(_listed_path(candidate)) if build is None else None
         if unproven is not None and card in (None, unproven[0]):
             repo_name, layer, reason = unproven
             swaps.append(Swap(qualified, type(candidate).__name__, repo_name, layer, None, reason))
@@ -102,6 +102,14 @@ def swapped_modules(model: nn.Module, card: str | None = None) -> list[Swap]:
 def _class_path(cls: type) -> str:
     """A class's path as the model tables write it (relative to transformers.models)."""
     return f"{cls.__module__.removeprefix('transformers.models.')}.{cls.__qualname__}"
+
+
+def _listed_path(candidate: nn.Module) -> str:
+    """A module's path as the model tables write it: its class's, or, for a function-module, its function's."""
+    function = compat.function_module_function(candidate)
+    if function is None:
+        return _class_path(type(candidate))
+    return f"{function.__module__.removeprefix('transformers.models.')}.{function.__qualname__}"
 
 
 def _left_eager_rules() -> dict[str, tuple[str, str, str]]:

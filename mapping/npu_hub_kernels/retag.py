@@ -51,7 +51,7 @@ from torch import nn
 from . import _kernels_compat as compat
 from .cards import CARDS
 from .models import ClassRule, fingerprints
-from .report import card_layer_of, foreign_forward, global_names, retagged_card
+from .report import card_layer_of, foreign_forward, global_names, qualified_name, retagged_card
 from .selftest.results import stood_down
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def _swap_in(module: ModuleType, rule: ClassRule, mapping_name: str) -> None:
         return
     if isinstance(obj, type):
         if _proven(rule, obj):
-            _retag(obj, mapping_name)
+            _retag(obj, mapping_name, rule)
         else:
             _keep_eager(obj)
         return
@@ -319,22 +319,70 @@ _KEPT_FORWARDS = "kernelize keeps other libraries' forwards"
 """The change `_retag` records for `_kernels_compat.keep_forwards`, undone by `restore()`."""
 
 
-def keeps_forward(module: nn.Module) -> bool:
-    """Whether kernelize is to leave `module`'s forward as it is.
+ACCELERATE_AUTOCAST_MARK = "_npu_hub_kernels_runs_inside_accelerates_autocast"
+"""The attribute a card layer's forward carries when it runs itself inside accelerate's mixed-precision autocast where
+accelerate had wrapped the module's forward (npu-linear-cross-entropy's layers): a name, the card holds no import."""
+
+
+def keeps_forward(module: nn.Module, layer: type) -> bool:
+    """Whether kernelize is to leave `module`'s forward as it is rather than bind `layer`'s.
 
     It is to when its class is one this module retagged, and another library set its forward (neither a kernels
-    layer's nor the class's own: `report.foreign_forward`).
+    layer's nor the class's own: `report.foreign_forward`), unless that forward is accelerate's autocast wrapper of
+    the class's own forward, and `layer` runs itself inside that autocast (`ACCELERATE_AUTOCAST_MARK`):
+    a model loaded with use_kernels=True on the host, moved to the npu and prepared by accelerate (Trainer(bf16=True)).
     """
-    return retagged_card(type(module)) is not None and foreign_forward(module) is not None
+    if retagged_card(type(module)) is None:
+        return False
+    forward = foreign_forward(module)
+    return forward is not None and not (
+        getattr(getattr(layer, "forward", None), ACCELERATE_AUTOCAST_MARK, False)
+        and _accelerates_autocast_wrapper(module, forward)
+    )
 
 
-def _retag(cls: type, mapping_name: str) -> None:
+def _accelerates_autocast_wrapper(module: nn.Module, forward: object) -> bool:
+    """Whether `forward`, set on `module`, is accelerate's mixed-precision wrapper of its class's own forward.
+
+    accelerate's prepare_model keeps the forward it wrapped as `_original_forward` and wraps it (functools.wraps:
+    `__wrapped__`) in its autocast and its fp32 output conversion, both defined in accelerate. (Its wrapper of a card
+    layer's forward is kept: the card runs inside it.)"""
+    if "_original_forward" not in vars(module) or not qualified_name(forward).startswith("accelerate."):
+        return False
+    return inspect.unwrap(getattr(forward, "__func__", forward)) is inspect.unwrap(type(module).forward)
+
+
+def _retag(cls: type, mapping_name: str, rule: ClassRule | None = None) -> None:
+    """Tag `cls` (a listed class, of `rule`, or a function-module's class) with a card's mapping name."""
     _state.record((cls, "tag"), partial(_untag, cls, _own(cls, "kernel_layer_name"), _own(cls, "kernel_condition")))
-    # Only instances of exactly this class: a subclass may compute something else.
-    replace_kernel_forward_from_hub(cls, mapping_name, condition=lambda module: type(module) is cls)
+    # Only instances of exactly this class (a subclass may compute something else), and, for a listed class, only
+    # while its code is still the proven code: kernelize asks at every call.
+    replace_kernel_forward_from_hub(cls, mapping_name, condition=partial(_exactly_and_still_proven, cls, rule))
     # While a class is retagged, kernelize keeps the forward another library set on one of its modules.
     _state.record(_KEPT_FORWARDS, compat.stop_keeping_forwards)
     compat.keep_forwards(keeps_forward)
+
+
+def _exactly_and_still_proven(cls: type, rule: ClassRule | None, module: nn.Module) -> bool:
+    """The `kernel_condition` of a retagged class: `module` is of exactly `cls`, and `cls`'s code is still proven.
+
+    The code is checked as kernelize runs (registration checked it once): a class another library or the user patched
+    since (Liger-Kernel's `apply_liger_kernel_to_*`, a `functools.wraps` wrapper) keeps running that code, and
+    `swapped_modules` says why. kernelize skips such a module before it loads or validates the card's layer, so a
+    patch with another signature raises nothing either; a layer an earlier kernelize bound on it is released."""
+    if type(module) is not cls:
+        return False
+    if rule is None:
+        return True
+    reason = fingerprints.unproven_reason(CARDS[rule.kernel_id], rule.path, cls)
+    if reason is None:
+        fingerprints.forget_eager(rule.path)
+        return True
+    _stays_eager(rule, reason)
+    bound = compat.instance_forward(module)
+    if bound is not None and compat.is_layer_forward(getattr(bound, "__func__", None)):  # an earlier kernelize's
+        compat.release_instance_forward(module)
+    return False
 
 
 def _untag(cls: type, own_tag: object, own_condition: object) -> None:

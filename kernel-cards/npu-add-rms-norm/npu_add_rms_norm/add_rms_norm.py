@@ -51,6 +51,13 @@ def _norm_problem(norm: nn.Module, family: str | None) -> str | None:
     names = [name for name, _ in norm.named_parameters(recurse=True)]
     if names != ["weight"]:
         return f"the norm has the parameters {names}, not just a weight (a bias or other state the op has no input for)"
+    forward = getattr(cls, "forward", None)
+    defined_in = getattr(forward, "__globals__", {}).get("__name__", "?")
+    if not defined_in.startswith("transformers."):  # code, not names: functools.wraps copies __module__, not globals
+        return (
+            f"the norm's class forward is {defined_in}.{getattr(forward, '__qualname__', forward)}, not transformers' "
+            "(another library's or the user's patch): the norm is called, and that code runs"
+        )
     eps = epsilon_of(norm)
     if not isinstance(eps, float):
         return "the norm has no float epsilon (variance_epsilon or eps)"
@@ -80,19 +87,18 @@ def add_rms_norm_unavailable_reason(
     reason = npu_unavailable_reason(residual, update, weight)
     if reason is not None:
         return reason
-    if residual.dtype not in FUSED_DTYPES:
-        return f"dtype {residual.dtype} is not supported by npu_add_rms_norm (float16, bfloat16, float32)"
-    if update.dtype != residual.dtype:
-        return f"the update's dtype {update.dtype} differs from the residual's {residual.dtype}: eager promotes the sum"
+    dtype = _sum_dtype(residual, update)  # eager's sum promotes: the op adds in that dtype, as eager does
+    if dtype not in FUSED_DTYPES:
+        return f"dtype {dtype} is not supported by npu_add_rms_norm (float16, bfloat16, float32)"
     if update.shape != residual.shape:
         return f"shapes {tuple(residual.shape)} and {tuple(update.shape)} differ: eager broadcasts the sum"
-    if scaling == "plain" and weight.dtype != residual.dtype:
-        return f"weight dtype {weight.dtype} differs from input dtype {residual.dtype}: eager promotes the output dtype"
-    if scaling == "float32_scale" and weight.dtype != residual.dtype:
-        return f"npu_add_rms_norm takes gamma in the input dtype {residual.dtype}, not {weight.dtype}"
-    if scaling == "zero_centered" and (residual.dtype != torch.float32 or weight.dtype != torch.float32):
+    if scaling == "plain" and weight.dtype != dtype:
+        return f"weight dtype {weight.dtype} differs from input dtype {dtype}: eager promotes the output dtype"
+    if scaling == "float32_scale" and weight.dtype != dtype:
+        return f"npu_add_rms_norm takes gamma in the input dtype {dtype}, not {weight.dtype}"
+    if scaling == "zero_centered" and (dtype != torch.float32 or weight.dtype != torch.float32):
         return (
-            f"a (1 + weight) norm in {residual.dtype} (weight {weight.dtype}): npu_add_rms_norm takes gamma in the "
+            f"a (1 + weight) norm in {dtype} (weight {weight.dtype}): npu_add_rms_norm takes gamma in the "
             "input dtype, and rounding 1 + weight to it would change the result (fused in float32 only)"
         )
     if not 2 <= residual.dim() <= 8:
@@ -121,7 +127,13 @@ def add_rms_norm(
     if ran_eager(module, add_rms_norm_unavailable_reason(residual, update, norm, scaling, family)):
         return add_rms_norm_eager(residual, update, norm)
     gamma = 1.0 + norm.weight if scaling == "zero_centered" else norm.weight
-    return _AddRmsNorm.apply(residual, update, gamma, epsilon_of(norm), scaling)
+    dtype = _sum_dtype(residual, update)  # a cast to the wider dtype is exact: the sum is eager's
+    return _AddRmsNorm.apply(residual.to(dtype), update.to(dtype), gamma, epsilon_of(norm), scaling)
+
+
+def _sum_dtype(residual: torch.Tensor, update: torch.Tensor) -> torch.dtype:
+    """The dtype of eager's `residual + update` (a bfloat16 update under autocast, a float32 residual: float32)."""
+    return torch.promote_types(residual.dtype, update.dtype)
 
 
 def add_rms_norm_eager(

@@ -105,6 +105,9 @@ def _layer(name: str, row: Layer) -> type[nn.Module]:
         return _fused_or_own(self, row, arguments)
 
     forward.__signature__, forward.__qualname__ = signature, f"{name}.forward"
+    # it runs itself inside accelerate's autocast where accelerate wrapped the model's forward: the registry lets
+    # kernelize replace that wrapper with it (npu_hub_kernels.retag.ACCELERATE_AUTOCAST_MARK)
+    forward._npu_hub_kernels_runs_inside_accelerates_autocast = True
     # torch.compile of the fused path is not verified on Ascend hardware yet.
     namespace = {"forward": forward, "has_backward": True, "can_torch_compile": False}
     return type(name, (nn.Module,), {**namespace, "__module__": __name__, "__doc__": f"{name}: see LAYERS."})

@@ -6,6 +6,7 @@ It runs without the full logits (its two forms, ignored rows, autocast, the engi
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import torch
@@ -76,11 +77,12 @@ def _call_unavailable_reason(
     """Why the loss cannot be lm_head's call, whatever its tensors: the call's arguments, lm_head's class and hooks."""
     if labels is None:
         return "no labels (inference or generation): the logits are computed and returned as eager computes them"
+    if not isinstance(labels, torch.Tensor) or labels.dtype is not torch.int64:
+        given = f"in {labels.dtype}" if isinstance(labels, torch.Tensor) else f"a {type(labels).__name__}"
+        return f"labels are {given}, not an int64 tensor: transformers' loss takes them (or refuses them) itself"
     if not training_step:
         return "not a training step (the model in eval(), or gradients off): evaluation keeps the class's forward"
-    # transformers' ForCausalLMLoss, recognised without importing it
-    loss_name = getattr(loss_function, "__module__", None), getattr(loss_function, "__name__", None)
-    if loss_function is not None and loss_name != ("transformers.loss.loss_utils", "ForCausalLMLoss"):
+    if loss_function is not None and not _is_transformers_causal_lm_loss(loss_function):
         name = getattr(loss_function, "__qualname__", type(loss_function).__name__)
         return f"the model's loss_function is {name}, not transformers' ForCausalLMLoss"
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
@@ -106,11 +108,23 @@ def _call_unavailable_reason(
     return None
 
 
+def _is_transformers_causal_lm_loss(loss_function: object) -> bool:
+    """Whether `loss_function` is transformers' ForCausalLMLoss itself, found without importing transformers.
+
+    Identity, not names: a wrapper made with functools.wraps (a z-loss, label smoothing, logging) copies its
+    `__module__` and `__name__`, and must run. A process that never imported transformers' loss module holds no
+    ForCausalLMLoss."""
+    loss_utils = sys.modules.get("transformers.loss.loss_utils")
+    return loss_utils is not None and loss_function is getattr(loss_utils, "ForCausalLMLoss", None)
+
+
 def _tensors_unavailable_reason(
     hidden_states: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, vocab_size: int
 ) -> str | None:
     """Why the fused op cannot take these hidden states, labels and lm_head's parameters as they are now."""
     weight, bias = parameter(lm_head, "weight"), parameter(lm_head, "bias")
+    if weight is None or (bias is None and getattr(lm_head, "bias", None) is not None):
+        return "lm_head holds its weight or bias as a buffer, not a parameter: nn.Linear's forward runs on it"
     if zero3_partitioned(weight):
         return "lm_head.weight is a DeepSpeed ZeRO-3 parameter, partitioned here: gathered in lm_head's own call"
     if weight.dim() != 2 or weight.shape[0] != vocab_size:
@@ -210,6 +224,7 @@ def _fused_loss(
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight, bias = (None if t is None else t.to(dtype) for t in (hidden, weight, bias))
     targets = torch.where(counted, targets, 0)
+    _check_targets(targets, weight.shape[0], ignore_index)
     needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     with torch.autocast(device_type, enabled=False):  # the chunks' matmuls in that dtype, nothing cast again
         if chunk_tokens is None and not chunked_form_pays(hidden.shape[0], hidden.shape[1], needs_grad):
@@ -255,6 +270,20 @@ def _cann_release_at_least(version: tuple[int, int], cann: str) -> bool:
     except (IndexError, ValueError):
         return False
     return found > version or (found == version and not any(tag in cann.lower() for tag in ("alpha", "beta")))
+
+
+def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise eager's IndexError, naming the label, when a counted target (ignored ones are 0) is outside [0, vocab).
+
+    npu_cross_entropy_loss would read outside the row. The check costs one reduction and one host sync per call
+    (two integers read back): the sync is the price of raising, since the device op raises nothing."""
+    low, high = torch.stack(targets.aminmax()).tolist()
+    if low < 0 or high >= vocab_size:
+        raise IndexError(
+            f"Target {low if low < 0 else high} is out of bounds. Labels must lie in [0, {vocab_size}) or equal "
+            f"ignore_index ({ignore_index}): check the labels (padding with -1 instead of -100, an id past the "
+            "vocabulary)."
+        )
 
 
 def _counted_loss_eager(hidden, weight, bias, targets, counted) -> torch.Tensor:

@@ -164,12 +164,14 @@ class _ContiguousGradient(torch.autograd.Function):
     """The identity, whose backward hands on its gradient contiguous.
 
     npu_moe_gating_top_k_backward takes no other grad_y (its doc: 不支持非连续 Tensor), and autograd may give a
-    strided one (a sum's expanded gradient).
+    strided one (a sum's expanded gradient). It returns the weights themselves, marked dirty, not a view made inside
+    the Function, which PyTorch would refuse to let the user edit in place.
     """
 
     @staticmethod
     def forward(ctx, weights: torch.Tensor) -> torch.Tensor:
-        return weights.view_as(weights)
+        ctx.mark_dirty(weights)
+        return weights
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:

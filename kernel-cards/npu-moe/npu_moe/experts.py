@@ -40,7 +40,7 @@ from torch import nn
 from ._activations import is_silu
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
-from ._internals import engine_hook, global_module_hooks, instance_forward, module_hooks
+from ._internals import engine_hook, functorch_transform, global_module_hooks, instance_forward, module_hooks
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 MAX_GROUPS = 1024
@@ -56,12 +56,12 @@ GROUPED_MM_ROWS_PER_EXPERT = 128
 rather than a loop over experts (measured on CPU: see `make bench`)."""
 
 
-class _ActFnWatched(str):
-    """A reason that is about act_fn's call being watched.
+class _ModuleForwardIsEager(str):
+    """A reason for which the module's own forward is the eager path (the layer runs it where the class has one)."""
 
-    For such a reason the module's own forward, which calls act_fn as eager does, is the eager path (the layer runs
-    it where the class has one).
-    """
+
+class _ActFnWatched(_ModuleForwardIsEager):
+    """A reason that is about act_fn's call being watched: the module's own forward calls act_fn as eager does."""
 
 
 def _act_fn_call_unavailable_reason(act_fn) -> _ActFnWatched | None:
@@ -107,6 +107,12 @@ def swiglu_experts_unavailable_reason(
         return reason if watched is None else _ActFnWatched(reason)
     if watched is not None:
         return watched
+    transform = functorch_transform()
+    if transform is not None:  # swiglu_experts_eager reads the per-expert counts on the host: vmap refuses that
+        return _ModuleForwardIsEager(
+            f"torch.func's {transform} transform is active: the experts run the module's own forward, which "
+            "torch.func transforms"
+        )
     reason = npu_unavailable_reason(hidden_states, top_k_index, gate_up_proj, down_proj)
     if reason is not None:
         return reason

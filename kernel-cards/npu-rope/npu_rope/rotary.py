@@ -387,9 +387,14 @@ def apply_rotary_pos_emb(
             return q, k
         on_npu = devices_reason is None
     rotary_style = STYLES[style]
-    cos, sin = _angles(cos.unsqueeze(unsqueeze_dim), rotary_style), _angles(sin.unsqueeze(unsqueeze_dim), rotary_style)
-    q_out, q_reason = _apply(q, cos, sin, rotary_style, fused, on_npu)
-    k_out, k_reason = _apply(k, cos, sin, rotary_style, fused, on_npu)
+    try:
+        cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
+        q_out, q_reason = _apply(q, cos, sin, rotary_style, fused, on_npu)
+        k_out, k_reason = _apply(k, cos, sin, rotary_style, fused, on_npu)
+    except Exception as error:
+        if fused:  # the module's last reason is this call's, never the previous call's
+            ran_eager(module, f"the call raised {type(error).__name__}: {error}")
+        raise
     if fused:
         ran_eager(module, f"q: {q_reason}" if q_reason else f"k: {k_reason}" if k_reason else None)
     return q_out, k_out
@@ -430,9 +435,7 @@ def apply_rotary_pos_emb_unavailable_reason(
     cos, sin = (_angles(t.unsqueeze(unsqueeze_dim), rotary_style) for t in (cos, sin))
     for name, x in (("q", q), ("k", k)):
         x_rot, cos_rot, sin_rot, _ = _prepared(x, cos, sin, rotary_style)
-        reason = _rotary_mul_unavailable_reason(
-            x_rot, cos_rot, sin_rot, rotary_style.rotation, on_npu=devices_reason is None
-        )
+        _, reason = _fused_operand(x_rot, cos_rot, sin_rot, rotary_style.rotation, on_npu=devices_reason is None)
         if reason is not None:
             return f"{name}: {reason}"
     return None
@@ -471,6 +474,26 @@ def _prepared(
     return x_rot, cos, sin, compute
 
 
+def _fused_operand(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: Rotation, on_npu: bool
+) -> tuple[torch.Tensor, str | None]:
+    """(x as npu_rotary_mul is to rotate it, None), or (x, why the op cannot rotate it).
+
+    x narrower than cos and sin (bfloat16 q/k of a linear under autocast, float32 cos/sin) is rotated cast to their
+    dtype: eager's `x * cos + rotate(x) * sin` promotes each product to it, and the cast, exact, commutes with the
+    rotation, so the op on the cast x computes what eager computes, in eager's output dtype."""
+    reason = _rotary_mul_unavailable_reason(x, cos, sin, rotation, on_npu)
+    wider = cos.dtype
+    if reason is None or x.dtype == wider or sin.dtype != wider or torch.promote_types(x.dtype, wider) != wider:
+        return x, reason
+    promoted = x.to(wider)
+    return (
+        (promoted, None)
+        if _rotary_mul_unavailable_reason(promoted, cos, sin, rotation, on_npu) is None
+        else (x, reason)
+    )
+
+
 def _apply(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RotaryStyle, fused: bool, on_npu: bool
 ) -> tuple[torch.Tensor, str | None]:
@@ -479,9 +502,12 @@ def _apply(
     The op rotates where it applies and `fused` (`on_npu`: see `_rotary_mul_unavailable_reason`).
     """
     x_rot, cos, sin, compute = _prepared(x, cos, sin, style)
-    reason = _rotary_mul_unavailable_reason(x_rot, cos, sin, style.rotation, on_npu) if fused else "fused=False"
+    if fused:
+        x_op, reason = _fused_operand(x_rot, cos, sin, style.rotation, on_npu)
+    else:
+        x_op, reason = x_rot, "fused=False"
     if reason is None:
-        rotated = _rotary_mul(x_rot, cos, sin, style.rotation)
+        rotated = _rotary_mul(x_op, cos, sin, style.rotation)
     else:
         rotated = _rotate_eager(x_rot, cos, sin, style.rotation)
     if compute is not None:

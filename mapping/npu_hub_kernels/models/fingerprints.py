@@ -19,6 +19,7 @@ import hashlib
 import importlib.resources
 import inspect
 import json
+import sys
 import textwrap
 from collections.abc import Callable
 from types import CodeType, FunctionType
@@ -53,9 +54,12 @@ def left_eager() -> dict[str, str]:
     return dict(_left_eager)
 
 
-def forget_eager() -> None:
-    """Forget what `leave_eager` recorded (the registry's restore)."""
-    _left_eager.clear()
+def forget_eager(path: str | None = None) -> None:
+    """Forget what `leave_eager` recorded for `path`, or for every path (the registry's restore)."""
+    if path is None:
+        _left_eager.clear()
+    else:
+        _left_eager.pop(path, None)
 
 
 @functools.cache
@@ -94,11 +98,27 @@ def unproven_reason(card: Card, path: str, obj: object) -> str | None:
         return f"{path} was never proven: it is listed for a release the fingerprint file does not cover"
     if fingerprint(obj) in proven:
         return None
+    patch = _patched_forward(obj)
+    if patch is not None:
+        return (
+            f"{path}'s forward is {patch} (another library's or the user's patch), not transformers' code: that code "
+            "runs, not the card"
+        )
     releases = sorted({release for found in proven.values() for release in found}, key=release_key)
     return (
         f"the code of {path} in transformers {transformers.__version__} differs from the code proven on "
         f"{', '.join(releases)}: it runs eager (prove it: make prove-transformers)"
     )
+
+
+def _patched_forward(obj: object) -> str | None:
+    """The qualified name of the code `obj.forward` runs when that code is not transformers', else None."""
+    forward = getattr(obj, "forward", None) if isinstance(obj, type) else None
+    code = _past_library_decorators(forward) if callable(forward) else None
+    if code is None or _defined_in(code, ("transformers.",)):
+        return None
+    module = getattr(code, "__globals__", {}).get("__name__", "?")
+    return f"{module}.{getattr(code, '__qualname__', type(code).__qualname__)}"
 
 
 def release_key(release: str) -> tuple[int, ...]:
@@ -117,16 +137,44 @@ def _collect(obj: object, depth: int, parts: dict[str, str], reached: dict[str, 
     else:
         functions, owner = [(obj, depth)], None
     for function, reach in functions:
-        function = inspect.unwrap(function) if callable(function) else None
+        function = _past_library_decorators(function) if callable(function) else None
         if not isinstance(function, FunctionType):
             continue
         key = f"{function.__module__}.{function.__qualname__}"
         parts[key] = _normalised(function)
+        foreign = _foreign_globals(function) if reach > 0 else ""  # followed as deep as what it calls
+        if foreign:
+            parts[f"{key} calls"] = foreign
         if reached.get(key, -1) >= reach:
             continue
         reached[key] = reach
         for called in _called(function, owner) if reach > 0 else ():
             _collect(called, reach - 1, parts, reached)
+
+
+_LIBRARY_DECORATORS = ("transformers.", "torch.")
+"""The packages whose decorators a fingerprint looks past (transformers' `can_return_tuple`, torch's `no_grad`)."""
+
+
+def _past_library_decorators(function: Callable) -> Callable:
+    """The function of transformers' code that `function` runs, past the decorators transformers and torch put on it.
+
+    A wrapper is told by the module its code was defined in (its `__globals__`), which `functools.wraps` does not
+    copy: another library's or a user's `functools.wraps` patch of transformers' code is fingerprinted as its own
+    code. What a transformers function wraps of another library (`PreTrainedModel.to` wraps torch's) is unwrapped
+    whole, whoever wrapped that.
+    """
+    original = inspect.unwrap(function)
+    if not _defined_in(original, ("transformers.",)):
+        return original
+    while function is not original and _defined_in(function, _LIBRARY_DECORATORS):
+        function = function.__wrapped__
+    return function
+
+
+def _defined_in(function: Callable, packages: tuple[str, ...]) -> bool:
+    """Whether `function`'s code was defined in a module of one of `packages` (its globals', not its `__module__`)."""
+    return getattr(function, "__globals__", {}).get("__name__", "").startswith(packages)
 
 
 def _resolved(cls: type, name: str) -> Callable | None:
@@ -155,6 +203,26 @@ def _called(function: FunctionType, owner: type | None) -> list[object]:
     return found
 
 
+def _foreign_globals(function: FunctionType) -> str:
+    """The Python functions of other code than transformers' that `function` calls by a global name, or "".
+
+    A modeling file's global (its `rotate_half`) that another library or the user replaced with their own function
+    counts so: the code that calls it is not the code proven."""
+    found = []
+    for name in sorted(_names(function.__code__)):
+        value = function.__globals__.get(name)
+        if value is not None and not isinstance(value, type):
+            value = code_of(value)
+        defined_in = getattr(value, "__globals__", {}).get("__name__", "") if isinstance(value, FunctionType) else ""
+        if defined_in and not defined_in.startswith(_LIBRARY_DECORATORS) and not _standard_library(defined_in):
+            found.append(f"{name} = {defined_in}.{value.__qualname__}")
+    return "\n".join(found)
+
+
+def _standard_library(module: str) -> bool:
+    return module.partition(".")[0] in sys.stdlib_module_names
+
+
 def _names(code: CodeType) -> set[str]:
     nested = (_names(const) for const in code.co_consts if isinstance(const, CodeType))
     return set(code.co_names).union(*nested)
@@ -180,7 +248,7 @@ def _normalised(function: FunctionType) -> str:
     A generated function, such as a dataclass's `__init__`, has none: its argument and global names stand for it.
     """
     try:
-        source = inspect.getsource(function)
+        source = inspect.getsource(function.__code__)  # the code object's: getsource(function) follows __wrapped__
     except OSError:
         return f"<generated: {function.__code__.co_varnames} {sorted(_names(function.__code__))}>"
     tree = ast.parse(textwrap.dedent(source))

@@ -90,6 +90,7 @@ def _cases() -> dict:
         "npu_cross_entropy_loss_backward/weight": (
             _backward(weight=torch.rand(6).to("npu")), _backward(weight=torch.rand(5).to("npu")),
         ),
+        "npu_cross_entropy_loss_backward/label-smoothing": (_backward(), _backward(label_smoothing=0.1)),
         "npu_cross_entropy_loss_backward/reduction": (_backward(reduction="sum"), _backward(reduction="max")),
         "npu_cross_entropy_loss_backward/zloss": (
             _backward(grad_zloss=npu(0)), _backward(lse_square_scale_for_zloss=0.5),

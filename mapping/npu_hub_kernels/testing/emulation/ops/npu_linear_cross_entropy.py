@@ -8,7 +8,8 @@ with label smoothing ls, `(1 - ls) * l_n + ls / C * (-sum_c w[c] * log_prob[n, c
 [0, C)). 'mean' divides the sum by `sum_n w[y_n]` over the rows not ignored, 'sum' sums, 'none' keeps `[N]`.
 loss and log_prob are cast once to the input's dtype; zloss and lse_for_zloss are empty (not supported by the op).
 Only loss is differentiable; the autograd node keeps log_prob (and target, weight), as op-plugin's derivatives.yaml
-says, and its backward is `npu_cross_entropy_loss_backward`, whose gradient takes grad_loss's dtype.
+says, and its backward is `npu_cross_entropy_loss_backward`, whose gradient takes grad_loss's dtype and which takes no
+label smoothing yet.
 
 Also the device's `torch.addmm(self, mat1, mat2, out_dtype=torch.float32, out=out)` (aten `addmm.dtype_out`, which
 torch_npu registers for the npu from 2.11 on: section "addmm.dtype_out" of docs/torch-npu-ops.md), which the card's
@@ -85,6 +86,8 @@ BACKWARD_RULES = rules(
      lambda c: _targets_in_range(c, c.log_prob)),
     ("weight", "weight is float32 [C]", f"{_GRAD_DOC}:212", lambda c: _weight_ok(c, c.log_prob)),
     ("reduction", f"reduction is one of {REDUCTIONS}", f"{_GRAD_DOC}:241", lambda c: c.reduction in REDUCTIONS),
+    ("label-smoothing", "label_smoothing is 0 (the only value it takes yet: 当前仅支持输入0.0)", f"{_GRAD_DOC}:261",
+     lambda c: c.label_smoothing == 0.0),
     ("zloss", "no z-loss inputs: grad_zloss empty or None, lse_square_scale_for_zloss 0 (not supported yet)",
      f"{_GRAD_DOC}:392",
      lambda c: (c.grad_zloss is None or not c.grad_zloss.numel()) and c.lse_square_scale_for_zloss == 0.0),
@@ -239,16 +242,13 @@ def _backward(
     """
     enforce(
         BACKWARD_RULES, grad_loss=grad_loss, log_prob=log_prob, target=target, weight=weight, reduction=reduction,
-        ignore_index=ignore_index, grad_zloss=grad_zloss, lse_square_scale_for_zloss=lse_square_scale_for_zloss,
+        ignore_index=ignore_index, label_smoothing=label_smoothing, grad_zloss=grad_zloss,
+        lse_square_scale_for_zloss=lse_square_scale_for_zloss,
     )  # fmt: skip
-    classes = log_prob.shape[1]
-    w, w_target = _row_weights(target, weight, ignore_index, classes, log_prob.device)
+    _, w_target = _row_weights(target, weight, ignore_index, log_prob.shape[1], log_prob.device)
     prob = log_prob.float().exp()
     one_hot = torch.zeros_like(prob).scatter_(1, torch.where(w_target != 0, target, 0).unsqueeze(1), 1.0)
     grad = (prob - one_hot) * w_target.unsqueeze(1)
-    if label_smoothing:
-        smooth = (prob * w.sum() - w) * (w_target != 0).unsqueeze(1)
-        grad = (1 - label_smoothing) * grad + label_smoothing / classes * smooth
     scale = grad_loss.float().reshape(-1, 1) if reduction == "none" else grad_loss.float().reshape(1, 1)
     if reduction == "mean":
         scale = scale / w_target.sum()
