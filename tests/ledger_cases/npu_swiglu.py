@@ -1,7 +1,7 @@
-"""npu-swiglu: npu_swiglu's and npu_swiglu_backward's rules (`CASES`), and the card at and just past each limit
-(`LIMITS`). The backward's refusals go through npu_swiglu's autograd node where its gradient can be wrong
-(`grad_fn.apply`, or `backward` with a non-contiguous gradient), and through the op otherwise (what the node
-checks on x and dim, the forward has checked already).
+"""npu-swiglu: npu_swiglu's, npu_swiglu_backward's, npu_geglu's and npu_geglu_grad's rules (`CASES`), and the card
+at and just past each limit (`LIMITS`). The backward's refusals go through the op's autograd node where its gradient
+can be wrong (`grad_fn.apply`, or `backward` with a non-contiguous gradient), and through the op otherwise (what the
+node checks on x and dim, the forward has checked already).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch_npu
 from torch import nn
 
-from npu_hub_kernels.testing.emulation.ops.npu_swiglu import npu_swiglu_backward
+from npu_hub_kernels.testing.emulation.ops.npu_swiglu import npu_geglu_grad, npu_swiglu_backward
 
 from . import npu
 
@@ -28,6 +28,19 @@ def _swiglu(x: torch.Tensor, dim: int = -1, grad: torch.Tensor | None = None) ->
 def _node(x: torch.Tensor, grad: torch.Tensor) -> None:
     """npu_swiglu's autograd node called with `grad` as is: npu_swiglu_backward(grad, self, dim)."""
     torch_npu.npu_swiglu(x.requires_grad_()).grad_fn.apply(grad)
+
+
+def _geglu(x: torch.Tensor, dim: int = -1, approximate: int = 1, grad: torch.Tensor | None = None) -> None:
+    """npu_geglu forward as the card calls it (GELU on the first half), and its backward with `grad` when given."""
+    out, _ = torch_npu.npu_geglu(x, dim=dim, approximate=approximate, activate_left=True)
+    if grad is not None:
+        out.backward(grad)
+
+
+def _geglu_node(x: torch.Tensor, grad: torch.Tensor) -> None:
+    """npu_geglu's autograd node called with `grad` as is: npu_geglu_grad(grad, self, result1, ...)."""
+    out, _ = torch_npu.npu_geglu(x.requires_grad_(), activate_left=True)
+    out.grad_fn.apply(grad, None)
 
 
 CASES = {
@@ -86,6 +99,54 @@ CASES = {
     "npu_swiglu_backward/grad_output-contiguous": (
         lambda: _swiglu(npu(4, 8, grad=True), grad=npu(4, 4)),
         lambda: _swiglu(npu(4, 8, grad=True), grad=npu(4, 4).t().contiguous().t()),
+    ),
+    "npu_geglu/x-dtype": (
+        lambda: _geglu(npu(4, 8, dtype=BF16)),
+        lambda: _geglu(npu(4, 8, dtype=F64)),
+    ),
+    "npu_geglu/x-rank": (
+        lambda: _geglu(npu(*ONES_8D, 8)),
+        lambda: _geglu(npu(*ONES_8D, 1, 8)),
+    ),
+    "npu_geglu/dim-range": (
+        lambda: _geglu(npu(4, 8), dim=-2),
+        lambda: _geglu(npu(4, 8), dim=2),
+    ),
+    "npu_geglu/approximate": (
+        lambda: _geglu(npu(4, 8), approximate=1),
+        lambda: _geglu(npu(4, 8), approximate=2),
+    ),
+    "npu_geglu/x-even": (
+        lambda: _geglu(npu(2, 4, 3), dim=1),
+        lambda: _geglu(npu(4, 7)),
+    ),
+    "npu_geglu_grad/grad_output-dtype": (
+        lambda: npu_geglu_grad(npu(4, 4, dtype=BF16), npu(4, 8, dtype=BF16), npu(4, 4, dtype=BF16)),
+        lambda: npu_geglu_grad(npu(4, 4, dtype=F64), npu(4, 8, dtype=F64), npu(4, 4, dtype=F64)),
+    ),
+    "npu_geglu_grad/x-dtype": (
+        lambda: _geglu_node(npu(4, 8), npu(4, 4)),
+        lambda: _geglu_node(npu(4, 8), npu(4, 4, dtype=BF16)),
+    ),
+    "npu_geglu_grad/x-rank": (
+        lambda: _geglu(npu(*ONES_8D, 8, grad=True), grad=npu(*ONES_8D, 4)),
+        lambda: npu_geglu_grad(npu(*ONES_8D, 1, 4), npu(*ONES_8D, 1, 8), npu(*ONES_8D, 1, 4)),
+    ),
+    "npu_geglu_grad/dim-range": (
+        lambda: _geglu(npu(4, 8, grad=True), dim=0, grad=npu(2, 8)),
+        lambda: npu_geglu_grad(npu(4, 4), npu(4, 8), npu(4, 4), dim=2),
+    ),
+    "npu_geglu_grad/approximate": (
+        lambda: npu_geglu_grad(npu(4, 4), npu(4, 8), npu(4, 4), approximate=1),
+        lambda: npu_geglu_grad(npu(4, 4), npu(4, 8), npu(4, 4), approximate=-1),
+    ),
+    "npu_geglu_grad/grad_output-shape": (
+        lambda: _geglu_node(npu(4, 8), npu(4, 4)),
+        lambda: _geglu_node(npu(4, 8), npu(4, 8)),
+    ),
+    "npu_geglu_grad/gelu-shape": (
+        lambda: npu_geglu_grad(npu(4, 4), npu(4, 8), npu(4, 4)),
+        lambda: npu_geglu_grad(npu(4, 4), npu(4, 8), npu(4, 1)),
     ),
 }
 
