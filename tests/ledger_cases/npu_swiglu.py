@@ -157,18 +157,20 @@ def _linear(inputs: int, outputs: int, dtype: torch.dtype) -> nn.Linear:
     return nn.Linear(inputs, outputs, bias=False).to(dtype).to("npu")
 
 
-def _split_case(shape, dtype=torch.float32):
-    """The card's `swiglu_mlp` (split gate_proj/up_proj) forward and backward on x of `shape`."""
+def _split_case(shape, dtype=torch.float32, op="swiglu"):
+    """The card's `swiglu_mlp` (split gate_proj/up_proj), or with `op="geglu"` its `geglu_mlp` (a GELU-tanh gate),
+    forward and backward on x of `shape`."""
 
     def make(card):
         x = npu(*shape, dtype=dtype, grad=True)
         gate, up, down = _linear(HIDDEN, INNER, dtype), _linear(HIDDEN, INNER, dtype), _linear(INNER, HIDDEN, dtype)
-        act = nn.SiLU()
+        act = nn.GELU(approximate="tanh") if op == "geglu" else nn.SiLU()
+        mlp, reason = getattr(card, f"{op}_mlp"), getattr(card, f"{op}_mlp_unavailable_reason")
 
         def run():
-            card.swiglu_mlp(x, gate, up, down, act).float().pow(2).sum().backward()
+            mlp(x, gate, up, down, act).float().pow(2).sum().backward()
 
-        return run, lambda: card.swiglu_mlp_unavailable_reason(x, gate, up, act)
+        return run, lambda: reason(x, gate, up, act)
 
     return make
 
@@ -203,4 +205,10 @@ LIMITS = {
     "split: no tokens (empty x)": _split_case((0, HIDDEN)),
     "split: float64 (not a dtype of the op)": _split_case((4, HIDDEN), F64),
     "split: bfloat16": _split_case((4, HIDDEN), BF16),
+    "geglu: 1-D x (as [1, H] rows: [2, 1, I] to the op)": _split_case((HIDDEN,), op="geglu"),
+    "geglu: 9-D x (as rows: [2, T, I] to the op)": _split_case((*ONES_8D, 1, HIDDEN), op="geglu"),
+    "geglu: one token": _split_case((1, HIDDEN), op="geglu"),
+    "geglu: no tokens (empty x)": _split_case((0, HIDDEN), op="geglu"),
+    "geglu: float64 (not a dtype of the op)": _split_case((4, HIDDEN), F64, op="geglu"),
+    "geglu: bfloat16": _split_case((4, HIDDEN), BF16, op="geglu"),
 }
