@@ -239,9 +239,10 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Geglu(torch.autograd.Function):
-    """npu_geglu, keeping x and its gelu output for backward (`derivatives.yaml`:
-    `self: npu_geglu_grad(grad, self, result1, dim, approximate, activate_left)`; `output_differentiability:
-    [true, false]`: the gelu output has no gradient)."""
+    """npu_geglu, keeping x and its gelu output for backward, as the device's node does.
+
+    derivatives.yaml: `self: npu_geglu_grad(grad, self, result1, dim, approximate, activate_left)` with
+    `output_differentiability: [true, false]` (the gelu output has no gradient)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, approximate: int, activate_left: bool):
