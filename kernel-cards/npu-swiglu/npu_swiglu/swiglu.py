@@ -15,6 +15,8 @@ gives `[T, 2I]`, gated with `dim=-1`. No parameter is ever re-pointed or re-laid
 DDP, accelerate and safetensors own or read that storage (docs/torch-npu-ops.md, "npu_swiglu").
 Projections the card cannot read directly (LoRA or other wrapped or hooked Linears, DeepSpeed ZeRO-3
 partitions, DTensors) run the eager math, and `swiglu_mlp_unavailable_reason` says why.
+The split path is written once for any op that gates the first half of its input (`GatedOp`): `fused_split_mlp`
+and `split_unavailable_reason` serve npu_swiglu here and npu_geglu for Gemma's GELU-tanh MLPs (geglu.py).
 
 The fused path computes what the MLP's children gate_proj, up_proj (split MLP) and act_fn (both shapes) compute
 without calling them, so it runs only when nothing watches those calls: a hook of the user's own on one of them, a
