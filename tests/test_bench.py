@@ -515,6 +515,7 @@ def test_a_spec_missing_pieces_is_named_piece_by_piece(monkeypatch):
         f"{where} defines no floor_saved",
         f"{where} defines no HOST_TIMING",
         f"{where}: a counted target sets its kind (card.toml's region is it)",
+        f"{where}: FUSED_OPS has no accounting rule for torch_npu.npu_geglu ({source} brings it)",
         f"{where}: FUSED_OPS has no accounting rule for torch_npu.npu_swiglu ({source} brings it)",
         f"{where}: FUSED_OPS has a rule for npu_rms_norm, which {source} does not bring",
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -309,6 +310,29 @@ def test_npu_swiglu_gates_the_first_half(dtype):
     assert not torch.allclose(out.cpu().float(), up_first)  # the half order matters
 
 
+@pytest.mark.parametrize("activate_left", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_npu_geglu_activates_the_half_activate_left_names(dtype, activate_left):
+    """aclnnGeGluV3: activate_left=True gives gelu(A) * B, False (the default) A * gelu(B), A the first half."""
+    x = torch.randn(3, 5, 2 * 24, dtype=dtype)
+    with emulation.count_op_calls() as calls:
+        out, gelu = torch_npu.npu_geglu(x.to("npu"), dim=-1, approximate=1, activate_left=activate_left)
+    assert calls == {"npu_geglu": 1} and out.dtype == gelu.dtype == dtype and out.shape == gelu.shape == (3, 5, 24)
+    first, second = x.double().chunk(2, dim=-1)
+    activated, other = (first, second) if activate_left else (second, first)
+    want = torch.nn.functional.gelu(activated, approximate="tanh")
+    torch.testing.assert_close(gelu.cpu().double(), want, **_tol(dtype))
+    torch.testing.assert_close(out.cpu().double(), want * other, **_tol(dtype))
+    swapped = torch.nn.functional.gelu(other, approximate="tanh") * activated
+    assert not torch.allclose(out.cpu().double(), swapped, **_tol(dtype))  # the half order matters
+
+
+def test_npu_geglu_erf_form_is_not_emulated():
+    """approximate=0 is a documented form no card calls: it raises, never computes something else."""
+    with pytest.raises(NotImplementedError, match="approximate=0"):
+        torch_npu.npu_geglu(torch.randn(4, 8).to("npu"), approximate=0)
+
+
 @pytest.mark.parametrize(
     ("x", "message"),
     [
@@ -568,6 +592,23 @@ def test_npu_swiglu_keeps_its_input_alone_for_backward():
     _assert_saved_exactly(saved, [x])
     gate, up = x.float().chunk(2, dim=-1)
     assert torch.equal(_grads_of([x], out)[0], _grads_of([x], (torch.nn.functional.silu(gate) * up).bfloat16())[0])
+
+
+def test_npu_geglu_keeps_x_and_its_gelu_output_for_backward():
+    """op-plugin derivatives.yaml: npu_geglu_grad(grad, self, result1, ...): x and the gelu output (x's dtype) are
+    kept, and the other half's gradient is grad * that kept gelu (ops-nn's golden), float32 inside, one cast."""
+    x = _bf16_leaf(4, 3, 16, scale=2.0)
+    (out, gelu), saved = _saved_for_backward(lambda: torch_npu.npu_geglu(x, dim=-1, activate_left=True))
+    _assert_saved_exactly(saved, [x, gelu])
+    assert not gelu.requires_grad and gelu.dtype == out.dtype == torch.bfloat16
+    gate, up = x.detach().cpu().float().chunk(2, dim=-1)
+    weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape).bfloat16().float()
+    tanh = torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3))
+    slope = 0.5 * (1 + tanh) + 0.5 * gate * (1 - tanh**2) * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * gate**2)
+    expected = torch.cat((weights * up * slope, weights * gelu.cpu().float()), dim=-1).bfloat16()
+    (grad,) = _grads_of([x], out)
+    torch.testing.assert_close(grad.float(), expected.float(), rtol=1e-2, atol=1e-3)  # one bf16 ulp
+    assert torch.equal(grad[..., 8:], expected[..., 8:])  # the kept, rounded gelu: exactly
 
 
 @pytest.mark.parametrize("mode", ["half", "interleave"])

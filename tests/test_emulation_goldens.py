@@ -8,11 +8,13 @@ test_npu_moe_token_permute_and_unpermute.py, test_npu_moe_token_permute_and_unpe
 test_npu_grouped_matmul.py, test_npu_moe_gating_topk.py,
 test_npu_moe_gating_top_k_backward.py,
 test_npu_cross_entropy_loss.py, whose two cases op-plugin skips "for now" on every device: restated anyway, as the
-op's only golden): the layouts, dtypes, limits and what each golden computes, written here from the
-op semantics. Only the cases op-plugin's CI runs on Atlas A2 (Ascend910B): the ones it skips there ("not supported
-by the CI version": 3-D rotary_mul, the `rotate` matrix, TND npu_apply_rotary_pos_emb; Ascend 950 only) are left
-out as it leaves them out. Tolerances: op-plugin's assertRtolEqual (1e-3 for float16, 1e-4 for float32, bfloat16
-compared as float32) unless a test names its own.
+op's only golden; and for npu_geglu, which op-plugin tests only in test/core_tests/test_fake_tensor.py (shapes), that
+case and its docstring's example, against the goldens of hicann/ops-nn @ e5c3fa932
+(activation/ge_glu_v2/tests/assets/golden.py, activation/ge_glu_grad_v2/tests/assets/golden.py)): the layouts,
+dtypes, limits and what each golden computes, written here from the op semantics. Only the cases op-plugin's CI runs
+on Atlas A2 (Ascend910B): the ones it skips there ("not supported by the CI version": 3-D rotary_mul, the `rotate`
+matrix, TND npu_apply_rotary_pos_emb; Ascend 950 only) are left out as it leaves them out. Tolerances: op-plugin's
+assertRtolEqual (1e-3 for float16, 1e-4 for float32, bfloat16 compared as float32) unless a test names its own.
 
 Shapes: where op-plugin's tensors are large only to be large, the rows are fewer here (each case keeps its
 layout, dtype, last dim and the sizes its limits are about, e.g. an S or B of at least 1000); the original shape
@@ -26,6 +28,8 @@ cases, the NZ weight format), group_list_type 2. test_npu_grouped_matmul_0_empty
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy
 import pytest
@@ -207,6 +211,48 @@ def test_swiglu_forward_and_backward():
     x_npu = x.to("npu").requires_grad_()
     torch_npu.npu_swiglu(x_npu, -1).backward(grad.to("npu"))
     close(x_npu.grad, torch.cat((da, db), dim=-1).bfloat16(), 1e-4)
+
+
+def _gelu_tanh_golden(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops-nn's do_gelu for approximate=1, and its derivative (gelu_grad_tanh's closed form), in x's dtype."""
+    c = math.sqrt(2 / math.pi)
+    tanh = torch.tanh(c * (x + 0.044715 * x**3))
+    slope = 0.5 * (1 + tanh) + 0.5 * x * (1 - tanh**2) * c * (1 + 3 * 0.044715 * x**2)
+    return 0.5 * x * (1 + tanh), slope
+
+
+def test_geglu_fake_tensor_case():
+    """test_fake_tensor's npu_geglu case: float32 [2, 10, 64], dim=-1, approximate=1, activate_left=False; both
+    outputs [2, 10, 32]. Values: ops-nn's golden (the SECOND half activated), float32."""
+    x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(3))
+    y, gelu = torch_npu.npu_geglu(x.to("npu"), -1, 1, False)
+    assert y.shape == gelu.shape == (2, 10, 32)
+    first, second = x.chunk(2, dim=-1)
+    want_gelu, _ = _gelu_tanh_golden(second)
+    close(gelu, want_gelu, RTOL[torch.float32])
+    close(y, first * want_gelu, RTOL[torch.float32])
+
+
+GEGLU_SHAPE = (24, 16, 2560)  # the docstring's example: [24, 9216, 2560]
+
+
+def test_geglu_docstring_example_forward_and_backward():
+    """The docstring's example: float16 uniform(-2, 2), dim=-1, approximate=1; golden in float32, cast to float16.
+    Backward as ops-nn's GeGluGradV2 golden from the kept gelu, with activate_left=True as the card calls it."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.rand(GEGLU_SHAPE, generator=g) * 4 - 2).half()
+    first, second = (half.float() for half in x.chunk(2, dim=-1))
+    want_gelu, _ = _gelu_tanh_golden(second)
+    y, gelu = torch_npu.npu_geglu(x.to("npu"), dim=-1, approximate=1)
+    close(gelu, want_gelu.half(), RTOL[torch.float16])
+    close(y, (first * want_gelu).half(), RTOL[torch.float16])
+    grad = (torch.rand(*GEGLU_SHAPE[:-1], GEGLU_SHAPE[-1] // 2, generator=g) * 2 - 1).half()
+    x_npu = x.to("npu").requires_grad_()
+    out, kept = torch_npu.npu_geglu(x_npu, dim=-1, approximate=1, activate_left=True)
+    out.backward(grad.to("npu"))
+    _, slope = _gelu_tanh_golden(first)
+    want = torch.cat((grad.float() * second * slope, grad.float() * kept.cpu().float()), dim=-1)
+    close(x_npu.grad, want.half(), RTOL[torch.float16])
 
 
 def test_apply_rotary_pos_emb_bsnd():

@@ -122,6 +122,56 @@ def test_npu_swiglu_gates_the_halves_of_dim_0_with_its_backward(built_cards):
         torch.testing.assert_close(leaf.grad.cpu().double(), reference.grad, **tolerance)
 
 
+@pytest.mark.parametrize(("shape", "dim"), [((2, 37, 96), 0), ((37, 2 * 96), -1)], ids=["[2, T, I] dim 0", "[T, 2I]"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_npu_geglu_activates_the_first_half_with_activate_left_and_its_backward(built_cards, shape, dim, dtype):
+    """The GeGLU MLP's call forms on the device (docs/torch-npu-ops.md, "npu_geglu"): `npu_geglu(h, dim,
+    approximate=1, activate_left=True)` equals `gelu_tanh(first half) * second half` on both buffers the card hands
+    it, returns that GELU as its second output, and its backward (npu_geglu_grad, from x and that kept GELU) is the
+    formula's gradient; with activate_left=False the SECOND half is activated."""
+    import torch_npu
+
+    x = torch.randn(shape, dtype=dtype)
+    leaf = x.npu().requires_grad_()
+    out, gelu = torch_npu.npu_geglu(leaf, dim=dim, approximate=1, activate_left=True)
+    out.float().square().sum().backward()
+    reference = x.double().requires_grad_()
+    first, second = reference.chunk(2, dim=dim)
+    want_gelu = torch.nn.functional.gelu(first, approximate="tanh")
+    expected = want_gelu * second
+    expected.square().sum().backward()
+    tolerance = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}.get(
+        dtype, {"rtol": 2e-2, "atol": 2e-2}
+    )
+    assert out.dtype == gelu.dtype == dtype and out.shape == gelu.shape == expected.shape
+    torch.testing.assert_close(gelu.detach().cpu().double(), want_gelu.detach(), **tolerance)
+    torch.testing.assert_close(out.detach().cpu().double(), expected.detach(), **tolerance)
+    torch.testing.assert_close(leaf.grad.cpu().double(), reference.grad, **tolerance)
+    right, _ = torch_npu.npu_geglu(x.npu(), dim=dim, approximate=1, activate_left=False)
+    expected_right = first.detach() * torch.nn.functional.gelu(second.detach(), approximate="tanh")
+    torch.testing.assert_close(right.cpu().double(), expected_right, **tolerance)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])
+def test_gemma_geglu_mlps_train_on_the_device(built_cards, model_type):
+    """Gemma's GELU-tanh MLPs swapped for GeGLUMLP, a training forward and backward on the device against host
+    eager: npu_geglu and its backward through the card's gate/up matmuls."""
+    model = tiny_model(model_type)
+    ids = token_ids()
+    with torch.no_grad():
+        eager = model(ids).logits
+    register_npu_kernels(local_dir=built_cards)
+    try:
+        model = kernelize(model.npu(), mode=Mode.TRAINING, device="npu")
+        fused = model(ids.npu()).logits
+        fused.float().pow(2).mean().backward()
+    finally:
+        unregister_npu_kernels()
+    assert {s.layer for s in swapped_modules(model, card="npu-swiglu")} == {"GeGLUMLP"}
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    torch.testing.assert_close(fused.detach().cpu(), eager, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     "model_type", ["llama", "qwen2_moe", "deepseek_v3"], ids=["loss card", "softmax router", "sigmoid router"]
 )

@@ -37,7 +37,7 @@ class Expected:
 
     norm: str | None = "RMSNorm"  # the npu-rms-norm layer of its norms (None: LayerNorm)
     rope: tuple[str, ...] = ("RotaryPosEmb",)  # the npu-rope layers of each attention module
-    mlp: str | None = "SwiGLUMLP"  # the npu-swiglu layer of its dense MLPs (None: not SiLU-gated)
+    mlp: str | None = "SwiGLUMLP"  # the npu-swiglu layer of its dense MLPs (None: neither SiLU- nor GELU-tanh-gated)
     moe: bool = False  # whether its MoE layers' Experts modules run npu-moe
     router: bool = False  # whether its MoE routers run npu-moe-router's fused op (one per MoE layer)
     decoder: str | None = None  # the npu-add-rms-norm layer of its decoder layers (None: not swapped)
@@ -49,7 +49,7 @@ EXPECTED = {
     "qwen2": Expected(decoder="DecoderLayer"),
     "qwen3": Expected(decoder="DecoderLayer"),
     "qwen3_moe": Expected(moe=True, router=True, decoder="DecoderLayer"),  # routed experts only: no dense MLP
-    "gemma3_text": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
+    "gemma3_text": Expected(norm="RMSNormZeroCentered", mlp="GeGLUMLP"),  # GELU-tanh MLP: npu_geglu
     "olmo2": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbCastBack",)),
     "phi3": Expected(rope=("RotaryPosEmbPartial",), mlp="SwiGLUGateUpMLP"),  # partial rotary
     "glm4": Expected(rope=("RotaryPosEmbGlmPartial",), mlp="SwiGLUGateUpMLP"),
@@ -67,7 +67,7 @@ EXPECTED = {
     "olmo": Expected(norm=None, rope=("RotaryPosEmbCastBack",)),
     "helium": Expected(norm="RMSNormFloat32Scale", rope=("RotaryPosEmbGlm",), decoder="DecoderLayerFloat32Scale"),
     "smollm3": Expected(decoder="DecoderLayer"),
-    "gemma2": Expected(norm="RMSNormZeroCentered", mlp=None),  # GELU-tanh MLP
+    "gemma2": Expected(norm="RMSNormZeroCentered", mlp="GeGLUMLP"),  # GELU-tanh MLP: npu_geglu
     "gpt2": Expected(norm=None, rope=(), mlp=None),  # LayerNorm, learned positions, GELU MLP
     "qwen2_5_vl": Expected(),  # mrope
 }
@@ -100,7 +100,8 @@ def experts_count(model) -> int:
 
 def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, int]:
     """Fused op calls of one forward (and backward) of a kernelized model: per Experts module one
-    permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute; per router
+    permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute; per dense
+    gated MLP one npu_swiglu, or one npu_geglu for a GELU-tanh one (GeGLUMLP); per router
     that calls the op (`gating_op_routers`: not a softmax router while autograd records) one npu_moe_gating_top_k
     (its backward is the op's derivative, no call of its own); per fused decoder
     layer one npu_add_rms_norm in place of its post_attention_layernorm's npu_rms_norm, and one
@@ -108,12 +109,15 @@ def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, 
     expected = EXPECTED[model_type]
     experts = experts_count(model) if expected.moe else 0
     decoders = layer_count(model) if expected.decoder else 0
+    dense = gated_mlp_count(model) if expected.mlp else 0
+    geglu = dense if expected.mlp == "GeGLUMLP" else 0
     calls = {
         "npu_rms_norm": norm_module_count(model) - decoders,
         "npu_add_rms_norm": decoders,
         "npu_rms_norm_backward": decoders if backward else 0,
         "npu_rotary_mul": 2 * layer_count(model) if expected.rope else 0,
-        "npu_swiglu": (gated_mlp_count(model) if expected.mlp else 0) + experts,
+        "npu_swiglu": dense - geglu + experts,
+        "npu_geglu": geglu,
         "npu_moe_token_permute": experts,
         "npu_grouped_matmul": (6 if backward else 2) * experts,
         "npu_moe_token_unpermute": experts,
@@ -160,7 +164,7 @@ def test_kernelized_fp32_forward_matches_eager_and_every_fused_op_ran(npu_kernel
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "granite", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "granite", "phi3", "gemma3_text"])
 def test_gated_mlps_fuse_with_no_call_and_leave_every_parameter_where_it_lives(npu_kernels, model_type):
     """Every gated MLP fuses on the first forward, with no call from the user; no parameter changes object,
     storage or size of storage (each storage holds exactly its parameter: nothing shares a buffer)."""
@@ -170,7 +174,7 @@ def test_gated_mlps_fuse_with_no_call_and_leave_every_parameter_where_it_lives(n
     where = {n: (id(p), p.data_ptr(), p.untyped_storage().nbytes()) for n, p in model.named_parameters()}
     with emulation.count_op_calls() as calls:
         out = forward(model, ids)
-    assert calls["npu_swiglu"] == gated_mlp_count(model)
+    assert calls["npu_geglu" if EXPECTED[model_type].mlp == "GeGLUMLP" else "npu_swiglu"] == gated_mlp_count(model)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     assert {n: (id(p), p.data_ptr(), p.untyped_storage().nbytes()) for n, p in model.named_parameters()} == where
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
@@ -429,6 +433,23 @@ def test_a_silu_shaped_mlp_built_with_another_activation_runs_its_own_forward(np
     with emulation.count_op_calls() as calls:
         out = forward(gelu_model, token_ids())
     assert calls["npu_swiglu"] == 0 and calls["npu_rms_norm"] > 0
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_new"])
+def test_a_gemma_mlp_built_with_another_gelu_runs_its_own_forward(npu_kernels, activation):
+    """Gemma3MLP is listed for GELU-tanh (gelu_pytorch_tanh); a config giving it the erf GELU, or the tanh formula in
+    Python ops, runs its eager forward: npu_geglu's approximate=1 is F.gelu(approximate="tanh") only."""
+    model = tiny_model("gemma3_text")
+    model.config.hidden_activation = activation
+    other = type(model)(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    eager = forward(other, token_ids())
+    kernelize(other.to("npu"), mode=Mode.INFERENCE, device="npu")
+    with emulation.count_op_calls() as calls:
+        out = forward(other, token_ids())
+    assert calls["npu_geglu"] == 0 and calls["npu_swiglu"] == 0 and calls["npu_rms_norm"] > 0
+    assert {s.layer for s in swapped_modules(other.get_decoder(), card="npu-swiglu")} == {"GeGLUMLP"}
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
 
 

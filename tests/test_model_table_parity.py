@@ -190,9 +190,18 @@ def _attached_by_transformers(module, function_module) -> bool:
     )
 
 
+MLP_ACTIVATION = {"GeGLUMLP": ("gelu_pytorch_tanh", "npu_geglu")}
+"""Layer -> (the ACT2FN name its classes' configs give, the op it fuses with); SiLU and npu_swiglu otherwise."""
+
+
+def _activation_and_op(rule: ClassRule) -> tuple[str, str]:
+    return MLP_ACTIVATION.get(rule.layer, ("silu", "npu_swiglu"))
+
+
 def _bare_mlp(rule: ClassRule, hidden: int, intermediate: int, dtype: torch.dtype) -> torch.nn.Module:
-    """An instance of the listed class holding only what the layer reads: its projections and SiLU
-    (ACT2FN["silu"], as configs give it). Its own forward then shows what the class computes."""
+    """An instance of the listed class holding only what the layer reads: its projections and its activation
+    (ACT2FN["silu"], or "gelu_pytorch_tanh" for GeGLUMLP, as configs give it). Its own forward then shows what the
+    class computes."""
     cls = _class(rule)
     mlp = cls.__new__(cls)
     torch.nn.Module.__init__(mlp)
@@ -203,7 +212,7 @@ def _bare_mlp(rule: ClassRule, hidden: int, intermediate: int, dtype: torch.dtyp
         mlp.up_proj = torch.nn.Linear(hidden, intermediate, bias=False)
     mlp.down_proj = torch.nn.Linear(intermediate, hidden, bias=False)
     activation = "activation_fn" if "activation_fn" in _init_source(cls) else "act_fn"
-    setattr(mlp, activation, ACT2FN["silu"])
+    setattr(mlp, activation, ACT2FN[_activation_and_op(rule)[0]])
     return mlp.to(dtype)
 
 
@@ -231,7 +240,7 @@ def test_every_listed_mlp_class_is_swapped_and_matches_its_own_forward(npu_kerne
             with emulation.count_op_calls() as calls:
                 got = holder(x.to("npu")).cpu()
         swaps = swapped_modules(holder)
-        if [s.layer for s in swaps] != [rule.layer] or calls["npu_swiglu"] != 1:
+        if [s.layer for s in swaps] != [rule.layer] or calls[_activation_and_op(rule)[1]] != 1:
             failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
         elif dtype == torch.float32 and not torch.allclose(got, expected, rtol=1e-6, atol=1e-6):
             failures.append(f"{rule.path}: max diff {(got - expected).abs().max().item()}")

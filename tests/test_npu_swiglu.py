@@ -1,4 +1,5 @@
-"""npu-swiglu, op level: the card's MLP functions against a float64 reference, and which path runs.
+"""npu-swiglu, op level: the card's MLP functions (SiLU and GELU-tanh gates) against a float64 reference, and which
+path runs.
 
 Parity follows flash-attention's idiom: the kernel's error against float64 is at most twice the
 error of eager PyTorch (the transformers MLP formula) in the same dtype. The fused path is proven
@@ -32,6 +33,14 @@ class SplitMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GeGLUMLP(SplitMLP):
+    """transformers' Gemma3MLP, as a reference: the split MLP with `ACT2FN["gelu_pytorch_tanh"]`."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__(hidden, intermediate, bias)
+        self.act_fn = ACT2FN["gelu_pytorch_tanh"]
+
+
 class FusedMLP(nn.Module):
     """transformers' Phi3MLP, as a reference: gate rows first in gate_up_proj."""
 
@@ -46,13 +55,22 @@ class FusedMLP(nn.Module):
         return self.down_proj(up * self.activation_fn(gate))
 
 
+def fused_op(shape: str) -> str:
+    """The torch_npu op an MLP of this shape fuses with."""
+    return "npu_geglu" if shape == "geglu" else "npu_swiglu"
+
+
 def kernel_output(card, mlp, x):
+    if isinstance(mlp, GeGLUMLP):
+        return card.geglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
     if isinstance(mlp, FusedMLP):
         return card.swiglu_gate_up_mlp(x, mlp.gate_up_proj, mlp.down_proj, mlp.activation_fn)
     return card.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
 
 
 def unavailable_reason(card, mlp, x):
+    if isinstance(mlp, GeGLUMLP):
+        return card.geglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn)
     if isinstance(mlp, FusedMLP):
         return card.swiglu_gate_up_mlp_unavailable_reason(x, mlp.gate_up_proj, mlp.activation_fn)
     return card.swiglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn)
@@ -60,8 +78,9 @@ def unavailable_reason(card, mlp, x):
 
 def make(shape: str, hidden: int, intermediate: int, dtype, bias=False, seed=0):
     torch.manual_seed(seed)
-    mlp = FusedMLP(hidden, intermediate) if shape == "fused" else SplitMLP(hidden, intermediate, bias)
-    return mlp.to(dtype)
+    if shape == "fused":
+        return FusedMLP(hidden, intermediate).to(dtype)
+    return (GeGLUMLP if shape == "geglu" else SplitMLP)(hidden, intermediate, bias).to(dtype)
 
 
 def on_npu(card, mlp):
@@ -95,7 +114,7 @@ def random_cases(count, seed):
         )
 
 
-@pytest.mark.parametrize("shape", ["split", "fused"])
+@pytest.mark.parametrize("shape", ["split", "fused", "geglu"])
 @pytest.mark.parametrize(("dtype", "seed"), [(torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2)])
 def test_fused_error_at_most_twice_eager_error(card, shape, dtype, seed):
     for case in random_cases(8, seed):
@@ -107,16 +126,16 @@ def test_fused_error_at_most_twice_eager_error(card, shape, dtype, seed):
             npu_mlp = on_npu(card, mlp)
             with emulation.count_op_calls() as calls:
                 fused = kernel_output(card, npu_mlp, x.to("npu")).cpu()
-        assert calls["npu_swiglu"] == 1, case
+        assert calls[fused_op(shape)] == 1 and sum(calls.values()) == 1, case
         assert fused.dtype == dtype and fused.shape == eager.shape
         fused_error = (fused.double() - reference).abs().max().item()
         eager_error = (eager.double() - reference).abs().max().item()
         assert fused_error <= 2 * eager_error + 1e-6, (case, fused_error, eager_error)
 
 
-@pytest.mark.parametrize("shape", ["split", "fused"])
+@pytest.mark.parametrize("shape", ["split", "fused", "geglu"])
 def test_backward_matches_eager(card, shape):
-    mlp = make(shape, 32, 48, torch.float32, bias=shape == "split")
+    mlp = make(shape, 32, 48, torch.float32, bias=shape != "fused")
     x = torch.randn(2, 5, 32)
     leaf = x.clone().requires_grad_()
     mlp(leaf).pow(2).sum().backward()
@@ -124,7 +143,7 @@ def test_backward_matches_eager(card, shape):
     npu_leaf = x.to("npu").requires_grad_()
     with emulation.count_op_calls() as calls:
         kernel_output(card, npu_mlp, npu_leaf).pow(2).sum().backward()
-    assert calls["npu_swiglu"] == 1
+    assert calls[fused_op(shape)] == 1
     torch.testing.assert_close(npu_leaf.grad.cpu(), leaf.grad, rtol=1e-5, atol=1e-5)
     for (name, got), (_, want) in zip(npu_mlp.named_parameters(), mlp.named_parameters(), strict=True):
         torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5, msg=name)
@@ -367,10 +386,12 @@ def _fallback_cases():
     }
 
 
-@pytest.mark.parametrize("shape", ["split", "fused"])
+@pytest.mark.parametrize("shape", ["split", "fused", "geglu"])
 @pytest.mark.parametrize("case", list(_fallback_cases()))
 def test_unsupported_inputs_take_the_exact_eager_path(card, shape, case):
     dtype, x_shape, act, reason = _fallback_cases()[case]
+    if shape == "geglu":
+        reason = reason.replace("SiLU", "GELU-tanh")
     mlp = make(shape, 16, 24, dtype)
     if act is not None:
         setattr(mlp, "activation_fn" if shape == "fused" else "act_fn", act)
@@ -381,8 +402,36 @@ def test_unsupported_inputs_take_the_exact_eager_path(card, shape, case):
         assert reason in unavailable_reason(card, npu_mlp, x.to("npu"))
         with emulation.count_op_calls() as calls:
             got = kernel_output(card, npu_mlp, x.to("npu"))
-    assert calls["npu_swiglu"] == 0
+    assert calls[fused_op(shape)] == 0
     assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize(
+    ("activation", "fuses"),
+    [
+        (ACT2FN["gelu_pytorch_tanh"], True),
+        (nn.GELU(approximate="tanh"), True),
+        (ACT2FN["gelu_python_tanh"], False),
+        (ACT2FN["gelu_new"], False),
+        (ACT2FN["gelu"], False),
+        (ACT2FN["silu"], False),
+    ],
+    ids=["gelu_pytorch_tanh", "nn.GELU(tanh)", "gelu_python_tanh", "gelu_new", "gelu (erf)", "silu"],
+)
+def test_geglu_fuses_torchs_tanh_gelu_only(card, activation, fuses):
+    """npu_geglu(approximate=1) is F.gelu(approximate="tanh"); other GELUs (erf, or the tanh formula in Python ops,
+    which rounds differently) and SiLU run the exact eager math, saying why."""
+    mlp = make("geglu", 16, 24, torch.bfloat16)
+    mlp.act_fn = activation
+    x = torch.randn(3, 16).bfloat16()
+    npu_mlp = on_npu(card, mlp)
+    reason = unavailable_reason(card, npu_mlp, x.to("npu"))
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        got = kernel_output(card, npu_mlp, x.to("npu")).cpu()
+        expected = mlp(x)
+    assert (reason is None, calls["npu_geglu"]) == ((True, 1) if fuses else (False, 0)), reason
+    if not fuses:
+        assert "is not GELU-tanh" in reason and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("shape", ["split", "fused"])
@@ -538,14 +587,14 @@ def test_global_module_hooks_see_every_child_eager_calls(card, shape):
 
 @pytest.mark.parametrize(
     ("shape", "tokens"),
-    [("split", 3), ("split", 160), ("fused", 3)],
-    ids=["two matmuls", "weights concatenated for the call", "gate_up_proj"],
+    [("split", 3), ("split", 160), ("fused", 3), ("geglu", 3), ("geglu", 160)],
+    ids=["two matmuls", "weights concatenated for the call", "gate_up_proj", "geglu", "geglu concatenated"],
 )
 def test_a_double_backward_gives_eagers_second_order_gradients(card, shape, tokens):
     """A gradient penalty through the fused MLP: npu_swiglu's backward has no derivative on the device, so a recorded
     backward differentiates eager's `silu(gate) * up` instead; the second-order gradients of the input and every
     weight are eager's, while the forward and the first-order backward stay fused (issue 30)."""
-    mlp = make(shape, 16, 24, torch.float32, bias=shape == "split")
+    mlp = make(shape, 16, 24, torch.float32, bias=shape != "fused")
     x = torch.randn(tokens, 16)
 
     def penalty_gradients(model, leaf, output):
@@ -558,6 +607,6 @@ def test_a_double_backward_gives_eagers_second_order_gradients(card, shape, toke
     npu_mlp = on_npu(card, mlp)
     with emulation.count_op_calls() as calls:
         got = penalty_gradients(npu_mlp, x.to("npu").requires_grad_(), partial(kernel_output, card))
-    assert calls["npu_swiglu"] == 1
+    assert calls[fused_op(shape)] == 1
     for name, g, w in zip(["x", *(n for n, _ in mlp.named_parameters())], got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=name)

@@ -123,6 +123,25 @@ CONFIGS: dict[str, ModelSpec] = {
         ),
         experts=8,
     ),
+    # google/gemma-3-4b-pt, its text_config (a Gemma3TextConfig, run here as Gemma3ForCausalLM): hidden_size 2560,
+    # intermediate_size 10240, num_attention_heads 8, num_key_value_heads 4, head_dim 256, query_pre_attn_scalar 256,
+    # sliding_window 1024, rms_norm_eps 1e-06, hidden_activation gelu_pytorch_tanh (the GELU-tanh gated MLP
+    # npu-swiglu's GeGLUMLP fuses with npu_geglu); four zero-centred RMSNorms per layer and q/k norms.
+    "gemma-3-4b": ModelSpec(
+        "Gemma-3-4B",
+        "gemma3_text",
+        dict(
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=1024,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),
 }
 TINY_SPECS = (
     ModelSpec("tiny Llama", "llama", tiny_config_values("llama")),

@@ -78,12 +78,14 @@ LLAMA_2_7B = ModelSpec(
     ),
 )
 # num_hidden_layers and vocab_size from each model's config.json: Meta-Llama-3-8B 32 and 128256, Qwen3-8B 36 and
-# 151936, Qwen3-30B-A3B 48 and 151936.
+# 151936, Qwen3-30B-A3B 48 and 151936, gemma-3-4b-pt's text_config 34 and 262208 (Gemma3TextConfig's vocabulary:
+# the tokenizer's 262144 and the image tokens).
 STEP_MODELS: dict[str, StepModel] = {
     "llama-3-8b": StepModel(CONFIGS["llama-3-8b"], 32, 128_256),
     "qwen3-8b": StepModel(CONFIGS["qwen3-8b"], 36, 151_936),
     "qwen3-30b-a3b": StepModel(CONFIGS["qwen3-30b-a3b"], 48, 151_936),
     "llama-2-7b": StepModel(LLAMA_2_7B, 32, 32_000),
+    "gemma-3-4b": StepModel(CONFIGS["gemma-3-4b"], 34, 262_208),
 }
 STEP_SHAPE = LAYER_TARGET_SHAPE
 QUICK_STEP_SHAPE = (1, 512)

@@ -1,7 +1,8 @@
-"""Layers that `kernels.kernelize` swaps into transformers' SiLU-gated MLP modules (forward only, no state).
+"""Layers that `kernels.kernelize` swaps into transformers' gated MLP modules (forward only, no state).
 
-Each reads the submodules of the MLP it replaces and checks its activation on every call: an MLP
-whose activation is not SiLU at runtime (another `hidden_act`, or `act_fn` replaced) runs its eager math.
+Each reads the submodules of the MLP it replaces and checks its activation on every call: an MLP whose activation is
+not the layer's (SiLU, or GELU-tanh for GeGLUMLP) at runtime (another `hidden_act`, or `act_fn` replaced) runs its
+eager math.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .geglu import geglu_mlp
 from .swiglu import activation_of, swiglu_gate_up_mlp, swiglu_mlp
 
 
@@ -31,3 +33,13 @@ class SwiGLUGateUpMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return swiglu_gate_up_mlp(hidden_states, self.gate_up_proj, self.down_proj, activation_of(self), module=self)
+
+
+class GeGLUMLP(nn.Module):
+    """`down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`: Gemma, Gemma 2, Gemma 3, Gemma 4's text MLP, ..."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return geglu_mlp(x, self.gate_proj, self.up_proj, self.down_proj, activation_of(self), module=self)

@@ -15,6 +15,8 @@ gives `[T, 2I]`, gated with `dim=-1`. No parameter is ever re-pointed or re-laid
 DDP, accelerate and safetensors own or read that storage (docs/torch-npu-ops.md, "npu_swiglu").
 Projections the card cannot read directly (LoRA or other wrapped or hooked Linears, DeepSpeed ZeRO-3
 partitions, DTensors) run the eager math, and `swiglu_mlp_unavailable_reason` says why.
+The split path is written once for any op that gates the first half of its input (`GatedOp`): `fused_split_mlp`
+and `split_unavailable_reason` serve npu_swiglu here and npu_geglu for Gemma's GELU-tanh MLPs (geglu.py).
 
 The fused path computes what the MLP's children gate_proj, up_proj (split MLP) and act_fn (both shapes) compute
 without calling them, so it runs only when nothing watches those calls: a hook of the user's own on one of them, a
@@ -27,7 +29,9 @@ no derivative of its own), so second-order gradients are eager's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +54,28 @@ def is_plain_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and instance_forward(module) is None and not module_hooks(module)
 
 
-def _npu_swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> str | None:
-    """Why npu_swiglu will not compute `silu(gate) * up` for input x and this activation, or None."""
-    if not is_silu(act_fn):
-        return f"activation {act_fn!r} is not SiLU"
+@dataclass(frozen=True)
+class GatedOp:
+    """A torch_npu op that computes `activation(gate) * up` from gate and up as the two halves of one tensor.
+
+    `fuse(h, dim)` gates the FIRST half of h along dim; `activation` is the math it fuses, for eager's second order;
+    `is_activation(act_fn)` says whether an MLP's act_fn computes exactly that."""
+
+    op: str
+    activation_name: str
+    is_activation: Callable[[object], bool]
+    fuse: Callable[[torch.Tensor, int], torch.Tensor]
+    activation: Callable[[torch.Tensor], torch.Tensor]
+
+
+SWIGLU = GatedOp("npu_swiglu", "SiLU", is_silu, lambda h, dim: torch_npu.npu_swiglu(h, dim=dim), F.silu)
+"""npu_swiglu: `silu(first half) * second half` (docs/torch-npu-ops.md, "npu_swiglu")."""
+
+
+def _fused_op_unavailable_reason(x: torch.Tensor, act_fn: Callable | None, gated: GatedOp) -> str | None:
+    """Why `gated.op` will not compute `act_fn(gate) * up` for input x and this activation, or None."""
+    if not gated.is_activation(act_fn):
+        return f"activation {act_fn!r} is not {gated.activation_name}"
     hooks = [hook for hook in module_hooks(act_fn) if not engine_hook(hook)]
     if hooks:
         names = ", ".join(getattr(hook, "__qualname__", type(hook).__qualname__) for hook in hooks)
@@ -67,7 +89,7 @@ def _npu_swiglu_unavailable_reason(x: torch.Tensor, act_fn: Callable | None) -> 
     if reason is not None:
         return reason
     if x.dtype not in FUSED_DTYPES:
-        return f"dtype {x.dtype} is not supported by npu_swiglu (float16, bfloat16, float32)"
+        return f"dtype {x.dtype} is not supported by {gated.op} (float16, bfloat16, float32)"
     if x.numel() == 0:
         return "empty input"
     return None
@@ -98,9 +120,11 @@ def _projection_unavailable_reason(name: str, proj: nn.Module) -> str | None:
     return None
 
 
-def _split_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn) -> str | None:
-    """Why `swiglu_mlp` takes the eager path (see `swiglu_mlp_unavailable_reason`)."""
-    reason = _npu_swiglu_unavailable_reason(x, act_fn)
+def split_unavailable_reason(
+    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn, gated: GatedOp
+) -> str | None:
+    """Why a split MLP (gate_proj, up_proj) does not fuse with `gated.op` for this input, or None when it does."""
+    reason = _fused_op_unavailable_reason(x, act_fn, gated)
     if reason is not None:
         return reason
     for name, proj in (("gate_proj", gate_proj), ("up_proj", up_proj)):
@@ -231,27 +255,37 @@ def swiglu_mlp(
     """
     if ran_eager(module, swiglu_mlp_unavailable_reason(x, gate_proj, up_proj, act_fn)):
         return swiglu_mlp_eager(x, gate_proj, up_proj, down_proj, act_fn)
+    return fused_split_mlp(x, gate_proj, up_proj, down_proj, SWIGLU)
+
+
+def fused_split_mlp(
+    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module, gated: GatedOp
+) -> torch.Tensor:
+    """`down_proj(gated.activation(gate_proj(x)) * up_proj(x))` with `gated.op`, where the reason said it fuses.
+
+    Gate and up come from the cheaper gate/up matmuls (module doc), as the two halves of the op's input."""
     dtype = _compute_dtype(x)
     inputs = [_autocast(t, dtype) for t in (x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias)]
     tokens, inner = x.numel() // x.shape[-1], gate_proj.weight.shape[0]
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     if concatenates_weights(tokens, inner, backward):
-        gated = torch_npu.npu_swiglu(_GateUpConcatenated.apply(*inputs), dim=-1)  # [T, I]
+        gated_out = gated.fuse(_GateUpConcatenated.apply(*inputs), -1)  # [T, I]
     else:
-        gated = torch_npu.npu_swiglu(_GateUpHalves.apply(*inputs), dim=0)  # [1, T, I]
-    # a recorded backward differentiates eager's math from x and the weights: npu_swiglu's backward has no derivative,
-    # and the gate/up functions' backward keeps x as rows made without autograd (no second order through dW)
-    gated = with_eager_double_backward(gated.reshape(*x.shape[:-1], inner), _gated_eager, *inputs)
-    return down_proj(gated)
+        gated_out = gated.fuse(_GateUpHalves.apply(*inputs), 0)  # [1, T, I]
+    # a recorded backward differentiates eager's math from x and the weights: the fused op's backward has no
+    # derivative, and the gate/up functions' backward keeps x as rows made without autograd (no second order
+    # through dW)
+    eager = functools.partial(_gated_eager, gated.activation)
+    return down_proj(with_eager_double_backward(gated_out.reshape(*x.shape[:-1], inner), eager, *inputs))
 
 
-def _gated_eager(x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:
-    """`act_fn(gate_proj(x)) * up_proj(x)` for a SiLU act_fn, on the tensors the fused path reads.
+def _gated_eager(activation, x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:
+    """`activation(gate_proj(x)) * up_proj(x)` on the tensors the fused path reads.
 
     Those tensors are the ones autocast's casts made. This is what a recorded backward differentiates in place of the
-    fused gate/up matmuls and npu_swiglu.
+    fused gate/up matmuls and the fused op.
     """
-    return F.silu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)
+    return activation(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)
 
 
 def swiglu_mlp_eager(
@@ -263,7 +297,7 @@ def swiglu_mlp_eager(
 
 def swiglu_mlp_unavailable_reason(x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, act_fn) -> str | None:
     """Why `swiglu_mlp` takes the eager path for this input and these projections, or None when it fuses."""
-    return _split_unavailable_reason(x, gate_proj, up_proj, act_fn)
+    return split_unavailable_reason(x, gate_proj, up_proj, act_fn, SWIGLU)
 
 
 def swiglu_gate_up_mlp(
@@ -306,4 +340,4 @@ def swiglu_gate_up_mlp_unavailable_reason(x: torch.Tensor, gate_up_proj: nn.Modu
         return f"weight dtype {weight.dtype} differs from input dtype {x.dtype}"
     if not 1 <= x.dim() <= 8:  # gate_up_proj(x), which npu_swiglu takes, has x's dims
         return f"npu_swiglu takes 1 to 8 dims, got {x.dim()}"
-    return _npu_swiglu_unavailable_reason(x, act_fn)
+    return _fused_op_unavailable_reason(x, act_fn, SWIGLU)

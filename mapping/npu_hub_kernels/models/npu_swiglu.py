@@ -3,7 +3,8 @@
 Established by a numerical survey of every MLP-like class of transformers 5.22.2 (each built from its
 own config, its forward compared with both formulas, its activation flipped through the config,
 dropout raised in train()); re-proved per class by tests/test_model_table_parity.py. Every class with
-gate_proj/up_proj or a gate_up_proj Linear is listed or left out.
+gate_proj/up_proj or a gate_up_proj Linear is listed or left out, and so is every T5-style gated MLP
+(wi_0/wi_1), the other spelling of a GELU-gated MLP.
 """
 
 from __future__ import annotations
@@ -155,11 +156,27 @@ _GATE_UP = (
     "phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalMLP",
 )
 
-SWAPPED: dict[str, tuple[str, ...]] = {"SwiGLUMLP": _SPLIT, "SwiGLUGateUpMLP": _GATE_UP}
+# layer GeGLUMLP: down_proj(act_fn(gate_proj(x)) * up_proj(x)), GELU-tanh (gelu_pytorch_tanh) from the config
+_GEGLU = (
+    "diffusion_gemma.modeling_diffusion_gemma.DiffusionGemmaText4MLP",
+    "embedding_gemma2.modeling_embedding_gemma2.EmbeddingGemma2MLP",
+    "gemma.modeling_gemma.GemmaMLP",
+    "gemma2.modeling_gemma2.Gemma2MLP",
+    "gemma3.modeling_gemma3.Gemma3MLP",
+    "gemma4.modeling_gemma4.Gemma4TextMLP",
+    "gemma4_unified.modeling_gemma4_unified.Gemma4UnifiedTextMLP",
+    "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaMlp",
+    "vaultgemma.modeling_vaultgemma.VaultGemmaMLP",
+)
+
+SWAPPED: dict[str, tuple[str, ...]] = {"SwiGLUMLP": _SPLIT, "SwiGLUGateUpMLP": _GATE_UP, "GeGLUMLP": _GEGLU}
 """Layer -> the MLP classes it replaces."""
 
-_GELU_TANH = "GELU-tanh activation (gelu_pytorch_tanh): a SwiGLU kernel there is wrong"
-_GELU = "GELU activation"
+_GELU = "GELU activation (erf): npu_geglu's approximate=0, not fused yet"
+_T5_GATED = (
+    "T5's gated MLP (wi_0, wi_1, wo): dropout between the gate and wo, and a cast to wo's dtype (gelu_new, the tanh "
+    "formula in Python ops, by default)"
+)
 _CLAMPED = "clamps the gate/up activations"
 _DROPOUT = "dropout in training"
 _NORM_INSIDE = "a norm inside the block (a patch merger)"
@@ -168,19 +185,12 @@ LEFT_OUT: dict[str, str] = {
     "bitnet.modeling_bitnet.BitNetMLP": "ReLU-squared activation and a norm inside the block",
     "deepseek_v4.modeling_deepseek_v4.DeepseekV4MLP": _CLAMPED,
     "diffusion_gemma.modeling_diffusion_gemma.DiffusionGemmaSelfConditioning": "GELU-tanh, norm, 2nd input",
-    "diffusion_gemma.modeling_diffusion_gemma.DiffusionGemmaText4MLP": _GELU_TANH,
     "dinov3_vit.modeling_dinov3_vit.DINOv3ViTGatedMLP": _GELU,
     "doge.modeling_doge.DogeCDMoE": "activation sparsity (Gaussian top-k) and a mixture branch",
-    "embedding_gemma2.modeling_embedding_gemma2.EmbeddingGemma2MLP": _GELU_TANH,
     "eomt_dinov3.modeling_eomt_dinov3.EomtDinov3GatedMLP": _GELU,
     "falcon_h1.modeling_falcon_h1.FalconH1MLP": "scales the gate input and the output by config.mlp_multipliers",
-    "gemma.modeling_gemma.GemmaMLP": _GELU_TANH,
-    "gemma2.modeling_gemma2.Gemma2MLP": _GELU_TANH,
-    "gemma3.modeling_gemma3.Gemma3MLP": _GELU_TANH,
     "gemma3n.modeling_gemma3n.Gemma3nTextMLP": "GELU-tanh, with activation sparsity in some layers",
-    "gemma4.modeling_gemma4.Gemma4TextMLP": _GELU_TANH,
-    "gemma4.modeling_gemma4.Gemma4VisionMLP": "GELU-tanh, with clippable linears",
-    "gemma4_unified.modeling_gemma4_unified.Gemma4UnifiedTextMLP": _GELU_TANH,
+    "gemma4.modeling_gemma4.Gemma4VisionMLP": "GELU-tanh, with clippable linears (clamped inputs and outputs)",
     "glm4v.modeling_glm4v.Glm4vVisionPatchMerger": _NORM_INSIDE,
     "glm4v_moe.modeling_glm4v_moe.Glm4vMoeVisionPatchMerger": _NORM_INSIDE,
     "glm5_next.modeling_glm5_next.Glm5NextTextMLP": _CLAMPED,
@@ -193,26 +203,36 @@ LEFT_OUT: dict[str, str] = {
     "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLDenseMLP": "clamps and scales the gate",
     "phi4_multimodal.modeling_phi4_multimodal.Phi4MultimodalAudioMLP": "dropout and a norm inside",
     "pixtral.modeling_pixtral.PixtralMLP": _GELU,
-    "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaMlp": _GELU_TANH,
     "seed_oss.modeling_seed_oss.SeedOssMLP": _DROPOUT,
     "step3p7.modeling_step3p7.Step3p7MLP": _CLAMPED,
     "t5gemma.modeling_t5gemma.T5GemmaMLP": "GELU-tanh, with dropout in training",
     "t5gemma2.modeling_t5gemma2.T5Gemma2MLP": "GELU-tanh, with dropout in training",
-    "vaultgemma.modeling_vaultgemma.VaultGemmaMLP": _GELU_TANH,
     "vibevoice.modeling_vibevoice.VibeVoiceMLP": _GELU,
     "zamba.modeling_zamba.ZambaMLP": _GELU,
     "zamba2.modeling_zamba2.Zamba2MLP": "GELU, with an adapter term",
+    "kosmos2_5.modeling_kosmos2_5.Kosmos2_5VisionMlp": _T5_GATED,
+    "longt5.modeling_longt5.LongT5DenseGatedActDense": _T5_GATED,
+    "mt5.modeling_mt5.MT5DenseGatedActDense": _T5_GATED,
+    "pix2struct.modeling_pix2struct.Pix2StructTextDenseGatedActDense": _T5_GATED,
+    "pix2struct.modeling_pix2struct.Pix2StructVisionMlp": _T5_GATED,
+    "pop2piano.modeling_pop2piano.Pop2PianoDenseGatedActDense": _T5_GATED,
+    "t5.modeling_t5.T5DenseGatedActDense": _T5_GATED,
+    "udop.modeling_udop.UdopDenseGatedActDense": _T5_GATED,
+    "umt5.modeling_umt5.UMT5DenseGatedActDense": _T5_GATED,
 }
 
 
 def candidates() -> set[str]:
     """The classes that look like this card's region.
 
-    Those are every class whose own __init__ builds a gate_up_proj Linear, or both gate_proj and up_proj.
+    Those are every class whose own __init__ builds a gate_up_proj Linear, or both gate_proj and up_proj, or T5's
+    gated pair wi_0 and wi_1.
     """
     found = set()
     for definition in _survey.classes():
         init = definition.method_source("__init__")
-        if "self.gate_up_proj = nn.Linear(" in init or ("self.gate_proj =" in init and "self.up_proj =" in init):
+        split = "self.gate_proj =" in init and "self.up_proj =" in init
+        t5_gated = "self.wi_0 =" in init and "self.wi_1 =" in init
+        if "self.gate_up_proj = nn.Linear(" in init or split or t5_gated:
             found.add(definition.path)
     return found

@@ -13,6 +13,10 @@ bytes of two ways to get gate and up (biases counted with their weights):
 Two matmuls are the cheaper way unless T > 4I (forward) or 3T > 8I (forward and backward).
 Kept for backward, either way: h [T, 2I] (swiglu's backward reads it) and a [T, I] (dWd reads it); x and the
 weights are the region's input and parameters.
+
+A GELU-tanh gated MLP (Gemma's, the card's GeGLUMLP) has the same floor with npu_geglu in place of swiglu, plus
+what that op's only form adds: it writes the gate's GELU [T, I] beside its output, its backward reads it, and its
+autograd node keeps it (docs/torch-npu-ops.md, "npu_geglu"; no torch_npu op gates with GELU-tanh without it).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.activations import GELUTanh
 
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
@@ -34,16 +39,24 @@ BYTES_TOLERANCE = 1.03
 """Kernelized bytes of the SwiGLU MLP within 3% of its floor for split weights as the model stores them."""
 
 
+def _gelu_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """The bytes of the gate's GELU [T, I] npu_geglu writes and keeps: 0 for a SiLU gate (npu_swiglu)."""
+    if type(getattr(module, "act_fn", None)) is not GELUTanh:
+        return 0
+    return x.numel() // x.shape[-1] * module.down_proj.weight.shape[1] * x.element_size()
+
+
 def floor(module: nn.Module, x: torch.Tensor, *_) -> Floor:
-    """Gate/up matmuls, swiglu, matmul down, the cheaper of two ways for split weights; backward 7 ops."""
+    """Gate/up matmuls, the gating op, matmul down, the cheaper of two ways for split weights; backward 7 ops."""
     hidden, inner = module.down_proj.weight.shape
     tokens, size = x.numel() // x.shape[-1], x.element_size()
     w_d = sum(tensor_bytes(p) for p in module.down_proj.parameters())
     w_gu = sum(tensor_bytes(p) for p in module.parameters()) - w_d
     h, a, y = tokens * 2 * inner * size, tokens * inner * size, tokens * hidden * size
-    x_b, dx = tensor_bytes(x), dense_bytes(x)
-    rest_fwd = (h + a) + (a + w_d + y)  # swiglu, down matmul
-    rest_bwd = (y + w_d + a) + (y + a + w_d) + (a + h + h) + (h + 2 * x_b + w_gu)  # da, dWd, dh, dWg and dWu
+    x_b, dx, gelu = tensor_bytes(x), dense_bytes(x), _gelu_bytes(module, x)
+    rest_fwd = (h + a + gelu) + (a + w_d + y)  # swiglu (or geglu, writing the GELU too), down matmul
+    # da, dWd, dh (geglu's reads the GELU), dWg and dWu
+    rest_bwd = (y + w_d + a) + (y + a + w_d) + (a + h + gelu + h) + (h + 2 * x_b + w_gu)
     dx_two_matmuls = h + w_gu + 3 * dx
     two_matmuls = (2 * x_b + w_gu + h, dx_two_matmuls)
     concatenated = ((2 * w_gu) + (x_b + w_gu + h), min(dx_two_matmuls, (2 * w_gu) + (h + w_gu + dx)))
@@ -53,9 +66,9 @@ def floor(module: nn.Module, x: torch.Tensor, *_) -> Floor:
 
 
 def floor_saved(module: nn.Module, x: torch.Tensor, *_) -> int:
-    """h [T, 2I] and a [T, I], which the swiglu backward and dWd read."""
+    """h [T, 2I] and a [T, I], which the swiglu backward and dWd read; and geglu's GELU [T, I] for a GeGLU MLP."""
     inner = module.down_proj.weight.shape[1]
-    return x.numel() // x.shape[-1] * 3 * inner * x.element_size()
+    return x.numel() // x.shape[-1] * 3 * inner * x.element_size() + _gelu_bytes(module, x)
 
 
 COUNTED_TARGETS = (
@@ -65,7 +78,7 @@ COUNTED_TARGETS = (
 )
 
 
-def _swiglu_outputs(a: dict[str, Any]) -> torch.Tensor:
+def _halved_output(a: dict[str, Any]) -> torch.Tensor:
     x, dim = a["x"], a["dim"]
     shape = list(x.shape)
     shape[dim] //= 2
@@ -73,7 +86,9 @@ def _swiglu_outputs(a: dict[str, Any]) -> torch.Tensor:
 
 
 FUSED_OPS = {
-    "npu_swiglu": FusedOp(_swiglu_outputs, ("x",), lambda a, out: [a["x"]]),
+    "npu_swiglu": FusedOp(_halved_output, ("x",), lambda a, out: [a["x"]]),
+    # (out, gelu), both [.., I]; the backward reads and the node keeps x and that gelu (derivatives.yaml)
+    "npu_geglu": FusedOp(lambda a: (_halved_output(a), _halved_output(a)), ("x",), lambda a, out: [a["x"], out[1]]),
 }
 
 
