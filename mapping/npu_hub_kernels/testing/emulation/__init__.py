@@ -72,7 +72,8 @@ EMULATED_OPS: dict[str, Callable[..., Any]] = {
 LEDGER: tuple[Rule, ...] = tuple(rule for card in CARDS.values() for rule in ledger_of(card))
 """Every documented limit the emulated ops enforce (`ledger.py`), gathered from the cards' `ops/<card>.py` files."""
 _NOTEMULATED_OPS = ("npu_fusion_attention",)
-"""Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated."""
+"""Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated (unless a
+card's `ops/<card>.py` emulates them)."""
 _state = {"cann_version": DEFAULT_CANN_VERSION}
 
 __all__ = [
@@ -178,7 +179,7 @@ def _build_torch_npu_module() -> ModuleType:
     torch_npu.npu = torch.npu  # type: ignore[attr-defined]
     for name, op in EMULATED_OPS.items():
         setattr(torch_npu, name, op)
-    for name in _NOTEMULATED_OPS:
+    for name in set(_NOTEMULATED_OPS) - set(EMULATED_OPS):
         setattr(torch_npu, name, _not_emulated(name))
     torch_npu.utils = _new_module("torch_npu.utils")  # type: ignore[attr-defined]
     collect_env = _new_module("torch_npu.utils.collect_env")
