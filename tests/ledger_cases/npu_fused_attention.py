@@ -1,0 +1,260 @@
+"""npu-fused-attention: npu_fusion_attention's and npu_fusion_attention_grad's rules (`CASES`).
+
+The grad's refusals are calls of the grad op itself (`npu_fusion_attention_grad`, what the autograd node calls), with
+the forward's results but for the argument each case breaks; its accepted calls go through the op's autograd node.
+The CANN gates run under the CANN release just below the gate and put the reported release back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch_npu
+
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.emulation.ops.npu_fused_attention import npu_fusion_attention_grad
+
+from . import npu
+
+BF16, F16, F64 = torch.bfloat16, torch.float16, torch.float64
+
+
+def _attention(q, k, v, head_num, layout, backward=False, **options):
+    """npu_fusion_attention, then its backward through the op's autograd node when asked."""
+    out = torch_npu.npu_fusion_attention(q, k, v, head_num, layout, **options)
+    if backward:
+        out[0].float().sum().backward()
+    return out
+
+
+def _bnsd(b=1, n=2, nkv=1, sq=4, skv=4, d=8, dv=None, dtype=torch.float32, grad=False):
+    """query [b, n, sq, d], key [b, nkv, skv, d] and value [b, nkv, skv, dv] on the npu."""
+    return (
+        npu(b, n, sq, d, dtype=dtype, grad=grad),
+        npu(b, nkv, skv, d, dtype=dtype, grad=grad),
+        npu(b, nkv, skv, dv or d, dtype=dtype, grad=grad),
+    )
+
+
+def _tnd(tq=4, tkv=4, n=2, nkv=1, d=8, grad=False):
+    """query [tq, n, d], key and value [tkv, nkv, d] on the npu."""
+    return npu(tq, n, d, grad=grad), npu(tkv, nkv, d, grad=grad), npu(tkv, nkv, d, grad=grad)
+
+
+def _run(shapes=None, head_num=2, layout="BNSD", backward=False, **options):
+    q, k, v = shapes if shapes is not None else _bnsd(grad=backward)
+    return _attention(q, k, v, head_num, layout, backward=backward, **options)
+
+
+def _varlen(q_ends, kv_ends, tq=4, tkv=4, **options):
+    return _run(_tnd(tq, tkv), layout="TND", actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends, **options)
+
+
+def _compressed(transposed: bool = False) -> torch.Tensor:
+    """The compressed 2048 x 2048 mask of sparse modes 2-4 (masked above the diagonal), or its transpose."""
+    upper = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+    return (upper.t() if transposed else upper).to("npu")
+
+
+def _mask(*shape: int, masked_row: int | None = None) -> torch.Tensor:
+    """A bool mask masking above the diagonal (each row keeps key 0), with every key of `masked_row` masked."""
+    mask = torch.ones(shape[-2:], dtype=torch.bool).triu(1).expand(shape).clone()
+    if masked_row is not None:
+        mask[..., masked_row, :] = True
+    return mask.to("npu")
+
+
+def _under_cann(version: str, call: Callable[[], object]) -> None:
+    """`call()` on a host reporting CANN `version`, then the reported release as it was."""
+    before = torch.version.cann  # type: ignore[attr-defined]
+    emulation.set_cann_version(version)
+    try:
+        call()
+    finally:
+        emulation.set_cann_version(before)
+
+
+def _grad(**overrides) -> None:
+    """npu_fusion_attention_grad on a BNSD call's results, with `overrides` in place of what the node would hand it."""
+    q, k, v = _bnsd(dtype=F16)
+    out, softmax_max, softmax_sum, softmax_out, seed, offset, numels = _run((q, k, v), scale=0.3)
+    arguments = dict(
+        query=q, key=k, value=v, dy=torch.ones_like(out), head_num=2, input_layout="BNSD", softmax_max=softmax_max,
+        softmax_sum=softmax_sum, softmax_in=softmax_out, attention_in=out, scale_value=0.3, seed=seed, offset=offset,
+        numels=numels,
+    )  # fmt: skip
+    arguments.update(overrides)
+    npu_fusion_attention_grad(**arguments)
+
+
+CASES = {
+    "npu_fusion_attention/actual-seq-ints": (
+        lambda: _varlen([2, 4], [1, 4]),
+        lambda: _varlen(torch.tensor([2, 4]), [1, 4]),
+    ),
+    "npu_fusion_attention/head-num": (
+        lambda: _run(_bnsd(n=1), head_num=1),
+        lambda: _run(_bnsd(n=1), head_num=0),
+    ),
+    "npu_fusion_attention/rank": (
+        lambda: _run((npu(1, 4, 16), npu(1, 4, 8), npu(1, 4, 8)), layout="BSH"),
+        lambda: _run((npu(1, 1, 2, 4, 8), npu(1, 1, 4, 8), npu(1, 1, 4, 8))),
+    ),
+    "npu_fusion_attention/keep-prob": (
+        lambda: _run(keep_prob=1.0, backward=True),
+        lambda: _run(keep_prob=0.0),
+    ),
+    "npu_fusion_attention/layout": (
+        lambda: _run((npu(4, 1, 16), npu(4, 1, 8), npu(4, 1, 8)), layout="SBH"),
+        lambda: _run(layout="bnsd"),
+    ),
+    "npu_fusion_attention/softmax-layout": (
+        lambda: _varlen([2, 4], [1, 4], softmax_layout="TND"),
+        lambda: _run(softmax_layout="TND"),
+    ),
+    "npu_fusion_attention/sparse-mode": (
+        lambda: _run(atten_mask=_compressed(), sparse_mode=4, pre_tockens=1, next_tockens=0),
+        lambda: _run(atten_mask=_compressed(), sparse_mode=7),
+    ),
+    "npu_fusion_attention/actual-seq-tnd": (
+        lambda: _varlen([4], [4]),
+        lambda: _varlen([2, 4], [4]),
+    ),
+    "npu_fusion_attention/actual-seq-tnd-only": (
+        lambda: _run(actual_seq_qlen=None, actual_seq_kvlen=None),
+        lambda: _run(actual_seq_qlen=[4], actual_seq_kvlen=[4]),
+    ),
+    "npu_fusion_attention/dtype": (
+        lambda: _run(_bnsd(dtype=BF16)),
+        lambda: _run(_bnsd(dtype=F64)),
+    ),
+    "npu_fusion_attention/same-dtype": (
+        lambda: _run(_bnsd(dtype=F16)),
+        lambda: _run((npu(1, 2, 4, 8, dtype=F16), npu(1, 1, 4, 8, dtype=BF16), npu(1, 1, 4, 8, dtype=F16))),
+    ),
+    "npu_fusion_attention/layout-rank": (
+        lambda: _run((npu(1, 4, 2, 8), npu(1, 4, 1, 8), npu(1, 4, 1, 8)), layout="BSND"),
+        lambda: _run((npu(1, 4, 16), npu(1, 4, 8), npu(1, 4, 8)), layout="BSND"),
+    ),
+    "npu_fusion_attention/hidden-split": (
+        lambda: _run((npu(1, 4, 16), npu(1, 4, 8), npu(1, 4, 4)), layout="BSH"),
+        lambda: _run((npu(1, 4, 16), npu(1, 4, 8), npu(1, 4, 8)), head_num=3, layout="BSH"),
+    ),
+    "npu_fusion_attention/head-num-matches": (
+        lambda: _run(_bnsd(n=4), head_num=4),
+        lambda: _run(_bnsd(n=2), head_num=4),
+    ),
+    "npu_fusion_attention/batch": (
+        lambda: _run(_bnsd(b=2)),
+        lambda: _run((npu(1, 2, 4, 8), npu(2, 1, 4, 8), npu(2, 1, 4, 8))),
+    ),
+    "npu_fusion_attention/kv-shape": (
+        lambda: _run(_bnsd(dv=4, grad=True), backward=True),
+        lambda: _run((npu(1, 2, 4, 8), npu(1, 1, 4, 8), npu(1, 1, 5, 8))),
+    ),
+    "npu_fusion_attention/head-dim": (
+        lambda: _run(_bnsd(n=1, sq=1, skv=1, d=768), head_num=1),
+        lambda: _run(_bnsd(n=1, sq=1, skv=1, d=769), head_num=1),
+    ),
+    "npu_fusion_attention/heads": (
+        lambda: _run(_bnsd(n=6, nkv=2), head_num=6),
+        lambda: _run(_bnsd(n=3, nkv=2), head_num=3),
+    ),
+    "npu_fusion_attention/batch-limit": (
+        lambda: _run(_bnsd(b=1)),
+        lambda: _run(_bnsd(b=0)),
+    ),
+    "npu_fusion_attention/seq-limit": (
+        lambda: _run(_bnsd(sq=1, skv=1)),
+        lambda: _run(_bnsd(sq=0)),
+    ),
+    "npu_fusion_attention/tokens-limit": (
+        lambda: _varlen([1], [1], tq=1, tkv=1),
+        lambda: _varlen([0], [0], tq=0, tkv=0),
+    ),
+    "npu_fusion_attention/actual-seq-count": (
+        lambda: _varlen([4] + [0] * 1023, [4] + [0] * 1023),  # 1024 entries, the trailing zeros skipping batches
+        lambda: _varlen([4] + [0] * 1024, [4] + [0] * 1024),
+    ),
+    "npu_fusion_attention/actual-seq-cumulative": (
+        lambda: _varlen([2, 2, 4], [1, 3, 4]),  # a zero-length query segment
+        lambda: _varlen([2, 2], [2, 2]),  # lengths, not cumulative ends
+    ),
+    "npu_fusion_attention/atten-mask-dtype": (
+        lambda: _run(atten_mask=_mask(4, 4).to(torch.uint8)),
+        lambda: _run(atten_mask=_mask(4, 4).half()),
+    ),
+    "npu_fusion_attention/atten-mask-compressed": (
+        lambda: _run(atten_mask=_compressed(), sparse_mode=3, backward=True),
+        lambda: _run(atten_mask=_mask(4, 4), sparse_mode=3),
+    ),
+    "npu_fusion_attention/atten-mask-triu": (
+        lambda: _run(atten_mask=_compressed(), sparse_mode=2),
+        lambda: _run(atten_mask=_compressed(transposed=True), sparse_mode=2),
+    ),
+    "npu_fusion_attention/atten-mask-shape": (
+        lambda: _run(atten_mask=_mask(1, 1, 4, 4), backward=True),
+        lambda: _run(atten_mask=_mask(4, 5)),
+    ),
+    "npu_fusion_attention/causal-rows": (
+        lambda: _run(_bnsd(sq=4, skv=4), atten_mask=_compressed(), sparse_mode=3),
+        lambda: _run(_bnsd(sq=5, skv=4), atten_mask=_compressed(), sparse_mode=3),
+    ),
+    "npu_fusion_attention/band": (
+        lambda: _run(atten_mask=_compressed(), sparse_mode=4, pre_tockens=0, next_tockens=0),
+        lambda: _run(atten_mask=_compressed(), sparse_mode=4, pre_tockens=-1, next_tockens=0),
+    ),
+    "npu_fusion_attention/varlen-rows": (
+        lambda: _varlen([2, 4], [2, 4], atten_mask=_mask(2, 2)),
+        lambda: _varlen([2, 4], [2, 4], atten_mask=_mask(2, 2, masked_row=1)),
+    ),
+    "npu_fusion_attention/padding-mask": (
+        lambda: _run(padding_mask=None),
+        lambda: _run(padding_mask=_mask(4, 4)),
+    ),
+    "npu_fusion_attention/pse-modes": (
+        lambda: _varlen([4], [4], atten_mask=_compressed(), sparse_mode=3),
+        lambda: _varlen([4], [4], atten_mask=_compressed(), sparse_mode=7, pse=npu(1, 2, 4, 4)),
+    ),
+    "npu_fusion_attention/prefix-batch": (
+        lambda: _run(_bnsd(b=32)),
+        lambda: _run(_bnsd(b=33), sparse_mode=6, prefix=[4] * 33),
+    ),
+    "npu_fusion_attention/sink": (
+        lambda: _run(_bnsd(grad=True), sink=npu(2, grad=True), backward=True),
+        lambda: _run(sink=npu(2, dtype=BF16)),
+    ),
+    "npu_fusion_attention/sink-cann": (
+        lambda: _under_cann("8.5.0", lambda: _run(sink=npu(2))),
+        lambda: _under_cann("8.3.RC1", lambda: _run(sink=npu(2))),
+    ),
+    "npu_fusion_attention/softmax-layout-cann": (
+        lambda: _under_cann("8.3.RC1", lambda: _varlen([4], [4], softmax_layout="TND")),
+        lambda: _under_cann("8.2.RC1", lambda: _varlen([4], [4], softmax_layout="TND")),
+    ),
+    "npu_fusion_attention_grad/rank": (
+        lambda: _grad(),
+        lambda: _grad(dy=npu(8, 16, dtype=F16)),
+    ),
+    "npu_fusion_attention_grad/keep-prob": (
+        lambda: _grad(keep_prob=1.0),
+        lambda: _grad(keep_prob=1.5),
+    ),
+    "npu_fusion_attention_grad/sparse-mode": (
+        lambda: _grad(sparse_mode=0),
+        lambda: _grad(sparse_mode=7),
+    ),
+    "npu_fusion_attention_grad/layout": (
+        lambda: _grad(input_layout="BNSD"),
+        lambda: _grad(input_layout="NBSD"),
+    ),
+    "npu_fusion_attention_grad/dy": (
+        lambda: _grad(dy=npu(1, 2, 4, 8, dtype=F16)),
+        lambda: _grad(dy=npu(1, 2, 4, 8)),
+    ),
+    "npu_fusion_attention_grad/softmax-stats": (
+        lambda: _grad(softmax_max=npu(1, 2, 4, 8)),
+        lambda: _grad(softmax_max=npu(1, 2, 4, 1)),
+    ),
+}
