@@ -71,9 +71,6 @@ EMULATED_OPS: dict[str, Callable[..., Any]] = {
 """Every emulated torch_npu op, by name, gathered from the cards' `ops/<card>.py` files."""
 LEDGER: tuple[Rule, ...] = tuple(rule for card in CARDS.values() for rule in ledger_of(card))
 """Every documented limit the emulated ops enforce (`ledger.py`), gathered from the cards' `ops/<card>.py` files."""
-_NOTEMULATED_OPS = ("npu_fusion_attention",)
-"""Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated (unless a
-card's `ops/<card>.py` emulates them)."""
 _state = {"cann_version": DEFAULT_CANN_VERSION}
 
 __all__ = [
@@ -160,17 +157,6 @@ def _new_module(name: str) -> ModuleType:
     return module
 
 
-def _not_emulated(name: str):
-    def op(*args, **kwargs):
-        raise NotImplementedError(
-            f"torch_npu.{name} is not emulated: the emulation covers the ops of the npu-hub-kernels cards "
-            f"({', '.join(EMULATED_OPS)}). Run this on an Ascend host."
-        )
-
-    op.__name__ = name
-    return op
-
-
 def _build_torch_npu_module() -> ModuleType:
     torch_npu = _new_module("torch_npu")
     torch_npu.__emulated__ = True  # type: ignore[attr-defined]
@@ -179,8 +165,6 @@ def _build_torch_npu_module() -> ModuleType:
     torch_npu.npu = torch.npu  # type: ignore[attr-defined]
     for name, op in EMULATED_OPS.items():
         setattr(torch_npu, name, op)
-    for name in set(_NOTEMULATED_OPS) - set(EMULATED_OPS):
-        setattr(torch_npu, name, _not_emulated(name))
     torch_npu.utils = _new_module("torch_npu.utils")  # type: ignore[attr-defined]
     collect_env = _new_module("torch_npu.utils.collect_env")
     collect_env.get_cann_version = lambda: _state["cann_version"]  # type: ignore[attr-defined]
