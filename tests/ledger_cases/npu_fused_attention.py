@@ -258,3 +258,65 @@ CASES = {
         lambda: _grad(softmax_max=npu(1, 2, 4, 1)),
     ),
 }
+
+
+def _card_case(
+    heads=4, kv_heads=2, q_len=8, kv_len=None, head_dim=16, value_dim=None, dtype=torch.float32, mask=None, **options
+):
+    """The card's `fused_attention` forward and backward for a Llama attention module of these head counts, on
+    query [2, heads, q_len, head_dim] and key/value [2, kv_heads, kv_len, head_dim or value_dim] (its reason on the
+    same inputs). `mask`: a function of the key length giving the attention mask the card's mask function returns."""
+
+    def make(card):
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaAttention
+
+        # The attention function reads the module's head counts and settings, never its weights or head_dim.
+        config = LlamaConfig(hidden_size=2 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=2)
+        with torch.device("meta"):
+            module = LlamaAttention(config, layer_idx=0)
+        keys = kv_len or q_len
+        batch = 1 if "cu_seq_lens_q" in options else 2
+        q = npu(batch, heads, q_len, head_dim, dtype=dtype, grad=True)
+        k = npu(batch, kv_heads, keys, head_dim, dtype=dtype, grad=True)
+        v = npu(batch, kv_heads, keys, value_dim or head_dim, dtype=dtype, grad=True)
+        attention_mask = None if mask is None else mask(keys)
+
+        def run():
+            out, _ = card.fused_attention(module, q, k, v, attention_mask, scaling=head_dim**-0.5, **options)
+            out.float().sum().backward()
+
+        return run, lambda: card.fused_attention_unavailable_reason(module, q, k, v, attention_mask, **options)
+
+    return make
+
+
+def _left_padding(keys: int) -> torch.Tensor:
+    """A (2, keys) padding mask: row 0 has three pad tokens on the left, row 1 none."""
+    mask = torch.ones(2, keys, dtype=torch.bool)
+    mask[0, :3] = False
+    return mask.to("npu")
+
+
+def _packed(sequences: int) -> dict[str, object]:
+    """cu_seq_lens of `sequences` packed sequences of one token each (one row)."""
+    ends = torch.arange(sequences + 1, dtype=torch.int32).to("npu")
+    return {"cu_seq_lens_q": ends, "cu_seq_lens_k": ends, "max_length_q": 1, "max_length_k": 1}
+
+
+LIMITS = {
+    "causal prefill (BSND, sparse_mode 3)": _card_case(),
+    "decode: one query over eight keys (bottom-right causal)": _card_case(q_len=1, kv_len=8),
+    "more queries than keys (mode 3 takes Sq <= Skv)": _card_case(q_len=8, kv_len=4),
+    "head dim 768 (the op's largest)": _card_case(heads=1, kv_heads=1, q_len=2, head_dim=768),
+    "head dim 769 (one more)": _card_case(heads=1, kv_heads=1, q_len=2, head_dim=769),
+    "value head dim above the key's (Dv > Dk)": _card_case(head_dim=8, value_dim=16),
+    "256 query heads over one key head (the most, MQA)": _card_case(heads=256, kv_heads=1, q_len=2, head_dim=2),
+    "257 query heads (one more)": _card_case(heads=257, kv_heads=1, q_len=2, head_dim=2),
+    "float64 (not a dtype of the op)": _card_case(dtype=torch.float64),
+    "left padding (TND, actual_seq lists)": _card_case(mask=_left_padding),
+    "a sliding window of 4 (sparse_mode 4)": _card_case(sliding_window=4),
+    "a sliding window of 4 with padding (TND, mode 4)": _card_case(mask=_left_padding, sliding_window=4),
+    "1024 packed sequences (varlen's most)": _card_case(heads=1, kv_heads=1, q_len=1024, head_dim=2, **_packed(1024)),
+    "1025 packed sequences (one more)": _card_case(heads=1, kv_heads=1, q_len=1025, head_dim=2, **_packed(1025)),
+}

@@ -29,6 +29,7 @@ outside TND a row whose every key is masked (the docs do not state that output).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from dataclasses import dataclass
@@ -160,12 +161,14 @@ def _varlen_rows_attend(c: Any) -> bool:
     """TND: every query row of every segment keeps at least one key (no all-masked row, no empty key segment)."""
     if c.input_layout != "TND":
         return True
+    host = copy.copy(c)
+    host.atten_mask = None if c.atten_mask is None else c.atten_mask.cpu()
     for index, (sq, skv) in enumerate(_segment_lengths(c)):
         if sq == 0:
             continue
         if skv == 0:
             return False
-        masked = _segment_mask(c, index, sq, skv, c.query.device)
+        masked = _segment_mask(host, index, sq, skv)
         if masked is not None and bool(masked.all(-1).any()):
             return False
     return True
@@ -684,15 +687,16 @@ def _arguments(query, key, value, atten_mask, call: _Call) -> _ShapeArguments:
     )  # fmt: skip
 
 
-def _segment_mask(c: Any, index: int, sq: int, skv: int, device: torch.device) -> torch.Tensor | None:
+def _segment_mask(c: Any, index: int, sq: int, skv: int) -> torch.Tensor | None:
     """The masked positions (True) of batch `index`'s [1 or N, Sq, Skv] scores, or None when nothing is masked.
 
-    Without atten_mask nothing is (every mode computes full attention then: _op_plugin_docs.py:1689).
+    Without atten_mask nothing is (every mode computes full attention then: _op_plugin_docs.py:1689). On the host:
+    `c.atten_mask` is a host tensor.
     """
     if c.atten_mask is None:
         return None
-    rows = torch.arange(sq, device=device).unsqueeze(-1)
-    cols = torch.arange(skv, device=device)
+    rows = torch.arange(sq).unsqueeze(-1)
+    cols = torch.arange(skv)
     if c.sparse_mode in (2, 3, 4):
         shift = 0 if c.sparse_mode == 2 else skv - sq
         if c.sparse_mode == 4:  # the band, its origin at the bottom-right
@@ -760,7 +764,7 @@ def _stats_in(stats: torch.Tensor, c: Any) -> list[torch.Tensor]:
     return list(per_head[..., 0].split(lengths, dim=1))
 
 
-def _dropout_keeps(c: Any, call: _Call, device: torch.device) -> list[torch.Tensor | None]:
+def _dropout_keeps(c: Any, call: _Call) -> list[torch.Tensor | None]:
     """Each batch's [N, Sq, Skv] keep mask (True = kept), or None per batch when keep_prob keeps everything.
 
     The mask is `numels` uniform draws from a generator seeded by (seed, offset), below keep_prob; batch b's part
@@ -776,7 +780,7 @@ def _dropout_keeps(c: Any, call: _Call, device: torch.device) -> list[torch.Tens
     parts, start = [], 0
     for sq, skv in lengths:
         size = heads * sq * skv
-        parts.append(keeps[start : start + size].view(heads, sq, skv).to(device))
+        parts.append(keeps[start : start + size].view(heads, sq, skv))
         start += size
     return parts
 
@@ -796,14 +800,21 @@ def _scores(q: torch.Tensor, k: torch.Tensor, masked: torch.Tensor | None, scale
     return scores if masked is None else scores.masked_fill(masked, -math.inf)
 
 
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The data of an npu tensor on the host: the emulated kernel's work happens there (one copy in, one out)."""
+    return None if t is None else t.detach().cpu()
+
+
 def _forward(query, key, value, atten_mask, sink, call: _Call):
+    device = query.device
+    query, key, value, atten_mask, sink = map(_host, (query, key, value, atten_mask, sink))
     c = _arguments(query, key, value, atten_mask, call)
     qs, ks, vs = (_segments(t, c, which) for which, t in enumerate((query, key, value)))
-    keeps = _dropout_keeps(c, call, query.device)
+    keeps = _dropout_keeps(c, call)
     sink32 = None if sink is None else sink.float().unsqueeze(-1)  # [N, 1]
     outs, maxima, sums = [], [], []
     for index, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
-        masked = _segment_mask(c, index, q.shape[1], k.shape[1], query.device)
+        masked = _segment_mask(c, index, q.shape[1], k.shape[1])
         if masked is not None and q.shape[1] and bool(masked.all(-1).any()):
             raise NotImplementedError(
                 "npu_fusion_attention: a query row with every key masked outside TND: the docs do not state what the "
@@ -828,16 +839,19 @@ def _forward(query, key, value, atten_mask, sink, call: _Call):
         maxima.append(row_max)
         sums.append(row_sum)
     out = _joined(outs, c.input_layout).to(query.dtype)
-    softmax_out = query.new_empty(0)
-    return out, _stats_out(maxima, c), _stats_out(sums, c), softmax_out
+    results = (out, _stats_out(maxima, c), _stats_out(sums, c), query.new_empty(0))
+    return tuple(t.to(device) for t in results)
 
 
 def _backward(query, key, value, dy, atten_mask, softmax_max, softmax_sum, attention_in, sink, call: _Call):
+    device = query.device
+    tensors = (query, key, value, dy, atten_mask, softmax_max, softmax_sum, attention_in, sink)
+    query, key, value, dy, atten_mask, softmax_max, softmax_sum, attention_in, sink = map(_host, tensors)
     c = _arguments(query, key, value, atten_mask, call)
     qs, ks, vs = (_segments(t, c, which) for which, t in enumerate((query, key, value)))
     dys, outs = _segments(dy, _with_value_shape(c, dy), 0), _segments(attention_in, _with_value_shape(c, dy), 0)
     maxima, sums = _stats_in(softmax_max, c), _stats_in(softmax_sum, c)
-    keeps = _dropout_keeps(c, call, query.device)
+    keeps = _dropout_keeps(c, call)
     sink32 = None if sink is None else sink.float().unsqueeze(-1)
     dqs, dks, dvs = [], [], []
     dsink = None if sink is None else torch.zeros_like(sink, dtype=torch.float32)
@@ -848,7 +862,7 @@ def _backward(query, key, value, dy, atten_mask, softmax_max, softmax_sum, atten
             dks.append(torch.zeros_like(k))
             dvs.append(torch.zeros_like(v))
             continue
-        masked = _segment_mask(c, index, q.shape[1], k.shape[1], query.device)
+        masked = _segment_mask(c, index, q.shape[1], k.shape[1])
         row_max, row_sum = maxima[index].unsqueeze(-1), sums[index].unsqueeze(-1)
         probs = torch.exp(_scores(q, k, masked, call.scale) - row_max) / row_sum
         dropped = probs if keeps[index] is None else probs * keeps[index] / call.keep_prob
@@ -868,7 +882,8 @@ def _backward(query, key, value, dy, atten_mask, softmax_max, softmax_sum, atten
     dk = _joined(dks, c.input_layout).to(key.dtype)
     dv = _joined(dvs, c.input_layout).to(value.dtype)
     dpse = query.new_empty(0)
-    return dq, dk, dv, dpse, dsink if dsink is not None else key.new_empty(0, dtype=torch.float32)
+    dsink = dsink if dsink is not None else key.new_empty(0, dtype=torch.float32)
+    return tuple(t.to(device) for t in (dq, dk, dv, dpse, dsink))
 
 
 def _with_value_shape(c: _ShapeArguments, dy: torch.Tensor) -> _ShapeArguments:
