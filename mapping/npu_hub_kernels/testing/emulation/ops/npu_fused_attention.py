@@ -341,13 +341,14 @@ NPU_FUSION_ATTENTION = rules(
     ),
     (
         "atten-mask-compressed",
-        "sparse_mode 2, 3 and 4 take the compressed 2048 x 2048 mask",
+        "sparse_mode 2, 3, 4, 7 and 8 take the compressed 2048 x 2048 mask",
         op_doc("1643-1645"),
         lambda c: (
             c.atten_mask is None
             or c.sparse_mode not in _COMPRESSED_MODES
             or tuple(c.atten_mask.shape) == (COMPRESSED_MASK_SIZE,) * 2
         ),
+        "modes 7 and 8: lines 1649 and 1655",
     ),
     (
         "atten-mask-triu",
@@ -533,7 +534,7 @@ def npu_fusion_attention(
     enforce(NPU_FUSION_ATTENTION, **arguments)
     _refuse_unemulated_forms(pse=pse, prefix=prefix, sparse_mode=sparse_mode, dropout_mask=dropout_mask)
     numels = _numels(query, key, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
-    if _drops_some(keep_prob):  # the device draws seed and offset from its generator (cpp:491-495)
+    if _drops_some(keep_prob) and keep_prob >= _EPSILON:  # the device draws seed and offset (cpp:491-495)
         seed, offset = torch.initial_seed(), int(torch.randint(0, 2**62, ()).item())
     call = _Call(
         head_num, input_layout, float(scale), float(keep_prob), pre_tockens, next_tockens, inner_precise,
@@ -705,6 +706,7 @@ def _segment_mask(c: Any, index: int, sq: int, skv: int) -> torch.Tensor | None:
             masked = cols > rows + shift
         return masked.unsqueeze(0)
     mask = c.atten_mask.bool()
+    # An SS mask is read from its top-left corner (for TND each segment's Sq x Skv of maxSq x maxSkv: inferred).
     mask = mask[:sq, :skv].unsqueeze(0) if mask.dim() == 2 else mask[index if mask.shape[0] > 1 else 0]
     if c.sparse_mode == 0:  # and the band of pre/next, from the top-left (the golden's triu/tril, lines 1749-1750)
         mask = mask | (cols > rows + c.next_tockens) | (cols < rows - c.pre_tockens)
