@@ -709,6 +709,28 @@ def _applied_tnd_keeps(q, k, q_ends, kv_ends, heads, dim, keep_prob):
     return keeps
 
 
+@pytest.mark.parametrize(
+    ("mode", "pre", "nxt"), [(0, 128, 128), (1, 65536, 65536), (2, 65536, 0), (3, 65536, 0), (4, 128, 128)]
+)
+def test_fusion_attention_docstring_sparse_modes(mode, pre, nxt):
+    """The docstring's example test (_op_plugin_docs.py:1720-1797): float16 BNSD [1, 8, 256, 256], scale 0.08838,
+    sparse modes 0-4 with its pre/next pairs; the golden adds -10000 where its mask (triu above next, tril below pre;
+    upper triangle for 2 and 3; none for 1) is set, in float32; precision 0.01. The op gets the dense band for mode 0,
+    the compressed 2048 mask for 2-4 and no mask for 1, as the example passes them."""
+    q, k, v = (_rand((1, 8, 256, 256), torch.float16, seed) for seed in range(3))
+    ones = torch.ones(256, 256)
+    band = ones.triu(nxt + 1) + ones.tril(-pre - 1)
+    golden_mask = {0: band, 1: torch.zeros(256, 256), 2: ones.triu(1), 3: ones.triu(1), 4: band}[mode]
+    scores = q.float() @ k.float().transpose(2, 3) * 0.08838 + golden_mask * -10000.0
+    want = (torch.softmax(scores, -1) @ v.float()).half()
+    atten_mask = {0: band.bool(), 1: None}.get(mode, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
+    out = torch_npu.npu_fusion_attention(
+        q.to("npu"), k.to("npu"), v.to("npu"), 8, "BNSD", scale=0.08838, sparse_mode=mode,
+        atten_mask=None if atten_mask is None else atten_mask.to("npu"), pre_tockens=pre, next_tockens=nxt,
+    )[0]  # fmt: skip
+    close(out, want, 0.01)
+
+
 def _reference_masked(mode, sq, skv, pre, nxt, user=None):
     """The masked positions [Sq, Skv] each sparse mode documents (_op_plugin_docs.py:1636-1645), built as the
     docstring's golden builds them (lines 1745-1767: triu above next, tril below pre), shifted to the bottom-right
