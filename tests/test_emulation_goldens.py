@@ -6,7 +6,8 @@ test_npu_add_rms_norm.py (at 529b54cd45b49a56136351b717c6619bb14f33fc),
 test_npu_swi_glu.py, test_npu_swi_glu_backward.py, test_npu_apply_rotary_pos_emb.py,
 test_npu_moe_token_permute_and_unpermute.py, test_npu_moe_token_permute_and_unpermute_backward.py,
 test_npu_grouped_matmul.py, test_npu_moe_gating_topk.py,
-test_npu_moe_gating_top_k_backward.py,
+test_npu_moe_gating_top_k_backward.py, test_npu_flash_attention.py (with the example test of torch_npu's
+npu_fusion_attention docstring; the cases of an external dropout_mask are forms the emulation refuses),
 test_npu_cross_entropy_loss.py, whose two cases op-plugin skips "for now" on every device: restated anyway, as the
 op's only golden): the layouts, dtypes, limits and what each golden computes, written here from the
 op semantics. Only the cases op-plugin's CI runs on Atlas A2 (Ascend910B): the ones it skips there ("not supported
