@@ -1,5 +1,4 @@
-"""Emulated `torch_npu.npu_fusion_attention` and its grad: the contract in docs/torch-npu-ops.md, section
-"npu_fusion_attention".
+"""Emulated `torch_npu.npu_fusion_attention` and its grad: docs/torch-npu-ops.md's "npu_fusion_attention" contract.
 
 `softmax(mask(scale * q @ k^T))`, dropped out with `keep_prob`, times v, in float32 with one cast at the end, per
 batch (per `actual_seq` segment for TND), with grouped-query attention native (query head h reads key/value head
@@ -520,8 +519,10 @@ def npu_fusion_attention(
     seed: int = 0,
     offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
-    """Fused attention as torch_npu computes it: (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
-    numels)."""
+    """Fused attention as torch_npu computes it, returning the op's 7-tuple.
+
+    (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels): see the module's docstring.
+    """
     optional = {"pse": pse, "padding_mask": padding_mask, "atten_mask": atten_mask, "sink": sink}
     given = {name: t for name, t in optional.items() if t is not None}
     require_npu("npu_fusion_attention", query=query, key=key, value=value, **given)
@@ -597,8 +598,10 @@ def npu_fusion_attention_grad(
 
 
 class _FusionAttention(torch.autograd.Function):
-    """npu_fusion_attention, keeping what its autograd node keeps (derivatives.yaml:149): query, key, value,
-    atten_mask, sink and the results attention_out, softmax_max, softmax_sum and softmax_out."""
+    """npu_fusion_attention, keeping what its autograd node keeps (derivatives.yaml:149).
+
+    That is query, key, value, atten_mask, sink and the results attention_out, softmax_max, softmax_sum and softmax_out.
+    """
 
     @staticmethod
     def forward(
@@ -745,9 +748,11 @@ def _joined(parts: list[torch.Tensor], layout: str) -> torch.Tensor:
 
 
 def _stats_out(rows: list[torch.Tensor], c: Any) -> torch.Tensor:
-    """softmax_max or softmax_sum: per-row values broadcast x8, [B, N, Sq, 8], or for TND a [T, N, 8] tensor holding
-    N-major data (the default 'NTD' arrangement, _op_plugin_docs.py:1624; inferred) or, with softmax_layout 'TND',
-    token-major data."""
+    """softmax_max or softmax_sum from per-batch [N, Sq] rows: each value 8 times, [B, N, Sq, 8] or [T, N, 8].
+
+    For TND the [T, N, 8] tensor holds N-major data (the default 'NTD' arrangement, _op_plugin_docs.py:1624;
+    inferred) or, with softmax_layout 'TND', token-major data.
+    """
     if c.input_layout != "TND":
         return torch.stack(rows).unsqueeze(-1).expand(-1, -1, -1, 8).contiguous()
     per_head = torch.cat(rows, dim=1).unsqueeze(-1).expand(-1, -1, 8)  # [N, T, 8]
