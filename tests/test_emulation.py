@@ -638,3 +638,15 @@ def test_npu_fusion_attention_keeps_what_its_node_keeps_for_backward(keep_prob):
     assert out[3].numel() == 0
     grads = torch.autograd.grad(out[0], [q, k, v, sink], torch.ones_like(out[0]))
     assert [g.dtype for g in grads] == [torch.bfloat16] * 3 + [torch.float32]
+
+
+def test_npu_fusion_attention_refuses_host_tensors():
+    """The adapter refuses a tensor that is not on the npu, optional ones included (FlashAttentionKernelNpuOpApi.cpp:
+    format_trans, lines 77-87); the call is counted, as every emulated op's is."""
+    q, k, v = (torch.randn(1, 2, 4, 8).to("npu") for _ in range(3))
+    host_mask = torch.zeros(4, 4, dtype=torch.bool)
+    with emulation.count_op_calls() as calls, pytest.raises(RuntimeError, match="expected atten_mask on an npu device"):
+        torch_npu.npu_fusion_attention(q, k, v, 2, "BNSD", atten_mask=host_mask)
+    assert calls["npu_fusion_attention"] == 1
+    with pytest.raises(RuntimeError, match="expected query on an npu device"):
+        torch_npu.npu_fusion_attention(q.cpu(), k, v, 2, "BNSD")
