@@ -41,7 +41,7 @@ import torch
 
 from ...cards import CARDS, Card, card_piece
 from .checks import OP_CALLS
-from .device import NpuTensor, install_device
+from .device import HOST_SYNCS, NpuTensor, install_device
 from .distributed import install_hccl
 from .ledger import DeviceRefusal, Rule
 
@@ -78,6 +78,7 @@ __all__ = [
     "LEDGER",
     "DeviceRefusal",
     "NpuTensor",
+    "count_host_syncs",
     "count_op_calls",
     "install",
     "is_installed",
@@ -148,6 +149,17 @@ def count_op_calls() -> Iterator[Counter[str]]:
         yield calls
     finally:
         calls.update(OP_CALLS - before)
+
+
+@contextmanager
+def count_host_syncs() -> Iterator[Counter[str]]:
+    """Yield a Counter of the reads of npu data on the host made inside the block, by kind (`device.HOST_SYNCS`)."""
+    before = Counter(HOST_SYNCS)
+    syncs: Counter[str] = Counter()
+    try:
+        yield syncs
+    finally:
+        syncs.update(HOST_SYNCS - before)
 
 
 def _new_module(name: str) -> ModuleType:
