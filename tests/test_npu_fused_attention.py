@@ -18,6 +18,7 @@ from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from npu_hub_kernels import apply_npu_kernels, register_npu_kernels
+from npu_hub_kernels.doctor import diagnose, format_report
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, tiny_config_values, token_ids
 
@@ -332,3 +333,15 @@ def test_flash_attention_2_with_windows_on_the_npu_is_warned(built_cards, caplog
     with caplog.at_level(logging.WARNING, logger="npu_hub_kernels"):
         apply_npu_kernels(llama, kernels=NAME, local_dir=built_cards)
     assert not any("drops" in r.message for r in caplog.records)
+
+
+def test_the_doctor_names_the_fix_for_flash_attention_2_dropping_windows(offline_hub):
+    model = tiny_causal_lm("gemma3_text", sliding_window=4).to("npu")
+    model.config._attn_implementation_internal = "flash_attention_2"
+    report = diagnose(offline_hub, model=model)
+    assert report.model.attention == "flash_attention_2"
+    (warning,) = report.model.warnings
+    assert "sliding windows" in warning and f'attn_implementation="{NAME}"' in warning
+    assert warning in format_report(report)
+    model.config._attn_implementation_internal = "sdpa"  # negative control: sdpa keeps the windows
+    assert diagnose(offline_hub, model=model).model.warnings == []
