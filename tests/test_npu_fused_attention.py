@@ -14,13 +14,13 @@ import logging
 import pytest
 import torch
 from kernels import get_local_kernel
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from npu_hub_kernels import apply_npu_kernels, register_npu_kernels
 from npu_hub_kernels.doctor import diagnose, format_report
 from npu_hub_kernels.testing import emulation
-from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, tiny_config_values, token_ids
+from npu_hub_kernels.testing.tiny_models import TINY_WIDTHS, tiny_causal_lm, tiny_config_values, token_ids
 
 NAME = "npu_fused_attention"
 OP = "npu_fusion_attention"
@@ -164,7 +164,6 @@ def test_host_tensors_and_other_dtypes_run_eager_exactly_and_say_why(card):
     [
         (dict(softcap=30.0), "soft-capping"),
         (dict(output_attentions=True), "output_attentions"),
-        (dict(s_aux=torch.zeros(4)), "sinks"),
     ],
 )
 def test_forms_the_op_has_not_run_the_models_eager_attention(card, extra, said):
@@ -345,3 +344,42 @@ def test_the_doctor_names_the_fix_for_flash_attention_2_dropping_windows(offline
     assert warning in format_report(report)
     model.config._attn_implementation_internal = "sdpa"  # negative control: sdpa keeps the windows
     assert diagnose(offline_hub, model=model).model.warnings == []
+
+
+def tiny_gpt_oss() -> torch.nn.Module:
+    """A 2-layer gpt-oss (a sliding and a full layer, 4 experts) with random attention sinks, on the npu."""
+    config = AutoConfig.for_model(
+        "gpt_oss", **TINY_WIDTHS, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=4
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model.to("npu")
+
+
+@pytest.mark.slow
+def test_gpt_oss_sinks_fuse_from_cann_8_5_and_run_eager_before(card, registered, cann_version):
+    model = tiny_gpt_oss()
+    ids = token_ids(2, 24).to("npu")
+    model.set_attn_implementation("eager")
+    eager = _logits_and_grads(model, ids)
+    eager_tokens = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False)
+    model.set_attn_implementation(NAME)
+    with emulation.count_op_calls() as calls:
+        fused = _logits_and_grads(model, ids)
+        tokens = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False)
+    assert calls[OP] >= 2 * model.config.num_hidden_layers
+    torch.testing.assert_close(fused[0], eager[0], atol=2e-5, rtol=1e-4)
+    for (name, fused_grad), eager_grad in zip(fused[1].items(), eager[1].values(), strict=True):
+        torch.testing.assert_close(fused_grad, eager_grad, atol=2e-5, rtol=1e-3, msg=name)  # the sinks' included
+    assert torch.equal(tokens, eager_tokens)
+    cann_version("8.3.RC1")  # before CANN 8.5 the op has no sink: the model's eager attention, exactly
+    with emulation.count_op_calls() as calls:
+        old = _logits_and_grads(model, ids)
+    assert calls[OP] == 0
+    assert torch.equal(old[0], eager[0])
+    attention = model.model.layers[0].self_attn
+    q, k = torch.zeros(1, 4, 3, 16, device="npu"), torch.zeros(1, 2, 3, 16, device="npu")
+    assert "CANN 8.5" in card.fused_attention_unavailable_reason(attention, q, k, k, None, s_aux=attention.sinks)
