@@ -383,3 +383,41 @@ def test_gpt_oss_sinks_fuse_from_cann_8_5_and_run_eager_before(card, registered,
     attention = model.model.layers[0].self_attn
     q, k = torch.zeros(1, 4, 3, 16, device="npu"), torch.zeros(1, 2, 3, 16, device="npu")
     assert "CANN 8.5" in card.fused_attention_unavailable_reason(attention, q, k, k, None, s_aux=attention.sinks)
+
+
+@pytest.mark.slow
+def test_trl_padding_free_sft_trains_to_eagers_losses(built_cards, tmp_path):
+    """SFTTrainer with padding_free=True (one packed row with cu_seq_lens per batch) on the npu with the card gives
+    the losses of the same run with eager attention on the host, every layer's attention fused."""
+    from datasets import Dataset
+    from test_trl import logged_losses, settings, tokenizer
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "source")
+    rows = [list(range(4, 4 + length)) for length in (5, 9, 7, 6, 8, 4)]
+    dataset = Dataset.from_dict({"input_ids": rows})
+    common = dict(padding_free=True, gradient_checkpointing=False, max_length=None)
+    eager = SFTTrainer(
+        str(tmp_path / "source"),
+        args=SFTConfig(
+            **settings(tmp_path / "eager", use_cpu=True, model_init_kwargs={"attn_implementation": "eager"}, **common)
+        ),
+        train_dataset=dataset,
+        processing_class=tokenizer(),
+    )
+    eager.train()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source").to("npu")
+    model = apply_npu_kernels(model, kernels=NAME, local_dir=built_cards)
+    assert model.config._attn_implementation == NAME
+    trainer = SFTTrainer(
+        model,
+        args=SFTConfig(**settings(tmp_path / "npu", **common)),
+        train_dataset=dataset,
+        processing_class=tokenizer(),
+    )
+    with emulation.count_op_calls() as calls:
+        trainer.train()
+    steps = len(logged_losses(trainer))
+    assert steps > 0 and calls[OP] == steps * model.config.num_hidden_layers
+    torch.testing.assert_close(logged_losses(trainer), logged_losses(eager), rtol=1e-5, atol=0)
