@@ -421,3 +421,28 @@ def test_trl_padding_free_sft_trains_to_eagers_losses(built_cards, tmp_path):
     steps = len(logged_losses(trainer))
     assert steps > 0 and calls[OP] == steps * model.config.num_hidden_layers
     torch.testing.assert_close(logged_losses(trainer), logged_losses(eager), rtol=1e-5, atol=0)
+
+
+def test_overlaid_and_chunked_masks_are_eagers_own_so_those_calls_run_eager(registered):
+    """A model's overlay on the causal mask (a prefix here, image tokens in Gemma3) and Llama4's chunked attention are
+    masks the op cannot express: the card's mask function returns eager's own 4-D mask for them, which the attention
+    function runs eager with (test_a_four_d_mask_runs_eager_with_it); a plain causal mask stays None."""
+    from transformers.masking_utils import create_causal_mask, create_chunked_causal_mask
+
+    model = tiny_causal_lm("llama")
+    model.config.attention_chunk_size = 4
+    embeds = torch.zeros(2, 10, 64, device="npu")
+    masks = {}
+    for implementation in ("eager", NAME):
+        model.config._attn_implementation_internal = implementation
+        masks[implementation] = (
+            create_causal_mask(
+                model.config, embeds, None, None, position_ids=None, or_mask_function=lambda *i: i[3] < 3
+            ),
+            create_chunked_causal_mask(model.config, embeds, None, None, position_ids=None),
+            create_causal_mask(model.config, embeds, None, None, position_ids=None),
+        )
+    overlaid, chunked, plain = masks[NAME]
+    assert torch.equal(overlaid.cpu(), masks["eager"][0].cpu()) and overlaid.dim() == 4
+    assert torch.equal(chunked.cpu(), masks["eager"][1].cpu()) and chunked.dim() == 4
+    assert plain is None  # negative control: the op's causal mode

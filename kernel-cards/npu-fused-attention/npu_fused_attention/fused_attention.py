@@ -244,6 +244,8 @@ def fused_attention_unavailable_reason(
     plan = varlen_plan(query, key, attention_mask, **kwargs)
     if plan is None:
         return None
+    if plan.query_index is None and plan.query_ends and plan.query_ends[-1] != query.shape[0] * q_len:
+        return f"the sequence lengths cover {plan.query_ends[-1]} of the {query.shape[0] * q_len} query tokens"
     if plan.overlaid:
         return "the mask lets tokens see later tokens (a bidirectional block overlay): the op cannot express it"
     if len(plan.query_ends) > MAX_SEQUENCES:
