@@ -61,8 +61,9 @@ def fused_attention_mask(
 
 
 def _chunked(kwargs: dict) -> bool:
-    """Whether transformers builds a chunked-attention mask (create_chunked_causal_mask's `local_size` is the config's
-    `attention_chunk_size`, not its sliding window): the op has no chunked mode."""
+    """Whether transformers builds a chunked-attention mask, which the op has no mode for.
+
+    create_chunked_causal_mask passes `local_size`, the config's `attention_chunk_size` (not its sliding window)."""
     config, local_size = kwargs.get("config"), kwargs.get("local_size")
     chunk = getattr(config, "attention_chunk_size", None)
     return local_size is not None and local_size == chunk and local_size != getattr(config, "sliding_window", None)
