@@ -41,7 +41,8 @@ CARD_IDS = sorted(FAMILIES)
 
 
 def test_every_card_has_a_family():
-    assert sorted(card.kernel_id for card in CARDS.values()) == CARD_IDS
+    """Every card with layers: an attention card (npu-fused-attention) swaps no module, its forms are its own tests'."""
+    assert sorted(card.kernel_id for card in CARDS.values() if card.layers) == CARD_IDS
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ def package_problems(card: Card, card_dir: Path) -> list[str]:
         return [*problems, f"no package: add kernel-cards/{card.repo_name}/{card.python_name}/__init__.py"]
     exported = _top_level_names(init).get("__all__")
     names = set(ast.literal_eval(exported)) if exported is not None else set()
-    if "layers" not in names:
+    if card.layers and "layers" not in names:
         problems.append(f"{card.python_name}/__init__.py does not export `layers` (the kernels layer module)")
     ops = {name.removesuffix("_unavailable_reason") for name in names if name.endswith("_unavailable_reason")}
     if not ops:

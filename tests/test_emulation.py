@@ -223,11 +223,6 @@ def test_install_refuses_a_torch_it_is_not_tested_with(torch_version):
     assert "install torch==2.13.0" in result.stderr
 
 
-def test_ops_transformers_imports_but_no_card_uses_say_so():
-    with pytest.raises(NotImplementedError, match="not emulated"):
-        torch_npu.npu_fusion_attention()
-
-
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -664,3 +659,35 @@ def test_a_recorded_backward_of_an_op_without_a_derivative_warns_and_passes_no_s
         grad_x.sum().backward()
     for leaf in (x, gamma):  # no second-order gradient reaches them
         assert leaf.grad is None or not leaf.grad.cpu().any()
+
+
+@pytest.mark.parametrize("keep_prob", [1.0, 0.9])
+def test_npu_fusion_attention_keeps_what_its_node_keeps_for_backward(keep_prob):
+    """op-plugin derivatives.yaml:149: the node keeps query, key, value, atten_mask, sink and the results
+    attention_out, softmax_max, softmax_sum (float32 [B, N, Sq, 8]) and the empty softmax_out, never the float32
+    probabilities nor, with dropout, a mask (only the seed, offset and numels ints: the grad regenerates it)."""
+    q, k, v = _bf16_leaf(1, 4, 6, 8), _bf16_leaf(1, 2, 6, 8), _bf16_leaf(1, 2, 6, 8)
+    sink = torch.zeros(4).to("npu").requires_grad_()
+    mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1).to("npu")
+    out, saved = _saved_for_backward(
+        lambda: torch_npu.npu_fusion_attention(
+            q, k, v, 4, "BNSD", atten_mask=mask, scale=0.3, keep_prob=keep_prob, sparse_mode=3, sink=sink
+        )
+    )
+    _assert_saved_exactly(saved, [q, k, v, mask, sink, *out[:4]])
+    assert out[1].dtype == out[2].dtype == torch.float32 and tuple(out[1].shape) == (1, 4, 6, 8)
+    assert out[3].numel() == 0
+    grads = torch.autograd.grad(out[0], [q, k, v, sink], torch.ones_like(out[0]))
+    assert [g.dtype for g in grads] == [torch.bfloat16] * 3 + [torch.float32]
+
+
+def test_npu_fusion_attention_refuses_host_tensors():
+    """The adapter refuses a tensor that is not on the npu, optional ones included (FlashAttentionKernelNpuOpApi.cpp:
+    format_trans, lines 77-87); the call is counted, as every emulated op's is."""
+    q, k, v = (torch.randn(1, 2, 4, 8).to("npu") for _ in range(3))
+    host_mask = torch.zeros(4, 4, dtype=torch.bool)
+    with emulation.count_op_calls() as calls, pytest.raises(RuntimeError, match="expected atten_mask on an npu device"):
+        torch_npu.npu_fusion_attention(q, k, v, 2, "BNSD", atten_mask=host_mask)
+    assert calls["npu_fusion_attention"] == 1
+    with pytest.raises(RuntimeError, match="expected query on an npu device"):
+        torch_npu.npu_fusion_attention(q.cpu(), k, v, 2, "BNSD")

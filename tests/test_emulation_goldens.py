@@ -6,7 +6,8 @@ test_npu_add_rms_norm.py (at 529b54cd45b49a56136351b717c6619bb14f33fc),
 test_npu_swi_glu.py, test_npu_swi_glu_backward.py, test_npu_apply_rotary_pos_emb.py,
 test_npu_moe_token_permute_and_unpermute.py, test_npu_moe_token_permute_and_unpermute_backward.py,
 test_npu_grouped_matmul.py, test_npu_moe_gating_topk.py,
-test_npu_moe_gating_top_k_backward.py,
+test_npu_moe_gating_top_k_backward.py, test_npu_flash_attention.py (with the example test of torch_npu's
+npu_fusion_attention docstring; the cases of an external dropout_mask are forms the emulation refuses),
 test_npu_cross_entropy_loss.py, whose two cases op-plugin skips "for now" on every device: restated anyway, as the
 op's only golden; and for npu_geglu, which op-plugin tests only in test/core_tests/test_fake_tensor.py (shapes), that
 case and its docstring's example, against the goldens of hicann/ops-nn @ e5c3fa932
@@ -650,3 +651,312 @@ def test_cross_entropy_loss_refuses_what_the_op_refuses():
         torch_npu.npu_cross_entropy_loss(leaf, target, reduction="sum", label_smoothing=0.1)
     with pytest.raises(RuntimeError, match="npu_cross_entropy_loss/input-rank"):
         torch_npu.npu_cross_entropy_loss(x[0], target[:1])
+
+
+# npu_fusion_attention (test_npu_flash_attention.py, and the docstring's examples, _op_plugin_docs.py:1709-1890)
+
+
+def attention_golden(q, k, v, scale, keep=None, keep_prob=1.0):
+    """op-plugin's CPU golden of one [1 or B, N, Sq, D] batch in float32 (its `tforward`): scores scaled, softmax with
+    its row max and row sum (kept as [.., Sq, 1]), kept probabilities scaled by 1/keep_prob, times v.
+    Returns (out, probabilities, row max, row sum)."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    row_max = scores.amax(-1, keepdim=True)
+    exp = torch.exp(scores - row_max)
+    row_sum = exp.sum(-1, keepdim=True)
+    probs = exp / row_sum
+    dropped = probs if keep is None else probs * keep / keep_prob
+    return dropped @ v, probs, row_max, row_sum
+
+
+def attention_golden_grads(dy, q, k, v, probs, scale, keep=None, keep_prob=1.0):
+    """op-plugin's CPU golden of the backward (its `tbackward`): dv from the kept probabilities, the softmax gradient
+    `P * (dP - rowsum(dP * P))` scaled, then dq and dk. Returns (dq, dk, dv)."""
+    grad_probs = dy @ v.transpose(-1, -2)
+    if keep is not None:
+        grad_probs = grad_probs * keep / keep_prob
+    dropped = probs if keep is None else probs * keep / keep_prob
+    grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True)) * scale
+    return grad_scores @ k, grad_scores.transpose(-1, -2) @ q, dropped.transpose(-1, -2) @ dy
+
+
+def _heads_repeated(kv, heads):
+    """key or value [B, Nkv, S, D] as [B, heads, S, D]: query head h reads kv head h // (heads / Nkv) (the golden's
+    broadcastKV_sigle)."""
+    return kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def _groups_summed(grad, kv_heads):
+    """A [B, N, S, D] gradient summed over each group of N / kv_heads query heads (the golden's GQA sum)."""
+    return grad.unflatten(1, (kv_heads, grad.shape[1] // kv_heads)).sum(2)
+
+
+def test_fusion_attention_bsh():
+    """test_npu_flash_attention: float16 BNSD [1, 32, 128, 128] as BSH, head_num 32, scale 0.08838; golden in
+    float32."""
+    q, k, v = (_rand((1, 32, 128, 128), torch.float16, seed) for seed in range(3))
+    want = attention_golden(q.float(), k.float(), v.float(), 0.08838)[0].half()
+    as_bsh = lambda t: t.transpose(1, 2).flatten(2).to("npu")  # noqa: E731
+    out = torch_npu.npu_fusion_attention(as_bsh(q), as_bsh(k), as_bsh(v), 32, "BSH", scale=0.08838)
+    close(out[0], want.transpose(1, 2).flatten(2), RTOL[torch.float16])
+    assert tuple(out[1].shape) == tuple(out[2].shape) == (1, 32, 128, 8) and out[1].dtype == torch.float32
+    assert out[3].numel() == 0 and out[4:] == (0, 0, 1 * 32 * 128 * 128)
+
+
+@pytest.mark.parametrize("keep_prob", [1.0, 0.9])  # test_npu_flash_attention_tnd(_with_dropmask)
+def test_fusion_attention_tnd(keep_prob):
+    """TND float16, N1 8 over N2 2 (GQA), D 128, query lengths [1, 2, 3] against key lengths [3, 4, 5], scale
+    1/sqrt(D), softmax_layout 'TND': out, softmax_max, softmax_sum ([T, N, 8]) and dq, dk, dv (dk and dv summed over
+    each group) against the golden per batch. With dropout the golden takes the mask the op applied, read off the
+    output of an identity value (its key length is D) in a first call, which a second call with the same seed and
+    offset reproduces: so the grad regenerates the forward's mask."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 8, 2, 128
+    uniform = lambda *shape: (2 * (torch.rand(shape, generator=g) - 0.5)).half()  # noqa: E731
+    q, k, v, dy = uniform(6, heads, dim), uniform(12, kv_heads, dim), uniform(12, kv_heads, dim), uniform(6, heads, dim)
+    q_ends, kv_ends = [1, 3, 6], [3, 7, 12]
+    leaves = [t.to("npu").requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(7)
+    out = torch_npu.npu_fusion_attention(
+        *leaves, heads, "TND", scale=dim**-0.5, keep_prob=keep_prob, actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends,
+        softmax_layout="TND",
+    )  # fmt: skip
+    out[0].backward(dy.to("npu"))
+    keeps = _applied_tnd_keeps(q, k, q_ends, kv_ends, heads, dim, keep_prob) if keep_prob < 1 else [None] * 3
+    for b, (q0, q1, k0, k1) in enumerate(zip([0, *q_ends], q_ends, [0, *kv_ends], kv_ends, strict=False)):
+        per_head = lambda t, lo, hi: t[lo:hi].float().transpose(0, 1).unsqueeze(0)  # noqa: E731
+        qb, kb, vb, dyb = per_head(q, q0, q1), per_head(k, k0, k1), per_head(v, k0, k1), per_head(dy, q0, q1)
+        kb, vb = _heads_repeated(kb, heads), _heads_repeated(vb, heads)
+        want, probs, row_max, row_sum = attention_golden(qb, kb, vb, dim**-0.5, keeps[b], keep_prob)
+        dq, dk, dv = attention_golden_grads(dyb, qb, kb, vb, probs, dim**-0.5, keeps[b], keep_prob)
+        as_tnd = lambda t: t[0].transpose(0, 1).half()  # noqa: E731
+        close(out[0][q0:q1], as_tnd(want), RTOL[torch.float16])
+        close(out[1][q0:q1], row_max.expand(-1, -1, -1, 8)[0].transpose(0, 1), RTOL[torch.float32])
+        close(out[2][q0:q1], row_sum.expand(-1, -1, -1, 8)[0].transpose(0, 1), RTOL[torch.float32])
+        close(leaves[0].grad[q0:q1], as_tnd(dq), RTOL[torch.float16])
+        close(leaves[1].grad[k0:k1], as_tnd(_groups_summed(dk, kv_heads)), RTOL[torch.float16])
+        close(leaves[2].grad[k0:k1], as_tnd(_groups_summed(dv, kv_heads)), RTOL[torch.float16])
+
+
+def _applied_tnd_keeps(q, k, q_ends, kv_ends, heads, dim, keep_prob):
+    """The keep mask of each batch ([1, N, Sq_b, Skv_b]) a TND call with the seed and offset of the call just made
+    applies: the same call again (the generator rewound by torch.manual_seed(7)) with an identity value, whose
+    output is the kept, scaled probabilities, nonzero exactly where kept."""
+    torch.manual_seed(7)
+    total = kv_ends[-1]
+    eye = torch.eye(total, dim).half().unsqueeze(1).expand(total, 2, dim).contiguous()
+    out = torch_npu.npu_fusion_attention(
+        q.to("npu"), k.to("npu"), eye.to("npu"), heads, "TND", scale=dim**-0.5, keep_prob=keep_prob,
+        actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends, softmax_layout="TND",
+    )[0].cpu()  # fmt: skip
+    keeps = []
+    for q0, q1, k0, k1 in zip([0, *q_ends], q_ends, [0, *kv_ends], kv_ends, strict=False):
+        kept = out[q0:q1, :, k0:k1] != 0  # key j of batch b is the identity's column k0 + j
+        keeps.append(kept.transpose(0, 1).unsqueeze(0).float())
+    return keeps
+
+
+@pytest.mark.parametrize(
+    ("mode", "pre", "nxt"), [(0, 128, 128), (1, 65536, 65536), (2, 65536, 0), (3, 65536, 0), (4, 128, 128)]
+)
+def test_fusion_attention_docstring_sparse_modes(mode, pre, nxt):
+    """The docstring's example test (_op_plugin_docs.py:1720-1797): float16 BNSD [1, 8, 256, 256], scale 0.08838,
+    sparse modes 0-4 with its pre/next pairs; the golden adds -10000 where its mask (triu above next, tril below pre;
+    upper triangle for 2 and 3; none for 1) is set, in float32; precision 0.01. The op gets the dense band for mode 0,
+    the compressed 2048 mask for 2-4 and no mask for 1, as the example passes them."""
+    q, k, v = (_rand((1, 8, 256, 256), torch.float16, seed) for seed in range(3))
+    ones = torch.ones(256, 256)
+    band = ones.triu(nxt + 1) + ones.tril(-pre - 1)
+    golden_mask = {0: band, 1: torch.zeros(256, 256), 2: ones.triu(1), 3: ones.triu(1), 4: band}[mode]
+    scores = q.float() @ k.float().transpose(2, 3) * 0.08838 + golden_mask * -10000.0
+    want = (torch.softmax(scores, -1) @ v.float()).half()
+    atten_mask = {0: band.bool(), 1: None}.get(mode, torch.ones(2048, 2048, dtype=torch.bool).triu(1))
+    out = torch_npu.npu_fusion_attention(
+        q.to("npu"), k.to("npu"), v.to("npu"), 8, "BNSD", scale=0.08838, sparse_mode=mode,
+        atten_mask=None if atten_mask is None else atten_mask.to("npu"), pre_tockens=pre, next_tockens=nxt,
+    )[0]  # fmt: skip
+    close(out, want, 0.01)
+
+
+def _reference_masked(mode, sq, skv, pre, nxt, user=None):
+    """The masked positions [Sq, Skv] each sparse mode documents (_op_plugin_docs.py:1636-1645), built as the
+    docstring's golden builds them (lines 1745-1767: triu above next, tril below pre), shifted to the bottom-right
+    by Skv - Sq in modes 3 and 4."""
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    shift = skv - sq if mode in (3, 4) else 0
+    if mode in (2, 3):
+        return ones.triu(1 + shift)
+    band = ones.triu(nxt + 1 + shift) | ones.tril(-pre - 1 + shift)
+    if mode == 1:
+        return user
+    return band if user is None else band | user
+
+
+def _batches(t, layout, heads, ends=None):
+    """A layout's tensor as one [N, S, D] tensor per batch (per cumulative end for TND)."""
+    if layout == "TND":
+        return [t[start:end].transpose(0, 1) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    if layout in ("BSH", "SBH"):
+        t = t.unflatten(2, (heads, -1))
+        t = t.transpose(1, 2) if layout == "BSH" else t.permute(1, 2, 0, 3)
+    return list(t.transpose(1, 2) if layout == "BSND" else t)
+
+
+def _from_batches(parts, layout):
+    """The inverse of `_batches`."""
+    if layout == "TND":
+        return torch.cat([p.transpose(0, 1) for p in parts])
+    t = torch.stack(parts)
+    if layout in ("BSH", "SBH"):
+        t = t.transpose(1, 2) if layout == "BSH" else t.permute(2, 0, 1, 3)
+        return t.flatten(2)
+    return t.transpose(1, 2) if layout == "BSND" else t
+
+
+ATTENTION_SHAPES = {  # (query, key, value) per layout: Nq 4 over Nkv 2, D 8, Dv 4, Sq 6 (T 7) against Skv 9 (T 13)
+    "BNSD": ((2, 4, 6, 8), (2, 2, 9, 8), (2, 2, 9, 4)),
+    "BSND": ((2, 6, 4, 8), (2, 9, 2, 8), (2, 9, 2, 4)),
+    "BSH": ((2, 6, 32), (2, 9, 16), (2, 9, 8)),
+    "SBH": ((6, 2, 32), (9, 2, 16), (9, 2, 8)),
+    "TND": ((7, 4, 8), (13, 2, 8), (13, 2, 4)),
+}
+TND_ENDS = ([3, 3, 7], [5, 7, 13])  # query lengths 3, 0, 4 against key lengths 5, 2, 6
+SPARSE_CASES = {  # name: (sparse_mode, pre_tockens, next_tockens, a mask of one's own)
+    "no mask": (0, 2147483647, 2147483647, False),
+    "mode 0, mask and band": (0, 2, 1, True),
+    "mode 1": (1, 2147483647, 2147483647, True),
+    "mode 2": (2, 2147483647, 2147483647, False),
+    "mode 3": (3, 2147483647, 2147483647, False),
+    "mode 4, window": (4, 2, 0, False),
+    "mode 4, band": (4, 1, 2, False),
+}
+
+
+def _float64_batches(layout, heads):
+    """Random float64 query, key and value leaves of ATTENTION_SHAPES[layout], the TND ends (None otherwise), and
+    the leaves as per-batch [N, S, D] tensors."""
+    shapes = ATTENTION_SHAPES[layout]
+    leaves = [_randn(shape, torch.float64, seed).requires_grad_() for seed, shape in enumerate(shapes)]
+    q_ends, kv_ends = TND_ENDS if layout == "TND" else (None, None)
+    batches = [
+        _batches(t, layout, h, e) for t, h, e in zip(leaves, (heads, 2, 2), (q_ends, kv_ends, kv_ends), strict=True)
+    ]
+    return leaves, q_ends, kv_ends, batches
+
+
+def _own_mask(sq, skv, seed):
+    """A random mask (True = masked, about a third) that keeps each row's key j = i."""
+    masked = torch.rand(sq, skv, generator=torch.Generator().manual_seed(seed)) < 0.35
+    masked[torch.arange(min(sq, skv)), torch.arange(min(sq, skv))] = False
+    return masked
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES)
+@pytest.mark.parametrize("layout", ATTENTION_SHAPES)
+def test_fusion_attention_against_float64_attention(layout, case):
+    """Each layout and sparse mode, forward and backward, against plain attention in float64 with the documented
+    mask (autograd for the gradients): GQA without repeated K/V, Dv < Dk, a zero-length TND segment, float32 inputs."""
+    mode, pre, nxt, own = SPARSE_CASES[case]
+    heads = 4
+    leaves, q_ends, kv_ends, (qs, ks, vs) = _float64_batches(layout, heads)
+    shape_sq, shape_skv = (4, 6) if layout == "TND" else (6, 9)  # the SS mask: maxSq x maxSkv for TND
+    mask = _own_mask(shape_sq, shape_skv, seed=3) if own else None
+    outs = []
+    for q, k, v in zip(qs, ks, vs, strict=True):
+        own_part = mask[: q.shape[1], : k.shape[1]] if own else None
+        masked = _reference_masked(mode, q.shape[1], k.shape[1], pre, nxt, own_part)
+        scores = (q @ k.repeat_interleave(2, 0).transpose(-1, -2) * 0.3).masked_fill(masked, -torch.inf)
+        outs.append(torch.softmax(scores, -1).nan_to_num() @ v.repeat_interleave(2, 0))
+    want = _from_batches(outs, layout)
+    dy = _randn(want.shape, torch.float64, 9)
+    want_grads = torch.autograd.grad(want, leaves, dy)
+    npu_leaves = [t.detach().float().to("npu").requires_grad_() for t in leaves]
+    atten_mask = mask if own else torch.ones(2048, 2048, dtype=torch.bool).triu(1) if mode else None
+    out = torch_npu.npu_fusion_attention(
+        *npu_leaves, heads, layout, atten_mask=None if atten_mask is None else atten_mask.to("npu"), scale=0.3,
+        pre_tockens=pre, next_tockens=nxt, sparse_mode=mode, actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends,
+    )  # fmt: skip
+    out[0].backward(dy.float().to("npu"))
+    torch.testing.assert_close(out[0].cpu().double(), want, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(npu_leaves, want_grads, strict=True):
+        torch.testing.assert_close(got.grad.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "TND"])
+def test_fusion_attention_sink_against_the_docstring_example(layout):
+    """The docstring's sink example (_op_plugin_docs.py:1852-1882): one logit per head joins each row's softmax and
+    is dropped before v; here with the causal mode 2, GQA and TND too, forward and backward (dsink float32) against
+    float64 autograd."""
+    heads = 4
+    leaves, q_ends, kv_ends, (qs, ks, vs) = _float64_batches(layout, heads)
+    sink = torch.linspace(-0.2, 0.2, heads, dtype=torch.float64).requires_grad_()
+    outs = []
+    for q, k, v in zip(qs, ks, vs, strict=True):
+        scores = (q @ k.repeat_interleave(2, 0).transpose(-1, -2) * 0.3).masked_fill(
+            _reference_masked(2, q.shape[1], k.shape[1], 0, 0), -torch.inf
+        )
+        with_sink = torch.cat([scores, sink.view(heads, 1, 1).expand(heads, q.shape[1], 1)], -1)
+        outs.append(torch.softmax(with_sink, -1)[..., :-1] @ v.repeat_interleave(2, 0))
+    want = _from_batches(outs, layout)
+    dy = _randn(want.shape, torch.float64, 9)
+    want_grads = torch.autograd.grad(want, [*leaves, sink], dy)
+    npu_leaves = [t.detach().float().to("npu").requires_grad_() for t in (*leaves, sink)]
+    out = torch_npu.npu_fusion_attention(
+        *npu_leaves[:3], heads, layout, atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1).to("npu"),
+        scale=0.3, sparse_mode=2, actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends, sink=npu_leaves[3],
+    )  # fmt: skip
+    out[0].backward(dy.float().to("npu"))
+    torch.testing.assert_close(out[0].cpu().double(), want, rtol=1e-5, atol=1e-5)
+    assert npu_leaves[3].grad.dtype == torch.float32
+    for got, expected in zip(npu_leaves, want_grads, strict=True):
+        torch.testing.assert_close(got.grad.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fusion_attention_dropout_keeps_keep_prob_and_redraws_per_call():
+    """keep_prob 0.8: about 80% kept (read off an identity value), the seed and offset returned with it, a new mask
+    per call, the same one after torch.manual_seed; keep_prob 1 returns the seed and offset it was given (the
+    adapter overwrites them only when it drops: FlashAttentionKernelNpuOpApi.cpp:491-495)."""
+    q, k = (_randn((1, 8, 64, 64), torch.float32, seed).to("npu") for seed in range(2))  # Dv = Dk: an identity v
+    eye = torch.eye(64).expand(1, 8, 64, 64).contiguous().to("npu")
+
+    def kept(**options):
+        out = torch_npu.npu_fusion_attention(q, k, eye, 8, "BNSD", scale=0.25, keep_prob=0.8, **options)
+        return out[0].cpu() != 0, out[4:]
+
+    torch.manual_seed(3)
+    first, (_, offset, numels) = kept()
+    second, (_, second_offset, _) = kept()
+    torch.manual_seed(3)
+    again, (_, again_offset, _) = kept()
+    assert abs(first.float().mean().item() - 0.8) < 0.01 and numels == 8 * 64 * 64
+    assert not torch.equal(first, second) and offset != second_offset
+    assert torch.equal(first, again) and offset == again_offset
+    full = torch_npu.npu_fusion_attention(q, k, eye, 8, "BNSD", keep_prob=1.0, seed=5, offset=6)
+    assert full[4:6] == (5, 6)
+
+
+@pytest.mark.parametrize(
+    ("change", "form"),
+    [
+        ({"pse": torch.zeros(1, 2, 4, 4)}, "pse"),
+        ({"dropout_mask": torch.ones(64, dtype=torch.uint8)}, "dropout_mask"),
+        ({"sparse_mode": 6, "prefix": [4]}, "prefix"),
+    ],
+    ids=["pse", "external dropout_mask", "prefix"],
+)
+def test_fusion_attention_refuses_the_forms_no_card_uses(change, form):
+    """test_npu_flash_attention_with_external_dropout_mask and the pse example are forms no card calls: the
+    emulation says so (NotImplementedError naming the form) instead of computing something else."""
+    q, k, v = (_randn(shape, torch.float32, 0).to("npu") for shape in ((1, 2, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8)))
+    change = {name: value.to("npu") if isinstance(value, torch.Tensor) else value for name, value in change.items()}
+    with pytest.raises(NotImplementedError, match=form):
+        torch_npu.npu_fusion_attention(q, k, v, 2, "BNSD", **change)
+
+
+def test_fusion_attention_refuses_a_dense_row_with_every_key_masked():
+    """Outside TND a fully masked row's output is not documented (inner_precise 2, _op_plugin_docs.py:1616)."""
+    q, k, v = (_randn((1, 2, 4, 8), torch.float32, seed).to("npu") for seed in range(3))
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[2] = True
+    with pytest.raises(NotImplementedError, match="every key masked"):
+        torch_npu.npu_fusion_attention(q, k, v, 2, "BNSD", atten_mask=mask.to("npu"))

@@ -29,7 +29,9 @@ BY_NAME = pytest.mark.parametrize("card", list(CARDS.values()), ids=lambda card:
 
 
 def _listed(card: Card) -> set[str]:
-    return {path for paths in table_of(card).SWAPPED.values() for path in paths}
+    """The paths a table decides for its card: the classes its layers swap, or an attention card's FUSED classes."""
+    table = table_of(card)
+    return {path for paths in table.SWAPPED.values() for path in paths} | set(getattr(table, "FUSED", ()))
 
 
 @ON_THE_SURVEYED_RELEASE

@@ -105,7 +105,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from types import FunctionType
+from types import FunctionType, ModuleType
 from typing import TYPE_CHECKING
 
 import kernels
@@ -382,6 +382,11 @@ def load_layer_checked(repository: LayerRepository | LocalLayerRepository, check
     A LayerRepository loads as `get_kernel` at its resolved revision, a LocalLayerRepository as `get_local_kernel`
     of its folder: the same resolvers and metadata validators, so the same build variant.
     """
+    return get_kernel_layer(repository, load_kernel_checked(repository, check))
+
+
+def load_kernel_checked(repository: LayerRepository | LocalLayerRepository, check: VariantCheck) -> ModuleType:
+    """The kernel module `repository` names, loaded as `load_layer_checked` loads it (checked), before any layer."""
     if isinstance(repository, LocalLayerRepository):
         path = repository._repo_path
         api = get_hf_api()
@@ -404,7 +409,7 @@ def load_layer_checked(repository: LayerRepository | LocalLayerRepository, check
     tree.validate_metadata(AllValidator(validators=validators))
     installed = tree.install(api=api)
     _check_tree(installed, check)
-    return get_kernel_layer(repository, installed.load())
+    return installed.load()
 
 
 def _check_tree(node: DepTreeNode, check: VariantCheck) -> None:
@@ -457,6 +462,7 @@ __all__ = [
     "is_layer_forward",
     "keep_forwards",
     "kernel_funcs",
+    "load_kernel_checked",
     "load_layer_checked",
     "local_folder_variant",
     "own_kernel_funcs",

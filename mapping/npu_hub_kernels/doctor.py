@@ -61,6 +61,7 @@ from packaging.version import Version
 from torch import nn
 
 from . import _kernels_compat as compat
+from .attention import flash_attention_drops, is_attention_card
 from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_problem
 from .integrity import LOAD_ELSEWHERE, VariantFilesError, check_variant_files
 from .offline import default_cache_dir
@@ -142,7 +143,9 @@ class ModelReport:
     its last reason and every reason, counted. `not_proven`: the modules of classes a card lists that run eager on
     this transformers release because their code is not code the tests proved. `not_fused`: the modules of swapped
     classes that run none because kernelize keeps the forward another library set on them. `left_out`: the modules of
-    classes a card's model table leaves out, with the table's reason.
+    classes a card's model table leaves out, with the table's reason. `attention`: the model's attention
+    implementation; `warnings`: what the user should change (transformers' flash_attention_2 on the npu dropping
+    sliding windows or sinks).
     """
 
     model_class: str
@@ -151,6 +154,8 @@ class ModelReport:
     not_fused: list[KeptForward]
     not_proven: list[Swap] = field(default_factory=list)
     left_out: list[LeftOut] = field(default_factory=list)
+    attention: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -223,6 +228,7 @@ def model_report(model: nn.Module) -> ModelReport:
     classes a card leaves out. Read from `swapped_modules`, `kept_forwards` and `left_out_modules`.
     """
     swaps = swapped_modules(model)
+    warnings = [flash_attention_drops(model, card.kernel_id) for card in CARDS.values() if is_attention_card(card)]
     return ModelReport(
         model_class=type(model).__name__,
         fused=dict(sorted(Counter(swap.card for swap in swaps if swap.variant is not None).items())),
@@ -230,6 +236,8 @@ def model_report(model: nn.Module) -> ModelReport:
         not_fused=kept_forwards(model),
         not_proven=[swap for swap in swaps if swap.variant is None],
         left_out=left_out_modules(model),
+        attention=getattr(getattr(model, "config", None), "_attn_implementation", None),
+        warnings=list(dict.fromkeys(warning for warning in warnings if warning)),
     )
 
 
@@ -596,6 +604,9 @@ def format_report(report: Report) -> str:
         lines += ["", f"model {report.model.model_class}"]
         fused = ", ".join(f"{card} {count}" for card, count in report.model.fused.items())
         lines += _rows([("fused", f"{fused or 'nothing'} (modules running each card's layer)")])
+        if report.model.attention is not None:
+            lines += _rows([("attention", report.model.attention)])
+        lines += _rows([("warning", warning) for warning in report.model.warnings])
         for swap in report.model.eager:
             lines += _eager_rows(swap)
         lines += _rows([("kept", f"{k.module} ({k.module_class}): {k.reason}") for k in report.model.not_fused])

@@ -15,8 +15,9 @@ download, when online) and importing it: its files are checked against its diges
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
-from kernels import LocalLayerRepository, Metadata
+from kernels import LayerRepository, LocalLayerRepository, Metadata
 from torch import nn
 
 from . import _kernels_compat as compat
@@ -131,3 +132,12 @@ class CheckedLocalLayerRepository(LocalLayerRepository):
     def load(self) -> type[nn.Module]:
         """As LocalLayerRepository.load (get_local_kernel of the folder), with the files checked."""
         return compat.load_layer_checked(self, check_variant_files)
+
+
+def load_checked_kernel(repository: LayerRepository | LocalLayerRepository) -> ModuleType:
+    """The card package `repository` names (its `layer_name` aside), imported once its files pass the digest check.
+
+    For the cards that are no kernelized layer (npu-fused-attention: an attention function), loaded as the layer
+    cards' repositories load.
+    """
+    return compat.load_kernel_checked(repository, check_variant_files)

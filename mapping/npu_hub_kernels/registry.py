@@ -23,6 +23,13 @@ from kernels import Mode, kernelize, register_kernel_mapping, use_kernel_mapping
 from torch import nn
 
 from . import retag
+from .attention import (
+    ATTENTION_FUNCTION,
+    flash_attention_drops,
+    is_attention_card,
+    register_attention,
+    use_fused_attention,
+)
 from .cards import CARDS, Card, resolve_org, version_problem
 from .integrity import CheckedLayerRepository, CheckedLocalLayerRepository
 from .models import MODEL_CLASSES
@@ -84,6 +91,9 @@ def register_npu_kernels(
 ) -> list[str]:
     """Map the selected cards' layers for the "npu" device (inference and training), retag the classes.
 
+    An attention card (no layers: npu-fused-attention) is registered as a transformers attention implementation
+    under its kernel id instead (`npu_hub_kernels.attention`).
+
     Args:
         org: Hub organisation of the cards; default $NPU_HUB_KERNELS_ORG, else "npu-hub-kernels".
         version: card API version, the Hub branch `v<version>`.
@@ -109,6 +119,9 @@ def register_npu_kernels(
     trust = [card.repo_id(org) for card in cards] if trust_remote_code is None else trust_remote_code
     mapping = {}
     for card in cards:
+        if is_attention_card(card):
+            source = dict(org=org, version=version, local_dir=local_dir, trust=trust)
+            register_attention(card, _repository(card, ATTENTION_FUNCTION, **source))
         for layer in card.layers:
             repo = _repository(card, layer, org=org, version=version, local_dir=local_dir, trust=trust)
             mapping[card.mapping_name(layer)] = {"npu": {Mode.INFERENCE: repo, Mode.TRAINING: repo}}
@@ -162,6 +175,11 @@ def apply_npu_kernels(
     `register_npu_kernels`. With kernels=None or False the model is returned untouched. When deepspeed is
     imported (a ZeRO-3 run is likely), the split MLPs the cards swapped become ZeRO-3 leaf modules so that they
     fuse under ZeRO-3 too (`zero3.mark_zero3_leaf_mlps`); that changes nothing outside ZeRO-3.
+
+    An attention card selected (npu_fused_attention, in "auto") becomes the model's attention where its attention is
+    transformers' default "sdpa" and its table fuses every attention class of the model; any other attention the model
+    was given is kept, and so is sdpa when the selection leaves the card out (`attention.use_fused_attention`). A
+    model on the npu left on transformers' flash_attention_2, which drops sliding windows and sinks there, is warned.
     """
     selected = register_npu_kernels(kernels=kernels, **register_kwargs)
     if not selected:
@@ -187,6 +205,12 @@ def apply_npu_kernels(
         kernelize(model, mode=mode, device="npu")
     if "deepspeed" in sys.modules:
         mark_zero3_leaf_mlps(model)
+    for card in CARDS.values():
+        if is_attention_card(card) and card.kernel_id in selected:
+            use_fused_attention(model, card)
+    warning = next((flash_attention_drops(model, c.kernel_id) for c in CARDS.values() if is_attention_card(c)), None)
+    if warning is not None:
+        logger.warning("apply_npu_kernels: %s", warning)
     return model
 
 

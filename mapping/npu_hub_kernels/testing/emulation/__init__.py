@@ -42,7 +42,7 @@ import torch
 from ...cards import CARDS, Card, card_piece
 from ...selftest import cases
 from .checks import OP_CALLS
-from .device import NpuTensor, install_device, register_aten_kernel
+from .device import HOST_SYNCS, NpuTensor, install_device, register_aten_kernel
 from .distributed import install_hccl
 from .ledger import DeviceRefusal, Rule
 
@@ -84,8 +84,6 @@ DEVICE_KERNELS: dict[str, Callable[..., Any]] = {
 """Every aten op the emulated device runs with a kernel of its own (as torch_npu registers one), by overload."""
 LEDGER: tuple[Rule, ...] = tuple(rule for card in CARDS.values() for rule in ledger_of(card))
 """Every documented limit the emulated ops enforce (`ledger.py`), gathered from the cards' `ops/<card>.py` files."""
-_NOTEMULATED_OPS = ("npu_fusion_attention",)
-"""Names transformers imports from torch_npu on an Ascend host; calling them says they are not emulated."""
 _state = {"cann_version": DEFAULT_CANN_VERSION}
 
 __all__ = [
@@ -94,6 +92,7 @@ __all__ = [
     "LEDGER",
     "DeviceRefusal",
     "NpuTensor",
+    "count_host_syncs",
     "count_op_calls",
     "install",
     "is_installed",
@@ -181,22 +180,22 @@ def count_op_calls() -> Iterator[Counter[str]]:
         calls.update(OP_CALLS - before)
 
 
+@contextmanager
+def count_host_syncs() -> Iterator[Counter[str]]:
+    """Yield a Counter of the reads of npu data on the host made inside the block, by kind (`device.HOST_SYNCS`)."""
+    before = Counter(HOST_SYNCS)
+    syncs: Counter[str] = Counter()
+    try:
+        yield syncs
+    finally:
+        syncs.update(HOST_SYNCS - before)
+
+
 def _new_module(name: str) -> ModuleType:
     module = ModuleType(name)
     module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
     module.__path__ = []  # type: ignore[attr-defined]
     return module
-
-
-def _not_emulated(name: str):
-    def op(*args, **kwargs):
-        raise NotImplementedError(
-            f"torch_npu.{name} is not emulated: the emulation covers the ops of the npu-hub-kernels cards "
-            f"({', '.join(EMULATED_OPS)}). Run this on an Ascend host."
-        )
-
-    op.__name__ = name
-    return op
 
 
 def _build_torch_npu_module() -> ModuleType:
@@ -207,8 +206,6 @@ def _build_torch_npu_module() -> ModuleType:
     torch_npu.npu = torch.npu  # type: ignore[attr-defined]
     for name, op in EMULATED_OPS.items():
         setattr(torch_npu, name, op)
-    for name in _NOTEMULATED_OPS:
-        setattr(torch_npu, name, _not_emulated(name))
     torch_npu.utils = _new_module("torch_npu.utils")  # type: ignore[attr-defined]
     collect_env = _new_module("torch_npu.utils.collect_env")
     collect_env.get_cann_version = lambda: _state["cann_version"]  # type: ignore[attr-defined]

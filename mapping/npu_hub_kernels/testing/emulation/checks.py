@@ -19,3 +19,12 @@ def require_npu(op: str, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.device.type != "npu":
             raise RuntimeError(f"{op}: expected {name} on an npu device, got {t.device}")
+
+
+def cann_at_least(version: tuple[int, int]) -> bool:
+    """Whether the CANN the emulated host reports (`torch.version.cann`, "9.1.0", "8.3.RC1") is `version` or later.
+
+    `version` is (major, minor); `emulation.install(cann_version=...)` and `set_cann_version` set what is reported.
+    """
+    major, minor = torch.version.cann.split(".")[:2]  # type: ignore[attr-defined]
+    return (int(major), int(minor)) >= version

@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import os
+import sys
 import threading
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -41,6 +43,10 @@ def _histc(x, bins=100, min=0, max=0):
     """
     return torch.histc(x.double(), bins=bins, min=min, max=max).to(x.dtype)
 
+
+HOST_SYNCS: Counter[str] = Counter()
+"""The reads that make the host wait for the device, by kind, in this process: "to host" (a copy of npu data to the
+host: `.cpu()`, `.tolist()`, `copy_` into a host tensor) and "item" (a scalar read: `.item()`, `bool(t)`, `int(t)`)."""
 
 _DEVICE_KERNELS = {torch.ops.aten.histc.default: _histc, torch.ops.aten.record_stream.default: record_stream}
 """Ops whose npu kernel differs from the host's: run these instead on the host data (the npu tensors' `_cpu`)."""
@@ -134,6 +140,7 @@ class NpuTensor(torch.Tensor):
 
     def tolist(self):  # type: ignore[override]
         """A device-to-host read, as `.tolist()` of a device tensor is (tensor subclasses lack it)."""
+        _count_host_sync(torch.ops.aten._to_copy.default, (self,), "cpu")
         return self._cpu.tolist()
 
     @property
@@ -155,6 +162,7 @@ class NpuTensor(torch.Tensor):
         if func not in _CROSS_DEVICE_OPS:
             _check_same_device(func, args, kwargs)
         target = kwargs.get("device")
+        _count_host_sync(func, args, target)
         cpu_args = tree_map(_to_inner, args)
         cpu_kwargs = tree_map(_to_inner, kwargs)
         out = _DEVICE_KERNELS.get(func, func)(*cpu_args, **cpu_kwargs)
@@ -167,6 +175,30 @@ class NpuTensor(torch.Tensor):
             with torch.inference_mode(False):
                 return tree_map(_wrap, out)
         return tree_map(_wrap, out)
+
+
+_EMULATED_OPS_DIR = os.path.join(os.path.dirname(__file__), "ops") + os.sep
+
+
+def _count_host_sync(func: torch._ops.OpOverload, args: tuple, target: object) -> None:
+    """Count the call in HOST_SYNCS when it reads npu data on the host, outside the emulated ops.
+
+    An emulated op computes on the host what the device computes on itself: its reads are no sync."""
+    if func is torch.ops.aten._local_scalar_dense.default:
+        kind = "item"
+    elif func in _CROSS_DEVICE_OPS:
+        to_host = torch.device(target).type != "npu" if target is not None else not isinstance(args[0], NpuTensor)
+        if not to_host:
+            return
+        kind = "to host"
+    else:
+        return
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_EMULATED_OPS_DIR):
+            return
+        frame = frame.f_back
+    HOST_SYNCS[kind] += 1
 
 
 @functools.cache

@@ -1,0 +1,140 @@
+"""The attention cards (a card with no layers, npu-fused-attention): a transformers attention implementation.
+
+transformers 5 calls a model's attention function `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` in every
+attention layer, and builds its masks with `ALL_MASK_ATTENTION_FUNCTIONS[...]` under the same name.
+`register_attention` registers the card's `fused_attention` and `fused_attention_mask` there under the card's kernel
+id (a name with neither "flash", which transformers routes to its own flash-attention code, nor "/", which it takes
+for a Hub repository), each loaded from the card's repository, digest-checked, at its first call. Users then pick it
+with `from_pretrained(..., attn_implementation="npu_fused_attention")` or
+`model.set_attn_implementation("npu_fused_attention")`.
+
+`use_fused_attention` is what `apply_npu_kernels` does with the card: it selects it for a model whose attention is
+transformers' default ("sdpa") and whose attention classes are all in the card's `FUSED` table; it keeps any other
+choice (an explicit "eager", "flash_attention_2", another registered function) and says so. To keep sdpa, leave the
+card out of the selection (`kernels=[...]` without "npu_fused_attention").
+
+`flash_attention_drops` says when a model on the npu runs transformers' built-in `flash_attention_2`, which on an npu
+host drops sliding windows and attention sinks without a word (docs/models.md#npu-fused-attention).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kernels import LayerRepository, LocalLayerRepository
+from torch import nn
+
+from .cards import Card
+from .integrity import load_checked_kernel
+from .models import table_of
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_FUNCTION = "fused_attention"
+MASK_FUNCTION = "fused_attention_mask"
+DEFAULT_IMPLEMENTATION = "sdpa"
+"""The attention transformers gives a model nobody chose one for: the only one `use_fused_attention` replaces."""
+
+
+def is_attention_card(card: Card) -> bool:
+    """Whether the card is an attention implementation (it has no kernelized layers)."""
+    return not card.layers
+
+
+class CardFunction:
+    """A function of a card package, imported from the card's repository (digest-checked) at its first call."""
+
+    def __init__(self, repository: LayerRepository | LocalLayerRepository, name: str) -> None:
+        self.repository = repository
+        self.name = name
+        self.function: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.function is None:
+            self.function = getattr(load_checked_kernel(self.repository), self.name)
+        return self.function(*args, **kwargs)
+
+
+def register_attention(card: Card, repository: LayerRepository | LocalLayerRepository) -> None:
+    """Register the card's attention and mask functions in transformers under the card's kernel id."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(card.kernel_id, CardFunction(repository, ATTENTION_FUNCTION))
+    AttentionMaskInterface.register(card.kernel_id, CardFunction(repository, MASK_FUNCTION))
+
+
+def class_path(cls: type) -> str | None:
+    """A class's path relative to `transformers.models` (as the tables name classes), None for another package's."""
+    prefix = "transformers.models."
+    return f"{cls.__module__.removeprefix(prefix)}.{cls.__qualname__}" if cls.__module__.startswith(prefix) else None
+
+
+def attention_kept_reason(model: nn.Module, card: Card) -> str | None:
+    """Why `apply_npu_kernels` keeps `model`'s attention instead of the card's, or None when it selects the card."""
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if current is None or not hasattr(model, "set_attn_implementation"):
+        return "not a transformers model with an attention implementation"
+    if current == card.kernel_id:
+        return None
+    if current != DEFAULT_IMPLEMENTATION:
+        return (
+            f'its attn_implementation is "{current}", not transformers\' default "{DEFAULT_IMPLEMENTATION}": kept as '
+            f'chosen (set attn_implementation="{card.kernel_id}" to use the card)'
+        )
+    table = table_of(card)
+    paths = {class_path(type(module)) for module in model.modules()} - {None}
+    left_out = sorted(paths & set(table.LEFT_OUT))
+    if left_out:
+        return f"{left_out[0]} is left out of the card's table: {table.LEFT_OUT[left_out[0]]}"
+    if not paths & set(table.FUSED):
+        return "no attention class of the card's table"
+    return None
+
+
+def use_fused_attention(model: nn.Module, card: Card) -> bool:
+    """Select the card's attention for `model` where `attention_kept_reason` says so; return whether it did."""
+    reason = attention_kept_reason(model, card)
+    if reason is not None:
+        logger.info("%s keeps its attention: %s", type(model).__name__, reason)
+        return False
+    if model.config._attn_implementation != card.kernel_id:
+        model.set_attn_implementation(card.kernel_id)
+    return True
+
+
+def flash_attention_drops(model: nn.Module, kernel_id: str) -> str | None:
+    """The warning for a model on the npu whose transformers flash_attention_2 drops its windows or sinks, or None."""
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+    first = next(model.parameters(), None)
+    if "flash" not in current or first is None or first.device.type != "npu":
+        return None
+    dropped = []
+    if any(_has_sliding_layers(config) for config in _configs(model.config)):
+        dropped.append("sliding windows")
+    if any(hasattr(module, "sinks") for module in model.modules()):
+        dropped.append("attention sinks")
+    if not dropped:
+        return None
+    return (
+        f'{type(model).__name__} uses attn_implementation="{current}" on the npu, where transformers\' built-in NPU '
+        f"flash attention drops {' and '.join(dropped)} without a word (plain causal attention, different results): "
+        f'use attn_implementation="{kernel_id}" (npu_hub_kernels.register_npu_kernels() registers it)'
+    )
+
+
+def _configs(config: object) -> list[object]:
+    """A model config and its sub-configs (text_config, ...), depth first."""
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", {})]
+    return [config, *(nested for sub in subs if sub is not None for nested in _configs(sub))]
+
+
+def _has_sliding_layers(config: object) -> bool:
+    """Whether a config gives some attention layer a sliding window (its layer_types say which, where it has them)."""
+    if not getattr(config, "sliding_window", None):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
