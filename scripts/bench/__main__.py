@@ -33,6 +33,7 @@ from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS
 
 from . import __doc__ as package_doc
+from .attention import attention_rows
 from .cards import with_piece
 from .chart import write_chart
 from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, TINY_SPECS
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 for card, target in with_piece("BEFORE_CARD_TARGET"):
                     rows += before_card_rows(card, target, specs, QUICK_SHAPES[0] if quick else LAYER_TARGET_SHAPE)
                 steps = tuple(k for k in STEP_MODELS if k not in CONFIGS or CONFIGS[k] in specs)
+                rows += attention_rows([STEP_MODELS[k].spec for k in steps], quick)
                 rows += step_rows(peer, quick, args.build, steps)
                 if peer is not None:
                     rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 from npu_hub_kernels.cards import Card
 
+from .attention import attention_section
 from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
-from .rows import CHUNK_STUDY, MEMORY_UNITS, OUTSIDE_STUDY, REGION_STUDIES, Row
+from .rows import ATTENTION_STUDY, CHUNK_STUDY, MEMORY_UNITS, OUTSIDE_STUDY, REGION_STUDIES, Row
 from .step import step_section
 from .targets import HOST_COST_STUDY, counted_targets, evaluate
 
@@ -338,6 +339,7 @@ def summary(
     lines += counted_table(rows)
     lines += memory_table(rows)
     lines += step_section(rows)
+    lines += attention_section(rows)
     for card, _ in with_piece("PREFILL_DECODE_TABLE"):
         lines += _prefill_decode_table(card, rows)
     for card, _ in with_piece("EXPERTS_SWEEP"):
@@ -389,6 +391,7 @@ def card_summary(card: str, rows: list[Row]) -> str:
         *_targets_table(rows, kinds, {True: "yes", False: "no", None: "not measured"}),
         *counted_table(rows, kinds),
         *memory_table(rows, kinds),
+        *(attention_section(rows) if any(r.kind in kinds for r in rows if r.study == ATTENTION_STUDY) else []),
         *(outside_tables(card_named(card), region, rows) if region else []),
     ]
     return "\n".join(lines) + "\n"
