@@ -189,3 +189,64 @@ def test_attention_rows_hold_the_card_to_its_targets_and_render(built_cards, mon
     assert sum(line.startswith(f"| {m.name} |") for line in table for m in models) == len(models)
     tampered = [dataclasses.replace(r, kernelized=2) if (r.unit, r.phase) == ("ops", "fwd") else r for r in rows]
     assert any(r.met is False for r in evaluate(tampered) if r.kind == rows[0].kind)
+
+
+@pytest.fixture(scope="module")
+def padding_free_records(built_cards):
+    """The op records of a tiny Llama's step (2 layers, default path) per form of a batch of 3 sequences."""
+    from bench import padding_free, step
+
+    from npu_hub_kernels import register_npu_kernels
+
+    register_npu_kernels(local_dir=built_cards)
+    records, current = {}, {}
+    original = step.figures_of
+
+    def spy(passes, update, *memory):
+        records[current["form"]] = passes
+        return original(passes, update, *memory)
+
+    lengths = (5, 7, 4)
+    forms = {
+        "padded, sdpa": dict(inputs=padding_free.padded_inputs(lengths)),
+        "packed, card": dict(
+            inputs=padding_free.packed_inputs(lengths, True), attention=attention.card_implementation()[1]
+        ),
+    }
+    step.figures_of = spy
+    try:
+        for form, options in forms.items():
+            current["form"] = form
+            with padding_free._host_values(len(lengths) + 1):
+                step.measure_step(TINY_LLAMA, 2, 64, 1, 1, "kernelized", build=built_cards, **options)
+    finally:
+        step.figures_of = original
+    return lengths, records
+
+
+def test_the_packed_step_runs_one_fused_attention_per_layer_in_tnd(padding_free_records):
+    """Packed with TRL's kwargs, each of the 2 layers runs one npu_fusion_attention each way, reading q, k, v of the
+    packed tokens and the compressed mask, and no sdpa; the padded batch runs sdpa per layer and never the op."""
+    lengths, records = padding_free_records
+    config = TINY_LLAMA.config
+    names = {form: [r.name for r in passes] for form, passes in records.items()}
+    assert names["packed, card"].count("npu_fusion_attention") == 2
+    assert names["packed, card"].count("npu_fusion_attention_backward") == 2
+    assert "scaled_dot_product_attention" not in names["packed, card"]
+    assert names["padded, sdpa"].count("scaled_dot_product_attention") == 2
+    assert "npu_fusion_attention" not in names["padded, sdpa"]
+    tokens, head = sum(lengths), config["head_dim"] * 2
+    qkv = tokens * head * (config["num_attention_heads"] + 2 * config["num_key_value_heads"])
+    fused = [r for r in records["packed, card"] if r.name == "npu_fusion_attention"]
+    assert {r.reads for r in fused} == {qkv + 2048 * 2048}
+
+
+def test_the_padded_step_reads_the_dense_padding_mask(padding_free_records):
+    """Padded to the longest (7), sdpa reads q and K/V repeated to the query heads of [3, 7] tokens plus the dense
+    [3, 1, 7, 7] bool mask transformers builds from the padding mask: 3 x 7 x 7 bytes per layer."""
+    lengths, records = padding_free_records
+    config = TINY_LLAMA.config
+    batch, longest = len(lengths), max(lengths)
+    qkv = batch * longest * config["head_dim"] * 2 * 3 * config["num_attention_heads"]
+    sdpa = [r for r in records["padded, sdpa"] if r.name == "scaled_dot_product_attention"]
+    assert {r.reads for r in sdpa} == {qkv + batch * longest * longest}

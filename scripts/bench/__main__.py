@@ -39,6 +39,7 @@ from .chart import write_chart
 from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, TINY_SPECS
 from .counted import before_card_rows, counted_rows, experts_sweep_rows
 from .outside import outside_rows
+from .padding_free import padding_free_rows
 from .peer import load_peer, parity_rows
 from .report import card_summary, summary, update_readme
 from .rows import Row, log, write_csv
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps = tuple(k for k in STEP_MODELS if k not in CONFIGS or CONFIGS[k] in specs)
                 rows += attention_rows([STEP_MODELS[k].spec for k in steps], quick)
                 rows += step_rows(peer, quick, args.build, steps)
+                rows += padding_free_rows(args.build, quick, steps)
                 if peer is not None:
                     rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)
             else:

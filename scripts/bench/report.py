@@ -13,6 +13,7 @@ from npu_hub_kernels.cards import Card
 from .attention import attention_section
 from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
+from .padding_free import padding_free_section
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
 from .rows import ATTENTION_STUDY, CHUNK_STUDY, MEMORY_UNITS, OUTSIDE_STUDY, REGION_STUDIES, Row
 from .step import step_section
@@ -340,6 +341,7 @@ def summary(
     lines += memory_table(rows)
     lines += step_section(rows)
     lines += attention_section(rows)
+    lines += padding_free_section(rows)
     for card, _ in with_piece("PREFILL_DECODE_TABLE"):
         lines += _prefill_decode_table(card, rows)
     for card, _ in with_piece("EXPERTS_SWEEP"):

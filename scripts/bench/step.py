@@ -96,6 +96,7 @@ ops, casts, copies: the unfused regions and the glue between them)."""
 _MATMUL_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "_grouped_mm"}
 _MATMUL_OPS |= {"npu_grouped_matmul"}
 _ATTENTION_OPS = {"scaled_dot_product_attention", "scaled_dot_product_attention_backward"}
+_ATTENTION_OPS |= {"npu_fusion_attention", "npu_fusion_attention_backward"}
 _EMBEDDING_OPS = {"embedding", "embedding_dense_backward"}
 
 
@@ -216,16 +217,22 @@ def measure_step(
     peer: Peer | None = None,
     build=None,
     kernels: tuple[str, ...] = (),
+    inputs: Callable[[], dict] | None = None,
+    attention: str | None = None,
 ) -> Figures:
     """Measure one training step of the model with `layers` layers, whole, on fake tensors.
 
     The step is forward with labels, `loss.backward()` (the model's output dropped first, as a trainer does),
     AdamW(foreach=True) step and zero_grad, its optimizer state made beforehand (a step after the first). `kernels`:
-    only these cards (kernel ids, `apply_npu_kernels`), for the variant "kernelized"."""
+    only these cards (kernel ids, `apply_npu_kernels`), for the variant "kernelized". `inputs`: the model's inputs
+    (made inside the fake mode; default input_ids and labels [batch, seq]); `attention`: the attention implementation
+    to set (default sdpa)."""
     model = build_step_model(spec, layers, vocab).train()
     fake_mode = FakeTensorMode()
     fake_module(model, fake_mode, "npu")
     running = _apply_variant(model, variant, peer, build, kernels)
+    if attention is not None:
+        model.set_attn_implementation(attention)
     with fake_mode, running:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
@@ -236,9 +243,10 @@ def measure_step(
         state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if t.device.type != "cpu")
         base = sum(p.nbytes for p in model.parameters()) + state
         ids = torch.empty(batch, seq, dtype=torch.long, device="npu")
+        batch_inputs = inputs() if inputs is not None else {"input_ids": ids, "labels": ids}
         with tracking_memory() as tracker:
             with _device_ops(spec.experts) as passes:
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss = model(**batch_inputs, use_cache=False).loss
                 loss.backward()
                 del loss
             with _device_ops() as update:
