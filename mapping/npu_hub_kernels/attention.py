@@ -113,7 +113,7 @@ def flash_attention_drops(model: nn.Module, kernel_id: str) -> str | None:
     if "flash" not in current or first is None or first.device.type != "npu":
         return None
     dropped = []
-    if any(getattr(module, "sliding_window", None) for module in model.modules()):
+    if any(_has_sliding_layers(config) for config in _configs(model.config)):
         dropped.append("sliding windows")
     if any(hasattr(module, "sinks") for module in model.modules()):
         dropped.append("attention sinks")
@@ -124,3 +124,17 @@ def flash_attention_drops(model: nn.Module, kernel_id: str) -> str | None:
         f"flash attention drops {' and '.join(dropped)} without a word (plain causal attention, different results): "
         f'use attn_implementation="{kernel_id}" (npu_hub_kernels.register_npu_kernels() registers it)'
     )
+
+
+def _configs(config: object) -> list[object]:
+    """A model config and its sub-configs (text_config, ...), depth first."""
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", {})]
+    return [config, *(nested for sub in subs if sub is not None for nested in _configs(sub))]
+
+
+def _has_sliding_layers(config: object) -> bool:
+    """Whether a config gives some attention layer a sliding window (its layer_types say which, where it has them)."""
+    if not getattr(config, "sliding_window", None):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types

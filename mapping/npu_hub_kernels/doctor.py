@@ -60,6 +60,7 @@ from packaging.version import Version
 from torch import nn
 
 from . import _kernels_compat as compat
+from .attention import flash_attention_drops, is_attention_card
 from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_problem
 from .integrity import VariantFilesError, check_variant_files
 from .offline import default_cache_dir
@@ -136,7 +137,9 @@ class ModelReport:
     `fused`: how many of its modules run each card's layer, by card. `eager`: those whose layer ran eager, each with
     its last reason and every reason, counted. `not_proven`: the modules of classes a card lists that run eager on
     this transformers release because their code is not code the tests proved. `not_fused`: the modules of swapped
-    classes that run none because kernelize keeps the forward another library set on them.
+    classes that run none because kernelize keeps the forward another library set on them. `attention`: the model's
+    attention implementation; `warnings`: what the user should change (transformers' flash_attention_2 on the npu
+    dropping sliding windows or sinks).
     """
 
     model_class: str
@@ -144,6 +147,8 @@ class ModelReport:
     eager: list[Swap]
     not_fused: list[KeptForward]
     not_proven: list[Swap] = field(default_factory=list)
+    attention: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -216,12 +221,15 @@ def model_report(model: nn.Module) -> ModelReport:
     `swapped_modules` and `kept_forwards`.
     """
     swaps = swapped_modules(model)
+    warnings = [flash_attention_drops(model, card.kernel_id) for card in CARDS.values() if is_attention_card(card)]
     return ModelReport(
         model_class=type(model).__name__,
         fused=dict(sorted(Counter(swap.card for swap in swaps if swap.variant is not None).items())),
         eager=[swap for swap in swaps if swap.eager_calls],
         not_fused=kept_forwards(model),
         not_proven=[swap for swap in swaps if swap.variant is None],
+        attention=getattr(getattr(model, "config", None), "_attn_implementation", None),
+        warnings=list(dict.fromkeys(warning for warning in warnings if warning)),
     )
 
 
@@ -582,6 +590,9 @@ def format_report(report: Report) -> str:
         lines += ["", f"model {report.model.model_class}"]
         fused = ", ".join(f"{card} {count}" for card, count in report.model.fused.items())
         lines += _rows([("fused", f"{fused or 'nothing'} (modules running each card's layer)")])
+        if report.model.attention is not None:
+            lines += _rows([("attention", report.model.attention)])
+        lines += _rows([("warning", warning) for warning in report.model.warnings])
         for swap in report.model.eager:
             lines += _eager_rows(swap)
         lines += _rows([("kept", f"{k.module} ({k.module_class}): {k.reason}") for k in report.model.not_fused])

@@ -323,7 +323,8 @@ def attention_section(rows: list[Row]) -> list[str]:
         "flash_attention_2 on an npu host: `integrations/npu_flash_attention.py`, which drops the window and "
         "computes plain causal attention, a wrong result), the card (`npu_fusion_attention` with its band modes) "
         "and the card's floor. FLOPs: matrix products over the (query, key) pairs each kernel computes. Saved: "
-        "sdpa's stand-in keeps q, k, v and the output, not flash attention's softmax statistics, which the card's "
-        "op keeps; the floor keeps them too (`scripts/bench/attention.py`):"
+        "sdpa's stand-in keeps q, k, v and the output, not flash attention's softmax statistics; the card's op "
+        "keeps two float32 8-wide statistics per row and head, the floor one log-sum-exp "
+        "(`scripts/bench/attention.py`):"
     )
     return ["", title, "", *table(header, body)]

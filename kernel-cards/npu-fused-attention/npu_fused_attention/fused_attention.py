@@ -1,5 +1,4 @@
-"""transformers attention on torch_npu.npu_fusion_attention, with the eager math of the model wherever the op does not
-apply.
+"""transformers attention on torch_npu.npu_fusion_attention, the model's own eager attention where the op cannot run.
 
 `fused_attention` has transformers' AttentionInterface signature. It gets query [B, Nq, Sq, D], key and value
 [B, Nkv, Skv, D] (grouped-query heads not repeated: the op takes Nq a multiple of Nkv), and the mask

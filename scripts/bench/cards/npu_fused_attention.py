@@ -7,15 +7,16 @@ value [B, Nkv, S, Dv]; the output is [B, S, Nq, Dv]. The card is an attention fu
 bench counts the region with the call's arguments as transformers builds them for each implementation
 (`bench.attention`), not in the decoder-layer study.
 
-Floor: 1 op forward, reading query, key and value once and writing the output and the softmax statistics
-flash attention keeps for its backward (softmax_max and softmax_sum, float32 [B, Nq, S, 8] each: the 8-wide rows
-npu_fusion_attention writes); 1 op backward, reading query, key, value, the output, its gradient and the two
-statistics, writing dq, dk and dv. No mask is read: causal and banded attention need none (the op's own band takes
-a small compressed mask, below). No repeated key/value heads: grouped-query attention reads each key/value head
-once.
+Floor: 1 op forward, reading query, key and value once and writing the output and one float32 log-sum-exp per query
+row and head (flash attention's statistic); 1 op backward, reading query, key, value, the output, its gradient and
+the log-sum-exps, writing dq, dk and dv. No mask is read: causal and banded attention need none (the op's own band
+takes a small compressed mask, below). No repeated key/value heads: grouped-query attention reads each key/value
+head once.
 
-Kept for backward by the floor: the output and the two statistics (query, key and value are the region's inputs,
-kept regardless).
+Kept for backward by the floor: the output and the log-sum-exps (query, key and value are the region's inputs, kept
+regardless). npu_fusion_attention writes and keeps more: softmax_max and softmax_sum, float32 [B, N, Sq, 8] each,
+64 bytes per row and head where the floor has 4 (at head dim 128, about 10% of the op's forward bytes): why its
+bytes are held to 1.15 x the floor's, not 1.05.
 
 The accounting rule of npu_fusion_attention (FUSED_OPS), from its contract (docs/torch-npu-ops.md):
 
@@ -46,48 +47,46 @@ from torch import nn
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
-from ..targets import BYTES_TOLERANCE, CountedTarget
+from ..targets import CountedTarget
 
 ATTENTION_IMPLEMENTATION = "npu_fused_attention"
 """The name the card's function is registered under in transformers' AttentionInterface (and its mask under in
 AttentionMaskInterface): what `attn_implementation` selects it by."""
 
 TARGET_SHAPE = (8, 4096)
+STATISTICS_TOLERANCE = 1.15
 STATS_WIDTH = 8
 """softmax_max and softmax_sum hold each row's statistic 8 times (npu_fusion_attention's float32 [.., 8])."""
 
 
-def _stats_bytes(query: torch.Tensor) -> int:
-    """Bytes of one softmax statistic for query [B, Nq, S, D]: float32 [B, Nq, S, 8]."""
-    batch, heads, length, _ = query.shape
-    return batch * heads * length * STATS_WIDTH * 4
+def _output_bytes(query: torch.Tensor, value: torch.Tensor) -> int:
+    return query.numel() // query.shape[-1] * value.shape[-1] * query.element_size()
 
 
 def floor(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_) -> Floor:
-    """One op reading q, k, v, writing out and two statistics; backward one op reading those and dout, writing dq,
-    dk, dv."""
+    """One op reading q, k, v, writing out and a log-sum-exp per row; backward one op reading those and dout, writing
+    dq, dk, dv."""
     inputs = tensor_bytes(query) + tensor_bytes(key) + tensor_bytes(value)
-    out = query.shape[0] * query.shape[1] * query.shape[2] * value.shape[-1] * value.element_size()
-    stats = 2 * _stats_bytes(query)
+    out = _output_bytes(query, value)
+    statistics = floor_saved(module, query, key, value) - out
     grads = dense_bytes(query) + dense_bytes(key) + dense_bytes(value)
-    return (1, inputs + out + stats), (1, inputs + out + out + stats + grads)
+    return (1, inputs + out + statistics), (1, inputs + out + out + statistics + grads)
 
 
 def floor_saved(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_) -> int:
-    """The output and the two float32 statistics: what the backward reads that the forward wrote."""
-    return query.shape[0] * query.shape[1] * query.shape[2] * value.shape[-1] * value.element_size() + 2 * _stats_bytes(
-        query
-    )
+    """The output and one float32 log-sum-exp per query row and head."""
+    return _output_bytes(query, value) + query.numel() // query.shape[-1] * 4
 
 
 COUNTED_TARGETS = (
     CountedTarget("ops", PHASES, 1),
-    CountedTarget("bytes", ("fwd+bwd",), BYTES_TOLERANCE, TARGET_SHAPE),
+    CountedTarget("bytes", ("fwd+bwd",), STATISTICS_TOLERANCE, TARGET_SHAPE),
     CountedTarget("bytes", PHASES, 1, TARGET_SHAPE, against="eager"),
 )
-"""The floor's ops at every size. At batch 8 x 4096: the floor's bytes within 5% forward+backward, and no more bytes
-than transformers' sdpa. Bytes are held at that size only: the compressed mask, counted whole (4 MB a call, see the
-module doc), is under 1% there, but at 1 x 512 it puts the card at 1.05 x sdpa's bytes forward+backward."""
+"""The floor's ops at every size. At batch 8 x 4096: the floor's bytes within 15% forward+backward (the op's 8-wide
+statistics, module doc), and no more bytes than transformers' sdpa. Bytes are held at that size only: the compressed
+mask, counted whole (4 MB a call, see the module doc), is under 1% there, but at 1 x 512 it puts the card at 1.05 x
+sdpa's bytes forward+backward."""
 
 
 def _heads(a: dict[str, Any]) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, int, int], int | None]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import os
+import sys
 import threading
 import weakref
 from collections import Counter, OrderedDict
@@ -126,7 +128,7 @@ class NpuTensor(torch.Tensor):
 
     def tolist(self):  # type: ignore[override]
         """A device-to-host read, as `.tolist()` of a device tensor is (tensor subclasses lack it)."""
-        HOST_SYNCS["to host"] += 1
+        _count_host_sync(torch.ops.aten._to_copy.default, (self,), "cpu")
         return self._cpu.tolist()
 
     @property
@@ -163,14 +165,28 @@ class NpuTensor(torch.Tensor):
         return tree_map(_wrap, out)
 
 
+_EMULATED_OPS_DIR = os.path.join(os.path.dirname(__file__), "ops") + os.sep
+
+
 def _count_host_sync(func: torch._ops.OpOverload, args: tuple, target: object) -> None:
-    """Count the call in HOST_SYNCS when it reads npu data on the host."""
+    """Count the call in HOST_SYNCS when it reads npu data on the host, outside the emulated ops.
+
+    An emulated op computes on the host what the device computes on itself: its reads are no sync."""
     if func is torch.ops.aten._local_scalar_dense.default:
-        HOST_SYNCS["item"] += 1
+        kind = "item"
     elif func in _CROSS_DEVICE_OPS:
         to_host = torch.device(target).type != "npu" if target is not None else not isinstance(args[0], NpuTensor)
-        if to_host:
-            HOST_SYNCS["to host"] += 1
+        if not to_host:
+            return
+        kind = "to host"
+    else:
+        return
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_EMULATED_OPS_DIR):
+            return
+        frame = frame.f_back
+    HOST_SYNCS[kind] += 1
 
 
 @functools.cache

@@ -1,0 +1,347 @@
+"""npu-fused-attention on the emulated npu: op-level parity, the fused path proven by counters, the eager forms, the
+model families, the host syncs per forward, and how the card is selected.
+
+Parity follows flash-attention's idiom: the card's error against a float64 reference is at most twice the error of the
+model's eager attention in the same dtype, forward and backward; the reference is written here from the masking rules
+(causal bottom-right, window `j > i - W`, padding, packed sequences), not from the card's code. Padding queries are
+left out of the comparison: the card writes 0 there, eager a value no later layer reads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from kernels import get_local_kernel
+from transformers import AutoConfig
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from npu_hub_kernels import apply_npu_kernels, register_npu_kernels
+from npu_hub_kernels.doctor import diagnose, format_report
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, tiny_config_values, token_ids
+
+NAME = "npu_fused_attention"
+OP = "npu_fusion_attention"
+
+
+@pytest.fixture(scope="module")
+def card(built_cards):
+    return get_local_kernel(built_cards / "npu-fused-attention")
+
+
+@pytest.fixture
+def registered(built_cards):
+    register_npu_kernels(local_dir=built_cards, kernels=NAME)
+    return built_cards
+
+
+def attention_module(kv_heads: int) -> LlamaAttention:
+    config = AutoConfig.for_model("llama", **tiny_config_values("llama", num_key_value_heads=kv_heads))
+    return LlamaAttention(config, layer_idx=0).eval()
+
+
+def reference(q, k, v, scale, window=None, padding=None, numbers=None) -> torch.Tensor:
+    """Float64 attention [B, Sq, N, Dv] under the masking rules, written from them (see the module docstring)."""
+    q, k, v = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    i = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    j = torch.arange(kv_len)[None, :]
+    kept = (j <= i)[None, None]
+    if window is not None:
+        kept = kept & (j > i - window)
+    if padding is not None:
+        kept = kept & padding[:, None, None, :]
+    if numbers is not None:
+        kept = kept & (numbers[:, None, :, None] == numbers[:, None, None, :])
+    scores = (q @ k.transpose(2, 3) * scale).masked_fill(~kept, float("-inf"))
+    return (scores.softmax(-1).nan_to_num() @ v).transpose(1, 2)
+
+
+CASES = {
+    "causal": dict(q_len=24),
+    "decode": dict(q_len=1),
+    "decode 3": dict(q_len=3),
+    "window": dict(q_len=24, window=4),
+    "window decode": dict(q_len=2, window=4),
+    "left padding": dict(q_len=24, padding="left"),
+    "left padding decode": dict(q_len=1, padding="left"),
+    "right padding": dict(q_len=24, padding="right"),
+    "left padding window": dict(q_len=24, padding="left", window=4),
+    "packed": dict(q_len=24, packed=True),
+    "packed window": dict(q_len=24, packed=True, window=3),
+    "mqa": dict(q_len=24, kv_heads=1),
+    "mha": dict(q_len=24, kv_heads=4),
+    "dv < dqk": dict(q_len=24, value_dim=8),
+}
+
+
+def case_inputs(name: str, dtype: torch.dtype):
+    """(module, q, k, v, mask, kwargs, window, valid query positions [B, Sq], padding, numbers) of a case."""
+    case = CASES[name]
+    kv_heads, q_len, kv_len = case.get("kv_heads", 2), case["q_len"], 24
+    batch = 1 if case.get("packed") else 2
+    generator = torch.Generator().manual_seed(sorted(CASES).index(name))
+    q = torch.randn(batch, 4, q_len, 16, generator=generator).to(dtype)
+    k = torch.randn(batch, kv_heads, kv_len, 16, generator=generator).to(dtype)
+    v = torch.randn(batch, kv_heads, kv_len, case.get("value_dim", 16), generator=generator).to(dtype)
+    padding = numbers = mask = None
+    kwargs = {}
+    valid = torch.ones(batch, q_len, dtype=torch.bool)
+    if case.get("padding"):
+        padding = torch.ones(batch, kv_len, dtype=torch.bool)
+        padding[0, :5] = False if case["padding"] == "left" else padding[0, :5]
+        padding[1, -6:] = False if case["padding"] == "right" else padding[1, -6:]
+        if case["padding"] == "left":
+            padding[1, :2] = False
+        mask = padding
+        valid = padding[:, kv_len - q_len :]
+    if case.get("packed"):
+        cu = torch.tensor([0, 10, 19, 24], dtype=torch.int32)
+        numbers = torch.searchsorted(cu[1:].long(), torch.arange(kv_len), right=True)[None]
+        kwargs = dict(cu_seq_lens_q=cu.to("npu"), cu_seq_lens_k=cu.to("npu"), max_length_q=10, max_length_k=10)
+    return attention_module(kv_heads), q, k, v, mask, kwargs, case.get("window"), valid, padding, numbers
+
+
+def run(function, module, q, k, v, mask, kwargs, window, device, valid):
+    """The attention output [B, Sq, N, Dv] and the q, k, v gradients of a fixed random projection of it.
+
+    The projection reads the valid queries only, as a loss reads no padding token."""
+    q, k, v = (t.detach().to(device).requires_grad_() for t in (q, k, v))
+    mask = None if mask is None else mask.to(device)
+    moved = {name: value.to(device) if torch.is_tensor(value) else value for name, value in kwargs.items()}
+    output, _ = function(module, q, k, v, mask, scaling=module.scaling, sliding_window=window, **moved)
+    weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(7)) * valid[:, :, None, None]
+    weights = weights.to(device, output.dtype)
+    (output * weights).sum().backward()
+    return output, weights, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_error_at_most_twice_eager_error_forward_and_backward(card, name, dtype):
+    module, q, k, v, mask, kwargs, window, valid, padding, numbers = case_inputs(name, dtype)
+    with emulation.count_op_calls() as calls:
+        fused = [t.cpu() for t in run(card.fused_attention, module, q, k, v, mask, kwargs, window, "npu", valid)]
+    assert calls[OP] == 1
+    host_kwargs = {key: value.cpu() if torch.is_tensor(value) else value for key, value in kwargs.items()}
+    with emulation.count_op_calls() as calls:
+        eager = run(card.fused_attention_eager, module, q, k, v, mask, host_kwargs, window, "cpu", valid)
+    assert calls[OP] == 0
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    expected = reference(q64, k64, v64, module.scaling, window, padding, numbers)
+    (expected * fused[1].double()).sum().backward()
+    rows = valid[:, :, None, None]
+    fused_error = (fused[0].double() - expected).abs().masked_fill(~rows, 0).max().item()
+    eager_error = (eager[0].double() - expected).abs().masked_fill(~rows, 0).max().item()
+    assert fused_error <= 2 * eager_error + 1e-6, (fused_error, eager_error)
+    for fused_grad, eager_grad, exact in zip(fused[2:], eager[2:], (q64.grad, k64.grad, v64.grad), strict=True):
+        fused_error = (fused_grad.double() - exact).abs().max().item()
+        eager_error = (eager_grad.double() - exact).abs().max().item()
+        assert fused_error <= 2 * eager_error + 1e-6, (fused_error, eager_error)
+
+
+def test_host_tensors_and_other_dtypes_run_eager_exactly_and_say_why(card):
+    module, q, k, v, *_ = case_inputs("causal", torch.float32)
+    with emulation.count_op_calls() as calls:
+        fused, _ = card.fused_attention(module, q, k, v, None, scaling=module.scaling)
+    assert calls[OP] == 0
+    assert torch.equal(fused, card.fused_attention_eager(module, q, k, v, None, scaling=module.scaling)[0])
+    assert "not on an npu device" in card.fused_attention_unavailable_reason(module, q, k, v, None)
+    q64, k64, v64 = (t.double().to("npu") for t in (q, k, v))
+    reason = card.fused_attention_unavailable_reason(module, q64, k64, v64, None)
+    assert "float64" in reason
+    with emulation.count_op_calls() as calls:
+        card.fused_attention(module, q64, k64, v64, None, scaling=module.scaling)
+    assert calls[OP] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (dict(softcap=30.0), "soft-capping"),
+        (dict(output_attentions=True), "output_attentions"),
+        (dict(s_aux=torch.zeros(4)), "sinks"),
+    ],
+)
+def test_forms_the_op_has_not_run_the_models_eager_attention(card, extra, said):
+    module, q, k, v, *_ = case_inputs("causal", torch.bfloat16)
+    q, k, v = (t.to("npu") for t in (q, k, v))
+    extra = {key: value.to("npu") if torch.is_tensor(value) else value for key, value in extra.items()}
+    assert said in card.fused_attention_unavailable_reason(module, q, k, v, None, **extra)
+    with emulation.count_op_calls() as calls:
+        out, _ = card.fused_attention(module, q, k, v, None, scaling=module.scaling, **extra)
+    assert calls[OP] == 0
+    expected, _ = card.fused_attention_eager(module, q, k, v, None, scaling=module.scaling, **extra)
+    assert torch.equal(out.cpu(), expected.cpu())
+
+
+def test_a_four_d_mask_runs_eager_with_it(card):
+    module, q, k, v, *_ = case_inputs("causal", torch.bfloat16)
+    q, k, v = (t.to("npu") for t in (q, k, v))
+    mask = torch.zeros(2, 1, 24, 24, dtype=torch.bfloat16)
+    mask[..., 3:, :3] = torch.finfo(torch.bfloat16).min  # no causal pattern: bidirectional with a blocked prefix
+    mask = mask.to("npu")
+    assert "4-D attention mask" in card.fused_attention_unavailable_reason(module, q, k, v, mask)
+    with emulation.count_op_calls() as calls:
+        out, _ = card.fused_attention(module, q, k, v, mask, scaling=module.scaling)
+    assert calls[OP] == 0
+    expected, _ = LlamaAttention.forward.__globals__["eager_attention_forward"](module, q, k, v, mask, module.scaling)
+    assert torch.equal(out.cpu(), expected.cpu())
+
+
+def test_dropout_keeps_the_expected_output_on_average(card):
+    """keep_prob = 1 - dropout in training: the mean of many draws tends to the output without dropout."""
+    module, q, k, v, *_ = case_inputs("causal", torch.float32)
+    module.train()
+    q, k, v = (t.to("npu") for t in (q, k, v))
+    plain, _ = card.fused_attention(module.eval(), q, k, v, None, dropout=0.3, scaling=module.scaling)
+    module.train()
+    draws = [card.fused_attention(module, q, k, v, None, dropout=0.3, scaling=module.scaling)[0] for _ in range(64)]
+    single_error = (draws[0] - plain).abs().mean().item()
+    mean_error = (torch.stack(draws).mean(0) - plain).abs().mean().item()
+    assert single_error > 0.05  # dropout happened
+    assert mean_error < single_error / 4  # unbiased: the error shrinks like 1/sqrt(draws)
+
+
+FAMILIES = {
+    "llama": {},
+    "qwen3": {},
+    "mistral": {"sliding_window": 4},
+    "gemma3_text": {"sliding_window": 4},
+}
+
+
+def _logits_and_grads(model, ids, **inputs):
+    """Logits, and the parameters' gradients of a loss over the tokens the mask keeps (a loss reads no padding)."""
+    model.zero_grad()
+    logits = model(ids, **inputs).logits
+    kept = inputs.get("attention_mask", torch.ones_like(ids))[..., None]
+    (logits.float().square() * kept).mean().backward()
+    return logits.detach().cpu(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f == "gemma3_text" else f for f in FAMILIES]
+)
+def test_families_give_eager_logits_gradients_and_tokens(registered, family):
+    model = tiny_causal_lm(family, **FAMILIES[family]).to("npu")
+    ids = token_ids(2, 24).to("npu")
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[0, :5] = 0
+    mask = mask.to("npu")
+    results = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        with emulation.count_op_calls() as calls:
+            results[implementation] = (
+                _logits_and_grads(model, ids),
+                _logits_and_grads(model, ids, attention_mask=mask),
+                model.generate(ids[:, :8], attention_mask=mask[:, :8], max_new_tokens=6, do_sample=False).cpu(),
+            )
+        results[implementation] += (calls[OP],)
+    eager, fused = results["eager"], results[NAME]
+    assert eager[3] == 0 and fused[3] >= 4 * model.config.num_hidden_layers  # fused, and its negative control
+    kept = mask.bool().cpu()
+    torch.testing.assert_close(fused[0][0], eager[0][0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(fused[1][0][kept], eager[1][0][kept], atol=2e-5, rtol=1e-4)
+    for (name, fused_grad), eager_grad in zip(fused[1][1].items(), eager[1][1].values(), strict=True):
+        torch.testing.assert_close(fused_grad, eager_grad, atol=2e-5, rtol=1e-3, msg=name)
+    assert torch.equal(fused[2], eager[2])
+
+
+@pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])
+def test_a_packed_mistral_batch_gives_eager_logits_and_gradients(registered, how):
+    model = tiny_causal_lm("mistral", sliding_window=4).to("npu")
+    ids = token_ids(1, 24).to("npu")
+    positions = torch.cat([torch.arange(10), torch.arange(9), torch.arange(5)])[None].to("npu")
+    inputs = dict(position_ids=positions, use_cache=False)
+    model.set_attn_implementation("eager")
+    eager = _logits_and_grads(model, ids, **inputs)
+    if how == "cu_seq_lens":
+        cu = torch.tensor([0, 10, 19, 24], dtype=torch.int32).to("npu")
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=10, max_length_k=10)
+    model.set_attn_implementation(NAME)
+    with emulation.count_op_calls() as calls:
+        fused = _logits_and_grads(model, ids, **inputs)
+    assert calls[OP] == model.config.num_hidden_layers
+    unpacked = _logits_and_grads(model, ids, use_cache=False)  # negative control: packing matters here
+    assert (unpacked[0] - eager[0]).abs().max() > 1e-2
+    torch.testing.assert_close(fused[0], eager[0], atol=2e-5, rtol=1e-4)
+    for (name, fused_grad), eager_grad in zip(fused[1].items(), eager[1].values(), strict=True):
+        torch.testing.assert_close(fused_grad, eager_grad, atol=2e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("batch", "allowed"),
+    [
+        ("unpadded", 0),
+        ("left-padded", 1),
+        ("packed by position_ids", 1),
+        ("packed by cu_seq_lens", 1),
+    ],
+)
+def test_host_syncs_per_forward_and_backward(registered, batch, allowed):
+    """The card's host syncs over a 4-layer forward and backward, beyond those transformers makes with sdpa itself."""
+    model = tiny_causal_lm("llama", num_hidden_layers=4).to("npu").train()
+    ids = token_ids(2 if batch == "left-padded" else 1, 24).to("npu")
+    inputs = {"use_cache": False}
+    if batch == "left-padded":
+        mask = torch.ones(2, 24, dtype=torch.long)
+        mask[0, :5] = 0
+        inputs["attention_mask"] = mask.to("npu")
+    if batch.startswith("packed"):
+        inputs["position_ids"] = torch.cat([torch.arange(10), torch.arange(14)])[None].to("npu")
+    if batch == "packed by cu_seq_lens":
+        cu = torch.tensor([0, 10, 24], dtype=torch.int32).to("npu")
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=14, max_length_k=14)
+    counts = {}
+    for implementation in ("sdpa", NAME):
+        model.set_attn_implementation(implementation)
+        with emulation.count_host_syncs() as syncs, emulation.count_op_calls() as calls:
+            model(ids, **inputs).logits.float().mean().backward()
+        counts[implementation] = sum(syncs.values())
+    assert calls[OP] == 4
+    assert counts[NAME] - counts["sdpa"] <= allowed, counts
+
+
+def test_apply_npu_kernels_selects_the_card_where_the_attention_is_the_default(built_cards):
+    model = apply_npu_kernels(tiny_causal_lm("llama").to("npu"), kernels=NAME, local_dir=built_cards)
+    assert model.config._attn_implementation == NAME
+    kept = tiny_causal_lm("llama").to("npu")
+    kept.set_attn_implementation("eager")
+    assert apply_npu_kernels(kept, kernels=NAME, local_dir=built_cards).config._attn_implementation == "eager"
+    other = apply_npu_kernels(tiny_causal_lm("llama").to("npu"), kernels="npu_fused_rmsnorm", local_dir=built_cards)
+    assert other.config._attn_implementation == "sdpa"  # the card left out of the selection: sdpa kept
+
+
+def test_flash_attention_2_with_windows_on_the_npu_is_warned(built_cards, caplog):
+    model = tiny_causal_lm("mistral", sliding_window=4).to("npu")
+    model.config._attn_implementation_internal = "flash_attention_2"
+    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels"):
+        apply_npu_kernels(model, kernels=NAME, local_dir=built_cards)
+    assert any(
+        'attn_implementation="npu_fused_attention"' in r.message and "sliding windows" in r.message
+        for r in caplog.records
+    )
+    caplog.clear()
+    llama = tiny_causal_lm("llama").to("npu")  # negative control: no window, no sinks
+    llama.config._attn_implementation_internal = "flash_attention_2"
+    with caplog.at_level(logging.WARNING, logger="npu_hub_kernels"):
+        apply_npu_kernels(llama, kernels=NAME, local_dir=built_cards)
+    assert not any("drops" in r.message for r in caplog.records)
+
+
+def test_the_doctor_names_the_fix_for_flash_attention_2_dropping_windows(offline_hub):
+    model = tiny_causal_lm("gemma3_text", sliding_window=4).to("npu")
+    model.config._attn_implementation_internal = "flash_attention_2"
+    report = diagnose(offline_hub, model=model)
+    assert report.model.attention == "flash_attention_2"
+    (warning,) = report.model.warnings
+    assert "sliding windows" in warning and f'attn_implementation="{NAME}"' in warning
+    assert warning in format_report(report)
+    model.config._attn_implementation_internal = "sdpa"  # negative control: sdpa keeps the windows
+    assert diagnose(offline_hub, model=model).model.warnings == []
