@@ -80,8 +80,9 @@ def padded_inputs(lengths: tuple[int, ...]) -> Callable[[], dict]:
 
 
 def packed_inputs(lengths: tuple[int, ...], cu_seq_lens: bool) -> Callable[[], dict]:
-    """The packed row [1, sum(lengths)]: input ids, restarting position ids, labels, and (`cu_seq_lens`) TRL's
-    padding-free kwargs, the cumulative lengths as host-valued tensors (`_host_values`)."""
+    """The packed row [1, sum(lengths)]: input ids, restarting position ids, labels, and TRL's padding-free kwargs.
+
+    TRL's kwargs (`cu_seq_lens`): the cumulative lengths as host-valued tensors (`_host_values`), and the longest."""
 
     def make() -> dict:
         total = sum(lengths)
@@ -114,8 +115,10 @@ def padding_free_steps(model: StepModel, lengths: tuple[int, ...], build) -> dic
 
 
 def padding_free_rows(build, quick: bool, keys: tuple[str, ...] = PADDING_FREE_MODELS) -> list[Row]:
-    """Return the bench.csv rows of the padding-free step: per model, padded (eager column) against packed with the
-    card (kernelized) and packed through sdpa (extra): tokens, ops, bytes, FLOPs, peak bytes, estimated time."""
+    """Return the bench.csv rows of the padding-free step, per model of `keys` among PADDING_FREE_MODELS.
+
+    Padded (eager column) against packed with the card (kernelized) and packed through sdpa (extra): tokens, ops,
+    bytes, FLOPs, peak bytes, estimated time."""
     lengths = QUICK_LENGTHS if quick else LENGTHS
     rows = []
     for key in (k for k in keys if k in PADDING_FREE_MODELS):

@@ -64,8 +64,7 @@ def _output_bytes(query: torch.Tensor, value: torch.Tensor) -> int:
 
 
 def floor(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_) -> Floor:
-    """One op reading q, k, v, writing out and a log-sum-exp per row; backward one op reading those and dout, writing
-    dq, dk, dv."""
+    """One op each way: q, k, v to out and a log-sum-exp per row; those and dout to dq, dk, dv (module doc)."""
     inputs = tensor_bytes(query) + tensor_bytes(key) + tensor_bytes(value)
     out = _output_bytes(query, value)
     statistics = floor_saved(module, query, key, value) - out
