@@ -68,7 +68,11 @@ def test_each_layers_module_defines_exactly_the_layers_of_its_card_toml(built_ca
     from torch import nn
 
     for card in CARDS.values():
-        layers = get_local_kernel(built_cards / card.repo_name).layers
+        package = get_local_kernel(built_cards / card.repo_name)
+        if not card.layers:  # an attention card (npu-fused-attention) is a function, with no layers module
+            assert not hasattr(package, "layers"), card.repo_name
+            continue
+        layers = package.layers
         defined = [
             name
             for name, obj in vars(layers).items()

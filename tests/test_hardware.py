@@ -142,3 +142,54 @@ def test_one_bfloat16_training_step_on_the_device(built_cards, model_type):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert any(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters(), strict=True))
     torch.testing.assert_close(output.loss.detach().float().cpu(), eager_loss, rtol=2e-2, atol=2e-2)
+
+
+ATTENTION_FORMS = {
+    "causal prefill": dict(family="llama"),
+    "decode with a cache": dict(family="qwen3", generate=True),
+    "sliding window": dict(family="mistral", sliding_window=4),
+    "sliding layers": dict(family="gemma3_text", sliding_window=4),
+    "left padding": dict(family="llama", padding=True),
+    "packed by position_ids": dict(family="mistral", sliding_window=4, packed="position_ids"),
+    "packed by cu_seq_lens": dict(family="mistral", sliding_window=4, packed="cu_seq_lens"),
+    "training with dropout": dict(family="llama", attention_dropout=0.1, train=True),
+}
+
+
+@pytest.mark.parametrize("form", list(ATTENTION_FORMS))
+def test_npu_fused_attention_forms_match_eager_on_the_device(built_cards, form):
+    """Each fused form of npu-fused-attention on the device against the model's eager attention on the device."""
+    case = dict(ATTENTION_FORMS[form])
+    family, generate, padding, packed = (case.pop(k, None) for k in ("family", "generate", "padding", "packed"))
+    train = case.pop("train", False)
+    register_npu_kernels(local_dir=built_cards, kernels="npu_fused_attention")
+    # float32 where greedy tokens are compared (no bfloat16 near-ties between two roundings)
+    model = tiny_model(family, dtype=torch.float32 if generate else torch.bfloat16, **case).npu()
+    ids = token_ids(1 if packed else 2, 24).npu()
+    inputs = {"use_cache": False}
+    if padding:
+        mask = torch.ones(2, 24, dtype=torch.long)
+        mask[0, :5] = 0
+        inputs["attention_mask"] = mask.npu()
+    if packed:
+        inputs["position_ids"] = torch.cat([torch.arange(10), torch.arange(14)])[None].npu()
+    if packed == "cu_seq_lens":
+        cu = torch.tensor([0, 10, 24], dtype=torch.int32).npu()
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=14, max_length_k=14)
+    outputs = {}
+    for implementation in ("eager", "npu_fused_attention"):
+        model.set_attn_implementation(implementation)
+        model.train(train)
+        logits = model(ids, **inputs).logits
+        if train:  # dropout draws differ: check the step runs forward and backward, finite
+            logits.float().mean().backward()
+            assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+            model.zero_grad()
+        outputs[implementation] = logits.detach().float().cpu()
+        if generate:
+            outputs[implementation + " tokens"] = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False).cpu()
+    if not train:
+        kept = inputs["attention_mask"].bool().cpu() if padding else torch.ones(outputs["eager"].shape[:2], dtype=bool)
+        torch.testing.assert_close(outputs["npu_fused_attention"][kept], outputs["eager"][kept], rtol=3e-2, atol=3e-2)
+    if generate:
+        assert torch.equal(outputs["npu_fused_attention tokens"], outputs["eager tokens"])

@@ -104,7 +104,8 @@ def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, 
     that calls the op (`gating_op_routers`: not a softmax router while autograd records) one npu_moe_gating_top_k
     (its backward is the op's derivative, no call of its own); per fused decoder
     layer one npu_add_rms_norm in place of its post_attention_layernorm's npu_rms_norm, and one
-    npu_rms_norm_backward in backward."""
+    npu_rms_norm_backward in backward; per attention layer one npu_fusion_attention where the card is the model's
+    attention."""
     expected = EXPECTED[model_type]
     experts = experts_count(model) if expected.moe else 0
     decoders = layer_count(model) if expected.decoder else 0
@@ -118,8 +119,15 @@ def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, 
         "npu_grouped_matmul": (6 if backward else 2) * experts,
         "npu_moe_token_unpermute": experts,
         "npu_moe_gating_top_k": gating_op_routers(model, training=backward) if expected.router else 0,
+        "npu_fusion_attention": attention_calls(model),
     }
     return {op: n for op, n in calls.items() if n}
+
+
+def attention_calls(model) -> int:
+    """npu_fusion_attention calls of one forward: one per attention layer where npu-fused-attention is the model's
+    attention (apply_npu_kernels selects it where the model's was sdpa), none elsewhere (its backward has none)."""
+    return layer_count(model) if model.config._attn_implementation == "npu_fused_attention" else 0
 
 
 def forward(model, ids, embeds=None):
@@ -327,6 +335,7 @@ def test_a_subclass_with_other_math_is_not_swapped(npu_kernels):
 def test_kernel_selection_follows_the_apply_default_kernels_contract():
     assert available_kernels() == [
         "npu_fused_add_rmsnorm",
+        "npu_fused_attention",
         "npu_fused_linear_cross_entropy",
         "npu_fused_moe",
         "npu_fused_moe_router",

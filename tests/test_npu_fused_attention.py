@@ -14,13 +14,13 @@ import logging
 import pytest
 import torch
 from kernels import get_local_kernel
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from npu_hub_kernels import apply_npu_kernels, register_npu_kernels
 from npu_hub_kernels.doctor import diagnose, format_report
 from npu_hub_kernels.testing import emulation
-from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, tiny_config_values, token_ids
+from npu_hub_kernels.testing.tiny_models import TINY_WIDTHS, tiny_causal_lm, tiny_config_values, token_ids
 
 NAME = "npu_fused_attention"
 OP = "npu_fusion_attention"
@@ -164,7 +164,6 @@ def test_host_tensors_and_other_dtypes_run_eager_exactly_and_say_why(card):
     [
         (dict(softcap=30.0), "soft-capping"),
         (dict(output_attentions=True), "output_attentions"),
-        (dict(s_aux=torch.zeros(4)), "sinks"),
     ],
 )
 def test_forms_the_op_has_not_run_the_models_eager_attention(card, extra, said):
@@ -345,3 +344,105 @@ def test_the_doctor_names_the_fix_for_flash_attention_2_dropping_windows(offline
     assert warning in format_report(report)
     model.config._attn_implementation_internal = "sdpa"  # negative control: sdpa keeps the windows
     assert diagnose(offline_hub, model=model).model.warnings == []
+
+
+def tiny_gpt_oss() -> torch.nn.Module:
+    """A 2-layer gpt-oss (a sliding and a full layer, 4 experts) with random attention sinks, on the npu."""
+    config = AutoConfig.for_model(
+        "gpt_oss", **TINY_WIDTHS, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=4
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model.to("npu")
+
+
+@pytest.mark.slow
+def test_gpt_oss_sinks_fuse_from_cann_8_5_and_run_eager_before(card, registered, cann_version):
+    model = tiny_gpt_oss()
+    ids = token_ids(2, 24).to("npu")
+    model.set_attn_implementation("eager")
+    eager = _logits_and_grads(model, ids)
+    eager_tokens = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False)
+    model.set_attn_implementation(NAME)
+    with emulation.count_op_calls() as calls:
+        fused = _logits_and_grads(model, ids)
+        tokens = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False)
+    assert calls[OP] >= 2 * model.config.num_hidden_layers
+    torch.testing.assert_close(fused[0], eager[0], atol=2e-5, rtol=1e-4)
+    for (name, fused_grad), eager_grad in zip(fused[1].items(), eager[1].values(), strict=True):
+        torch.testing.assert_close(fused_grad, eager_grad, atol=2e-5, rtol=1e-3, msg=name)  # the sinks' included
+    assert torch.equal(tokens, eager_tokens)
+    cann_version("8.3.RC1")  # before CANN 8.5 the op has no sink: the model's eager attention, exactly
+    with emulation.count_op_calls() as calls:
+        old = _logits_and_grads(model, ids)
+    assert calls[OP] == 0
+    assert torch.equal(old[0], eager[0])
+    attention = model.model.layers[0].self_attn
+    q, k = torch.zeros(1, 4, 3, 16, device="npu"), torch.zeros(1, 2, 3, 16, device="npu")
+    assert "CANN 8.5" in card.fused_attention_unavailable_reason(attention, q, k, k, None, s_aux=attention.sinks)
+
+
+@pytest.mark.slow
+def test_trl_padding_free_sft_trains_to_eagers_losses(built_cards, tmp_path):
+    """SFTTrainer with padding_free=True (one packed row with cu_seq_lens per batch) on the npu with the card gives
+    the losses of the same run with eager attention on the host, every layer's attention fused."""
+    from datasets import Dataset
+    from test_trl import logged_losses, settings, tokenizer
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "source")
+    rows = [list(range(4, 4 + length)) for length in (5, 9, 7, 6, 8, 4)]
+    dataset = Dataset.from_dict({"input_ids": rows})
+    common = dict(padding_free=True, gradient_checkpointing=False, max_length=None)
+    eager = SFTTrainer(
+        str(tmp_path / "source"),
+        args=SFTConfig(
+            **settings(tmp_path / "eager", use_cpu=True, model_init_kwargs={"attn_implementation": "eager"}, **common)
+        ),
+        train_dataset=dataset,
+        processing_class=tokenizer(),
+    )
+    eager.train()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source").to("npu")
+    model = apply_npu_kernels(model, kernels=NAME, local_dir=built_cards)
+    assert model.config._attn_implementation == NAME
+    trainer = SFTTrainer(
+        model,
+        args=SFTConfig(**settings(tmp_path / "npu", **common)),
+        train_dataset=dataset,
+        processing_class=tokenizer(),
+    )
+    with emulation.count_op_calls() as calls:
+        trainer.train()
+    steps = len(logged_losses(trainer))
+    assert steps > 0 and calls[OP] == steps * model.config.num_hidden_layers
+    torch.testing.assert_close(logged_losses(trainer), logged_losses(eager), rtol=1e-5, atol=0)
+
+
+def test_overlaid_and_chunked_masks_are_eagers_own_so_those_calls_run_eager(registered):
+    """A model's overlay on the causal mask (a prefix here, image tokens in Gemma3) and Llama4's chunked attention are
+    masks the op cannot express: the card's mask function returns eager's own 4-D mask for them, which the attention
+    function runs eager with (test_a_four_d_mask_runs_eager_with_it); a plain causal mask stays None."""
+    from transformers.masking_utils import create_causal_mask, create_chunked_causal_mask
+
+    model = tiny_causal_lm("llama")
+    model.config.attention_chunk_size = 4
+    embeds = torch.zeros(2, 10, 64, device="npu")
+    masks = {}
+    for implementation in ("eager", NAME):
+        model.config._attn_implementation_internal = implementation
+        masks[implementation] = (
+            create_causal_mask(
+                model.config, embeds, None, None, position_ids=None, or_mask_function=lambda *i: i[3] < 3
+            ),
+            create_chunked_causal_mask(model.config, embeds, None, None, position_ids=None),
+            create_causal_mask(model.config, embeds, None, None, position_ids=None),
+        )
+    overlaid, chunked, plain = masks[NAME]
+    assert torch.equal(overlaid.cpu(), masks["eager"][0].cpu()) and overlaid.dim() == 4
+    assert torch.equal(chunked.cpu(), masks["eager"][1].cpu()) and chunked.dim() == 4
+    assert plain is None  # negative control: the op's causal mode

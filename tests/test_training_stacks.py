@@ -242,8 +242,13 @@ def per_step_calls(model, *, checkpointing: bool = True) -> dict[str, int]:
         "npu_grouped_matmul": experts * (2 * forwards + 4),  # dx and dW of both grouped linears in backward
         "npu_moe_token_unpermute": experts * forwards,
         "npu_moe_gating_top_k": gating_op_routers(model, training=True) * forwards,
+        # npu-fused-attention, where apply_npu_kernels made it the model's attention: one call per attention layer
+        "npu_fusion_attention": layer_count(model) * forwards * (model.config._attn_implementation == NAME),
     }
     return {op: n for op, n in calls.items() if n}
+
+
+NAME = "npu_fused_attention"
 
 
 def times(calls: dict[str, int], n: int) -> dict[str, int]:

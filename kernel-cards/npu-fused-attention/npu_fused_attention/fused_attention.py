@@ -8,6 +8,8 @@
   keys, decode with a KV cache, sees what eager's mask lets it see), a sliding window W as the band
   `sparse_mode=4, pre_tockens=W-1, next_tockens=0` (transformers keeps key j for query i when j > i - W), both with
   the op's compressed 2048 x 2048 mask, never a dense one; a non-causal model with no mask: `sparse_mode=0`, no mask;
+- attention sinks (`s_aux`, gpt-oss): the op's `sink`, one float32 logit per query head joining each row's softmax,
+  from CANN 8.5 on (not on an Ascend 950, whose kernel torch_npu does not pass it);
 - padding (a 2-D mask) or packed sequences (`cu_seq_lens_q/k`, or restarting `position_ids`): layout TND, the
   tokens gathered by host-computed indices and the sequences given as cumulative host lists; the output of a
   padding query is 0 (eager's is a value no later layer reads, as with transformers' flash attention).
@@ -154,6 +156,32 @@ def _varlen_plan(
     return _cached_plan(attention_mask, (q_len, kv_len), lambda: _plan_of_sequence_numbers(attention_mask))
 
 
+SINK_CANN = (8, 5)
+"""npu_fusion_attention takes `sink` from CANN 8.5 (and torch_npu 7.3.0) on: torch_npu's npu_fusion_attention docs."""
+
+
+def _cann_version() -> tuple[int, int] | None:
+    """The host's CANN (major, minor), from torch_npu's `get_cann_version()`; None when it does not say."""
+    try:
+        from torch_npu.utils.collect_env import get_cann_version
+    except ImportError:
+        return None
+    parts = str(get_cann_version()).split(".")
+    return (int(parts[0]), int(parts[1])) if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit() else None
+
+
+def sink_unavailable_reason(query: torch.Tensor, sinks: torch.Tensor) -> str | None:
+    """Why the op cannot take these attention sinks (one logit per query head) here, or None."""
+    if tuple(sinks.shape) != (query.shape[1],):
+        return f"attention sinks of shape {tuple(sinks.shape)}: the op takes one per query head, [{query.shape[1]}]"
+    cann = _cann_version()
+    if cann is None or cann < SINK_CANN:
+        return f"attention sinks need CANN 8.5 or later for npu_fusion_attention's sink, this host has {cann}"
+    if "950" in torch.npu.get_device_name():
+        return "attention sinks on an Ascend 950: torch_npu does not pass the sink to that chip's kernel"
+    return None
+
+
 def _is_causal(module: nn.Module, kwargs: dict) -> bool:
     is_causal = kwargs.get("is_causal")
     return getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
@@ -184,8 +212,11 @@ def fused_attention_unavailable_reason(
         return f"logit soft-capping (softcap={softcap}): npu_fusion_attention has none"
     if kwargs.get("output_attentions"):
         return "output_attentions: npu_fusion_attention returns no attention weights"
-    if kwargs.get("s_aux") is not None:
-        return "attention sinks (s_aux): not fused by this version of the card"
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        reason = sink_unavailable_reason(query, sinks)
+        if reason is not None:
+            return reason
     if torch.compiler.is_compiling():
         return "torch.compile: the op's sequence lists are host integers read from the batch"
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -213,6 +244,8 @@ def fused_attention_unavailable_reason(
     plan = varlen_plan(query, key, attention_mask, **kwargs)
     if plan is None:
         return None
+    if plan.query_index is None and plan.query_ends and plan.query_ends[-1] != query.shape[0] * q_len:
+        return f"the sequence lengths cover {plan.query_ends[-1]} of the {query.shape[0] * q_len} query tokens"
     if plan.overlaid:
         return "the mask lets tokens see later tokens (a bidirectional block overlay): the op cannot express it"
     if len(plan.query_ends) > MAX_SEQUENCES:
@@ -256,6 +289,9 @@ def fused_attention(
     else:
         band = {"sparse_mode": 0}
     common = dict(scale=scale, keep_prob=keep_prob, **band)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        common["sink"] = sinks.float()
     heads = query.shape[1]
     plan = varlen_plan(query, key, attention_mask, **kwargs)
     if plan is None:

@@ -13,7 +13,8 @@ with no host sync (the attention function makes at most one per mask, for all la
   cannot see the token before it starts a sequence), or -1 where the mask function lets a token see the token after
   it (a bidirectional block overlay, which the op cannot express: the attention then runs eager);
 - a (B, 1, Q, K) float tensor: eager's own mask, for models that overlay other patterns on the causal mask
-  (`or_mask_function` / `and_mask_function`: image tokens, prefix-LM): the attention function runs eager with it.
+  (`or_mask_function` / `and_mask_function`: image tokens, prefix-LM) and for chunked attention (Llama4): the attention
+  function runs eager with it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def fused_attention_mask(
     **kwargs: Any,
 ) -> torch.Tensor | None:
     """The mask `fused_attention` takes for one mask kind of a forward: None, padding, packed sequences or eager's."""
-    if kwargs.get("use_vmap"):  # the model overlays its own pattern (or_mask_function / and_mask_function)
+    if kwargs.get("use_vmap") or _chunked(kwargs):  # overlays (or/and_mask_function), or chunked attention
         from transformers.masking_utils import eager_mask  # only transformers calls this function
 
         return eager_mask(
@@ -57,6 +58,15 @@ def fused_attention_mask(
     if not packed or mask_function is None or q_length != kv_length:
         return None
     return _sequence_numbers(mask_function, batch_size, q_length, q_offset, kv_offset, kwargs.get("device", "cpu"))
+
+
+def _chunked(kwargs: dict) -> bool:
+    """Whether transformers builds a chunked-attention mask, which the op has no mode for.
+
+    create_chunked_causal_mask passes `local_size`, the config's `attention_chunk_size` (not its sliding window)."""
+    config, local_size = kwargs.get("config"), kwargs.get("local_size")
+    chunk = getattr(config, "attention_chunk_size", None)
+    return local_size is not None and local_size == chunk and local_size != getattr(config, "sliding_window", None)
 
 
 def _sequence_numbers(

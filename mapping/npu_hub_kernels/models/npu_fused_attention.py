@@ -11,9 +11,10 @@ as `fused_attention_unavailable_reason` decides, saying why.
 The survey (`candidates()`): every class of the installed transformers whose forward calls `ALL_ATTENTION_FUNCTIONS`.
 `FUSED` lists those whose call is the standard one (query, key, value, mask, dropout, scaling and optionally
 sliding_window, with the modeling file's `eager_attention_forward` as the default) on a causal self-attention
-(`self.is_causal = True`, or Gemma's and Gemma3's `not use_bidirectional_attention`): causal prefill, decode, padding,
-packing, GQA and windows are the card's fused forms for them (tests/test_npu_fused_attention.py proves the families
-Llama, Qwen3, Mistral with a window, Gemma3 with sliding layers). The other classes are left out, by what their call
+(`self.is_causal = True`, or Gemma's and Gemma3's `not use_bidirectional_attention`), and gpt-oss's with its
+attention sinks: causal prefill, decode, padding, packing, GQA and windows are the card's fused forms for them
+(tests/test_npu_fused_attention.py proves the families Llama, Qwen3, Mistral with a window, Gemma3 with sliding
+layers, gpt-oss with sinks). The other classes are left out, by what their call
 or model does that the card does not fuse or was not proven on. Decided against transformers 5.22.2.
 """
 
@@ -73,6 +74,7 @@ FUSED_PATHS = (
     "glm_image.modeling_glm_image.GlmImageTextAttention",
     "glm_ocr.modeling_glm_ocr.GlmOcrTextAttention",
     "gpt_neox.modeling_gpt_neox.GPTNeoXAttention",
+    "gpt_oss.modeling_gpt_oss.GptOssAttention",
     "gradium_phonon_tts.modeling_gradium_phonon_tts.GradiumPhononTTSAttention",
     "granite.modeling_granite.GraniteAttention",
     "granite4_vision.modeling_granite4_vision.Granite4VisionTextAttention",
@@ -453,7 +455,6 @@ _OWN_EAGER = (
 _SINKS = (
     "deepseek_v4.modeling_deepseek_v4.DeepseekV4Attention",
     "flint.modeling_flint.FlintAttention",
-    "gpt_oss.modeling_gpt_oss.GptOssAttention",
     "granite_swa.modeling_granite_swa.GraniteSWAAttention",
     "granitemoe_swa.modeling_granitemoe_swa.GraniteMoeSWAAttention",
     "hy_v4.modeling_hy_v4.HYV4Attention",
@@ -488,7 +489,7 @@ _REASONS = {
     _CHUNKED: "chunked attention layers (Llama4): the op has no chunked mode; those calls would run eager",
     _CROSS: "cross-attention (keys from another sequence): not proven with the card",
     _OWN_EAGER: "its default attention is not its modeling file's eager_attention_forward, which the eager forms call",
-    _SINKS: "attention sinks (s_aux): this version of the card runs them eager",
+    _SINKS: "attention sinks (s_aux) in a model not proven with the card (gpt-oss is: its sinks fuse from CANN 8.5)",
     _SOFTCAP: "logit soft-capping: npu_fusion_attention has none, every call would run eager",
     _SPARSE: "sparse attention over selected keys (indices): the card does not fuse it",
 }
