@@ -75,6 +75,10 @@ def _op_calls():
         "npu_moe_token_permute": ((leaf(5, 8), indices), {}),
         "npu_moe_token_unpermute": ((leaf(10, 8), order), {"probs": leaf(5, 2)}),
         "npu_moe_gating_top_k": ((leaf(6, 8), 2), {"out_flag": True}),
+        "npu_fusion_attention": (
+            (leaf(2, 6, 4, 8), leaf(2, 6, 2, 8), leaf(2, 6, 2, 8), 4, "BSND"),
+            {"atten_mask": torch.ones(2048, 2048, dtype=torch.bool, **npu).triu(1), "sparse_mode": 3},
+        ),
     }
 
 

@@ -325,7 +325,8 @@ def test_given_a_model_it_says_what_fuses_and_which_forward_another_library_set_
 
 def test_given_a_model_it_names_each_module_of_a_left_out_class_with_the_tables_reason(offline_hub, npu_kernels):
     """A module whose class a card's model table leaves out runs no card's layer: `left_out_modules` and the doctor
-    name it, with the card and the table's reason (Gemma3's sandwich-norm decoder layers, its soft-capped logits); a Llama model, whose classes every card swaps, has none."""
+    name it, with the card and the table's reason (Gemma3's sandwich-norm decoder layers, its soft-capped logits); a
+    Llama model, whose classes every card swaps, has none."""
     from kernels import Mode, kernelize
 
     from npu_hub_kernels import left_out_modules, swapped_modules

@@ -34,11 +34,13 @@ from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS
 
 from . import __doc__ as package_doc
+from .attention import attention_rows
 from .cards import with_piece
 from .chart import write_chart
 from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, TINY_SPECS
 from .counted import before_card_rows, counted_rows, experts_sweep_rows
 from .outside import outside_rows
+from .padding_free import padding_free_rows
 from .peer import load_peer, parity_rows
 from .report import card_summary, readme_summary, summary, tables_page, update_readme
 from .rows import Row, log, write_csv
@@ -144,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 for card, target in with_piece("BEFORE_CARD_TARGET"):
                     rows += before_card_rows(card, target, specs, QUICK_SHAPES[0] if quick else LAYER_TARGET_SHAPE)
                 steps = tuple(k for k in STEP_MODELS if k not in CONFIGS or CONFIGS[k] in specs)
+                rows += attention_rows([STEP_MODELS[k].spec for k in steps], quick)
                 rows += step_rows(peer, quick, args.build, steps)
+                rows += padding_free_rows(args.build, quick, steps)
                 if peer is not None:
                     rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)
             else:

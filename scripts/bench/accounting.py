@@ -405,7 +405,7 @@ class _FusedAutograd(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.on_backward = on_backward
         ctx.save_for_backward(*kept)
-        ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
+        ctx.mark_non_differentiable(*[t for t in outputs if isinstance(t, torch.Tensor) and not t.is_floating_point()])
         return outputs
 
     @staticmethod

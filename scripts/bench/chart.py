@@ -12,8 +12,7 @@ from npu_hub_kernels.cards import Card
 from .cards import LAYER, NO_CARD, ExpertsSweep, kinds, with_piece
 from .configs import CONFIGS
 from .markdown import human_bytes
-from .report import largest_shape
-from .rows import MEMORY_UNITS, REGION_STUDIES, Row
+from .rows import MEMORY_UNITS, REGION_STUDIES, Row, largest_shape
 from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US, counted_targets
 
 

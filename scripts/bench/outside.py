@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from npu_hub_kernels.cards import Card
 
 from .accounting import Tally, count_device_ops, fake_module
+from .attention import UnpackedReads
 from .cards import OutsideRegion, RegionCall, spec
 from .configs import CONFIGS, ModelSpec
 from .counted import build_model, memory_value, unit_value
@@ -95,7 +96,7 @@ def measure(
         else:
             run = region.extra.run(call, column)
         wrt = [t for t in inputs if t.requires_grad] + [p for p in module.parameters() if p.requires_grad]
-        with tracking_memory() as tracker, count_device_ops() as tally:
+        with tracking_memory() as tracker, count_device_ops() as tally, UnpackedReads():
             outputs = run()
             torch.autograd.grad(outputs[0], wrt, torch.empty_like(outputs[0]))
             del outputs

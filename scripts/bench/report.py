@@ -13,11 +13,22 @@ from pathlib import Path
 
 from npu_hub_kernels.cards import Card
 
+from .attention import attention_section
 from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
 from .markdown import human_bytes, number, table
+from .padding_free import padding_free_section
 from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
-from .rows import CHUNK_STUDY, ESTIMATE_UNIT, MEMORY_UNITS, OUTSIDE_STUDY, REGION_STUDIES, Row
+from .rows import (
+    ATTENTION_STUDY,
+    CHUNK_STUDY,
+    ESTIMATE_UNIT,
+    MEMORY_UNITS,
+    OUTSIDE_STUDY,
+    REGION_STUDIES,
+    Row,
+    largest_shape,
+)
 from .step import step_section
 from .targets import HOST_COST_STUDY, Result, counted_targets, evaluate
 
@@ -36,12 +47,6 @@ def _pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
 def _measured(r: Row) -> tuple:
     """What a row measures, whatever its unit."""
     return r.study, r.model, r.kind, r.phase, r.batch, r.seq, r.path, r.chunk, r.experts
-
-
-def largest_shape(rows: list[Row]) -> tuple[int, int]:
-    """The (batch, seq) of the most tokens among the rows."""
-    _, batch, seq = max((r.batch * r.seq, r.batch, r.seq) for r in rows)
-    return batch, seq
 
 
 NOT_PATCHED_MARK = " †"
@@ -353,6 +358,8 @@ def summary(
     lines += region_time_table(rows)
     lines += memory_table(rows)
     lines += step_section(rows)
+    lines += attention_section(rows)
+    lines += padding_free_section(rows)
     for card, _ in with_piece("PREFILL_DECODE_TABLE"):
         lines += _prefill_decode_table(card, rows)
     for card, _ in with_piece("EXPERTS_SWEEP"):
@@ -434,6 +441,7 @@ def card_summary(card: str, rows: list[Row]) -> str:
         *counted_table(rows, kinds),
         *region_time_table(rows, kinds),
         *memory_table(rows, kinds),
+        *(attention_section(rows) if any(r.kind in kinds for r in rows if r.study == ATTENTION_STUDY) else []),
         *(outside_tables(card_named(card), region, rows) if region else []),
     ]
     return "\n".join(lines) + "\n"

@@ -14,7 +14,9 @@ EMULATED = "emulated (not a device measurement)"
 """The note of device timings taken on the emulation."""
 OUTSIDE_STUDY = "outside the layer"
 """The study of a region outside the decoder layer, counted on its own (`outside`): the card at its default."""
-REGION_STUDIES = ("layer", OUTSIDE_STUDY)
+ATTENTION_STUDY = "attention region"
+"""The study of the attention core of a layer, counted per attention implementation (`attention`)."""
+REGION_STUDIES = ("layer", OUTSIDE_STUDY, ATTENTION_STUDY)
 """The studies of a region's own counted rows: held to its card's COUNTED_TARGETS, shown in the counted and memory
 tables."""
 CHUNK_STUDY = "chunk sweep"
@@ -107,3 +109,9 @@ def _csv_value(value) -> str:
 
 def log(message: str) -> None:
     print(message, flush=True)
+
+
+def largest_shape(rows: list[Row]) -> tuple[int, int]:
+    """The (batch, seq) of the most tokens among the rows."""
+    _, batch, seq = max((r.batch * r.seq, r.batch, r.seq) for r in rows)
+    return batch, seq

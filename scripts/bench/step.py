@@ -33,7 +33,7 @@ import functools
 import time
 import tomllib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .accounting import OpRecord, Tally, count_device_ops, fake_module
+from .attention import UnpackedReads, card_implementation, unpacked_batches
 from .cards import specs
 from .configs import CONFIGS, DTYPE, ModelSpec
 from .device_model import CONSTANTS, HOST_PER_OP, device_seconds
@@ -107,6 +108,7 @@ OTHER = "other (elementwise, casts, copies)"
 _MATMUL_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "_grouped_mm"}
 _MATMUL_OPS |= {"npu_grouped_matmul"}
 _ATTENTION_OPS = {"scaled_dot_product_attention", "scaled_dot_product_attention_backward"}
+_ATTENTION_OPS |= {"npu_fusion_attention", "npu_fusion_attention_backward"}
 _EMBEDDING_OPS = {"embedding", "embedding_dense_backward"}
 
 
@@ -248,16 +250,26 @@ def measure_step(
     peer: Peer | None = None,
     build=None,
     kernels: tuple[str, ...] = (),
+    inputs: Callable[[], dict] | None = None,
+    attention: str | None = None,
 ) -> Figures:
     """Measure one training step of the model with `layers` layers, whole, on fake tensors.
 
     The step is forward with labels, `loss.backward()` (the model's output dropped first, as a trainer does),
     AdamW(foreach=True) step and zero_grad, its optimizer state made beforehand (a step after the first). `kernels`:
-    only these cards (kernel ids, `apply_npu_kernels`), for the variant "kernelized"."""
+    only these cards (kernel ids, `apply_npu_kernels`), for the variant "kernelized". `inputs`: the model's inputs
+    (made inside the fake mode; default input_ids and labels [batch, seq]); `attention`: the attention implementation
+    to set (default: the cards' in a kernelized step, as `apply_npu_kernels` sets it, else the model's sdpa)."""
     model = build_step_model(spec, layers, vocab).train()
     fake_mode = FakeTensorMode()
     fake_module(model, fake_mode, "npu")
     running = _apply_variant(model, variant, peer, build, kernels)
+    attention = attention or _cards_attention(variant, kernels)
+    if attention is not None:
+        model.set_attn_implementation(attention)
+    # host reads of fake data answer as real data would: a default batch is whole sequences (no packing), labels lie
+    # in the vocabulary
+    reads = unpacked_batches() if inputs is None else UnpackedReads()
     with fake_mode, running:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-5, foreach=True)
@@ -268,9 +280,10 @@ def measure_step(
         state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if t.device.type != "cpu")
         base = sum(p.nbytes for p in model.parameters()) + state
         ids = torch.empty(batch, seq, dtype=torch.long, device="npu")
+        batch_inputs = inputs() if inputs is not None else {"input_ids": ids, "labels": ids}
         with tracking_memory() as tracker:
-            with _device_ops(spec.experts) as passes:
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            with _device_ops(spec.experts) as passes, reads:
+                loss = model(**batch_inputs, use_cache=False).loss
                 loss.backward()
                 del loss
             with _device_ops() as update:
@@ -278,6 +291,14 @@ def measure_step(
                 optimizer.zero_grad(set_to_none=True)
     memory = tracker.memory
     return figures_of(passes.records, update.records, memory.peak_bytes, memory.saved_bytes, base)
+
+
+def _cards_attention(variant: str, kernels: tuple[str, ...]) -> str | None:
+    """The attention the cards set in a kernelized step (`apply_npu_kernels` does on an sdpa model), else None."""
+    found = card_implementation()
+    if variant != "kernelized" or found is None or (kernels and found[0].kernel_id not in kernels):
+        return None
+    return found[1]
 
 
 def derived_step(model: StepModel, batch: int, seq: int, variant: str = "eager", **options) -> Figures:

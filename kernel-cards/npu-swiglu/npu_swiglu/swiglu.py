@@ -274,18 +274,19 @@ def fused_split_mlp(
         gated_out = gated.fuse(_GateUpHalves.apply(*inputs), 0)  # [1, T, I]
     # a recorded backward differentiates eager's math from x and the weights: the fused op's backward has no
     # derivative, and the gate/up functions' backward keeps x as rows made without autograd (no second order
-    # through dW)
-    eager = functools.partial(_gated_eager, gated.activation)
-    return down_proj(with_eager_double_backward(gated_out.reshape(*x.shape[:-1], inner), eager, *inputs))
+    # through dW). The identity goes around the op's own output and the view comes after it: a view passed through
+    # it would be marked dirty, whose backward copies the gradient
+    eager = functools.partial(_gated_eager, gated.activation, gated_out.shape)
+    return down_proj(with_eager_double_backward(gated_out, eager, *inputs).reshape(*x.shape[:-1], inner))
 
 
-def _gated_eager(activation, x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:
-    """`activation(gate_proj(x)) * up_proj(x)` on the tensors the fused path reads.
+def _gated_eager(activation, shape, x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:
+    """`activation(gate_proj(x)) * up_proj(x)` on the tensors the fused path reads, in the fused op's output `shape`.
 
     Those tensors are the ones autocast's casts made. This is what a recorded backward differentiates in place of the
     fused gate/up matmuls and the fused op.
     """
-    return activation(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)
+    return (activation(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)).reshape(shape)
 
 
 def swiglu_mlp_eager(
