@@ -10,6 +10,7 @@ left out of the comparison: the card writes 0 there, eager a value no later laye
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -250,6 +251,21 @@ def test_families_give_eager_logits_gradients_and_tokens(registered, family):
     for (name, fused_grad), eager_grad in zip(fused[1][1].items(), eager[1][1].values(), strict=True):
         torch.testing.assert_close(fused_grad, eager_grad, atol=2e-5, rtol=1e-3, msg=name)
     assert torch.equal(fused[2], eager[2])
+
+
+def test_training_after_a_first_call_in_inference_mode_fuses_and_gets_gradients(card, monkeypatch):
+    """The first call on a device in inference mode (generate) makes the op's cached compressed mask; a training call
+    after it saves that mask for backward, which PyTorch refuses for an inference tensor."""
+    monkeypatch.setattr(sys.modules[f"{card.__name__}.fused_attention"], "_COMPRESSED_MASKS", {})
+    module = attention_module(kv_heads=2).to("npu")
+    q, k, v = (torch.randn(1, heads, 8, 16).to("npu") for heads in (4, 2, 2))
+    with torch.inference_mode():
+        card.fused_attention(module, q, k, v, None, scaling=0.25)
+    q.requires_grad_()
+    with emulation.count_op_calls() as calls:
+        out, _ = card.fused_attention(module.train(), q, k, v, None, scaling=0.25)
+        out.sum().backward()
+    assert calls[OP] == 1 and q.grad is not None
 
 
 @pytest.mark.parametrize("how", ["position_ids", "cu_seq_lens"])

@@ -51,10 +51,15 @@ _COMPRESSED_MASKS: dict[torch.device, torch.Tensor] = {}
 
 
 def _compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    """The op's compressed causal mask on `device`, made once per device.
+
+    Made outside inference mode, even when the first call is inside it (generate): an inference tensor could not be
+    saved for a later training call's backward."""
     mask = _COMPRESSED_MASKS.get(device)
     if mask is None:
-        square = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
-        mask = _COMPRESSED_MASKS[device] = square.triu(1)
+        with torch.inference_mode(False):
+            square = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
+            mask = _COMPRESSED_MASKS[device] = square.triu(1)
     return mask
 
 
