@@ -46,7 +46,7 @@ from .cards import with_piece
 from .configs import DTYPE, PHASES, ModelSpec
 from .counted import count_run, memory_value, unit_value
 from .markdown import human_bytes, table
-from .rows import ATTENTION_STUDY, MEMORY_UNITS, Row, largest_shape, log
+from .rows import ATTENTION_STUDY, ESTIMATE_UNIT, MEMORY_UNITS, Row, largest_shape, log
 
 EAGER, PEER = "sdpa", "flash_attention_2"
 """transformers' default attention (eager column) and its built-in npu flash path (peer column)."""
@@ -259,12 +259,12 @@ def _model_rows(card: Card, card_spec, name: str, model: ModelSpec, batch: int, 
     floors = {"fwd": forward, "fwd+bwd": (forward[0] + backward[0], forward[1] + backward[1])}
     saved = card_spec.floor_saved(call.module, q, k, v)
     for phase in PHASES:
-        units = ["ops", "bytes", "FLOPs", *(MEMORY_UNITS if phase != "fwd" else ())]
+        units = ["ops", "bytes", "FLOPs", *(MEMORY_UNITS if phase != "fwd" else ()), ESTIMATE_UNIT]
         for unit in units:
             floor = {"ops": floors[phase][0], "bytes": floors[phase][1], MEMORY_UNITS[0]: saved}.get(unit)
             rows.append(
                 Row(
-                    "counted", model.name, card.region, phase, batch, seq,
+                    "estimated" if unit == ESTIMATE_UNIT else "counted", model.name, card.region, phase, batch, seq,
                     eager=_value(eager[phase], unit), kernelized=_value(fused[phase], unit), floor=floor,
                     extra=_value(peer[phase], unit), unit=unit, study=ATTENTION_STUDY, kind=card.region,
                     path=scenario(model), model=model.name,
