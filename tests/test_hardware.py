@@ -66,10 +66,10 @@ def test_real_host_is_not_emulated():
     assert os.environ.get("NPU_HUB_KERNELS_REAL_NPU") == "1"
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "phi3", "glm4", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "phi3", "glm4", "deepseek_v3", "gemma3_text", "gemma2"])
 def test_every_card_runs_on_the_device_in_a_tiny_model(built_cards, model_type):
-    """RoPE (half, GLM interleave, DeepSeek de-interleave), SwiGLU (split: two matmuls into one buffer; and gate_up)
-    and MoE on hardware; then the one-call in-place RoPE op in inference mode (head dim 128)."""
+    """RoPE (half, GLM interleave, DeepSeek de-interleave), SwiGLU (split: two matmuls into one buffer; and gate_up),
+    Gemma's GeGLU MLPs (npu_geglu and its backward) and MoE on hardware, training, against host eager."""
     model = tiny_model(model_type)
     ids = token_ids()
     with torch.no_grad():
@@ -82,6 +82,8 @@ def test_every_card_runs_on_the_device_in_a_tiny_model(built_cards, model_type):
     finally:
         unregister_npu_kernels()
     assert swapped_modules(model, card="npu-rope")
+    if model_type.startswith("gemma"):  # GELU-tanh gated MLPs
+        assert {s.layer for s in swapped_modules(model, card="npu-swiglu")} == {"GeGLUMLP"}
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     torch.testing.assert_close(fused.detach().cpu(), eager, rtol=1e-3, atol=1e-3)
 
@@ -150,26 +152,6 @@ def test_npu_geglu_activates_the_first_half_with_activate_left_and_its_backward(
     right, _ = torch_npu.npu_geglu(x.npu(), dim=dim, approximate=1, activate_left=False)
     expected_right = first.detach() * torch.nn.functional.gelu(second.detach(), approximate="tanh")
     torch.testing.assert_close(right.cpu().double(), expected_right, **tolerance)
-
-
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma2"])
-def test_gemma_geglu_mlps_train_on_the_device(built_cards, model_type):
-    """Gemma's GELU-tanh MLPs swapped for GeGLUMLP, a training forward and backward on the device against host
-    eager: npu_geglu and its backward through the card's gate/up matmuls."""
-    model = tiny_model(model_type)
-    ids = token_ids()
-    with torch.no_grad():
-        eager = model(ids).logits
-    register_npu_kernels(local_dir=built_cards)
-    try:
-        model = kernelize(model.npu(), mode=Mode.TRAINING, device="npu")
-        fused = model(ids.npu()).logits
-        fused.float().pow(2).mean().backward()
-    finally:
-        unregister_npu_kernels()
-    assert {s.layer for s in swapped_modules(model, card="npu-swiglu")} == {"GeGLUMLP"}
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    torch.testing.assert_close(fused.detach().cpu(), eager, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(
