@@ -477,6 +477,7 @@ def forward_calls(model, *, backward: bool = False, mlps: bool = True) -> dict[s
         "npu_grouped_matmul": (6 if backward else 2) * experts,
         "npu_moe_token_unpermute": experts,
         "npu_moe_gating_top_k": gating_op_routers(model, training=backward),
+        "npu_fusion_attention": layer_count(model) * (model.config._attn_implementation == NAME),
     }
     return {op: n for op, n in calls.items() if n}
 

@@ -54,7 +54,7 @@ class _DeviceOps:
     """
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name.startswith("__"):
+        if not name.startswith("npu_"):  # torch_npu's ops all are npu_*; anything else is not an op to look up
             raise AttributeError(name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
