@@ -50,16 +50,17 @@ MAX_TOKENS = 1024 * 1024
 _COMPRESSED_MASKS: dict[torch.device, torch.Tensor] = {}
 
 
-def _compressed_causal_mask(device: torch.device) -> torch.Tensor:
-    """The op's compressed causal mask on `device`, made once per device.
+def _compressed_causal_mask(query: torch.Tensor) -> torch.Tensor:
+    """The op's compressed causal mask on query's device, made once per device and kind of tensor.
 
     Made outside inference mode, even when the first call is inside it (generate): an inference tensor could not be
-    saved for a later training call's backward."""
-    mask = _COMPRESSED_MASKS.get(device)
-    if mask is None:
+    saved for a later training call's backward. A cached mask of another tensor type than the query's (a tracing
+    mode's tensors, which cannot mix with the device's) is made anew."""
+    mask = _COMPRESSED_MASKS.get(query.device)
+    if mask is None or type(mask) is not type(query):
         with torch.inference_mode(False):
-            square = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
-            mask = _COMPRESSED_MASKS[device] = square.triu(1)
+            square = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=query.device)
+            mask = _COMPRESSED_MASKS[query.device] = square.triu(1)
     return mask
 
 
@@ -290,7 +291,7 @@ def fused_attention(
     keep_prob = 1.0 - (dropout if module.training else 0.0)
     if _is_causal(module, kwargs):
         band = {"sparse_mode": 3} if sliding_window is None else {"sparse_mode": 4, "pre_tockens": sliding_window - 1}
-        band = {**band, "next_tockens": 0, "atten_mask": _compressed_causal_mask(query.device)}
+        band = {**band, "next_tockens": 0, "atten_mask": _compressed_causal_mask(query)}
     else:
         band = {"sparse_mode": 0}
     common = dict(scale=scale, keep_prob=keep_prob, **band)
