@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,21 +61,28 @@ def linear_cross_entropy_unavailable_reason(
 ) -> str | None:
     """Return why the chunked fused loss will not run for this call, or None when it will.
 
-    This is the one decision of the card. `training_step`: train() and grad enabled. An lm_head whose engine gathers its
-    weight in its own call (ZeRO-3, an FSDP2 unit) gets its partitioned weight's reason here: the layers judge the
-    tensors inside that call."""
-    call_reason = _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep, training_step)
-    return call_reason or _tensors_unavailable_reason(hidden_states, lm_head, labels, vocab_size)
+    The decision's two halves at once, for a caller outside lm_head's call (the selftest, a user asking):
+    `call_unavailable_reason`, then `tensors_unavailable_reason`. The layers and `linear_cross_entropy` ask the first
+    before the base model or lm_head runs, the second inside lm_head's call: an lm_head whose engine gathers its weight
+    in its own call (ZeRO-3, an FSDP2 unit) gets its partitioned weight's reason here, not there. `training_step`:
+    train() and grad enabled."""
+    reason = call_unavailable_reason(
+        lm_head, labels, loss_function=loss_function, logits_to_keep=logits_to_keep, training_step=training_step
+    )
+    return reason or tensors_unavailable_reason(hidden_states, lm_head, labels, vocab_size)
 
 
-def _call_unavailable_reason(
+def call_unavailable_reason(
     lm_head: nn.Module,
     labels: torch.Tensor | None,
-    loss_function: object,
-    logits_to_keep: int | torch.Tensor,
+    *,
+    loss_function: object = None,
+    logits_to_keep: int | torch.Tensor = 0,
     training_step: bool = True,
 ) -> str | None:
-    """Why the loss cannot be lm_head's call, whatever its tensors: the call's arguments, lm_head's class and hooks."""
+    """Return why the loss cannot be lm_head's fused call, whatever its tensors, or None when it can.
+
+    The decision's first half, asked before the base model runs: the call's arguments, lm_head's class and hooks."""
     if labels is None:
         return "no labels (inference or generation): the logits are computed and returned as eager computes them"
     if not isinstance(labels, torch.Tensor) or labels.dtype is not torch.int64:
@@ -118,10 +126,13 @@ def _is_transformers_causal_lm_loss(loss_function: object) -> bool:
     return loss_utils is not None and loss_function is getattr(loss_utils, "ForCausalLMLoss", None)
 
 
-def _tensors_unavailable_reason(
+def tensors_unavailable_reason(
     hidden_states: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, vocab_size: int
 ) -> str | None:
-    """Why the fused op cannot take these hidden states, labels and lm_head's parameters as they are now."""
+    """Return why the fused op cannot take these hidden states, labels and lm_head's parameters now, or None.
+
+    The decision's second half, asked inside lm_head's call (where an engine's hooks have gathered its parameters), on
+    a call whose first half (`call_unavailable_reason`) passed."""
     weight, bias = parameter(lm_head, "weight"), parameter(lm_head, "bias")
     if weight is None or (bias is None and getattr(lm_head, "bias", None) is not None):
         return "lm_head holds its weight or bias as a buffer, not a parameter: nn.Linear's forward runs on it"
@@ -157,11 +168,12 @@ def linear_cross_entropy(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Return (loss, logits) of `lm_head` then transformers' causal-LM loss, fused when it can be.
 
-    `linear_cross_entropy_unavailable_reason` decides: its call part first (else `linear_cross_entropy_eager`'s), then,
-    inside lm_head's call, its tensors part (chunked npu_cross_entropy_loss with logits None, or the loss on the
-    Linear's logits). loss_kwargs: what the model's forward passes its loss_function (num_items_in_batch, ignore_index,
+    `call_unavailable_reason` decides first (else `linear_cross_entropy_eager`'s), then, inside lm_head's call,
+    `tensors_unavailable_reason` (chunked npu_cross_entropy_loss with logits None, or the loss on the Linear's
+    logits). loss_kwargs: what the model's forward passes its loss_function (num_items_in_batch, ignore_index,
     shift_labels, and others it ignores)."""
-    if ran_eager(None, _call_unavailable_reason(lm_head, labels, loss_function, logits_to_keep)):
+    reason = call_unavailable_reason(lm_head, labels, loss_function=loss_function, logits_to_keep=logits_to_keep)
+    if ran_eager(None, reason):
         return linear_cross_entropy_eager(
             hidden_states, lm_head, labels, vocab_size, loss_function=loss_function, logits_to_keep=logits_to_keep,
             **loss_kwargs,
@@ -179,18 +191,18 @@ def loss_in_lm_head_call(
     loss_kwargs: dict,
     module: nn.Module | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Return (loss, logits) of a call whose call part of the decision passed; its tensors part decides in the call.
+    """Return (loss, logits) of a call whose `call_unavailable_reason` passed; `tensors_unavailable_reason` in the call.
 
     The fused loss, or the loss of the Linear's logits, recorded for `module` (the layer's; None for a direct call)."""
     fused = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        if ran_eager(module, _tensors_unavailable_reason(hidden, lm_head, labels, vocab_size)):
+        if ran_eager(module, tensors_unavailable_reason(hidden, lm_head, labels, vocab_size)):
             return _LINEAR_FORWARD(lm_head, hidden)
         fused.append(True)
         return _fused_loss(hidden, lm_head, labels, chunk_tokens, loss_kwargs, module)
 
-    output = _call_with_forward(lm_head, forward, hidden_states)
+    output = _StandInForward.call(lm_head, forward, hidden_states)
     if fused:
         return output, None
     return _loss_of_logits(output, labels, vocab_size, loss_function, loss_kwargs), output
@@ -324,10 +336,31 @@ _LINEAR_FORWARD = nn.Linear.forward
 
 
 class _StandInForward:
-    """lm_head's forward while `_call_with_forward` calls are under way.
+    """lm_head's forward while the fused loss is computed as lm_head's call (`_StandInForward.call`).
 
-    It runs, in a thread that set one, the forward given for its call (once); in every other thread, and in that one
-    afterwards, nn.Linear's forward."""
+    Set as lm_head's instance attribute `forward` while such calls are under way, then removed, so that every hook
+    lm_head carries runs around the loss as around the logits. It runs, in a thread that set one, the forward given for
+    its call (once); in every other thread, and in that one afterwards, nn.Linear's forward."""
+
+    _installing = threading.Lock()  # held to set, count and remove the stand-in
+
+    @classmethod
+    def call(cls, module: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], *args: torch.Tensor) -> object:
+        """Return `module(*args)` with `forward` in place of its forward (nn.Linear's), for this call only."""
+        with cls._installing:
+            stand_in = instance_forward(module)
+            if stand_in is None:
+                stand_in = module.forward = cls(module)
+            stand_in.calls += 1
+        stand_in.pending.forward = forward
+        try:
+            return module(*args)
+        finally:
+            stand_in.pending.forward = None
+            with cls._installing:
+                stand_in.calls -= 1
+                if stand_in.calls == 0:
+                    del module.forward
 
     def __init__(self, module: nn.Module):
         self.module, self.calls, self.pending = module, 0, threading.local()
@@ -338,30 +371,6 @@ class _StandInForward:
             return _LINEAR_FORWARD(self.module, *args, **kwargs)
         self.pending.forward = None
         return forward(*args, **kwargs)
-
-
-_STAND_IN_LOCK = threading.Lock()
-
-
-def _call_with_forward(module: nn.Module, forward, *args):
-    """Return `module(*args)` with `forward` in place of its forward, for this call only.
-
-    Its forward is nn.Linear's, held by no instance attribute; it is replaced so that its hooks run around `forward`:
-    the stand-in is an instance attribute while calls are under way, then removed."""
-    with _STAND_IN_LOCK:
-        stand_in = instance_forward(module)
-        if stand_in is None:
-            stand_in = module.forward = _StandInForward(module)
-        stand_in.calls += 1
-    stand_in.pending.forward = forward
-    try:
-        return module(*args)
-    finally:
-        stand_in.pending.forward = None
-        with _STAND_IN_LOCK:
-            stand_in.calls -= 1
-            if stand_in.calls == 0:
-                del module.forward
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
