@@ -505,7 +505,7 @@ def test_a_spec_missing_pieces_is_named_piece_by_piece(monkeypatch):
     rule for an op the card's emulation module does not bring: each problem in its own sentence."""
     swiglu = CARDS["npu_fused_swiglu"]
     partial = types.ModuleType(cards.spec_name(swiglu))
-    partial.COUNTED_TARGETS = (targets.CountedTarget("ops", configs.PHASES, 1, kind=swiglu.region),)
+    partial.COUNTED_TARGETS = (cards.CountedTarget("ops", configs.PHASES, 1, kind=swiglu.region),)
     partial.FUSED_OPS = {"npu_rms_norm": fused_ops()["npu_rms_norm"]}
     monkeypatch.setitem(sys.modules, cards.spec_name(swiglu), partial)
     where = "npu-swiglu: scripts/bench/cards/npu_swiglu.py"
@@ -598,7 +598,7 @@ def test_specs_import_only_the_contracts_declarations():
     assert {name: names for name, names in found.items() if names} == {}
     planted = """from . import HostTiming, spec
 from .. import memory
-from ..targets import CountedTarget, counted_targets
+from ..targets import counted_targets
 from .npu_rope import floor
 import bench.report
 

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_map
 from npu_hub_kernels.cards import Card
 
 from .accounting import Tally, count_device_ops, fake_module
-from .cards import LAYER, NO_CARD, kinds
+from .cards import LAYER, NO_CARD, BeforeCardTarget, kinds
 from .configs import CONFIGS, DTYPE, PHASES, ModelSpec, experts_key
 from .device_model import device_seconds
 from .floors import floor_of, floor_peak, floor_saved_of
@@ -41,7 +41,7 @@ from .regions import (
     set_variant,
 )
 from .rows import ESTIMATE_UNIT, MEMORY_UNITS, Row, log
-from .targets import BEFORE_CARD_STUDY, BeforeCardTarget, counted_target
+from .targets import BEFORE_CARD_STUDY, counted_target
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""What the cards are held to: counted targets (kernelized against the floor) and host-side ones (timed)."""
+"""What the cards are held to: counted targets (kernelized against the floor) and host-side ones (timed).
+
+The targets' types, with which the cards' specs declare theirs, are declarations of `bench.cards`."""
 
 from __future__ import annotations
 
@@ -8,11 +10,9 @@ from dataclasses import dataclass
 
 from npu_hub_kernels.cards import Card
 
-from .cards import LAYER, NO_CARD, specs, with_piece
+from .cards import LAYER, NO_CARD, BeforeCardTarget, CountedTarget, specs, with_piece
 from .rows import ESTIMATE_STUDY, ESTIMATE_UNIT, REGION_STUDIES, Row
 
-BYTES_TOLERANCE = 1.05
-"""A region's kernelized bytes within 5% of the floor (the cards' specs hold some regions to less)."""
 LAYER_BYTES_TOLERANCE = 1.03
 LAYER_TARGET_SHAPE = (8, 4096)
 """The kernelized decoder layer within 3% of the floor's bytes, forward+backward at batch 8 x sequence 4096."""
@@ -33,62 +33,6 @@ STEP_AHEAD_OF_PEER = 1.03
 """Our training step's estimated time at most the peer's / 1.03 on every step model (issue 35)."""
 STEP_TARGET_KIND = "training step"
 """The kind of the step's targets (no region's)."""
-
-
-@dataclass(frozen=True)
-class CountedTarget:
-    """A target for the kernelized column of a region's counted rows.
-
-    It requires kernelized <= bound x floor (bound 1: = floor), or <= bound x eager when `against` is "eager", in these
-    phases, and only at `shape` when given (then one target per model). `kind`: the rows' region kind, or "decoder
-    layer"; a card's spec leaves it empty, and `counted_targets` sets it to the card's region."""
-
-    unit: str
-    phases: tuple[str, ...]
-    bound: float
-    shape: tuple[int, int] | None = None
-    against: str = "floor"
-    kind: str = ""
-
-    @property
-    def text(self) -> str:
-        what = {"ops": "op count", ESTIMATE_UNIT: "estimated time"}.get(self.unit, self.unit)
-        if self.against == "eager":
-            limit = "eager" if self.bound == 1 else f"{self.bound:g} x eager"
-            return f"kernelized {what} <= {limit}" + (" (every size)" if self.shape is None else "")
-        limit = "= floor" if self.bound == 1 else f"<= {self.bound:g} x floor"
-        return f"kernelized {what} {limit}"
-
-    def applies(self, row: Row) -> bool:
-        """Whether the row is held to the target: a region's own counted row (`rows.REGION_STUDIES`) it covers."""
-        return row.study in REGION_STUDIES and self.covers(row)
-
-    def covers(self, row: Row) -> bool:
-        """Whether the target speaks of the row's kind, unit, phase and shape, whatever its study."""
-        shape = self.shape is None or (row.batch, row.seq) == self.shape
-        return (row.kind, row.unit) == (self.kind, self.unit) and row.phase in self.phases and shape
-
-    def met(self, row: Row) -> bool:
-        if self.against == "eager":
-            return row.kernelized <= self.bound * row.eager
-        return row.kernelized == row.floor if self.bound == 1 else row.kernelized <= self.bound * row.floor
-
-
-@dataclass(frozen=True)
-class BeforeCardTarget:
-    """A card that swaps the decoder layer itself, held to the layer's floor before it.
-
-    Forward+backward, per model of `models` (`configs.CONFIGS` keys), the kernelized layer (the default path, the card
-    included) at most `bytes_bound` x the floor of the layer without the card, and `fewer_ops` fewer ops than that
-    floor.
-
-    The floor without the card is the layer's floor where the card's layer is left out (`regions.WITHOUT_LAYER_CARD`:
-    every other card's layer, the decoder layer's own forward), counted at the shapes of the rows of
-    `BEFORE_CARD_STUDY`."""
-
-    bytes_bound: float
-    fewer_ops: int
-    models: tuple[str, ...]
 
 
 BEFORE_CARD_STUDY = "layer without the card"

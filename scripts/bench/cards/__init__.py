@@ -7,7 +7,7 @@ A card's region kind (the name the bench prints for the region the card fuses: "
 `region`, read through `Card.region`: a spec never spells it.
 
 A spec declares; the generic modules measure. A spec imports from the bench package only the names of
-`SPEC_IMPORTS`: the declaration types below and in `bench.targets`, and the accounting helpers its floor and its
+`SPEC_IMPORTS`: the declaration types below (the targets' among them), and the accounting helpers its floor and its
 accounting rules are written with. It never imports what measures, counts, builds models or renders
 (tests/test_bench.py parses every spec's imports and holds it to that).
 
@@ -22,7 +22,7 @@ The spec contract. `scripts/bench/cards/<py>.py` defines:
   inputs and parameters are kept regardless and not counted (an output that is kept counts). The module doc says
   what is kept and why.
 - `COUNTED_TARGETS: tuple[CountedTarget, ...]`: what the kernelized column of the card's region is held to
-  (`bench.targets.CountedTarget`, its `kind` left empty: the card's region fills it).
+  (`CountedTarget`, its `kind` left empty: the card's region fills it).
 - `FUSED_OPS: dict[str, FusedOp]`: the accounting rule (`bench.accounting.FusedOp`) of every torch_npu op the
   card's emulation module brings (`npu_hub_kernels/testing/emulation/ops/<py>.py`, its `__all__`), and of no other
   op ({} when the card brings none: an op two cards call lives with one of them).
@@ -46,7 +46,7 @@ and may define:
   to COUNTED_TARGETS and shown in the counted and memory tables; CHUNK_STUDY; the extra column's studies) and the
   report renders its tables.
 - `BEFORE_CARD_TARGET: BeforeCardTarget`: for a card with `layer_region`, what the whole decoder layer with the
-  card is held to against the layer's floor without it (`bench.targets.BeforeCardTarget`); the bench counts that
+  card is held to against the layer's floor without it (`BeforeCardTarget`); the bench counts that
   layer for the models it names.
 
 `missing_pieces(card)` names what a card's spec lacks; tests/test_card_pieces.py holds every card to it.
@@ -65,6 +65,8 @@ from torch import nn
 from npu_hub_kernels import CARDS
 from npu_hub_kernels.cards import Card, card_piece
 
+from ..rows import ESTIMATE_UNIT, REGION_STUDIES, Row
+
 LAYER = "decoder layer"
 """The kind of a whole decoder layer's rows."""
 NO_CARD = "no card yet"
@@ -75,8 +77,8 @@ REQUIRED = ("floor", "floor_saved", "COUNTED_TARGETS", "FUSED_OPS", "HOST_TIMING
 SPEC_IMPORTS = {
     "bench.cards": frozenset(
         {"HostTiming", "LayerRegion", "ExpertsSweep", "OutsideRegion", "ExtraColumn", "RegionCall", "Run"}
+        | {"CountedTarget", "BeforeCardTarget", "BYTES_TOLERANCE"}
     ),
-    "bench.targets": frozenset({"CountedTarget", "BeforeCardTarget", "BYTES_TOLERANCE"}),
     "bench.floors": frozenset({"Floor", "dense_bytes"}),
     "bench.accounting": frozenset({"FusedOp", "empty_of", "tensor_bytes"}),
     "bench.configs": frozenset({"PHASES"}),
@@ -219,6 +221,66 @@ class OutsideRegion:
     extra: ExtraColumn | None = None
 
 
+BYTES_TOLERANCE = 1.05
+"""A region's kernelized bytes within 5% of the floor (the cards' specs hold some regions to less)."""
+
+
+@dataclass(frozen=True)
+class CountedTarget:
+    """A target for the kernelized column of a region's counted rows.
+
+    It requires kernelized <= bound x floor (bound 1: = floor), or <= bound x eager when `against` is "eager", in these
+    phases, and only at `shape` when given (then one target per model). `kind`: the rows' region kind, or "decoder
+    layer"; a card's spec leaves it empty, and `targets.counted_targets` sets it to the card's region."""
+
+    unit: str
+    phases: tuple[str, ...]
+    bound: float
+    shape: tuple[int, int] | None = None
+    against: str = "floor"
+    kind: str = ""
+
+    @property
+    def text(self) -> str:
+        what = {"ops": "op count", ESTIMATE_UNIT: "estimated time"}.get(self.unit, self.unit)
+        if self.against == "eager":
+            limit = "eager" if self.bound == 1 else f"{self.bound:g} x eager"
+            return f"kernelized {what} <= {limit}" + (" (every size)" if self.shape is None else "")
+        limit = "= floor" if self.bound == 1 else f"<= {self.bound:g} x floor"
+        return f"kernelized {what} {limit}"
+
+    def applies(self, row: Row) -> bool:
+        """Whether the row is held to the target: a region's own counted row (`rows.REGION_STUDIES`) it covers."""
+        return row.study in REGION_STUDIES and self.covers(row)
+
+    def covers(self, row: Row) -> bool:
+        """Whether the target speaks of the row's kind, unit, phase and shape, whatever its study."""
+        shape = self.shape is None or (row.batch, row.seq) == self.shape
+        return (row.kind, row.unit) == (self.kind, self.unit) and row.phase in self.phases and shape
+
+    def met(self, row: Row) -> bool:
+        if self.against == "eager":
+            return row.kernelized <= self.bound * row.eager
+        return row.kernelized == row.floor if self.bound == 1 else row.kernelized <= self.bound * row.floor
+
+
+@dataclass(frozen=True)
+class BeforeCardTarget:
+    """A card that swaps the decoder layer itself, held to the layer's floor before it.
+
+    Forward+backward, per model of `models` (`configs.CONFIGS` keys), the kernelized layer (the default path, the card
+    included) at most `bytes_bound` x the floor of the layer without the card, and `fewer_ops` fewer ops than that
+    floor.
+
+    The floor without the card is the layer's floor where the card's layer is left out (`regions.WITHOUT_LAYER_CARD`:
+    every other card's layer, the decoder layer's own forward), counted at the shapes of the rows of
+    `targets.BEFORE_CARD_STUDY`."""
+
+    bytes_bound: float
+    fewer_ops: int
+    models: tuple[str, ...]
+
+
 def spec_name(card: Card) -> str:
     """The module name of a card's spec."""
     return f"{__name__}.{card.python_name}"
@@ -264,8 +326,6 @@ def with_piece(name: str) -> list[tuple[Card, Any]]:
 def missing_pieces(card: Card) -> list[str]:
     """What the card's bench spec lacks, one sentence each naming the piece (empty when it has every piece)."""
     from npu_hub_kernels.testing.emulation import emulated_ops_of
-
-    from ..targets import CountedTarget
 
     where = f"scripts/bench/cards/{card.python_name}.py"
     module = card_piece(__name__, card)

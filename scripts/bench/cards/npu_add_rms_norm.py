@@ -29,8 +29,7 @@ from npu_hub_kernels.report import card_layer_of, card_package
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
-from ..targets import BYTES_TOLERANCE, BeforeCardTarget, CountedTarget
-from . import LayerRegion
+from . import BYTES_TOLERANCE, BeforeCardTarget, CountedTarget, LayerRegion
 
 
 def floor(module: nn.Module, residual: torch.Tensor, update: torch.Tensor, *_) -> Floor:

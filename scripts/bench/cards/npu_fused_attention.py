@@ -47,7 +47,7 @@ from torch import nn
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
-from ..targets import CountedTarget
+from . import CountedTarget
 
 ATTENTION_IMPLEMENTATION = "npu_fused_attention"
 """The name the card's function is registered under in transformers' AttentionInterface (and its mask under in

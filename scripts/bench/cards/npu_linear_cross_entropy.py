@@ -53,8 +53,7 @@ from torch import nn
 
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..floors import Floor, dense_bytes
-from ..targets import CountedTarget
-from . import ExtraColumn, OutsideRegion, RegionCall, Run
+from . import CountedTarget, ExtraColumn, OutsideRegion, RegionCall, Run
 
 PEAK_SHARE = 1 / 8
 """Issue 19: the loss region's peak of live bytes at most 1/8 of eager's, batch 8 x 4096, forward+backward."""

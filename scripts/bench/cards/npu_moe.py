@@ -28,8 +28,7 @@ from torch import nn
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
-from ..targets import CountedTarget
-from . import ExpertsSweep, HostTiming
+from . import CountedTarget, ExpertsSweep, HostTiming
 
 BYTES_TOLERANCE = 1.01
 """Kernelized bytes of the MoE experts within 1% of the floor."""

@@ -25,8 +25,7 @@ from torch import nn
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
-from ..targets import CountedTarget
-from . import HostTiming
+from . import CountedTarget, HostTiming
 
 BYTES_TOLERANCE = 1.01
 """Kernelized bytes of the router within 1% of the floor (issue 19)."""

@@ -23,8 +23,7 @@ from torch import nn
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
-from ..targets import BYTES_TOLERANCE, CountedTarget
-from . import HostTiming
+from . import BYTES_TOLERANCE, CountedTarget, HostTiming
 
 
 def floor(module: nn.Module, x: torch.Tensor, *_) -> Floor:

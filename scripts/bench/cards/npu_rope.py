@@ -20,8 +20,7 @@ from torch import nn
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
-from ..targets import BYTES_TOLERANCE, CountedTarget
-from . import HostTiming
+from . import BYTES_TOLERANCE, CountedTarget, HostTiming
 
 OPS_PER_DIRECTION = 2
 """RoPE with grad runs at most 2 ops each way (npu_rotary_mul for q and for k); in inference, the floor's 1."""

@@ -32,8 +32,7 @@ from transformers.activations import GELUTanh
 from ..accounting import FusedOp, empty_of, tensor_bytes
 from ..configs import PHASES
 from ..floors import Floor, dense_bytes
-from ..targets import CountedTarget
-from . import HostTiming
+from . import CountedTarget, HostTiming
 
 BYTES_TOLERANCE = 1.03
 """Kernelized bytes of the SwiGLU MLP within 3% of its floor for split weights as the model stores them."""
