@@ -331,7 +331,7 @@ def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tup
             rows += _rows_of(model, batch, seq, steps)
             seconds = time.perf_counter() - started
             log(f"  counted training step {model.spec.name}, batch {batch}, seq {seq}: {seconds:.1f} s")
-        rows += validation_rows(build, quick, keys)
+        rows += [validation.csv_row() for validation in validation_rows(build, quick, keys)]
         rows += decode_rows(peer, build, keys)
     finally:
         from npu_hub_kernels import register_npu_kernels
@@ -447,11 +447,46 @@ def error_text(claim: Published, predicted: float) -> str:
     return f"{(predicted / claim.value - 1) * 100:+.0f}%"
 
 
-def validation_rows(build, quick: bool = False, keys: tuple[str, ...] = tuple(STEP_MODELS)) -> list[Row]:
+@dataclass(frozen=True)
+class ValidationRow:
+    """A published step-level figure beside the time model's prediction of it: a row of the validation table."""
+
+    source: str
+    claim: str
+    model: str  # ModelSpec.name
+    batch: int
+    seq: int
+    published: float
+    predicted: float
+    what: str  # the figure's kind and unit (Published.what)
+    error: str  # `error_text`: in points for percentages, relative otherwise
+    assumptions: str
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv.
+
+        The published figure is in the eager column, the prediction in the kernelized one, the error in the target one
+        and the figure's kind in the unit and path ones."""
+        return Row(
+            "estimated", self.source, self.claim, "fwd+bwd+AdamW", self.batch, self.seq, eager=self.published,
+            kernelized=self.predicted, unit=self.what, target=self.error, note=self.assumptions,
+            study=VALIDATION_STUDY, model=self.model, path=self.what,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> ValidationRow:
+        """The validation row a line of bench.csv holds (what `csv_row` wrote)."""
+        return cls(
+            source=row.config, claim=row.op, model=row.model, batch=row.batch, seq=row.seq, published=row.eager,
+            predicted=row.kernelized, what=row.unit, error=row.target, assumptions=row.note,
+        )  # fmt: skip
+
+
+def validation_rows(build, quick: bool = False, keys: tuple[str, ...] = tuple(STEP_MODELS)) -> list[ValidationRow]:
     """Return rows setting each published figure about a model of `keys` beside the model's prediction.
 
-    The figures are those of `PUBLISHED` (the eager column: published; kernelized: predicted), at the source's model and
-    batch (or the stated assumption; `quick`: 1 x 512), from steps derived as `derived_step`."""
+    The figures are those of `PUBLISHED`, at the source's model and batch (or the stated assumption; `quick`: 1 x 512),
+    from steps derived as `derived_step`."""
     cache: dict[tuple, Figures] = {}
 
     def step(key: str, batch: int, seq: int, kernels: tuple[str, ...]) -> Figures:
@@ -467,11 +502,10 @@ def validation_rows(build, quick: bool = False, keys: tuple[str, ...] = tuple(ST
         batch, seq = (1, 512) if quick else (claim.batch, claim.seq)
         predicted = predict(claim, step(claim.model, batch, seq, ()), step(claim.model, batch, seq, claim.kernels))
         rows.append(
-            Row(
-                "estimated", claim.source, claim.claim, "fwd+bwd+AdamW", batch, seq, eager=claim.value,
-                kernelized=predicted, unit=claim.what, target=error_text(claim, predicted),
-                note=f"assumed: {claim.assumed}; fused: {', '.join(claim.kernels)}", study=VALIDATION_STUDY,
-                model=STEP_MODELS[claim.model].spec.name, path=claim.what,
+            ValidationRow(
+                claim.source, claim.claim, STEP_MODELS[claim.model].spec.name, batch, seq, published=claim.value,
+                predicted=predicted, what=claim.what, error=error_text(claim, predicted),
+                assumptions=f"assumed: {claim.assumed}; fused: {', '.join(claim.kernels)}",
             )
         )  # fmt: skip
     log(f"  step model validation: {len(rows)} published figures")
@@ -577,7 +611,7 @@ def step_section(rows: list[Row]) -> list[str]:
     lines += _category_table(rows, models)
     lines += _time_table(rows, models)
     lines += _other_ops_table(rows, peer)
-    lines += _validation_table(rows)
+    lines += _validation_table([ValidationRow.of(r) for r in rows if r.study == VALIDATION_STUDY])
     lines += _decode_table(rows, peer)
     return lines
 
@@ -642,13 +676,21 @@ def _other_ops_table(rows: list[Row], peer: bool) -> list[str]:
     return ["", title, "", *table(["model", "aten op", "eager", "ours", *(["peer"] if peer else [])], body)]
 
 
-def _validation_table(rows: list[Row]) -> list[str]:
-    chosen = [r for r in rows if r.study == VALIDATION_STUDY]
-    if not chosen:
+def _validation_table(rows: list[ValidationRow]) -> list[str]:
+    if not rows:
         return []
     body = [
-        [r.config, r.op, r.model, f"{r.batch} x {r.seq}", f"{r.eager:.3g}", f"{r.kernelized:.3g}", r.target, r.note]
-        for r in chosen
+        [
+            r.source,
+            r.claim,
+            r.model,
+            f"{r.batch} x {r.seq}",
+            f"{r.published:.3g}",
+            f"{r.predicted:.3g}",
+            r.error,
+            r.assumptions,
+        ]
+        for r in rows
     ]
     title = (
         "The time model checked against published step-level figures (same model and fusion; the batch the source "
