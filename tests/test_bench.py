@@ -289,6 +289,18 @@ def test_moe_experts_eager_loop_grows_with_the_experts_npu_moe_does_not(npu_kern
     assert len({kernelized for _, kernelized in counts.values()}) == 1
 
 
+def test_moe_experts_at_decode_every_hit_expert_multiplies_a_row_and_npu_moe_is_not_slower(npu_kernels):
+    """One token, top-2 of 8 experts: fewer token copies than experts. Balanced routing names every expert hit, so
+    each expert's loop multiplies at least one row (never a share rounded down to none, which would have eager read
+    every expert's weights and multiply nothing); npu-moe, which multiplies the token's two copies, is then at most
+    eager's estimated time, forward and forward+backward."""
+    for phase in configs.PHASES:
+        measured = counted.account(TINY_MOE, 1, 1, experts=8)[("MoE experts", phase)]
+        products = [r for r in measured.eager.records if r.name == "mm"]
+        assert products and all(r.writes > 0 for r in products), phase
+        assert device_seconds(measured.kernelized.records) <= device_seconds(measured.eager.records), phase
+
+
 def test_rope_in_inference_is_one_op_at_the_floor_with_grad_two_each_way(npu_kernels):
     """Head dim 64 (the one-call op takes 64 and 128) and cos with q's batch: in inference mode q and k are rotated
     by one npu_apply_rotary_pos_emb reading and writing exactly the floor's bytes; with grad, npu_rotary_mul runs
