@@ -18,6 +18,7 @@ import torch
 from bench import cards, configs, counted, regions, report, targets
 from bench.accounting import count_device_ops, fake_module, fused_ops
 from bench.cards import npu_rms_norm, npu_rope
+from bench.device_model import device_seconds
 from bench.peer import PARITY_TOLERANCE, load_peer, parity_rows
 from bench.rows import CSV_COLUMNS, EMULATED, ESTIMATE_UNIT, MEMORY_UNITS, Row
 from conftest import ROOT
@@ -263,16 +264,18 @@ def test_a_card_swapping_the_layer_is_held_to_the_floor_before_it():
     assert set(results(38, 97).values()) == {False, True} and set(results(37, 97.5).values()) == {True, False}
 
 
-@pytest.mark.parametrize(("batch", "seq"), [(1, 1), (2, 16), (4, 128)], ids=["decode", "two matmuls", "concatenated"])
+@pytest.mark.parametrize(("batch", "seq"), [(1, 1), (2, 16), (4, 128)], ids=["decode", "32 tokens", "512 tokens"])
 def test_swiglu_mlp_at_its_floor_and_never_above_eager_at_any_size(npu_kernels, batch, seq):
-    """The tiny Llama MLP (hidden 64, inner 96) from one token to 512 (T > 4I: the weights concatenated for the
-    call are the cheaper way there): the card picks the floor's way, so it runs exactly the floor's ops and
-    bytes, and never moves more bytes than eager."""
+    """The tiny Llama MLP (hidden 64, inner 96) from one token to 512 (3T > 8I there, where the weights concatenated
+    for the call would move fewer bytes but cost a copy): the card runs exactly the floor's ops and bytes, copies no
+    weight (no cat), and never moves more bytes nor takes more estimated time than eager."""
     results = counted.account(TINY_LLAMA, batch, seq)
     for phase in configs.PHASES:
         mlp = results[("SwiGLU MLP", phase)]
         assert (mlp.kernelized.ops, mlp.kernelized.bytes) == mlp.floor, phase
+        assert "cat" not in mlp.kernelized.by_op(), phase
         assert mlp.kernelized.bytes <= mlp.eager.bytes, phase
+        assert device_seconds(mlp.kernelized.records) <= device_seconds(mlp.eager.records), phase
 
 
 def test_moe_experts_eager_loop_grows_with_the_experts_npu_moe_does_not(npu_kernels):
@@ -284,6 +287,18 @@ def test_moe_experts_eager_loop_grows_with_the_experts_npu_moe_does_not(npu_kern
     per_expert = counts[4][0] - counts[2][0]
     assert per_expert > 0 and counts[8][0] - counts[4][0] == 2 * per_expert
     assert len({kernelized for _, kernelized in counts.values()}) == 1
+
+
+def test_moe_experts_at_decode_every_hit_expert_multiplies_a_row_and_npu_moe_is_not_slower(npu_kernels):
+    """One token, top-2 of 8 experts: fewer token copies than experts. Balanced routing names every expert hit, so
+    each expert's loop multiplies at least one row (never a share rounded down to none, which would have eager read
+    every expert's weights and multiply nothing); npu-moe, which multiplies the token's two copies, is then at most
+    eager's estimated time, forward and forward+backward."""
+    for phase in configs.PHASES:
+        measured = counted.account(TINY_MOE, 1, 1, experts=8)[("MoE experts", phase)]
+        products = [r for r in measured.eager.records if r.name == "mm"]
+        assert products and all(r.writes > 0 for r in products), phase
+        assert device_seconds(measured.kernelized.records) <= device_seconds(measured.eager.records), phase
 
 
 def test_rope_in_inference_is_one_op_at_the_floor_with_grad_two_each_way(npu_kernels):

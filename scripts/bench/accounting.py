@@ -31,9 +31,9 @@ the input gradients, in the inputs' dtypes or in float32 where the kernel writes
 (`FusedOp.float32_grads`): autograd's cast of such a gradient to its input's dtype counts as the op it is.
 
 Routing of MoE layers depends on data, which fake tensors lack: with `experts=E`, data-dependent ops
-on fake tensors are answered as balanced routing would answer them (every expert receives
-tokens*top_k/E token copies; scalar reads are 0, "not the placeholder expert"). Real tensors are
-never answered: their routing is real.
+on fake tensors are answered as balanced routing would answer them (every expert is hit and receives
+tokens*top_k/E token copies, at least one: an expert the hit mask names has a copy; scalar reads are 0,
+"not the placeholder expert"). Real tensors are never answered: their routing is real.
 """
 
 from __future__ import annotations
@@ -246,9 +246,13 @@ class BalancedRouting:
         if not isinstance(x, FakeTensor):
             return False, None
         if func is aten.nonzero.default:
-            # The mask of experts hit ([E] or [E+1]): all E. One expert's [top_k, tokens] mask: its share.
-            rows = self.experts if x.dim() == 1 and x.numel() in (self.experts, self.experts + 1) else None
-            rows = x.numel() // self.experts if rows is None else rows
+            # The mask of experts hit ([E] or [E+1]): all E. One expert's [top_k, tokens] mask: its share, and at
+            # least one copy, as it is hit (with fewer copies than experts, at decode, a share rounded down to none
+            # would have every expert's loop read its weights and multiply no row)
+            if x.dim() == 1 and x.numel() in (self.experts, self.experts + 1):
+                rows = self.experts
+            else:
+                rows = max(1, x.numel() // self.experts) if x.numel() else 0
             return True, torch.zeros((rows, x.dim()), dtype=torch.long, device=x.device)
         if func is aten.bincount.default:
             minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)

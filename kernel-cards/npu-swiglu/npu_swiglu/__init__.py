@@ -10,7 +10,6 @@ from . import layers
 from ._build import VARIANT
 from .geglu import geglu_mlp, geglu_mlp_eager, geglu_mlp_unavailable_reason
 from .swiglu import (
-    concatenates_weights,
     swiglu_gate_up_mlp,
     swiglu_gate_up_mlp_eager,
     swiglu_gate_up_mlp_unavailable_reason,
@@ -21,7 +20,6 @@ from .swiglu import (
 
 __all__ = [
     "VARIANT",
-    "concatenates_weights",
     "geglu_mlp",
     "geglu_mlp_eager",
     "geglu_mlp_unavailable_reason",

@@ -8,11 +8,14 @@ npu_swiglu gates the FIRST half of its input along the axis `dim` names: `silu(a
 `a, b = chunk(x, 2, dim)`. The fused shape's `gate_up_proj(x)` is that input with `dim=-1`. For the
 split shape, the two projections write their outputs straight into the two halves of one `[2, T, I]`
 buffer (two matmuls with `out=`), which npu_swiglu gates with `dim=0`: no concatenation copy, and the
-weights are read where the model keeps them. With many tokens per weight row (T > 4I forward only,
-T > 8I/3 with backward) reading x twice costs more than concatenating the two weights for the call:
-then one matmul against `cat(W_gate, W_up)` (a transient copy, made again in backward rather than kept)
-gives `[T, 2I]`, gated with `dim=-1`. No parameter is ever re-pointed or re-laid out: FSDP2, DeepSpeed,
-DDP, accelerate and safetensors own or read that storage (docs/torch-npu-ops.md, "npu_swiglu").
+weights are read where the model keeps them. With many tokens per weight row (3T > 8I with backward, T > 4I
+forward only) one matmul against `cat(W_gate, W_up)`, made for the call, would move fewer bytes, reading x
+once instead of twice, but it is never faster: each gate/up matmul of such a size is bound by the cube, not by
+HBM (about THI / (TH + HI + TI) FLOPs per byte, far above the ~260 of an Atlas A2's bfloat16 cube over its HBM
+for hidden and intermediate sizes above a few hundred), so the second read of x costs no time, while the
+concatenation is a copy of both weights (and again in backward for dx) that costs its bytes in full
+(`make bench`'s time estimate, scripts/bench/device_model.py). No parameter is ever re-pointed or re-laid out:
+FSDP2, DeepSpeed, DDP, accelerate and safetensors own or read that storage (docs/torch-npu-ops.md, "npu_swiglu").
 Projections the card cannot read directly (LoRA or other wrapped or hooked Linears, DeepSpeed ZeRO-3
 partitions, DTensors) run the eager math, and `swiglu_mlp_unavailable_reason` says why.
 The split path is written once for any op that gates the first half of its input (`GatedOp`): `fused_split_mlp`
@@ -159,38 +162,17 @@ def _autocast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
-def _save_rows(ctx, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> torch.Tensor:
-    """x as [T, H] rows, saved with the two weights (the Parameters themselves: no copy) for backward."""
-    rows = x.reshape(-1, x.shape[-1])
-    ctx.save_for_backward(rows, gate_weight, up_weight)
-    ctx.input_shape = x.shape
-    return rows
-
-
-def _gate_up_gradients(ctx, grad_gate: torch.Tensor, grad_up: torch.Tensor, grad_rows: Callable) -> tuple:
-    """The gradients of (x, gate weight, up weight, gate bias, up bias) from those of gate_proj(x) and up_proj(x).
-
-    dx comes from `grad_rows(gate_weight, up_weight)`, each weight's from its own matmul, into a tensor of its own.
-    """
-    rows, gate_weight, up_weight = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    return (
-        grad_rows(gate_weight, up_weight).reshape(ctx.input_shape) if needs[0] else None,
-        grad_gate.t().mm(rows) if needs[1] else None,
-        grad_up.t().mm(rows) if needs[2] else None,
-        grad_gate.sum(0) if needs[3] else None,
-        grad_up.sum(0) if needs[4] else None,
-    )
-
-
 class _GateUpHalves(torch.autograd.Function):
     """`[gate_proj(x); up_proj(x)]` as the two halves of one `[2, T, I]` buffer, each written by its own matmul.
 
-    Reads the weights where they are (no copy, no new layout); backward: dx from one mm and one addmm."""
+    Reads the weights where they are (no copy, no new layout) and keeps them (the Parameters themselves) and x as
+    [T, H] rows for backward: dx from one mm and one addmm, each weight's and bias's gradient a tensor of its own."""
 
     @staticmethod
     def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias):
-        rows = _save_rows(ctx, x, gate_weight, up_weight)
+        rows = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(rows, gate_weight, up_weight)
+        ctx.input_shape = x.shape
         halves = rows.new_empty((2, rows.shape[0], gate_weight.shape[0]))
         for half, weight, bias in ((halves[0], gate_weight, gate_bias), (halves[1], up_weight, up_bias)):
             if bias is None:
@@ -202,41 +184,15 @@ class _GateUpHalves(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_halves):
         grad_gate, grad_up = grad_halves[0], grad_halves[1]
-        return _gate_up_gradients(
-            ctx, grad_gate, grad_up, lambda gate_weight, up_weight: grad_up.mm(up_weight).addmm_(grad_gate, gate_weight)
+        rows, gate_weight, up_weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        return (
+            grad_up.mm(up_weight).addmm_(grad_gate, gate_weight).reshape(ctx.input_shape) if needs[0] else None,
+            grad_gate.t().mm(rows) if needs[1] else None,
+            grad_up.t().mm(rows) if needs[2] else None,
+            grad_gate.sum(0) if needs[3] else None,
+            grad_up.sum(0) if needs[4] else None,
         )
-
-
-class _GateUpConcatenated(torch.autograd.Function):
-    """`[gate_proj(x) | up_proj(x)]` as one `[T, 2I]` matmul against the two weights concatenated for this call.
-
-    The concatenation is a transient copy, never kept: backward concatenates again for dx (one mm)."""
-
-    @staticmethod
-    def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias):
-        rows = _save_rows(ctx, x, gate_weight, up_weight)
-        weight = torch.cat((gate_weight, up_weight)).t()
-        return rows.mm(weight) if gate_bias is None else torch.addmm(torch.cat((gate_bias, up_bias)), rows, weight)
-
-    @staticmethod
-    def backward(ctx, grad_both):
-        inner = grad_both.shape[-1] // 2
-        return _gate_up_gradients(
-            ctx,
-            grad_both[:, :inner],
-            grad_both[:, inner:],
-            lambda gate_weight, up_weight: grad_both.mm(torch.cat((gate_weight, up_weight))),
-        )
-
-
-def concatenates_weights(tokens: int, inner: int, backward: bool) -> bool:
-    """Whether one matmul against the weights concatenated for the call moves fewer bytes than two matmuls.
-
-    Two matmuls read x (T x H) twice; the concatenation reads and writes both weights (2I x H each way), and with
-    backward once more for dx, where it saves dx's accumulation (another 2 x T x H): forward only, it pays for
-    itself when T > 4I; with backward, when 3T > 8I (the bench floor counts both ways:
-    scripts/bench/cards/npu_swiglu.py)."""
-    return 3 * tokens > 8 * inner if backward else tokens > 4 * inner
 
 
 def swiglu_mlp(
@@ -250,8 +206,8 @@ def swiglu_mlp(
 ) -> torch.Tensor:
     """`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, fused on the NPU as `swiglu_mlp_unavailable_reason` decides.
 
-    The fused path takes the cheaper gate/up matmuls (module doc). The path taken is recorded for `module` (the MLP,
-    when its layer calls it).
+    The fused path writes gate and up with two matmuls into one buffer (module doc). The path taken is recorded for
+    `module` (the MLP, when its layer calls it).
     """
     if ran_eager(module, swiglu_mlp_unavailable_reason(x, gate_proj, up_proj, act_fn)):
         return swiglu_mlp_eager(x, gate_proj, up_proj, down_proj, act_fn)
@@ -263,21 +219,17 @@ def fused_split_mlp(
 ) -> torch.Tensor:
     """`down_proj(gated.activation(gate_proj(x)) * up_proj(x))` with `gated.op`, where the reason said it fuses.
 
-    Gate and up come from the cheaper gate/up matmuls (module doc), as the two halves of the op's input."""
+    Gate and up are the two halves of the op's input, each written by its own matmul (module doc)."""
     dtype = _compute_dtype(x)
     inputs = [_autocast(t, dtype) for t in (x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias)]
-    tokens, inner = x.numel() // x.shape[-1], gate_proj.weight.shape[0]
-    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    if concatenates_weights(tokens, inner, backward):
-        gated_out = gated.fuse(_GateUpConcatenated.apply(*inputs), -1)  # [T, I]
-    else:
-        gated_out = gated.fuse(_GateUpHalves.apply(*inputs), 0)  # [1, T, I]
+    gated_out = gated.fuse(_GateUpHalves.apply(*inputs), 0)  # [1, T, I]
     # a recorded backward differentiates eager's math from x and the weights: the fused op's backward has no
     # derivative, and the gate/up functions' backward keeps x as rows made without autograd (no second order
     # through dW). The identity goes around the op's own output and the view comes after it: a view passed through
     # it would be marked dirty, whose backward copies the gradient
     eager = functools.partial(_gated_eager, gated.activation, gated_out.shape)
-    return down_proj(with_eager_double_backward(gated_out, eager, *inputs).reshape(*x.shape[:-1], inner))
+    gated_rows = with_eager_double_backward(gated_out, eager, *inputs)
+    return down_proj(gated_rows.reshape(*x.shape[:-1], gate_proj.weight.shape[0]))
 
 
 def _gated_eager(activation, shape, x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:

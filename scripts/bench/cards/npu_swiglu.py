@@ -2,16 +2,15 @@
 
 Floor, with the weights as the model stores them (gate_proj and up_proj: two tensors, never one buffer; each
 parameter's gradient a tensor of its own, as DDP's buckets and FSDP2's reduce-scatter take them). Its matmuls
-stay matmuls (no torch_npu op fuses a matmul with the activation): 4 ops forward, 7 backward, the cheaper in
-bytes of two ways to get gate and up (biases counted with their weights):
-- two matmuls writing h [2, T, I] (each reads x), a = swiglu(h) along axis 0 [T, I], y = a @ Wd; backward
-  da = dy @ Wd, dWd = dy^T a, dh = swiglu_backward(da, h), dx = dh_gate @ Wg then + dh_up @ Wu (the
-  second reads the first's result), dWg = dh_gate^T x, dWu = dh_up^T x;
-- the two weights concatenated for the call (reads and writes both), one matmul writing h [T, 2I] (reads
-  x once), the same swiglu and down matmul; backward as above, but dx either as above or as one matmul
-  against the weights concatenated again, whichever is cheaper.
-Two matmuls are the cheaper way unless T > 4I (forward) or 3T > 8I (forward and backward).
-Kept for backward, either way: h [T, 2I] (swiglu's backward reads it) and a [T, I] (dWd reads it); x and the
+stay matmuls (no torch_npu op fuses a matmul with the activation): 4 ops forward, 7 backward:
+two matmuls writing h [2, T, I] (each reads x), a = swiglu(h) along axis 0 [T, I], y = a @ Wd; backward
+da = dy @ Wd, dWd = dy^T a, dh = swiglu_backward(da, h), dx = dh_gate @ Wg then + dh_up @ Wu (the second
+reads the first's result), dWg = dh_gate^T x, dWu = dh_up^T x.
+The two weights concatenated for the call (one matmul writing h [T, 2I], reading x once) would move fewer bytes
+when 3T > 8I (T > 4I forward only), but not in less time: the copy of both weights (and again for dx) is
+memory-bound, while the second read of x is inside gate/up matmuls bound by the cube at such sizes (the card's
+module doc). The floor is the fastest form, which is also the card's.
+Kept for backward: h [T, 2I] (swiglu's backward reads it) and a [T, I] (dWd reads it); x and the
 weights are the region's input and parameters.
 
 A GELU-tanh gated MLP (Gemma's, the card's GeGLUMLP) has the same floor with npu_geglu in place of swiglu, plus
@@ -46,22 +45,18 @@ def _gelu_bytes(module: nn.Module, x: torch.Tensor) -> int:
 
 
 def floor(module: nn.Module, x: torch.Tensor, *_) -> Floor:
-    """Gate/up matmuls, the gating op, matmul down, the cheaper of two ways for split weights; backward 7 ops."""
+    """Two gate/up matmuls, the gating op, matmul down; backward 7 ops (see the module doc)."""
     hidden, inner = module.down_proj.weight.shape
     tokens, size = x.numel() // x.shape[-1], x.element_size()
     w_d = sum(tensor_bytes(p) for p in module.down_proj.parameters())
     w_gu = sum(tensor_bytes(p) for p in module.parameters()) - w_d
     h, a, y = tokens * 2 * inner * size, tokens * inner * size, tokens * hidden * size
     x_b, dx, gelu = tensor_bytes(x), dense_bytes(x), _gelu_bytes(module, x)
-    rest_fwd = (h + a + gelu) + (a + w_d + y)  # swiglu (or geglu, writing the GELU too), down matmul
-    # da, dWd, dh (geglu's reads the GELU), dWg and dWu
-    rest_bwd = (y + w_d + a) + (y + a + w_d) + (a + h + gelu + h) + (h + 2 * x_b + w_gu)
-    dx_two_matmuls = h + w_gu + 3 * dx
-    two_matmuls = (2 * x_b + w_gu + h, dx_two_matmuls)
-    concatenated = ((2 * w_gu) + (x_b + w_gu + h), min(dx_two_matmuls, (2 * w_gu) + (h + w_gu + dx)))
-    fwd = min(two_matmuls[0], concatenated[0]) + rest_fwd
-    total = min(sum(two_matmuls), sum(concatenated)) + rest_fwd + rest_bwd
-    return (4, fwd), (7, total - fwd)
+    # gate/up (each matmul reads x), swiglu (or geglu, writing the GELU too), down matmul
+    fwd = (2 * x_b + w_gu + h) + (h + a + gelu) + (a + w_d + y)
+    # da, dWd, dh (geglu's reads the GELU), dx (an mm, then an addmm reading its result), dWg and dWu
+    bwd = (y + w_d + a) + (y + a + w_d) + (a + h + gelu + h) + (h + w_gu + 3 * dx) + (h + 2 * x_b + w_gu)
+    return (4, fwd), (7, bwd)
 
 
 def floor_saved(module: nn.Module, x: torch.Tensor, *_) -> int:
