@@ -124,15 +124,15 @@ def test_npu_swiglu_gates_the_halves_of_dim_0_with_its_backward(built_cards):
         torch.testing.assert_close(leaf.grad.cpu().double(), reference.grad, **tolerance)
 
 
-@pytest.mark.parametrize(("shape", "dim"), [((2, 37, 96), 0), ((37, 2 * 96), -1)], ids=["[2, T, I] dim 0", "[T, 2I]"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_npu_geglu_activates_the_first_half_with_activate_left_and_its_backward(built_cards, shape, dim, dtype):
-    """The GeGLU MLP's call forms on the device (docs/torch-npu-ops.md, "npu_geglu"): `npu_geglu(h, dim,
-    approximate=1, activate_left=True)` equals `gelu_tanh(first half) * second half` on both buffers the card hands
-    it, returns that GELU as its second output, and its backward (npu_geglu_grad, from x and that kept GELU) is the
-    formula's gradient; with activate_left=False the SECOND half is activated."""
+def test_npu_geglu_activates_the_first_half_with_activate_left_and_its_backward(built_cards, dtype):
+    """The GeGLU MLP's call form on the device (docs/torch-npu-ops.md, "npu_geglu"): `npu_geglu(h, dim=0,
+    approximate=1, activate_left=True)` equals `gelu_tanh(first half) * second half` on the [2, T, I] buffer the
+    card's two matmuls write, returns that GELU as its second output, and its backward (npu_geglu_grad, from x and
+    that kept GELU) is the formula's gradient; with activate_left=False the SECOND half is activated."""
     import torch_npu
 
+    shape, dim = (2, 37, 96), 0
     x = torch.randn(shape, dtype=dtype)
     leaf = x.npu().requires_grad_()
     out, gelu = torch_npu.npu_geglu(leaf, dim=dim, approximate=1, activate_left=True)
