@@ -8,10 +8,11 @@ test_npu_moe_token_permute_and_unpermute.py, test_npu_moe_token_permute_and_unpe
 test_npu_grouped_matmul.py, test_npu_moe_gating_topk.py,
 test_npu_moe_gating_top_k_backward.py, test_npu_flash_attention.py (with the example test of torch_npu's
 npu_fusion_attention docstring; the cases of an external dropout_mask are forms the emulation refuses),
-test_npu_cross_entropy_loss.py, whose two cases op-plugin skips "for now" on every device: restated anyway, as the
-op's only golden; and for npu_geglu, which op-plugin tests only in test/core_tests/test_fake_tensor.py (shapes), that
-case and its docstring's example, against the goldens of hicann/ops-nn @ e5c3fa932
-(activation/ge_glu_v2/tests/assets/golden.py, activation/ge_glu_grad_v2/tests/assets/golden.py)): the layouts,
+test_npu_cross_entropy_loss.py and test_npu_gemma_rms_norm.py, whose value cases op-plugin skips "now" on every device:
+restated anyway, as the ops' only goldens; and for npu_geglu, which op-plugin tests only in
+test/core_tests/test_fake_tensor.py (shapes), that case and its docstring's example, against the goldens of
+hicann/ops-nn @ e5c3fa932 (activation/ge_glu_v2/tests/assets/golden.py,
+activation/ge_glu_grad_v2/tests/assets/golden.py)): the layouts,
 dtypes, limits and what each golden computes, written here from the op semantics. Only the cases op-plugin's CI runs
 on Atlas A2 (Ascend910B): the ones it skips there ("not supported by the CI version": 3-D rotary_mul, the `rotate`
 matrix, TND npu_apply_rotary_pos_emb; Ascend 950 only) are left out as it leaves them out. Tolerances: op-plugin's
@@ -187,6 +188,31 @@ def test_add_rms_norm_has_no_backward():
     out = torch_npu.npu_add_rms_norm(x1, x2, gamma, 1e-6)[0]
     with pytest.raises(RuntimeError, match="not implemented"):
         out.float().sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # test_gemma_rms_norm, test_gemma_rms_norm_fp16
+def test_gemma_rms_norm_forward(dtype):
+    """test_npu_gemma_rms_norm's golden: float32 x * rstd * (gamma + 1), gamma cast to float32 before the 1 is added,
+    cast once to x's dtype; rstd float32, [rows, 1] (the meta tests: y has x's dtype). uniform(0, 100), [256, 512]."""
+    g = torch.Generator().manual_seed(5)
+    x, gamma = ((torch.rand(shape, generator=g) * 100).to(dtype) for shape in ((256, 512), (512,)))
+    rstd = 1 / torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    want_y = (x.float() * rstd * (gamma.float() + 1)).to(dtype)
+    y, got_rstd = torch_npu.npu_gemma_rms_norm(x.to("npu"), gamma.to("npu"))
+    assert y.dtype == dtype and got_rstd.dtype == torch.float32 and tuple(got_rstd.shape) == (256, 1)
+    close(y, want_y, RTOL[dtype])
+    close(got_rstd, rstd, 1e-4)
+
+
+def test_gemma_rms_norm_has_no_derivative():
+    """No derivatives.yaml entry, not on the autograd error fallback: torch_npu's generic fallback warns in backward
+    and gives the inputs no gradient."""
+    x = torch.randn(4, 16).to("npu").requires_grad_()
+    gamma = torch.randn(16).to("npu").requires_grad_()
+    y = torch_npu.npu_gemma_rms_norm(x, gamma)[0]
+    with pytest.warns(UserWarning, match="npu_gemma_rms_norm: an autograd kernel was not registered"):
+        y.sum().backward()
+    assert x.grad is None and gamma.grad is None
 
 
 def test_add_rms_norm_refuses_a_gamma_of_another_dtype():

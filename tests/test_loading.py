@@ -224,7 +224,7 @@ def test_cards_not_on_the_hub_say_how_to_load_them_anyway(tmp_path):
     assert report["hints"] == [LOAD_ELSEWHERE]
 
 
-FUSED_CALL = "fused = torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]"
+FUSED_CALL = "fused = torch_npu.npu_rms_norm(x_op, gamma, epsilon=eps)[0]"
 
 
 def tampered_rms_norm_copy(built_cards, tmp_path):

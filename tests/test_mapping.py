@@ -98,7 +98,7 @@ def experts_count(model) -> int:
     )
 
 
-def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, int]:
+def expected_calls(model_type: str, model, backward: bool = False, recording: bool | None = None) -> dict[str, int]:
     """Fused op calls of one forward (and backward) of a kernelized model: per Experts module one
     permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute; per dense
     gated MLP one npu_swiglu, or one npu_geglu for a GELU-tanh one (GeGLUMLP); per router
@@ -106,14 +106,16 @@ def expected_calls(model_type: str, model, backward: bool = False) -> dict[str, 
     (its backward is the op's derivative, no call of its own); per fused decoder
     layer one npu_add_rms_norm in place of its post_attention_layernorm's npu_rms_norm, and one
     npu_rms_norm_backward in backward; per attention layer one npu_fusion_attention where the card is the model's
-    attention."""
+    attention. Where autograd records nothing (`recording`, by default `backward`), zero-centred norms run as
+    npu_gemma_rms_norm instead of npu_rms_norm."""
     expected = EXPECTED[model_type]
     experts = experts_count(model) if expected.moe else 0
     decoders = layer_count(model) if expected.decoder else 0
     dense = gated_mlp_count(model) if expected.mlp else 0
     geglu = dense if expected.mlp == "GeGLUMLP" else 0
+    one_kernel = expected.norm == "RMSNormZeroCentered" and not (backward if recording is None else recording)
     calls = {
-        "npu_rms_norm": norm_module_count(model) - decoders,
+        "npu_gemma_rms_norm" if one_kernel else "npu_rms_norm": norm_module_count(model) - decoders,
         "npu_add_rms_norm": decoders,
         "npu_rms_norm_backward": decoders if backward else 0,
         "npu_rotary_mul": 2 * layer_count(model) if expected.rope else 0,
@@ -279,18 +281,19 @@ def test_use_kernels_survives_train_and_eval_switches(npu_kernels, model_type, t
     source.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="npu", use_kernels=True)
     assert model.device.type == "npu"
-    expected = expected_calls(model_type, model)["npu_rms_norm"]
+    norms = norm_module_count(model) - (layer_count(model) if EXPECTED[model_type].decoder else 0)
+    one_kernel = "npu_gemma_rms_norm" if EXPECTED[model_type].norm == "RMSNormZeroCentered" else "npu_rms_norm"
     for switch in (None, "train", "eval", "train"):
         if switch:
             getattr(model, switch)()
         with emulation.count_op_calls() as calls:
-            out = forward(model, token_ids())
-        assert calls["npu_rms_norm"] == expected, switch
+            out = forward(model, token_ids())  # no grad: zero-centred norms run as one npu_gemma_rms_norm
+        assert calls[one_kernel] == norms, switch
         assert len(swapped_modules(model, card="npu-rms-norm")) == norm_module_count(model)
         torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     with emulation.count_op_calls() as calls:
         model(token_ids().to("npu"), labels=token_ids().to("npu")).loss.backward()
-    assert calls["npu_rms_norm"] == expected
+    assert calls["npu_rms_norm"] == norms
     assert all(p.grad is not None for name, p in model.named_parameters() if "norm" in name)
 
 
@@ -457,7 +460,7 @@ def test_a_gemma_mlp_built_with_another_gelu_runs_its_own_forward(npu_kernels, a
     kernelize(other.to("npu"), mode=Mode.INFERENCE, device="npu")
     with emulation.count_op_calls() as calls:
         out = forward(other, token_ids())
-    assert calls["npu_geglu"] == 0 and calls["npu_swiglu"] == 0 and calls["npu_rms_norm"] > 0
+    assert calls["npu_geglu"] == 0 and calls["npu_swiglu"] == 0 and calls["npu_gemma_rms_norm"] > 0  # no grad
     assert {s.layer for s in swapped_modules(other.get_decoder(), card="npu-swiglu")} == {"GeGLUMLP"}
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
 

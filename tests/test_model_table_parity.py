@@ -69,7 +69,8 @@ def test_every_listed_class_is_swapped_and_matches_its_own_forward(npu_kernels, 
             with emulation.count_op_calls() as calls:
                 got = kernelized(x.to("npu")).cpu()
         swaps = swapped_modules(kernelized)
-        if [s.layer for s in swaps] != [rule.layer] or calls["npu_rms_norm"] != 1:
+        # without autograd a zero-centred norm runs as one npu_gemma_rms_norm, every other as one npu_rms_norm
+        if [s.layer for s in swaps] != [rule.layer] or calls["npu_rms_norm"] + calls["npu_gemma_rms_norm"] != 1:
             failures.append(f"{rule.path}: swapped as {[s.layer for s in swaps]}, fused calls {calls}")
             proof.verdict(rule.path, False)
             continue

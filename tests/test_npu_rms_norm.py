@@ -40,7 +40,9 @@ def test_fused_error_at_most_twice_eager_error(card, scaling, dtype):
         weight = (torch.randn(shape[-1]) * 0.5 + (0.0 if scaling == "zero_centered" else 1.0)).to(dtype)
         with emulation.count_op_calls() as calls:
             fused = card.rms_norm(x.to("npu"), weight.to("npu"), eps, scaling).cpu()
-        assert calls["npu_rms_norm"] == 1
+        # no autograd: a zero-centred norm runs as one npu_gemma_rms_norm, the others on npu_rms_norm
+        one_kernel = scaling == "zero_centered"
+        assert (calls["npu_gemma_rms_norm"], calls["npu_rms_norm"]) == ((1, 0) if one_kernel else (0, 1))
         eager = card.rms_norm_eager(x, weight, eps, scaling)
         assert fused.dtype == eager.dtype and fused.shape == eager.shape
         reference = reference_fp64(x, weight, eps, scaling)
@@ -72,6 +74,72 @@ def test_backward_matches_eager(card, scaling):
     torch.testing.assert_close(w_npu.grad.cpu(), weight.grad, rtol=1e-4, atol=1e-5)
 
 
+GEMMA3_NORM_INPUTS = {
+    "hidden states [B, S, H]": lambda: torch.randn(2, 5, 96) * 3,
+    "q/k norm input [B, N, S, D], a transpose of [B, S, N, D] memory": lambda: (torch.randn(2, 5, 4, 64) * 3).transpose(
+        1, 2
+    ),
+}
+
+
+@pytest.mark.parametrize("inputs", list(GEMMA3_NORM_INPUTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gemma3_norms_forward_and_backward_at_most_twice_eagers_error(card, inputs, dtype):
+    """Gemma3's zero-centred norms as its decoder layer calls them, with grad (npu_rms_norm on 1 + weight) and without
+    (one npu_gemma_rms_norm): forward and gradients within twice eager's error against float64, and the output in
+    eager's layout (the q/k norm's transposed input is not copied)."""
+    x = GEMMA3_NORM_INPUTS[inputs]().to(dtype)
+    weight = (torch.randn(x.shape[-1]) * 0.5).to(dtype)
+    grad_y = torch.randn(x.shape, dtype=torch.float64)
+    x64, w64 = (t.double().requires_grad_() for t in (x, weight))
+    reference = reference_fp64(x64, w64, 1e-6, "zero_centered")
+    reference_grads = torch.autograd.grad(reference, (x64, w64), grad_y)
+    results = {}
+    for name, function in (("eager", card.rms_norm_eager), ("fused", card.rms_norm)):
+        x_npu, w_npu = (t.to("npu").requires_grad_() for t in (x, weight))
+        with emulation.count_op_calls() as calls:
+            out = function(x_npu, w_npu, 1e-6, "zero_centered")
+            grads = torch.autograd.grad(out, (x_npu, w_npu), grad_y.to(dtype).to("npu"))
+            with torch.inference_mode():
+                inference_out = function(x_npu, w_npu, 1e-6, "zero_centered")
+        fused = name == "fused"
+        assert (calls["npu_rms_norm"], calls["npu_gemma_rms_norm"]) == ((1, 1) if fused else (0, 0))
+        assert out.stride() == inference_out.stride() == x.stride()
+        results[name] = [t.cpu().double() for t in (out, *grads, inference_out)]
+    for index, want in enumerate((reference, *reference_grads, reference)):
+        fused_error, eager_error = ((results[name][index] - want.detach()).abs().max().item() for name in results)
+        assert fused_error <= 2 * eager_error + 1e-6, (index, fused_error, eager_error)
+
+
+def test_one_kernel_reasons(card, monkeypatch):
+    """Where the zero-centred norm does not run as one npu_gemma_rms_norm, npu_rms_norm on 1 + weight runs and
+    `rms_norm_unavailable_reason(..., one_kernel=True)` says why; the call gives eager's result either way."""
+    x, weight = (torch.randn(4, 16) * 3).bfloat16(), (torch.randn(16) * 0.5).bfloat16()
+    torch_npu = emulation.install()
+    cases = {
+        "plain": (x.float(), weight.float(), "plain", "zero_centered) only"),  # exact in float32
+        "float32 weight": (x, weight.float(), "zero_centered", "takes gamma in x's dtype"),
+        "x with overlapping rows": (x[:1].to("npu").expand(4, 16), weight, "zero_centered", "contiguous tensors only"),
+        "no such op": (x, weight, "zero_centered", "this torch_npu has no npu_gemma_rms_norm"),
+    }
+    for case, (x_case, w_case, scaling, reason) in cases.items():
+        with monkeypatch.context() as patch:
+            if case == "no such op":
+                patch.delattr(torch_npu, "npu_gemma_rms_norm")
+            x_npu, w_npu = x_case.to("npu"), w_case.to("npu")
+            assert reason in card.rms_norm_unavailable_reason(x_npu, w_npu, scaling, one_kernel=True), case
+            assert card.rms_norm_unavailable_reason(x_npu, w_npu, scaling) is None
+            with torch.inference_mode(), emulation.count_op_calls() as calls:
+                out = card.rms_norm(x_npu, w_npu, 1e-6, scaling).cpu()
+        assert (calls["npu_gemma_rms_norm"], calls["npu_rms_norm"]) == (0, 1), case
+        eager = card.rms_norm_eager(x_case.cpu(), w_case.cpu(), 1e-6, scaling)
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    x_npu, w_npu = (t.to("npu").requires_grad_() for t in (x, weight))
+    assert "autograd records" in card.rms_norm_unavailable_reason(x_npu, w_npu, "zero_centered", one_kernel=True)
+    with torch.no_grad():
+        assert card.rms_norm_unavailable_reason(x_npu, w_npu, "zero_centered", one_kernel=True) is None
+
+
 def _fallback_cases():
     w = torch.randn(16)
     return {
@@ -94,7 +162,7 @@ def test_unsupported_inputs_take_the_exact_eager_path(card, case):
     assert reason in card.rms_norm_unavailable_reason(x.to("npu"), weight.to("npu"), scaling)
     with emulation.count_op_calls() as calls:
         out = card.rms_norm(x.to("npu"), weight.to("npu"), 1e-6, scaling)
-    assert calls["npu_rms_norm"] == 0
+    assert calls["npu_rms_norm"] == calls["npu_gemma_rms_norm"] == 0
     assert out.device.type == "npu"
     assert torch.equal(out.cpu(), card.rms_norm_eager(x, weight, 1e-6, scaling))
 

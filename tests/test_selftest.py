@@ -66,19 +66,25 @@ def _rule_holds(rule_id: str, holds):
 
 @contextmanager
 def _off_by_five_percent():
-    """The emulated npu_rms_norm is wrong inside the block: its output 5% too large (and so its gradients)."""
+    """The emulated npu_rms_norm and npu_gemma_rms_norm are wrong inside the block: outputs 5% too large (and so the
+    gradients)."""
     torch_npu = sys.modules["torch_npu"]
-    right = torch_npu.npu_rms_norm
+    rights = {name: getattr(torch_npu, name) for name in ("npu_rms_norm", "npu_gemma_rms_norm")}
 
-    def wrong(*args, **kwargs):
-        y, rstd = right(*args, **kwargs)
-        return y * 1.05, rstd
+    def wrong(right):
+        def call(*args, **kwargs):
+            y, rstd = right(*args, **kwargs)
+            return y * 1.05, rstd
 
-    torch_npu.npu_rms_norm = wrong
+        return call
+
+    for name, right in rights.items():
+        setattr(torch_npu, name, wrong(right))
     try:
         yield
     finally:
-        torch_npu.npu_rms_norm = right
+        for name, right in rights.items():
+            setattr(torch_npu, name, right)
 
 
 def _rms_norm_swaps(built_cards, **register):

@@ -1,4 +1,4 @@
-"""RMSNorm on torch_npu.npu_rms_norm, with the eager math of transformers wherever the op does not apply.
+"""RMSNorm on torch_npu.npu_rms_norm (and npu_gemma_rms_norm), with transformers' eager math where they do not apply.
 
 transformers' RMSNorm classes scale the normalised input in one of three ways; `npu_rms_norm`
 (float32 inside, one cast at the end) serves all three:
@@ -7,6 +7,15 @@ transformers' RMSNorm classes scale the normalised input in one of three ways; `
   and within one rounding step in float16/bfloat16 (transformers rounds before the multiply).
 - "zero_centered" (Gemma3RMSNorm): `(normalize(x) * (1 + weight.float())).to(dtype)`; exact.
 - "float32_scale" (Olmo2RMSNorm): `(weight.float() * normalize(x)).to(dtype)`; exact.
+
+Where autograd records nothing (inference, no_grad, weights and x without grad), a zero-centred norm whose weight has
+x's dtype runs as one `npu_gemma_rms_norm(x, weight)` instead, which adds 1 to the weight in float32 itself: no
+`1 + weight` kernels before it. That op has no backward, so with grad the npu_rms_norm form runs.
+`rms_norm_unavailable_reason(..., one_kernel=True)` says why a call does not take the one-kernel form.
+
+x is handed to the ops in the order of its dims its memory has (a [B, H, S, D] transpose of [B, S, H, D] memory, as
+Gemma3's q/k norms get it, as its [B, S, H, D] view), and the result goes back through the same permutation: no copy
+of x, and the output has the layout eager's has. Any other layout is copied to a contiguous x first.
 
 Backward: npu_rms_norm's own autograd node (npu_rms_norm_backward). That op has no derivative, so in a backward that
 autograd records (create_graph: a gradient penalty, a Hessian-vector product) the fused output's gradient is that of
@@ -26,8 +35,22 @@ from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 from ._rms_norm_forms import Scaling, check_scaling, rms_norm_math
 
 
-def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling = "plain") -> str | None:
-    """Why `npu_rms_norm` will not run for these inputs (the eager math runs instead), or None."""
+def rms_norm_unavailable_reason(
+    x: torch.Tensor, weight: torch.Tensor, scaling: Scaling = "plain", *, one_kernel: bool = False
+) -> str | None:
+    """Why `npu_rms_norm` will not run for these inputs (the eager math runs instead), or None.
+
+    With `one_kernel=True`: why the norm does not run as one `npu_gemma_rms_norm` call (the npu_rms_norm form may still
+    run), or None when it does.
+    """
+    reason = _fused_unavailable_reason(x, weight, scaling)
+    if not one_kernel or reason is not None:
+        return reason
+    return _one_kernel_unavailable_reason(x, weight, scaling)
+
+
+def _fused_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling) -> str | None:
+    """Why `npu_rms_norm` will not run for these inputs, or None."""
     check_scaling(scaling)
     reason = npu_unavailable_reason(x, weight)
     if reason is not None:
@@ -51,6 +74,54 @@ def rms_norm_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: 
     return None
 
 
+def _one_kernel_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling) -> str | None:
+    """Why inputs npu_rms_norm takes do not run as one `npu_gemma_rms_norm`, or None when they do."""
+    if scaling != "zero_centered":
+        return f"scaling {scaling!r}: npu_gemma_rms_norm scales by 1 + weight (zero_centered) only"
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return "autograd records this call: npu_gemma_rms_norm has no backward"
+    if not hasattr(torch_npu, "npu_gemma_rms_norm"):
+        return "this torch_npu has no npu_gemma_rms_norm (op-plugin's release branches 7.0.0 and later have it)"
+    if weight.dtype is not x.dtype:
+        return f"weight dtype {weight.dtype} differs from x's {x.dtype}: npu_gemma_rms_norm takes gamma in x's dtype"
+    if not (x.is_contiguous() or _dense_order(x) is not None) or not weight.is_contiguous():
+        return (
+            "x is not contiguous in any order of its leading dims, or the weight is not: npu_gemma_rms_norm takes "
+            "contiguous tensors only"
+        )
+    return None
+
+
+def _as_dense(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """x as the ops are given it, and the order of its dims that takes (None: x's own order).
+
+    x itself when contiguous; else its dims permuted to the order its memory has (`_dense_order`), when there is one;
+    else a contiguous copy.
+    """
+    if x.is_contiguous():
+        return x, None
+    order = _dense_order(x)
+    return (x.contiguous(), None) if order is None else (x.permute(order), order)
+
+
+def _dense_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of x's dims (the last one last) in which x's memory is contiguous, or None when there is none.
+
+    Leading dims by decreasing stride: a [B, H, S, D] transpose of [B, S, H, D] memory gives (0, 2, 1, 3).
+    """
+    last = x.dim() - 1
+    order = (*sorted(range(last), key=lambda dim: -x.stride(dim)), last)
+    return order if x.permute(order).is_contiguous() else None
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes `order`."""
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return tuple(inverse)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain", *, module: nn.Module | None = None
 ) -> torch.Tensor:
@@ -59,13 +130,18 @@ def rms_norm(
     Fused on npu tensors (second-order gradients: eager's, see the module's docstring) as `rms_norm_unavailable_reason`
     decides, recorded for `module` (the layer's own, when a layer calls it).
     """
-    if ran_eager(module, rms_norm_unavailable_reason(x, weight, scaling)):
+    if ran_eager(module, _fused_unavailable_reason(x, weight, scaling)):
         return rms_norm_eager(x, weight, eps, scaling)
-    gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
-    fused = torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]
-    if not torch.is_grad_enabled():  # autograd records nothing: with_eager_double_backward would return fused as it is
-        return fused
-    return with_eager_double_backward(fused, partial(rms_norm_math, eps=eps, scaling=scaling), x, weight)
+    x_op, order = _as_dense(x)
+    if _one_kernel_unavailable_reason(x, weight, scaling) is None:
+        fused = torch_npu.npu_gemma_rms_norm(x_op, weight, epsilon=eps)[0]
+    else:
+        gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
+        fused = torch_npu.npu_rms_norm(x_op, gamma, epsilon=eps)[0]
+        if torch.is_grad_enabled():  # else autograd records nothing: with_eager_double_backward would return fused
+            eager = partial(rms_norm_math, eps=eps, scaling=scaling)
+            fused = with_eager_double_backward(fused, eager, x_op, weight)
+    return fused if order is None else fused.permute(_inverse(order))
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:

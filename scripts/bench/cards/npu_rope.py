@@ -3,6 +3,11 @@
 Floor: 1 op reading q, k, cos, sin, writing q', k'. Backward: 1 op reading dq', dk', cos, sin, writing dq, dk.
 (npu_apply_rotary_pos_emb is that op in inference; with grad, npu_rotary_mul runs once for q and once for k,
 which the targets allow: at most `OPS_PER_DIRECTION` ops each way.)
+On Atlas A2/A3 npu_apply_rotary_pos_emb takes head dims 64 and 128 only (op-plugin@517f2e7
+docs/zh/custom_APIs/torch_npu/torch_npu-apply_rotary_pos_emb.md:25; Ascend 950 takes up to 1024): a model of
+another head dim (Gemma-3-4B's 256) rotates q and k with one npu_rotary_mul each in inference too, 2 ops against
+the floor's 1, each reading cos and sin: (2 (Nq + Nk) + 4) / (2 (Nq + Nk) + 2) x the floor's bytes, 1.077 for
+Gemma-3-4B's 8 + 4 heads. No op the device documents rotates q and k of such a head dim in one call there.
 Kept for backward: nothing beyond the region's inputs: the backward rotates the gradients by cos and sin.
 (npu_rotary_mul keeps q and k as well, inputs of the region, so not counted here either.)
 """

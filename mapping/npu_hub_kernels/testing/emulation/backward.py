@@ -17,6 +17,9 @@ second backward, warns and passes no gradient. The first-order gradients are the
 them is missing, silently but for the warning, as on the device. Where no gradient reaches an op's output, its
 backward op does not run (the nodes set `ctx.set_materialize_grads(False)`, as torch's generated nodes skip an
 undefined gradient), so a card that routes a recorded backward elsewhere leaves no warning behind.
+
+`without_derivative(op, result, *sources)` is that fallback for a forward op with no derivative at all
+(npu_gemma_rms_norm): its result warns in backward and passes its sources no gradient.
 """
 
 from __future__ import annotations
@@ -57,6 +60,18 @@ def device_backward(op: str) -> Callable:
         return wrapper
 
     return decorate
+
+
+def without_derivative(op: str, result: torch.Tensor, *sources: torch.Tensor) -> torch.Tensor:
+    """`result` of the device op `op`, which has no derivative, as torch_npu's autograd fallback hands it back.
+
+    Where autograd records and a source requires grad, the result gets a node that warns and passes no gradient to
+    the sources (PyTorch's "warn" mode); else it is returned as it is.
+    """
+    needing = [t for t in sources if t.requires_grad]
+    if not torch.is_grad_enabled() or not needing:
+        return result
+    return _NoDerivative.apply(op, result, *needing)
 
 
 class _NoDerivative(torch.autograd.Function):

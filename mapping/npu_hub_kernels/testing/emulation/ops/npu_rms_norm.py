@@ -1,4 +1,4 @@
-"""Emulated `torch_npu.npu_rms_norm`: the contract in docs/torch-npu-ops.md, section "npu_rms_norm".
+"""Emulated `torch_npu.npu_rms_norm` and `torch_npu.npu_gemma_rms_norm`: docs/torch-npu-ops.md, sections of each.
 
 Everything in fp32 with one final cast: `rstd = rsqrt(mean(x.float()**2) + eps)`,
 `y = (x.float() * rstd * gamma.float()).to(x.dtype)`; rstd is float32 with the normalised dims kept
@@ -6,20 +6,26 @@ as size 1. Backward as the op's `npu_rms_norm_backward(grad, x, gamma, rstd)` (d
 autograd casts to gamma's dtype; rstd has no gradient), keeping x, gamma and rstd for it, as the op does;
 `rms_norm_grads` is that math, which npu-add-rms-norm's emulated `npu_rms_norm_backward` exposes as the op.
 
-Limits: `LEDGER` (npu_rms_norm's rules), and `NPU_RMS_NORM_BACKWARD`, the backward op's rules, which the autograd
-node checks on what op-plugin's derivatives.yaml hands it (`npu_rms_norm_backward(grad, self, gamma, result1)`) and
-`ops/npu_add_rms_norm.py` checks on calls of the op itself; that module's `LEDGER` lists them (once).
+`npu_gemma_rms_norm(x, gamma, epsilon)`: the same norm scaled by `1 + gamma`, with gamma in x's dtype added to 1 in
+float32 (op-plugin's golden: `gamma_fp32 + 1`), one final cast; rstd float32 as npu_rms_norm's. It has no derivative
+(no derivatives.yaml entry): torch_npu's autograd fallback gives its outputs a node that warns and passes no gradient
+(`backward.without_derivative`).
+
+Limits: `LEDGER` (npu_rms_norm's rules, then npu_gemma_rms_norm's), and `NPU_RMS_NORM_BACKWARD`, the backward op's
+rules, which the autograd node checks on what op-plugin's derivatives.yaml hands it
+(`npu_rms_norm_backward(grad, self, gamma, result1)`) and `ops/npu_add_rms_norm.py` checks on calls of the op itself;
+that module's `LEDGER` lists them (once).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backward import device_backward
+from ..backward import device_backward, without_derivative
 from ..checks import FLOAT_DTYPES, require_npu
 from ..ledger import OPS_NN, enforce, op_doc, rules
 
-__all__ = ["npu_rms_norm"]
+__all__ = ["npu_gemma_rms_norm", "npu_rms_norm"]
 
 _RMS_NORM_DOC = f"{OPS_NN}:norm/rms_norm/docs/aclnnRmsNorm.md"
 _RMS_NORM_GRAD_DOC = f"{OPS_NN}:norm/rms_norm_grad/docs/aclnnRmsNormGrad.md"
@@ -37,7 +43,7 @@ def _rstd_shapes(x: torch.Tensor, gamma: torch.Tensor) -> tuple[tuple[int, ...],
     return leading, leading + (1,) * gamma.dim()
 
 
-LEDGER = rules(
+NPU_RMS_NORM = rules(
     "npu_rms_norm",
     ("x-dtype", "x is float16, bfloat16 or float32", op_doc(3447), lambda c: c.x.dtype in FLOAT_DTYPES),
     (
@@ -81,6 +87,43 @@ LEDGER = rules(
 )
 """npu_rms_norm's limits on Atlas A2/A3 (the inference series' 32-byte tail and dtype pairs are not theirs)."""
 
+_GEMMA_DOC = 12162
+"""The line of npu_gemma_rms_norm's torch_npu docstring (`_op_plugin_docs.py`) stating x's limits (gamma's next)."""
+_GEMMA_ACLNN = "hicann/ops-nn@8ac78fb:norm/gemma_rms_norm/docs/aclnnGemmaRmsNorm_en.md"
+_GEMMA_STRICTER = (
+    f"the torch_npu docstring refuses it; the CANN kernel's doc ({_GEMMA_ACLNN}, x's and gamma's rows of the "
+    "parameter table) accepts it: the stricter holds"
+)
+
+NPU_GEMMA_RMS_NORM = rules(
+    "npu_gemma_rms_norm",
+    ("x-dtype", "x is float32, float16 or bfloat16", op_doc(_GEMMA_DOC), lambda c: c.x.dtype in FLOAT_DTYPES),
+    ("gamma-dtype", "gamma has x's dtype", op_doc(_GEMMA_DOC + 1), lambda c: c.gamma.dtype == c.x.dtype),
+    ("x-rank", "x has 1 to 8 dims", op_doc(_GEMMA_DOC), lambda c: 1 <= c.x.dim() <= 8),
+    ("gamma-rank", "gamma has 1 to 8 dims", op_doc(_GEMMA_DOC + 1), lambda c: 1 <= c.gamma.dim() <= 8),
+    (
+        "gamma-shape",
+        "gamma's shape is x's trailing dims (gamma_shape = input_shape[n:], n < input_shape.dims())",
+        op_doc(_GEMMA_DOC + 1),
+        lambda c: _is_trailing(c.x, c.gamma),
+    ),
+    (
+        "nonempty",
+        "x and gamma are not empty (不支持空进空出)",
+        op_doc(_GEMMA_DOC + 9),
+        lambda c: c.x.numel() > 0 and c.gamma.numel() > 0,
+        _GEMMA_STRICTER,
+    ),
+    (
+        "contiguous",
+        "x and gamma are contiguous (不支持非连续tensor)",
+        op_doc(_GEMMA_DOC + 10),
+        lambda c: c.x.is_contiguous() and c.gamma.is_contiguous(),
+        _GEMMA_STRICTER,
+    ),
+)
+"""npu_gemma_rms_norm's limits on Atlas A2/A3, the only products it supports (its docstring's 支持的型号)."""
+
 NPU_RMS_NORM_BACKWARD = rules(
     "npu_rms_norm_backward",
     (
@@ -119,11 +162,25 @@ NPU_RMS_NORM_BACKWARD = rules(
 )
 """npu_rms_norm_backward's limits on Atlas A2/A3: `ops/npu_add_rms_norm.py` lists them in its `LEDGER`."""
 
+LEDGER = NPU_RMS_NORM + NPU_GEMMA_RMS_NORM
+
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     require_npu("npu_rms_norm", x=x, gamma=gamma)
-    enforce(LEDGER, x=x, gamma=gamma, epsilon=epsilon)
+    enforce(NPU_RMS_NORM, x=x, gamma=gamma, epsilon=epsilon)
     return _RmsNorm.apply(x, gamma, epsilon)
+
+
+def npu_gemma_rms_norm(
+    x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    require_npu("npu_gemma_rms_norm", x=x, gamma=gamma)
+    enforce(NPU_GEMMA_RMS_NORM, x=x, gamma=gamma, epsilon=epsilon)
+    with torch.no_grad():
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(dim=_normalised_dims(x, gamma), keepdim=True) + epsilon)
+        y = (x32 * rstd * (gamma.float() + 1.0)).to(x.dtype)
+    return tuple(without_derivative("npu_gemma_rms_norm", t, x, gamma) for t in (y, rstd))
 
 
 class _RmsNorm(torch.autograd.Function):
