@@ -470,6 +470,58 @@ def test_trl_padding_free_sft_trains_to_eagers_losses(built_cards, tmp_path):
     torch.testing.assert_close(logged_losses(trainer), logged_losses(eager), rtol=1e-5, atol=0)
 
 
+class VariableLengthRows(torch.utils.data.Dataset):
+    """Causal-LM examples of 4 to 9 random token ids each (no special ids), for padding-free batches."""
+
+    def __init__(self, examples: int = 16, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(4, 10, (examples,), generator=generator).tolist()
+        self.rows = [torch.randint(4, 96, (n,), generator=generator).tolist() for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_trainer_with_flattening_collator_trains_to_eagers_losses(built_cards, tmp_path, flash_kwargs):
+    """transformers' Trainer with DataCollatorWithFlattening (padding-free: one packed row per batch, sequences told
+    by restarting position_ids, or by cu_seq_lens too) on the npu with the card gives the losses of the same run with
+    eager attention on the host; every layer's attention fused at every forward (gradient checkpointing's recompute
+    included), none in the eager run (negative control)."""
+    from test_training_stacks import logged_losses, training_args
+    from transformers import DataCollatorWithFlattening, Trainer
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "source")
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    eager_model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", attn_implementation="eager")
+    common = dict(save_strategy="no", max_steps=3)
+    eager = Trainer(
+        eager_model,
+        training_args(tmp_path / "eager", use_cpu=True, **common),
+        train_dataset=VariableLengthRows(),
+        data_collator=collator,
+    )
+    with emulation.count_op_calls() as eager_calls:
+        eager.train()
+    assert eager_calls[OP] == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source").to("npu")
+    model = apply_npu_kernels(model, kernels=NAME, local_dir=built_cards)
+    assert model.config._attn_implementation == NAME
+    trainer = Trainer(
+        model, training_args(tmp_path / "npu", **common), train_dataset=VariableLengthRows(), data_collator=collator
+    )
+    with emulation.count_op_calls() as calls:
+        trainer.train()
+    steps = len(logged_losses(trainer))
+    assert steps == 3 and model.is_gradient_checkpointing
+    assert calls[OP] == steps * 2 * model.config.num_hidden_layers  # forward and checkpointing's recompute
+    torch.testing.assert_close(logged_losses(trainer), logged_losses(eager), rtol=1e-5, atol=0)
+
+
 def test_overlaid_and_chunked_masks_are_eagers_own_so_those_calls_run_eager(registered):
     """A model's overlay on the causal mask (a prefix here, image tokens in Gemma3) and Llama4's chunked attention are
     masks the op cannot express: the card's mask function returns eager's own 4-D mask for them, which the attention
