@@ -42,12 +42,15 @@ def expect_host_read(mask: torch.Tensor) -> None:
 
 
 def host_copy(mask: torch.Tensor) -> torch.Tensor:
-    """`mask` on the host, read with every recorded mask of its device in one copy the first time (see the module)."""
+    """`mask` on the host, read with every recorded mask of its device in one copy the first time (see the module).
+
+    Only masks of the same tensor type join the copy: a tracing mode's tensors (the bench's fake ones) cannot mix
+    with the device's."""
     copy = getattr(mask, HOST_COPY_ATTRIBUTE, None)
     if copy is not None:
         return copy
     recorded = _live_recorded()
-    batch = [other for other in recorded if other.device == mask.device]
+    batch = [other for other in recorded if other.device == mask.device and type(other) is type(mask)]
     if not any(other is mask for other in batch):
         batch.append(mask)
     flat = torch.cat([other.reshape(-1).to(torch.int32) for other in batch]).cpu()
