@@ -8,7 +8,8 @@
 
 Both run the tests marked `model_tables` (in the files `model_table_tests` finds) in this interpreter's environment
 (`make test-transformers` and `make prove-transformers` run them in one environment per admitted release). `prove` reads
-the verdict each test gave each class (tests/proof.py) and adds this release to the proven fingerprints of
+the verdict each test gave each class (tests/proof.py) and adds this release to the proven fingerprints of every
+listed class (`PROVEN_CLASSES`: the classes a card's layers swap, and an attention card's fused classes) in
 `mapping/npu_hub_kernels/models/proven/<card package>.json`, replacing what an earlier proof of the release recorded.
 A class that failed any check, or that no test checked, is not recorded: on this release it stays eager, with why.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 import transformers
 
 from npu_hub_kernels.cards import CARDS
-from npu_hub_kernels.models import MODEL_CLASSES, fingerprints
+from npu_hub_kernels.models import PROVEN_CLASSES, fingerprints
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVEN_DIR = ROOT / "mapping" / "npu_hub_kernels" / "models" / "proven"
@@ -86,7 +87,7 @@ def prove(workers: str) -> int:
     failed = {path for path, outcome in lines if outcome == "fail"}
     passed = {path for path, outcome in lines if outcome == "pass"} - failed
     recorded = defaultdict(int)
-    for kernel_id, rules in MODEL_CLASSES.items():
+    for kernel_id, rules in PROVEN_CLASSES.items():
         card = CARDS[kernel_id]
         path_file = PROVEN_DIR / f"{card.python_name}.json"
         proven = _without_release(json.loads(path_file.read_text()) if path_file.exists() else {}, release)
@@ -118,9 +119,7 @@ def prove(workers: str) -> int:
 def proven_table() -> str:
     """The markdown table of docs/models.md: per card, its listed classes and how many are proven on each release."""
     per_card = {}
-    for kernel_id, rules in MODEL_CLASSES.items():
-        if not rules:  # an attention card (npu-fused-attention) swaps no class: no fingerprint to prove
-            continue
+    for kernel_id, rules in PROVEN_CLASSES.items():
         card = CARDS[kernel_id]
         proven = json.loads((PROVEN_DIR / f"{card.python_name}.json").read_text())
         listed = {rule.path for rule in rules}
@@ -162,7 +161,7 @@ def status() -> int:
     """Print, per card, how many listed classes this release has and proves, and each unproven one with why."""
     release = transformers.__version__
     unproven_total = 0
-    for kernel_id, rules in MODEL_CLASSES.items():
+    for kernel_id, rules in PROVEN_CLASSES.items():
         card = CARDS[kernel_id]
         present = [(rule, obj) for rule in rules if (obj := rule.installed()) is not None]
         reasons = {

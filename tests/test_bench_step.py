@@ -127,6 +127,24 @@ def test_step_counts_the_optimizer_and_leaves_host_ops_out():
     assert figures["state bytes"] == 3 * params  # parameters and AdamW's two moments
 
 
+def test_no_card_category_is_dead_and_the_fused_attention_op_is_its_cards():
+    """Each card column of the split is where some fused op (or its backward) lands: the attention card's
+    npu_fusion_attention under "<card> ops", not under the untouched "attention", where sdpa's kernel stays."""
+    landed = {
+        op: step.category(OpRecord(op, 0, 0), optimizer=False)
+        for _, spec in step.specs()
+        for name in spec.FUSED_OPS
+        for op in (name, f"{name}_backward")
+    }
+    card_columns = [kind for kind in step.categories() if kind not in (*step.UNTOUCHED, step.OTHER)]
+    assert sorted(set(card_columns) - set(landed.values())) == []
+    attention_card = next(card for card, spec in step.specs() if "npu_fusion_attention" in spec.FUSED_OPS)
+    assert (
+        landed["npu_fusion_attention"] == landed["npu_fusion_attention_backward"] == f"{attention_card.repo_name} ops"
+    )
+    assert step.category(OpRecord("scaled_dot_product_attention", 0, 0), optimizer=False) == step.UNTOUCHED[1]
+
+
 def test_time_model_constants_are_cited():
     """Every constant names where it comes from: a URL or a DOI."""
     assert device_model.CONSTANTS

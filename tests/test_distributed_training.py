@@ -12,8 +12,8 @@ batches, AdamW, STEPS steps. What each kernelized run must show, per rank:
   idiom (tests/numerics.py): against the float32 run without kernels, its losses, parameter updates and weight sums
   are at most twice as far as the bf16 run without kernels (plus a floor for one rounding draw).
 - fusion: the fused op calls of every step equal those of one forward and backward of the same kernelized model in
-  one process (no engine), with the norms, rotary and SwiGLU (and the experts' ops for MoE) among them; the run
-  without kernels calls none (negative control).
+  one process (no engine), with the norms, rotary, SwiGLU and fused attention (and the experts' ops for MoE) among
+  them; the run without kernels calls none (negative control).
 - the weights each forward reads follow the optimizer (the frozen-weights regression of issue 16): a forward
   pre-hook on every MLP sums its parameters as the forward sees them; the sums change at every step and equal
   those of the run without kernels.
@@ -262,9 +262,11 @@ the dense path: it is trained on 2 ranks under DeepSpeed ZeRO-3 (tests/test_deep
 norms fused, exact, in one process (tests/test_mapping.py, tests/test_training_stacks.py)."""
 FUSED_EVERY_STEP = {
     # npu-linear-cross-entropy too: the lm_head in the root unit (its parameters plain in the root's forward), or a
-    # unit of its own (the loss computed as lm_head's call, inside which FSDP2 has unsharded its weight)
-    "llama": {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_cross_entropy_loss"},
+    # unit of its own (the loss computed as lm_head's call, inside which FSDP2 has unsharded its weight); and
+    # npu-fused-attention, which apply_npu_kernels makes the model's attention (its default sdpa replaced)
+    "llama": {"npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_cross_entropy_loss", "npu_fusion_attention"},
     "qwen3_moe": {
+        "npu_fusion_attention",
         "npu_rms_norm",
         "npu_rotary_mul",
         "npu_grouped_matmul",

@@ -9,17 +9,25 @@ left out of the comparison: the card writes 0 there, eager a value no later laye
 
 from __future__ import annotations
 
+import ast
+import inspect
 import logging
+import re
 import sys
+import textwrap
 
+import proof
 import pytest
 import torch
 from kernels import get_local_kernel
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
+from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels import apply_npu_kernels, register_npu_kernels
+from npu_hub_kernels.cards import CARDS
 from npu_hub_kernels.doctor import diagnose, format_report
+from npu_hub_kernels.models import FUSED_CLASSES, fingerprints
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import TINY_WIDTHS, tiny_causal_lm, tiny_config_values, token_ids
 
@@ -290,37 +298,68 @@ def test_a_packed_mistral_batch_gives_eager_logits_and_gradients(registered, how
         torch.testing.assert_close(fused_grad, eager_grad, atol=2e-5, rtol=1e-3, msg=name)
 
 
-@pytest.mark.parametrize(
-    ("batch", "allowed"),
-    [
-        ("unpadded", 0),
-        ("left-padded", 1),
-        ("packed by position_ids", 1),
-        ("packed by cu_seq_lens", 1),
-    ],
-)
-def test_host_syncs_per_forward_and_backward(registered, batch, allowed):
-    """The card's host syncs over a 4-layer forward and backward, beyond those transformers makes with sdpa itself."""
-    model = tiny_causal_lm("llama", num_hidden_layers=4).to("npu").train()
+SYNC_BATCHES = {"unpadded": 0, "left-padded": 1, "packed by position_ids": 1, "packed by cu_seq_lens": 1}
+"""Each batch form, and the host syncs the card may add to a forward and backward (the issue: none unpadded, one per
+forward for padding or packing, shared by every layer and layer type)."""
+
+
+def sync_inputs(batch: str, padded_row: int = 0) -> tuple[torch.Tensor, dict]:
+    """Token ids and forward inputs of a 24-token batch of the form `batch` (a key of SYNC_BATCHES)."""
     ids = token_ids(2 if batch == "left-padded" else 1, 24).to("npu")
     inputs = {"use_cache": False}
     if batch == "left-padded":
         mask = torch.ones(2, 24, dtype=torch.long)
-        mask[0, :5] = 0
+        mask[padded_row, :5] = 0
         inputs["attention_mask"] = mask.to("npu")
     if batch.startswith("packed"):
         inputs["position_ids"] = torch.cat([torch.arange(10), torch.arange(14)])[None].to("npu")
     if batch == "packed by cu_seq_lens":
         cu = torch.tensor([0, 10, 24], dtype=torch.int32).to("npu")
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=14, max_length_k=14)
+    return ids, inputs
+
+
+def tiny_hybrid(family: str) -> torch.nn.Module:
+    """A 4-layer model on the npu: Llama, or Gemma3 with sliding and full layers (two mask kinds per forward)."""
+    if family == "llama":
+        return tiny_causal_lm("llama", num_hidden_layers=4).to("npu").train()
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    return tiny_causal_lm(family, num_hidden_layers=4, sliding_window=4, layer_types=layer_types).to("npu").train()
+
+
+def card_syncs(model: torch.nn.Module, ids: torch.Tensor, inputs: dict) -> tuple[int, int]:
+    """(the host syncs the card adds to a forward and backward, the op's calls in it).
+
+    What the card adds is counted against the same step with eager attention, which makes only transformers' own
+    syncs (its packed-sequence check, one per mask kind), none of an attention implementation's."""
     counts = {}
-    for implementation in ("sdpa", NAME):
+    for implementation in ("eager", NAME):
         model.set_attn_implementation(implementation)
         with emulation.count_host_syncs() as syncs, emulation.count_op_calls() as calls:
             model(ids, **inputs).logits.float().mean().backward()
         counts[implementation] = sum(syncs.values())
-    assert calls[OP] == 4
-    assert counts[NAME] - counts["sdpa"] <= allowed, counts
+    return counts[NAME] - counts["eager"], calls[OP]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("batch", list(SYNC_BATCHES))
+def test_host_syncs_per_forward_and_backward(registered, family, batch):
+    """The card's host syncs over a 4-layer forward and backward: exactly the allowed count, shared by every layer
+    and, in Gemma3, by its sliding and full layers; a second forward reads its own batch again (no stale plan)."""
+    model = tiny_hybrid(family)
+    ids, inputs = sync_inputs(batch)
+    assert card_syncs(model, ids, inputs) == (SYNC_BATCHES[batch], 4)
+    ids, inputs = sync_inputs(batch, padded_row=1)
+    assert card_syncs(model, ids, inputs) == (SYNC_BATCHES[batch], 4)
+
+
+@pytest.mark.parametrize("batch", ["left-padded", "packed by position_ids"])
+def test_a_hybrid_model_reads_each_mask_kind_once_without_the_shared_read(card, registered, monkeypatch, batch):
+    """Negative control of the shared read: with the mask function recording nothing, Gemma3's sliding and full
+    masks are read on their own, two syncs per forward, which the counter sees."""
+    monkeypatch.setattr(sys.modules[f"{card.__name__}.masks"], "expect_host_read", lambda mask: None)
+    ids, inputs = sync_inputs(batch)
+    assert card_syncs(tiny_hybrid("gemma3_text"), ids, inputs) == (2, 4)
 
 
 def test_apply_npu_kernels_selects_the_card_where_the_attention_is_the_default(built_cards):
@@ -439,6 +478,58 @@ def test_trl_padding_free_sft_trains_to_eagers_losses(built_cards, tmp_path):
     torch.testing.assert_close(logged_losses(trainer), logged_losses(eager), rtol=1e-5, atol=0)
 
 
+class VariableLengthRows(torch.utils.data.Dataset):
+    """Causal-LM examples of 4 to 9 random token ids each (no special ids), for padding-free batches."""
+
+    def __init__(self, examples: int = 16, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(4, 10, (examples,), generator=generator).tolist()
+        self.rows = [torch.randint(4, 96, (n,), generator=generator).tolist() for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_trainer_with_flattening_collator_trains_to_eagers_losses(built_cards, tmp_path, flash_kwargs):
+    """transformers' Trainer with DataCollatorWithFlattening (padding-free: one packed row per batch, sequences told
+    by restarting position_ids, or by cu_seq_lens too) on the npu with the card gives the losses of the same run with
+    eager attention on the host; every layer's attention fused at every forward (gradient checkpointing's recompute
+    included), none in the eager run (negative control)."""
+    from test_training_stacks import logged_losses, training_args
+    from transformers import DataCollatorWithFlattening, Trainer
+
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "source")
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    eager_model = AutoModelForCausalLM.from_pretrained(tmp_path / "source", attn_implementation="eager")
+    common = dict(save_strategy="no", max_steps=3)
+    eager = Trainer(
+        eager_model,
+        training_args(tmp_path / "eager", use_cpu=True, **common),
+        train_dataset=VariableLengthRows(),
+        data_collator=collator,
+    )
+    with emulation.count_op_calls() as eager_calls:
+        eager.train()
+    assert eager_calls[OP] == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source").to("npu")
+    model = apply_npu_kernels(model, kernels=NAME, local_dir=built_cards)
+    assert model.config._attn_implementation == NAME
+    trainer = Trainer(
+        model, training_args(tmp_path / "npu", **common), train_dataset=VariableLengthRows(), data_collator=collator
+    )
+    with emulation.count_op_calls() as calls:
+        trainer.train()
+    steps = len(logged_losses(trainer))
+    assert steps == 3 and model.is_gradient_checkpointing
+    assert calls[OP] == steps * 2 * model.config.num_hidden_layers  # forward and checkpointing's recompute
+    torch.testing.assert_close(logged_losses(trainer), logged_losses(eager), rtol=1e-5, atol=0)
+
+
 def test_overlaid_and_chunked_masks_are_eagers_own_so_those_calls_run_eager(registered):
     """A model's overlay on the causal mask (a prefix here, image tokens in Gemma3) and Llama4's chunked attention are
     masks the op cannot express: the card's mask function returns eager's own 4-D mask for them, which the attention
@@ -462,3 +553,151 @@ def test_overlaid_and_chunked_masks_are_eagers_own_so_those_calls_run_eager(regi
     assert torch.equal(overlaid.cpu(), masks["eager"][0].cpu()) and overlaid.dim() == 4
     assert torch.equal(chunked.cpu(), masks["eager"][1].cpu()) and chunked.dim() == 4
     assert plain is None  # negative control: the op's causal mode
+
+
+# The attention table, proven on each transformers release (marker model_tables: scripts/model_tables.py, `make
+# prove-transformers`). The card replaces one call of each listed class, its attention function's; the rest of the
+# class is transformers' own code either way. So a listed class is proven where (1) its source makes that call in a
+# form the card fuses, and (2) a reference model whose attention makes the call in the same form gives eager's logits
+# with the card on this release, padded and packed (which also proves the card's mask function against this
+# release's masking_utils). The fingerprint of each class that passes is recorded
+# (models/proven/npu_fused_attention.json), and apply_npu_kernels selects the card only for models whose attention
+# classes have proven code.
+
+ATTENTION_RULES = FUSED_CLASSES[NAME]
+PLAIN_KEYWORDS = {"dropout", "scaling", "attention_mask", "position_ids"}
+"""The keywords of the plain call (position_ids is passed through to the attention function, which reads none)."""
+FORM_REFERENCES = {
+    "s_aux": ("gpt_oss.modeling_gpt_oss.GptOssAttention", "gpt_oss"),
+    "sliding_window": ("mistral.modeling_mistral.MistralAttention", "mistral"),
+    None: ("llama.modeling_llama.LlamaAttention", "llama"),
+}
+"""The keyword a call adds to the plain form (sinks first: gpt-oss passes both) -> its reference class and family."""
+
+
+def _own_method(cls: type, name: str) -> ast.FunctionDef | None:
+    """The syntax tree of the class's own method `name` (None when it inherits it), past a decorator's wrapper (the
+    `__init__` kernels' use_kernelized_func wraps keeps the original in its closure)."""
+    method = cls.__dict__.get(name)
+    if method is None:
+        return None
+    method = (name == "__init__" and compat.decorated_init(cls)) or inspect.unwrap(method)
+    return ast.parse(textwrap.dedent(inspect.getsource(method))).body[0]
+
+
+def attention_call_form(cls: type) -> tuple[str | None, str | None]:
+    """(the keyword of FORM_REFERENCES the class's attention call adds, why the call is not a fused form or None).
+
+    The fused forms: the forward gets the function with `ALL_ATTENTION_FUNCTIONS.get_interface(
+    self.config._attn_implementation, eager_attention_forward)` (its modeling file's own eager function, which the
+    card's eager forms call) and calls it as `(self, query, key, value[, mask], <PLAIN_KEYWORDS and sliding_window or
+    s_aux>, **kwargs)`; the class is causal (`self.is_causal = True`, or not Gemma's bidirectional option)."""
+    forward, init = _own_method(cls, "forward"), _own_method(cls, "__init__")
+    if forward is None or init is None:
+        return None, "no forward or __init__ of its own"
+    getter = "ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)"
+    names = {
+        target.id
+        for node in ast.walk(forward)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None and ast.unparse(node.value) == getter
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
+    eager = getattr(sys.modules[cls.__module__], "eager_attention_forward", None)
+    if not names or getattr(eager, "__module__", None) != cls.__module__:
+        return None, "does not get its attention function with its modeling file's eager_attention_forward as default"
+    causal = [
+        ast.unparse(node.value)
+        for node in ast.walk(init)
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["self.is_causal"]
+    ]
+    if len(causal) != 1 or not (causal[0] == "True" or re.fullmatch(r"not .*use_bidirectional_attention.*", causal[0])):
+        return None, f"is_causal set to {causal}"
+    calls = [n for n in ast.walk(forward) if isinstance(n, ast.Call) and ast.unparse(n.func) in names]
+    if not calls:
+        return None, "never calls its attention function"
+    added = set()
+    for call in calls:
+        keywords = {k.arg for k in call.keywords}
+        mask = len(call.args) == 5 or (len(call.args) == 4 and "attention_mask" in keywords)
+        if ast.unparse(call.args[0]) != "self" or not mask or None not in keywords:
+            return None, f"calls {ast.unparse(call)[:80]}"
+        added |= keywords - PLAIN_KEYWORDS - {None}
+    if not added <= {"sliding_window", "s_aux"}:
+        return None, f"passes {sorted(added)} to its attention function"
+    return ("s_aux" if "s_aux" in added else added.pop() if added else None), None
+
+
+def fused_logits_equal_eagers(model: torch.nn.Module) -> None:
+    """Raise unless the model gives eager's logits with the card, padded (batch 2) and packed (restarting
+    position_ids), every layer fused, and none with eager (negative control)."""
+    ids = token_ids(2, 24).to("npu")
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[0, :5] = 0
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    batches = [(ids, dict(attention_mask=mask.to("npu"))), (ids[:1], dict(position_ids=positions.to("npu")))]
+    for batch, inputs in batches:
+        logits = {}
+        for implementation in ("eager", NAME):
+            model.set_attn_implementation(implementation)
+            with torch.no_grad(), emulation.count_op_calls() as calls:
+                logits[implementation] = model(batch, use_cache=False, **inputs).logits.cpu()
+            assert calls[OP] == (implementation == NAME) * model.config.num_hidden_layers, (implementation, calls)
+        kept = inputs.get("attention_mask", torch.ones_like(batch)).bool().cpu()
+        torch.testing.assert_close(logits[NAME][kept], logits["eager"][kept], atol=2e-5, rtol=1e-4)
+
+
+def reference_model(family: str) -> torch.nn.Module:
+    return tiny_gpt_oss() if family == "gpt_oss" else tiny_causal_lm(family, sliding_window=4).to("npu")
+
+
+@pytest.mark.slow
+@pytest.mark.model_tables
+def test_every_fused_attention_class_calls_the_attention_in_a_form_its_reference_proves(registered):
+    rules = {rule.path: rule for rule in ATTENTION_RULES}
+    holds = {
+        keyword: proof.reference_holds(
+            rules[path], lambda family=family: fused_logits_equal_eagers(reference_model(family))
+        )
+        for keyword, (path, family) in FORM_REFERENCES.items()
+    }
+    failures = []
+    for rule in proof.proven_rules(ATTENTION_RULES):
+        keyword, problem = attention_call_form(rule.installed())
+        if problem is None and not holds[keyword]:
+            problem = f"its reference {FORM_REFERENCES[keyword][0]} does not give eager's logits with the card"
+        if problem is not None:
+            failures.append(f"{rule.path}: {problem}")
+        proof.verdict(rule.path, problem is None)
+    assert failures == []
+
+
+@pytest.mark.parametrize("reason", ["logit soft-capping", "bidirectional attention", "passes a position bias"])
+def test_the_call_form_check_refuses_a_class_left_out_for_its_call(reason):
+    """Negative control of the proofs' form check: the first class the table leaves out for a soft-capped,
+    bidirectional or biased call is not of a fused form."""
+    from npu_hub_kernels.models import ClassRule
+    from npu_hub_kernels.models import npu_fused_attention as table
+
+    path = min(path for path, why in table.LEFT_OUT.items() if why.startswith(reason))
+    assert attention_call_form(ClassRule(path, "", NAME).installed())[1] is not None, path
+
+
+def test_a_model_whose_attention_code_is_not_proven_keeps_its_attention_and_says_why(built_cards, monkeypatch):
+    """Negative control of the proofs: LlamaAttention with its proven fingerprint replaced keeps sdpa under
+    apply_npu_kernels, naming the releases proven; with the real file the card is selected."""
+    card = CARDS[NAME]
+    path = "llama.modeling_llama.LlamaAttention"
+    real = fingerprints.proven_of(card)
+    assert path in real  # proven on some release (scripts/model_tables.py prove)
+    monkeypatch.setattr(
+        fingerprints, "proven_of", lambda c: {**real, path: {"0" * 16: ["5.22.2"]}} if c is card else {}
+    )
+    from npu_hub_kernels.attention import attention_kept_reason
+
+    model = tiny_causal_lm("llama").to("npu")
+    reason = attention_kept_reason(model, card)
+    assert "differs from the code proven on 5.22.2" in reason and path in reason
+    assert apply_npu_kernels(model, kernels=NAME, local_dir=built_cards).config._attn_implementation == "sdpa"
+    monkeypatch.undo()
+    assert apply_npu_kernels(model, kernels=NAME, local_dir=built_cards).config._attn_implementation == NAME

@@ -82,7 +82,9 @@ Generated code recognised (the section "Generated code"):
   Public: none (the function-module keeps no public reference to its function).
 - the `__init__` `use_kernelized_func` puts on a class (`layer.use_kernelized_func`: it calls the class's own
   `__init__`, then attaches the closure variable `decorator_args`): `attached_at_construction`; tests tell the
-  rotary functions transformers attaches from those retag attaches. Public: none but building an instance.
+  rotary functions transformers attaches from those retag attaches. Public: none but building an instance. Its
+  closure variable `orig_init`, the class's own `__init__`: `decorated_init`; the attention table's proofs read
+  that `__init__`'s source. Public: none.
 
 Loader steps repeated (the section "Loader steps"), each as kernels 0.17.2 runs it:
 - `load_layer_checked`: `LayerRepository.load` (`get_kernel` at the resolved revision) and
@@ -311,6 +313,15 @@ def attached_at_construction(cls: type) -> tuple[object, ...]:
     init = getattr(cls, "__init__", None)
     cells = getattr(init, "__closure__", None) or ()
     return tuple(item for cell in cells if isinstance(cell.cell_contents, tuple) for item in cell.cell_contents)
+
+
+def decorated_init(cls: type) -> FunctionType | None:
+    """The own `__init__` of a class `use_kernelized_func` decorated (its wrapper calls it); None for another class."""
+    init = cls.__dict__.get("__init__")
+    original = inspect.getclosurevars(init).nonlocals.get("orig_init") if inspect.isfunction(init) else None
+    return (
+        original if inspect.isfunction(original) and original.__qualname__ == f"{cls.__qualname__}.__init__" else None
+    )
 
 
 # Loader steps

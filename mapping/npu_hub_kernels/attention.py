@@ -9,7 +9,8 @@ with `from_pretrained(..., attn_implementation="npu_fused_attention")` or
 `model.set_attn_implementation("npu_fused_attention")`.
 
 `use_fused_attention` is what `apply_npu_kernels` does with the card: it selects it for a model whose attention is
-transformers' default ("sdpa") and whose attention classes are all in the card's `FUSED` table; it keeps any other
+transformers' default ("sdpa") and whose attention classes are all in the card's `FUSED` table, with installed code
+the parity tests proved on some transformers release (`models.fingerprints`, as for every card); it keeps any other
 choice (an explicit "eager", "flash_attention_2", another registered function) and says so. To keep sdpa, leave the
 card out of the selection (`kernels=[...]` without "npu_fused_attention").
 
@@ -28,11 +29,10 @@ from torch import nn
 
 from .cards import Card
 from .integrity import load_checked_kernel
-from .models import table_of
+from .models import ATTENTION_FUNCTION, fingerprints, table_of
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_FUNCTION = "fused_attention"
 MASK_FUNCTION = "fused_attention_mask"
 DEFAULT_IMPLEMENTATION = "sdpa"
 """The attention transformers gives a model nobody chose one for: the only one `use_fused_attention` replaces."""
@@ -86,12 +86,18 @@ def attention_kept_reason(model: nn.Module, card: Card) -> str | None:
             f'chosen (set attn_implementation="{card.kernel_id}" to use the card)'
         )
     table = table_of(card)
-    paths = {class_path(type(module)) for module in model.modules()} - {None}
-    left_out = sorted(paths & set(table.LEFT_OUT))
+    classes = {class_path(type(module)): type(module) for module in model.modules()}
+    classes.pop(None, None)
+    left_out = sorted(set(classes) & set(table.LEFT_OUT))
     if left_out:
         return f"{left_out[0]} is left out of the card's table: {table.LEFT_OUT[left_out[0]]}"
-    if not paths & set(table.FUSED):
+    fused = sorted(set(classes) & set(table.FUSED))
+    if not fused:
         return "no attention class of the card's table"
+    for path in fused:
+        reason = fingerprints.unproven_reason(card, path, classes[path])
+        if reason is not None:
+            return reason
     return None
 
 

@@ -101,14 +101,13 @@ LARGEST_OTHER_OPS = 6
 VALIDATION_STUDY, DECODE_STUDY = "step model validation", "decode step estimate"
 STEP_KIND = "training step"
 UNTOUCHED = ("matmuls", "attention", "embedding", "optimizer")
-"""The categories of what no card touches: the matrix products, flash attention, the embedding gather and its
-backward, the AdamW update."""
+"""The categories of what no card touches: the matrix products, the attention no card fuses (sdpa's kernel: the fused
+attention op is its card's, `_card_categories`), the embedding gather and its backward, the AdamW update."""
 OTHER = "other (elementwise, casts, copies)"
 """Everything else: elementwise ops, casts, copies (the unfused regions and the glue between them)."""
 _MATMUL_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "addbmm_", "_grouped_mm"}
 _MATMUL_OPS |= {"npu_grouped_matmul"}
 _ATTENTION_OPS = {"scaled_dot_product_attention", "scaled_dot_product_attention_backward"}
-_ATTENTION_OPS |= {"npu_fusion_attention", "npu_fusion_attention_backward"}
 _EMBEDDING_OPS = {"embedding", "embedding_dense_backward"}
 
 

@@ -14,8 +14,9 @@
   tokens gathered by host-computed indices and the sequences given as cumulative host lists; the output of a
   padding query is 0 (eager's is a value no later layer reads, as with transformers' flash attention).
 
-The host lists cost one device-to-host copy per mask (or per `cu_seq_lens` tensor), which every layer shares: the
-result is kept on the mask tensor itself (`PLAN_ATTRIBUTE`), so it lives exactly as long as the mask of this forward.
+The host lists cost one device-to-host copy per forward, which every layer shares: the masks of every layer type
+(full and sliding) are read together (`host_reads`), or the `cu_seq_lens` tensors in one copy, and each mask's plan is
+kept on the mask tensor itself (`PLAN_ATTRIBUTE`), so it lives exactly as long as the mask of this forward.
 Unpadded, unpacked batches make no host sync at all.
 
 Dropout is the op's `keep_prob` (its own random mask, so a training step's numbers differ from eager's as any two
@@ -34,6 +35,7 @@ from torch import nn
 from ._fallbacks import ran_eager
 from ._internals import modeling_global
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+from .host_reads import host_copy
 from .masks import MASK_FUNCTION_ATTRIBUTE
 
 PLAN_ATTRIBUTE = "npu_fused_attention_plans"
@@ -85,8 +87,8 @@ class VarlenPlan:
 
 
 def _plan_of_padding(mask: torch.Tensor, q_len: int, device: torch.device) -> VarlenPlan:
-    """The plan of a (B, Skv) bool padding mask, read to the host once (the forward's one sync for this mask)."""
-    kept = mask.cpu()
+    """The plan of a (B, Skv) bool padding mask, from its host copy (`host_reads`: one sync per forward)."""
+    kept = host_copy(mask)
     kv_len = kept.shape[1]
     kept_queries = kept[:, kv_len - q_len :]
     key_counts, query_counts = kept.sum(1), kept_queries.sum(1)
@@ -106,8 +108,8 @@ def _plan_of_padding(mask: torch.Tensor, q_len: int, device: torch.device) -> Va
 
 
 def _plan_of_sequence_numbers(numbers: torch.Tensor) -> VarlenPlan:
-    """The plan of a (B, S) int32 tensor of sequence numbers (masks.fused_attention_mask), read to the host once."""
-    host = numbers.cpu()
+    """The plan of a (B, S) int32 tensor of sequence numbers (masks.fused_attention_mask), from its host copy."""
+    host = host_copy(numbers)
     overlaid = bool((host < 0).any())
     flat = host.reshape(-1)
     # A sequence ends where the number changes, and at each row's end.

@@ -2,7 +2,8 @@
 
 transformers calls a model's mask function once per mask kind (full, sliding) and forward, and hands what it
 returns to every attention layer of that kind. `fused_attention_mask` returns what npu_fusion_attention can take,
-with no host sync (the attention function makes at most one per mask, for all layers):
+with no host sync: it records the padding and sequence-number tensors it returns (`host_reads.expect_host_read`), and
+the attention function reads those of every mask kind in one copy, once per forward, for all layers:
 
 - None: neither padding nor packing (the op's causal and band modes do the rest);
 - a (B, L) bool tensor: transformers' 2-D padding mask, True for tokens, sliced to the keys as its own
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .host_reads import expect_host_read
 
 MASK_FUNCTION_ATTRIBUTE = "npu_fused_attention_mask_function"
 """The attribute of a segments tensor holding (mask function, q offset, kv offset), for eager's mask if it must."""
@@ -53,11 +56,15 @@ def fused_attention_mask(
             **kwargs,
         )
     if attention_mask is not None:
-        return attention_mask[:, -kv_length:]
+        padding = attention_mask[:, -kv_length:]
+        expect_host_read(padding)
+        return padding
     packed = "allow_is_bidirectional_skip" not in kwargs and not kwargs.get("allow_is_causal_skip", True)
     if not packed or mask_function is None or q_length != kv_length:
         return None
-    return _sequence_numbers(mask_function, batch_size, q_length, q_offset, kv_offset, kwargs.get("device", "cpu"))
+    numbers = _sequence_numbers(mask_function, batch_size, q_length, q_offset, kv_offset, kwargs.get("device", "cpu"))
+    expect_host_read(numbers)
+    return numbers
 
 
 def _chunked(kwargs: dict) -> bool:

@@ -7,9 +7,11 @@ each exporting the same two tables:
 - `LEFT_OUT`: path -> why no layer reproduces it (it is never swapped).
 
 Paths are relative to `transformers.models` (`<model>.<modeling file>.<class or function>`),
-surveyed against transformers 5.22.2. The parity tests (marker `model_tables`) re-prove every listed path
-on each release the package admits, and `models.fingerprints` swaps an installed class only when its code
-is code they proved; tests/test_model_tables.py checks that every candidate class is decided.
+surveyed against transformers 5.22.2. An attention card's table has no `SWAPPED` classes but a `FUSED`
+tuple: the attention classes whose calls it fuses. The parity tests (marker `model_tables`) re-prove every listed
+path (`PROVEN_CLASSES`) on each release the package admits, and `models.fingerprints` swaps an installed class (or
+lets `apply_npu_kernels` pick an attention card for it) only when its code is code they proved;
+tests/test_model_tables.py checks that every candidate class is decided.
 """
 
 from __future__ import annotations
@@ -73,3 +75,20 @@ MODEL_CLASSES: dict[str, list[ClassRule]] = {
     for kernel_id, tables in BY_KERNEL_ID.items()
 }
 """Kernel id -> the classes its layers replace."""
+
+ATTENTION_FUNCTION = "fused_attention"
+"""An attention card's function (its package's export), which its `FUSED` classes' rules name for a layer."""
+
+FUSED_CLASSES: dict[str, list[ClassRule]] = {
+    kernel_id: [ClassRule(path, ATTENTION_FUNCTION, kernel_id) for path in tables.FUSED]
+    for kernel_id, tables in BY_KERNEL_ID.items()
+    if hasattr(tables, "FUSED")
+}
+"""Kernel id -> the attention classes an attention card fuses (no layer swaps them: the model's attention function
+is the card's, chosen per model, `npu_hub_kernels.attention`)."""
+
+PROVEN_CLASSES: dict[str, list[ClassRule]] = {
+    kernel_id: [*rules, *FUSED_CLASSES.get(kernel_id, [])] for kernel_id, rules in MODEL_CLASSES.items()
+}
+"""Kernel id -> every class its table lists, swapped or fused: the classes whose code the parity tests prove on each
+transformers release (`models.fingerprints`)."""

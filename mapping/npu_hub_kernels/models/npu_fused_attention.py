@@ -13,9 +13,13 @@ The survey (`candidates()`): every class of the installed transformers whose for
 sliding_window, with the modeling file's `eager_attention_forward` as the default) on a causal self-attention
 (`self.is_causal = True`, or Gemma's and Gemma3's `not use_bidirectional_attention`), and gpt-oss's with its
 attention sinks: causal prefill, decode, padding, packing, GQA and windows are the card's fused forms for them
-(tests/test_npu_fused_attention.py proves the families Llama, Qwen3, Mistral with a window, Gemma3 with sliding
+(tests/test_npu_fused_attention.py tests the families Llama, Qwen3, Mistral with a window, Gemma3 with sliding
 layers, gpt-oss with sinks). The other classes are left out, by what their call
 or model does that the card does not fuse or was not proven on. Decided against transformers 5.22.2.
+
+Each `FUSED` class is proven per transformers release as every card's listed classes are (`models.PROVEN_CLASSES`,
+`models/proven/npu_fused_attention.json`): its call in a fused form, checked on its source, and the reference model of
+that form fused against eager on the release (docs/models.md#npu-fused-attention).
 """
 
 from __future__ import annotations
