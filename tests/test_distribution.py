@@ -36,6 +36,7 @@ import pytest
 from hub_server import LoopbackHub, client_env
 from huggingface_hub import HfApi, constants
 from kernels import Mode, get_kernel, kernelize
+from test_loading import FUSED_CALL
 
 from npu_hub_kernels import register_npu_kernels, unregister_npu_kernels
 from npu_hub_kernels.cards import CARDS
@@ -305,11 +306,11 @@ for card in ("npu-rope", "npu-rms-norm"):
 
 @pytest.mark.slow
 def test_a_variant_downloaded_with_files_that_fail_its_digest_is_not_imported(hub, built_cards, tmp_path):
-    fused = "fused = torch_npu.npu_rms_norm(x.contiguous(), gamma, epsilon=eps)[0]"
     path = f"build/{ARCH_VARIANT}/npu_rms_norm/rms_norm.py"
     source = (built_cards / "npu-rms-norm" / path).read_text()
+    assert FUSED_CALL in source  # the line changed below, so that the upload changes a file
     HfApi(endpoint=hub.url, token=TOKEN).upload_file(  # one line changed on the Hub, metadata.json left as built
-        path_or_fileobj=source.replace(fused, fused + " * 1.5").encode(),
+        path_or_fileobj=source.replace(FUSED_CALL, FUSED_CALL + " * 1.5").encode(),
         path_in_repo=path,
         repo_id=f"{ORG}/npu-rms-norm",
         repo_type="kernel",
