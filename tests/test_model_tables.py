@@ -13,6 +13,7 @@ import transformers
 from conftest import ROOT
 from kernels import LayerRepository, Mode, kernelize, use_kernel_mapping
 
+from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels import register_npu_kernels, swapped_modules, unregister_npu_kernels
 from npu_hub_kernels.cards import CARDS, Card
 from npu_hub_kernels.doctor import diagnose, format_report
@@ -64,6 +65,21 @@ def test_every_listed_class_is_proven_on_the_surveyed_release(card):
 def test_the_proven_fingerprints_are_of_listed_classes_only(card):
     stale = set(fingerprints.proven_of(card)) - _listed(card)
     assert stale == set(), "fingerprints of classes the table no longer lists: rerun scripts/model_tables.py prove"
+
+
+def test_a_fingerprint_reads_the_own_init_behind_kernels_decorator(monkeypatch):
+    """Starcoder2Attention's `__init__` is kernels' `use_kernelized_func` wrapper; its fingerprint holds the class's
+    own `__init__` behind it, so a release changing only that code is not proven by an older one. Negative control:
+    the same class seen with another own `__init__` fingerprints differently."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.starcoder2.modeling_starcoder2 import Starcoder2Attention
+
+    own = compat.decorated_init(Starcoder2Attention)
+    assert own is not None and Starcoder2Attention.__init__ is not own
+    assert fingerprints._resolved_init(Starcoder2Attention) is own
+    real = fingerprints.fingerprint(Starcoder2Attention)
+    monkeypatch.setattr(compat, "decorated_init", lambda cls: LlamaAttention.__init__)
+    assert fingerprints.fingerprint(Starcoder2Attention) != real
 
 
 @pytest.mark.model_tables
