@@ -26,8 +26,10 @@ from .rows import (
     MEMORY_UNITS,
     OUTSIDE_STUDY,
     REGION_STUDIES,
+    ExpertsSweepRow,
     Row,
     largest_shape,
+    sweep_ops,
 )
 from .step import step_section
 from .targets import HOST_COST_STUDY, Result, counted_targets, evaluate
@@ -53,7 +55,7 @@ NOT_PATCHED_MARK = " †"
 NOT_PATCHED_LEGEND = "† not patched by the peer: it leaves the region to transformers, so its figure is eager's."
 
 
-def _peer(row: Row, unit: str) -> str:
+def _peer(row: Row | ExpertsSweepRow, unit: str) -> str:
     """A peer cell: the figure, marked when the peer leaves the region to transformers."""
     return number(row.peer, unit) + (NOT_PATCHED_MARK if row.peer_patched is False else "")
 
@@ -195,17 +197,13 @@ def _prefill_decode_table(card: Card, rows: list[Row]) -> list[str]:
 
 def _sweep_table(card: Card, rows: list[Row]) -> list[str]:
     """The experts sweep of the card's region (its spec's EXPERTS_SWEEP), forward+backward ops."""
-    sweep = [
-        r
-        for r in rows
-        if r.study == "experts sweep" and r.kind == card.region and r.phase == "fwd+bwd" and r.unit == "ops"
-    ]
+    sweep = sweep_ops(rows, card.region)
     if not sweep:
         return []
     peer = any(r.peer is not None for r in sweep)
-    grouped = {r.experts: r for r in sweep if r.path == "grouped_mm"}
+    grouped = {r.experts: r for r in sweep if r.implementation == "grouped_mm"}
     body = []
-    for loop in (r for r in sweep if r.path == "eager"):
+    for loop in (r for r in sweep if r.implementation == "eager"):
         cells = [str(loop.experts), number(loop.eager, "ops"), number(grouped[loop.experts].eager, "ops")]
         cells += [NO_CARD if loop.kernelized is None else number(loop.kernelized, "ops")]
         cells += [_peer(loop, "ops")] if peer else []
