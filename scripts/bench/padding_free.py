@@ -55,8 +55,7 @@ UNITS = {"tokens": "tokens", "ops": "ops", "bytes": "bytes", "flops": "FLOPs", "
 
 @dataclass(frozen=True)
 class PaddingFreeRow:
-    """One figure of the padding-free step of a model: the batch padded through sdpa, packed through sdpa and packed
-    through the attention card."""
+    """One figure of a model's padding-free step: the batch padded (sdpa), packed (sdpa) and packed (the card)."""
 
     model: str  # ModelSpec.name
     lengths: tuple[int, ...]  # the batch's sequence lengths
@@ -66,8 +65,10 @@ class PaddingFreeRow:
     packed_card: float | None  # None: no attention card
 
     def csv_row(self) -> Row:
-        """Return its line of bench.csv: padded in the eager column, packed with the card in the kernelized one and
-        packed through sdpa in the extra one; the lengths in the note."""
+        """Return its line of bench.csv.
+
+        Padded is in the eager column, packed with the card in the kernelized one, packed through sdpa in the extra one
+        and the lengths in the note."""
         op = {"tokens": "step tokens", "ms": "estimated step time (Atlas A2 model)"}.get(self.unit, "training step")
         return Row(
             "estimated" if self.unit == "ms" else "counted", self.model, op, "fwd+bwd+AdamW", len(self.lengths),

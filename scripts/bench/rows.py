@@ -99,8 +99,7 @@ CSV_COLUMNS += ["chunk", "extra"]
 
 @dataclass(frozen=True)
 class ExpertsSweepRow:
-    """An MoE region counted with `experts` experts under one of transformers' experts implementations: a line of the
-    experts sweep (`counted.experts_sweep_rows`)."""
+    """An MoE region counted with `experts` experts under one experts implementation (`counted.experts_sweep_rows`)."""
 
     model: str  # ModelSpec.name
     experts: int
