@@ -18,7 +18,7 @@ from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
 from .markdown import human_bytes, number, table
 from .padding_free import padding_free_section
-from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
+from .peer import OUTCOMES, PARITY_STUDY, PARITY_TOLERANCE, ParityRow
 from .rows import (
     ATTENTION_STUDY,
     CHUNK_STUDY,
@@ -291,15 +291,15 @@ def _extra_table(card: Card, region: OutsideRegion, rows: list[Row]) -> list[str
 
 def _parity_table(rows: list[Row]) -> list[str]:
     """Per peer kernel: the tiny model families where its output matches eager's, differs, and the others."""
-    parity = [r for r in rows if r.study == "peer parity"]
+    parity = [ParityRow.of(r) for r in rows if r.study == PARITY_STUDY]
     if not parity:
         return []
     by_kernel: dict[str, dict[str, list[str]]] = {}
     for r in parity:
-        found = by_kernel.setdefault(kernel_of(r.kind), {outcome: [] for outcome in OUTCOMES})
-        found[r.outcome].append(f"{r.model} ({r.peer:.1g})" if r.outcome == "differs" else r.model)
+        found = by_kernel.setdefault(r.kernel, {outcome: [] for outcome in OUTCOMES})
+        found[r.outcome].append(f"{r.family} ({r.max_diff:.1g})" if r.outcome == "differs" else r.family)
     body = [[kernel, *(", ".join(found[o]) or "-" for o in OUTCOMES)] for kernel, found in by_kernel.items()]
-    families = len({r.model for r in parity})
+    families = len({r.family for r in parity})
     title = f"Peer parity: each peer kernel alone on the {families} tiny model families of "
     title += "`npu_hub_kernels.testing.tiny_models` (float32, emulated npu device), logits against eager's; matches: "
     title += f"max |diff| <= {PARITY_TOLERANCE:g} (in parentheses when it differs):"

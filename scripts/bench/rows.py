@@ -57,7 +57,7 @@ class Row:
     and CHUNK_STUDY (a region outside the decoder layer), an extra column's studies (`cards.ExtraColumn`).
     Timed: "kernelize", "call overhead", "host cost" (a card's call against a bare module call, ops stubbed),
     "get_kernel", "fallback" (torch-universal on CPU), "device", "training".
-    Parity: "peer parity" (a peer kernel's output against eager on a tiny model family)."""
+    Parity: `peer.PARITY_STUDY` (a peer kernel's output against eager on a tiny model family)."""
     kind: str = ""
     """The region kind (a card's card.toml `region`) or "decoder layer"; "" for none."""
     variant: str = "default"
@@ -65,7 +65,7 @@ class Row:
     path: str = ""
     """What a study's rows vary beside the columns, written by its typed row: the experts implementation
     (`ExpertsSweepRow`), the step's category or aten op (`step.CategoryRow`, `step.OtherOpRow`), the validation's
-    figure kind (`step.ValidationRow`), the attention region's mask scenario (`attention`)."""
+    figure kind (`step.ValidationRow`), the attention region's mask scenario (`attention.AttentionRow`)."""
     model: str = ""
     """The model's name (ModelSpec.name)."""
     experts: int | None = None
@@ -81,8 +81,9 @@ class Row:
     chunks (`cards.OutsideRegion`); None: not chunked."""
     extra: float | None = None
     """The extra column of a region outside the decoder layer (`cards.ExtraColumn`, e.g. TRL's fused LM head): its
-    figure, on the same region as the eager and kernelized ones; the row's study names the column's variant. None:
-    not measured."""
+    figure, on the same region as the eager and kernelized ones; the row's study names the column's variant. Also
+    written by the typed rows of `attention.AttentionRow` (flash_attention_2) and `padding_free.PaddingFreeRow`
+    (packed through sdpa). None: not measured."""
 
     @property
     def ratio(self) -> float | None:
