@@ -79,8 +79,10 @@ class PaddingFreeRow:
 
     @classmethod
     def of(cls, row: Row) -> PaddingFreeRow:
-        """The padding-free row a line of bench.csv holds (what `csv_row` wrote)."""
-        lengths = tuple(int(n) for n in row.note.split(" (")[0].removeprefix("lengths ").split("/"))
+        """The padding-free row a line of bench.csv holds (what `csv_row` wrote).
+
+        Its lengths are the batch of `LENGTHS` or `QUICK_LENGTHS` with the row's batch and longest sequence."""
+        lengths = next(b for b in (LENGTHS, QUICK_LENGTHS) if (len(b), max(b)) == (row.batch, row.seq))
         return cls(row.model, lengths, row.unit, row.eager, row.extra, row.kernelized)
 
 

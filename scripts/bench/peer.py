@@ -173,15 +173,13 @@ class ParityRow:
     kernel: str  # the peer kernel id
     max_diff: float | None  # the largest |logits - eager|; None: the run raised
     outcome: str  # one of OUTCOMES
-    calls: int  # the torch_npu calls the run made
-    detail: str  # why it never called the patched functions, or the error it raised; "" for none
+    note: str  # for people: the outcome, the torch_npu calls the run made, why it did not call them or what it raised
 
     def csv_row(self) -> Row:
         """Return its line of bench.csv: the largest difference in the peer column, eager's own (0) in the eager one."""
-        note = f"{self.outcome}; {self.calls} torch_npu calls" + (f"; {self.detail}" if self.detail else "")
         return Row(
             "parity", self.family, f"{self.kernel} vs eager", "fwd", eager=0.0, peer=self.max_diff,
-            unit="max |logits - eager|", target=f"<= {PARITY_TOLERANCE:g}", note=note, study=PARITY_STUDY,
+            unit="max |logits - eager|", target=f"<= {PARITY_TOLERANCE:g}", note=self.note, study=PARITY_STUDY,
             kind=kind_of(self.kernel), model=self.family, outcome=self.outcome,
             peer_patched=self.outcome not in ("not patched", "raises"),
         )  # fmt: skip
@@ -189,8 +187,7 @@ class ParityRow:
     @classmethod
     def of(cls, row: Row) -> ParityRow:
         """The parity row a line of bench.csv holds (what `csv_row` wrote)."""
-        calls, _, detail = row.note.removeprefix(f"{row.outcome}; ").partition(" torch_npu calls")
-        return cls(row.model, kernel_of(row.kind), row.peer, row.outcome, int(calls), detail.removeprefix("; "))
+        return cls(row.model, kernel_of(row.kind), row.peer, row.outcome, row.note)
 
 
 def parity_rows(peer: Peer, families: Iterable[str] = TINY_CONFIGS) -> list[Row]:
@@ -221,6 +218,7 @@ def parity_rows(peer: Peer, families: Iterable[str] = TINY_CONFIGS) -> list[Row]
                     outcome = "matches" if diff <= PARITY_TOLERANCE else "differs"
             except Exception as error:  # the peer's own failure on this family is a finding, not a bench error
                 outcome, note = "raises", f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            rows.append(ParityRow(family, kernel, diff, outcome, calls, note).csv_row())
+            note = f"{outcome}; {calls} torch_npu calls" + (f"; {note}" if note else "")
+            rows.append(ParityRow(family, kernel, diff, outcome, note).csv_row())
     log(f"  peer parity: {len(rows)} checks")
     return rows
