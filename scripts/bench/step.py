@@ -372,7 +372,7 @@ def _rows_of(model: StepModel, batch: int, seq: int, steps: dict[str, Figures]) 
             )  # fmt: skip
             rows.append(split.csv_row())
     ours = steps["kernelized"].values
-    largest = sorted((n for n in ours if n.startswith(OTHER_OP)), key=lambda n: -ours[n])[:LARGEST_OTHER_OPS]
+    largest = sorted((n for n in ours if n.startswith(OTHER_OP)), key=lambda n: (-ours[n], n))[:LARGEST_OTHER_OPS]
     for label in largest:
         other = OtherOpRow(
             name, model.spec.experts, batch, seq, label.removeprefix(OTHER_OP), eager=steps["eager"][label] * 1e3,
