@@ -15,12 +15,15 @@ import types
 
 import pytest
 import torch
-from bench import cards, configs, counted, regions, report, targets
+from bench import cards, configs, counted, padding_free, regions, report, targets
 from bench.accounting import count_device_ops, fake_module, fused_ops
+from bench.attention import AttentionRow
 from bench.cards import npu_rms_norm, npu_rope
 from bench.device_model import device_seconds
-from bench.peer import PARITY_TOLERANCE, load_peer, parity_rows
-from bench.rows import CSV_COLUMNS, EMULATED, ESTIMATE_UNIT, MEMORY_UNITS, Row
+from bench.padding_free import PaddingFreeRow
+from bench.peer import PARITY_TOLERANCE, ParityRow, load_peer, parity_rows
+from bench.rows import CSV_COLUMNS, EMULATED, ESTIMATE_UNIT, MEMORY_UNITS, ExpertsSweepRow, Row, write_csv
+from bench.step import CategoryRow, OtherOpRow, categories
 from conftest import ROOT
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
@@ -666,3 +669,29 @@ def test_a_target_is_held_on_the_models_a_card_swaps_and_names_the_others():
     uncovered = [r for r in rows if r.model == "B"]
     (result,) = [r for r in targets.evaluate(uncovered) if r.target.startswith("RMSNorm: kernelized op count = floor")]
     assert (result.measured, result.met) == (cards.NO_CARD, None)
+
+
+def _typed_rows() -> list:
+    """One of each study's typed rows, with every field set (a parity row that raised has no difference)."""
+    kernel = next(iter(CARDS))
+    return [
+        ExpertsSweepRow(
+            "Qwen3-30B-A3B", 64, "moe", "grouped_mm", "fwd+bwd", 1, 512, "ops", 10.0, 4.0, 3.0, 5.0, True, ""
+        ),
+        CategoryRow("Qwen3-8B", None, 8, 4096, categories()[-1], "ms", 12.5, 7.25, None),
+        OtherOpRow("Qwen3-8B", None, 8, 4096, "mul", 3.0, 2.0, 2.5),
+        AttentionRow("Gemma-3-4B", "window 1024", "attention", "fwd+bwd", 1, 4096, "bytes", 9.0, 8.0, 7.0, 6.0),
+        PaddingFreeRow("Llama-3-8B", padding_free.QUICK_LENGTHS, "ops", 100.0, 90.0, None),
+        ParityRow("llama", kernel, 1e-6, "matches", "matches; 3 torch_npu calls"),
+        ParityRow("qwen3", kernel, None, "raises", "raises; 0 torch_npu calls; ValueError: no"),
+    ]
+
+
+@pytest.mark.parametrize("typed", _typed_rows(), ids=lambda typed: type(typed).__name__)
+def test_a_typed_row_reads_back_what_its_csv_line_holds(typed, tmp_path):
+    """Each study's typed row: `of(csv_row())` gives it back, and its line is a whole bench.csv line."""
+    row = typed.csv_row()
+    assert type(typed).of(row) == typed
+    report_csv = tmp_path / "bench.csv"
+    write_csv([row], report_csv)
+    assert next(csv.DictReader(report_csv.open()))["study"] == row.study

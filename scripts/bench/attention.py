@@ -19,9 +19,8 @@ implementation's mask function):
 How: the model (one decoder layer, on the meta device, then fake weights on the emulated npu) runs forward on fake
 tensors until its first attention call, whose arguments are kept (`capture_call`); the call is then counted alone
 forward (inference mode) and forward+backward with its memory, as the layer's regions are (`counted.count_run`). Rows:
-study `ATTENTION_STUDY`, kind the card's region, `path` the scenario ("causal", "window W"), eager and the card in
-`eager` / `kernelized`, transformers' flash path in `extra`, the floor from the card's spec; the card's
-COUNTED_TARGETS hold them.
+`AttentionRow` (study `ATTENTION_STUDY` in bench.csv), the floor from the card's spec; the card's COUNTED_TARGETS
+hold them.
 """
 
 from __future__ import annotations
@@ -220,6 +219,44 @@ def scenario(spec: ModelSpec) -> str:
     return "causal" if window is None else f"window {window}"
 
 
+@dataclass(frozen=True)
+class AttentionRow:
+    """One figure of a model's attention region: sdpa, flash_attention_2 and the card, against the card's floor."""
+
+    model: str  # ModelSpec.name
+    scenario: str  # `scenario`: "causal" or "window W"
+    region: str  # the card's region kind
+    phase: str
+    batch: int
+    seq: int
+    unit: str
+    sdpa: float | None
+    flash_attention_2: float | None
+    card: float | None
+    floor: float | None
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv.
+
+        sdpa (transformers' default) is in the eager column, the card in the kernelized one, flash_attention_2 (on an
+        npu host) in the extra one and the scenario in the path one."""
+        window = " (drops the window: plain causal, a wrong result)" if "window" in self.scenario else ""
+        return Row(
+            "estimated" if self.unit == ESTIMATE_UNIT else "counted", self.model, self.region, self.phase, self.batch,
+            self.seq, eager=self.sdpa, kernelized=self.card, floor=self.floor, extra=self.flash_attention_2,
+            unit=self.unit, study=ATTENTION_STUDY, kind=self.region, path=self.scenario, model=self.model,
+            note="extra: transformers' flash_attention_2 on the npu" + window,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> AttentionRow:
+        """The attention row a line of bench.csv holds (what `csv_row` wrote)."""
+        return cls(
+            model=row.model, scenario=row.path, region=row.kind, phase=row.phase, batch=row.batch, seq=row.seq,
+            unit=row.unit, sdpa=row.eager, flash_attention_2=row.extra, card=row.kernelized, floor=row.floor,
+        )  # fmt: skip
+
+
 def attention_rows(specs: list[ModelSpec], quick: bool) -> list[Row]:
     """Return the bench.csv rows of the attention region: eager, transformers' npu flash path and the card.
 
@@ -262,16 +299,11 @@ def _model_rows(card: Card, card_spec, name: str, model: ModelSpec, batch: int, 
         units = ["ops", "bytes", "FLOPs", *(MEMORY_UNITS if phase != "fwd" else ()), ESTIMATE_UNIT]
         for unit in units:
             floor = {"ops": floors[phase][0], "bytes": floors[phase][1], MEMORY_UNITS[0]: saved}.get(unit)
-            rows.append(
-                Row(
-                    "estimated" if unit == ESTIMATE_UNIT else "counted", model.name, card.region, phase, batch, seq,
-                    eager=_value(eager[phase], unit), kernelized=_value(fused[phase], unit), floor=floor,
-                    extra=_value(peer[phase], unit), unit=unit, study=ATTENTION_STUDY, kind=card.region,
-                    path=scenario(model), model=model.name,
-                    note="extra: transformers' flash_attention_2 on the npu"
-                    + (" (drops the window: plain causal, a wrong result)" if "window" in scenario(model) else ""),
-                )
+            row = AttentionRow(
+                model.name, scenario(model), card.region, phase, batch, seq, unit, sdpa=_value(eager[phase], unit),
+                flash_attention_2=_value(peer[phase], unit), card=_value(fused[phase], unit), floor=floor,
             )  # fmt: skip
+            rows.append(row.csv_row())
     log(f"  counted attention region {model.name}, batch {batch}, seq {seq}: {time.perf_counter() - started:.1f} s")
     return rows
 
@@ -304,20 +336,20 @@ def attention_section(rows: list[Row]) -> list[str]:
     Ops, bytes, matmul FLOPs, saved and peak bytes of transformers' sdpa, its npu flash path and the card, against the
     card's floor."""
 
-    chosen = [r for r in rows if r.study == ATTENTION_STUDY]
+    chosen = [AttentionRow.of(r) for r in rows if r.study == ATTENTION_STUDY]
     if not chosen:
         return []
     batch, seq = largest_shape(chosen)
     chosen = [r for r in chosen if (r.batch, r.seq) == (batch, seq) and r.phase == "fwd+bwd"]
     body = []
-    for model, path in dict.fromkeys((r.model, r.path) for r in chosen):
-        by_unit = {r.unit: r for r in chosen if (r.model, r.path) == (model, path)}
-        cells = [model, path]
+    for model, case in dict.fromkeys((r.model, r.scenario) for r in chosen):
+        by_unit = {r.unit: r for r in chosen if (r.model, r.scenario) == (model, case)}
+        cells = [model, case]
         for unit in ATTENTION_UNITS:
             r = by_unit[unit]
-            cells.append(" / ".join(_cell(v, unit) for v in (r.eager, r.extra, r.kernelized, r.floor)))
+            cells.append(" / ".join(_cell(v, unit) for v in (r.sdpa, r.flash_attention_2, r.card, r.floor)))
         body.append(cells)
-    kind = chosen[0].kind
+    kind = chosen[0].region
     columns = "sdpa / FA2 / card / floor"
     header = ["model", "attention", *(f"{unit} {columns}" for unit in ATTENTION_UNITS)]
     title = (

@@ -12,7 +12,7 @@ from npu_hub_kernels.cards import Card
 from .cards import LAYER, NO_CARD, ExpertsSweep, kinds, with_piece
 from .configs import CONFIGS
 from .markdown import human_bytes
-from .rows import MEMORY_UNITS, REGION_STUDIES, Row, largest_shape
+from .rows import MEMORY_UNITS, REGION_STUDIES, Row, largest_shape, sweep_ops
 from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US, counted_targets
 
 
@@ -139,16 +139,13 @@ def _chart_bytes(ax, rows: list[Row]) -> None:
 
 def _chart_sweep(ax, rows: list[Row], card: Card, sweep_spec: ExpertsSweep) -> None:
     """The experts sweep of the card's region (its spec's EXPERTS_SWEEP): ops by number of experts."""
-    sweep = [
-        r for r in rows if r.study == "experts sweep" and r.kind == card.region and r.unit == "ops"
-        and r.phase == "fwd+bwd"
-    ]  # fmt: skip
+    sweep = sweep_ops(rows, card.region)
     model = CONFIGS[sweep_spec.model].name
     title = f"{card.region} ({model} layer, top-8): ops by number of experts, fwd+bwd"
     if not sweep:
         return _not_run(ax, title)
-    loop = [r for r in sweep if r.path == "eager"]
-    grouped = [r for r in sweep if r.path == "grouped_mm"]
+    loop = [r for r in sweep if r.implementation == "eager"]
+    grouped = [r for r in sweep if r.implementation == "grouped_mm"]
     experts = [r.experts for r in loop]
     ax.plot(experts, [r.eager for r in loop], "o-", label="transformers eager loop")
     ax.plot(experts, [r.eager for r in grouped], "s-", label="transformers grouped_mm")

@@ -40,7 +40,7 @@ from .regions import (
     resolve,
     set_variant,
 )
-from .rows import ESTIMATE_UNIT, MEMORY_UNITS, Row, log
+from .rows import ESTIMATE_UNIT, MEMORY_UNITS, ExpertsSweepRow, Row, log
 from .targets import BEFORE_CARD_STUDY, counted_target
 
 
@@ -367,18 +367,13 @@ def experts_sweep_rows(
                     module.config._experts_implementation = implementation
                     eager = count_run(module, region.args, region.kwargs, module.parameters(), phase, experts)
                     for unit, index in (("ops", 0), ("bytes", 1)):
-                        rows.append(
-                            Row(
-                                "counted", f"{base.name}, {experts} experts",
-                                f"{card.region} (transformers {implementation})", phase, batch, seq,
-                                eager=unit_value(eager, unit), kernelized=unit_value(kernelized, unit),
-                                floor=floor[index], peer=unit_value(peer_run, unit), unit=unit,
-                                target="independent of #experts" if unit == "ops" else "",
-                                note=_note(kernelized, peer_patched),
-                                study="experts sweep", kind=card.region, path=implementation, model=base.name,
-                                experts=experts, peer_patched=peer_patched,
-                            )
+                        sweep = ExpertsSweepRow(
+                            base.name, experts, card.region, implementation, phase, batch, seq, unit,
+                            eager=unit_value(eager, unit), kernelized=unit_value(kernelized, unit), floor=floor[index],
+                            peer=unit_value(peer_run, unit), peer_patched=peer_patched,
+                            note=_note(kernelized, peer_patched),
                         )  # fmt: skip
+                        rows.append(sweep.csv_row())
                 module.config._experts_implementation = "eager"
         log(f"  counted experts sweep, {experts} experts")
     return rows

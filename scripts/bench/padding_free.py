@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +51,39 @@ QUICK_LENGTHS = tuple(length // 8 for length in LENGTHS)
 PADDING_FREE_STUDY = "padding-free step"
 PADDING_FREE_MODELS = ("llama-3-8b", "qwen3-8b")
 UNITS = {"tokens": "tokens", "ops": "ops", "bytes": "bytes", "flops": "FLOPs", "peak bytes": "peak bytes"}
+
+
+@dataclass(frozen=True)
+class PaddingFreeRow:
+    """One figure of a model's padding-free step: the batch padded (sdpa), packed (sdpa) and packed (the card)."""
+
+    model: str  # ModelSpec.name
+    lengths: tuple[int, ...]  # the batch's sequence lengths
+    unit: str  # "tokens", one of UNITS' units, or "ms" (the estimated step time)
+    padded_sdpa: float
+    packed_sdpa: float
+    packed_card: float | None  # None: no attention card
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv.
+
+        Padded is in the eager column, packed with the card in the kernelized one, packed through sdpa in the extra one
+        and the lengths in the note."""
+        op = {"tokens": "step tokens", "ms": "estimated step time (Atlas A2 model)"}.get(self.unit, "training step")
+        return Row(
+            "estimated" if self.unit == "ms" else "counted", self.model, op, "fwd+bwd+AdamW", len(self.lengths),
+            max(self.lengths), eager=self.padded_sdpa, kernelized=self.packed_card, extra=self.packed_sdpa,
+            unit=self.unit, note=f"lengths {'/'.join(map(str, self.lengths))} ({SOURCE}); extra: packed through sdpa",
+            study=PADDING_FREE_STUDY, model=self.model,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> PaddingFreeRow:
+        """The padding-free row a line of bench.csv holds (what `csv_row` wrote).
+
+        Its lengths are the batch of `LENGTHS` or `QUICK_LENGTHS` with the row's batch and longest sequence."""
+        lengths = next(b for b in (LENGTHS, QUICK_LENGTHS) if (len(b), max(b)) == (row.batch, row.seq))
+        return cls(row.model, lengths, row.unit, row.eager, row.extra, row.kernelized)
 
 
 @contextlib.contextmanager
@@ -128,28 +162,13 @@ def padding_free_rows(build, quick: bool, keys: tuple[str, ...] = PADDING_FREE_M
         steps = padding_free_steps(model, lengths, build)
         padded, packed, card = steps["padded, sdpa"], steps["packed, sdpa"], steps.get("packed, card")
         tokens = {"padded": len(lengths) * max(lengths), "packed": sum(lengths)}
-        common = dict(study=PADDING_FREE_STUDY, model=model.spec.name, batch=len(lengths), seq=max(lengths))
-        note = f"lengths {'/'.join(map(str, lengths))} ({SOURCE}); extra: packed through sdpa"
-        rows.append(
-            Row(
-                "counted", model.spec.name, "step tokens", "fwd+bwd+AdamW", eager=tokens["padded"],
-                kernelized=tokens["packed"], extra=tokens["packed"], unit="tokens", note=note, **common,
-            )
-        )  # fmt: skip
-        for figure, unit in list(UNITS.items())[1:]:
-            rows.append(
-                Row(
-                    "counted", model.spec.name, "training step", "fwd+bwd+AdamW", eager=padded[figure],
-                    kernelized=card[figure] if card else None, extra=packed[figure], unit=unit, note=note, **common,
-                )
-            )  # fmt: skip
-        rows.append(
-            Row(
-                "estimated", model.spec.name, "estimated step time (Atlas A2 model)", "fwd+bwd+AdamW",
-                eager=estimated_seconds(padded) * 1e3, kernelized=estimated_seconds(card) * 1e3 if card else None,
-                extra=estimated_seconds(packed) * 1e3, unit="ms", note=note, **common,
-            )
-        )  # fmt: skip
+        figures = [("tokens", tokens["padded"], tokens["packed"], tokens["packed"])]
+        figures += [(unit, padded[f], packed[f], card[f] if card else None) for f, unit in list(UNITS.items())[1:]]
+        times = (estimated_seconds(s) * 1e3 if s else None for s in (padded, packed, card))
+        figures.append(("ms", *times))
+        for unit, padded_sdpa, packed_sdpa, packed_card in figures:
+            row = PaddingFreeRow(model.spec.name, lengths, unit, padded_sdpa, packed_sdpa, packed_card)
+            rows.append(row.csv_row())
         log(f"  counted padding-free step {model.spec.name}: {time.perf_counter() - started:.1f} s")
     return rows
 
@@ -157,7 +176,7 @@ def padding_free_rows(build, quick: bool, keys: tuple[str, ...] = PADDING_FREE_M
 def padding_free_section(rows: list[Row]) -> list[str]:
     """Render the padding-free step's table: per model, padded (sdpa) against packed (sdpa, and the card)."""
 
-    chosen = [r for r in rows if r.study == PADDING_FREE_STUDY]
+    chosen = [PaddingFreeRow.of(r) for r in rows if r.study == PADDING_FREE_STUDY]
     if not chosen:
         return []
 
@@ -174,9 +193,10 @@ def padding_free_section(rows: list[Row]) -> list[str]:
 
     body = []
     for r in chosen:
-        ratio = f"{r.kernelized / r.eager:.2f}" if r.kernelized and r.eager else "-"
-        body.append([r.model, r.unit, cell(r.eager, r.unit), cell(r.extra, r.unit), cell(r.kernelized, r.unit), ratio])
-    lengths = chosen[0].note.split(" (")[0].removeprefix("lengths ")
+        ratio = f"{r.packed_card / r.padded_sdpa:.2f}" if r.packed_card and r.padded_sdpa else "-"
+        figures = (r.padded_sdpa, r.packed_sdpa, r.packed_card)
+        body.append([r.model, r.unit, *(cell(value, r.unit) for value in figures), ratio])
+    lengths = "/".join(map(str, chosen[0].lengths))
     title = (
         f"Padding-free step (counted; time: **estimate**, Atlas A2 model): one training step on 8 sequences of "
         f"{lengths} tokens, the deciles 20%-90% of a published SFT length distribution ({SOURCE}), padded to the "

@@ -49,6 +49,8 @@ PARITY_TOLERANCE = 1e-4
 """Largest |logits - eager| (float32) for a peer kernel's output to count as matching eager's."""
 OUTCOMES = ("matches", "differs", "patched, never called", "not patched", "raises")
 """What the parity check finds for a peer kernel on a model family."""
+PARITY_STUDY = "peer parity"
+"""The study of the peer's kernels checked against eager on the tiny model families (`ParityRow`)."""
 
 
 @dataclass
@@ -163,6 +165,31 @@ def kernel_of(kind: str) -> str:
     return next(kernel for kernel, card in CARDS.items() if card.region == kind)
 
 
+@dataclass(frozen=True)
+class ParityRow:
+    """A peer kernel alone on a tiny model family: its logits against eager's, and what the check found."""
+
+    family: str  # a `TINY_CONFIGS` family
+    kernel: str  # the peer kernel id
+    max_diff: float | None  # the largest |logits - eager|; None: the run raised
+    outcome: str  # one of OUTCOMES
+    note: str  # for people: the outcome, the torch_npu calls the run made, why it did not call them or what it raised
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv: the largest difference in the peer column, eager's own (0) in the eager one."""
+        return Row(
+            "parity", self.family, f"{self.kernel} vs eager", "fwd", eager=0.0, peer=self.max_diff,
+            unit="max |logits - eager|", target=f"<= {PARITY_TOLERANCE:g}", note=self.note, study=PARITY_STUDY,
+            kind=kind_of(self.kernel), model=self.family, outcome=self.outcome,
+            peer_patched=self.outcome not in ("not patched", "raises"),
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> ParityRow:
+        """The parity row a line of bench.csv holds (what `csv_row` wrote)."""
+        return cls(row.model, kernel_of(row.kind), row.peer, row.outcome, row.note)
+
+
 def parity_rows(peer: Peer, families: Iterable[str] = TINY_CONFIGS) -> list[Row]:
     """Check each peer kernel alone on each tiny model family against eager.
 
@@ -191,14 +218,7 @@ def parity_rows(peer: Peer, families: Iterable[str] = TINY_CONFIGS) -> list[Row]
                     outcome = "matches" if diff <= PARITY_TOLERANCE else "differs"
             except Exception as error:  # the peer's own failure on this family is a finding, not a bench error
                 outcome, note = "raises", f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            rows.append(
-                Row(
-                    "parity", family, f"{kernel} vs eager", "fwd", eager=0.0, peer=diff,
-                    unit="max |logits - eager|", target=f"<= {PARITY_TOLERANCE:g}",
-                    note=f"{outcome}; {calls} torch_npu calls" + (f"; {note}" if note else ""),
-                    study="peer parity", kind=kind_of(kernel), model=family, outcome=outcome,
-                    peer_patched=outcome not in ("not patched", "raises"),
-                )
-            )  # fmt: skip
+            note = f"{outcome}; {calls} torch_npu calls" + (f"; {note}" if note else "")
+            rows.append(ParityRow(family, kernel, diff, outcome, note).csv_row())
     log(f"  peer parity: {len(rows)} checks")
     return rows

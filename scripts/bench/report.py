@@ -18,7 +18,7 @@ from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
 from .markdown import human_bytes, number, table
 from .padding_free import padding_free_section
-from .peer import OUTCOMES, PARITY_TOLERANCE, kernel_of
+from .peer import OUTCOMES, PARITY_STUDY, PARITY_TOLERANCE, ParityRow
 from .rows import (
     ATTENTION_STUDY,
     CHUNK_STUDY,
@@ -26,8 +26,10 @@ from .rows import (
     MEMORY_UNITS,
     OUTSIDE_STUDY,
     REGION_STUDIES,
+    ExpertsSweepRow,
     Row,
     largest_shape,
+    sweep_ops,
 )
 from .step import step_section
 from .targets import HOST_COST_STUDY, Result, counted_targets, evaluate
@@ -53,7 +55,7 @@ NOT_PATCHED_MARK = " †"
 NOT_PATCHED_LEGEND = "† not patched by the peer: it leaves the region to transformers, so its figure is eager's."
 
 
-def _peer(row: Row, unit: str) -> str:
+def _peer(row: Row | ExpertsSweepRow, unit: str) -> str:
     """A peer cell: the figure, marked when the peer leaves the region to transformers."""
     return number(row.peer, unit) + (NOT_PATCHED_MARK if row.peer_patched is False else "")
 
@@ -195,17 +197,13 @@ def _prefill_decode_table(card: Card, rows: list[Row]) -> list[str]:
 
 def _sweep_table(card: Card, rows: list[Row]) -> list[str]:
     """The experts sweep of the card's region (its spec's EXPERTS_SWEEP), forward+backward ops."""
-    sweep = [
-        r
-        for r in rows
-        if r.study == "experts sweep" and r.kind == card.region and r.phase == "fwd+bwd" and r.unit == "ops"
-    ]
+    sweep = sweep_ops(rows, card.region)
     if not sweep:
         return []
     peer = any(r.peer is not None for r in sweep)
-    grouped = {r.experts: r for r in sweep if r.path == "grouped_mm"}
+    grouped = {r.experts: r for r in sweep if r.implementation == "grouped_mm"}
     body = []
-    for loop in (r for r in sweep if r.path == "eager"):
+    for loop in (r for r in sweep if r.implementation == "eager"):
         cells = [str(loop.experts), number(loop.eager, "ops"), number(grouped[loop.experts].eager, "ops")]
         cells += [NO_CARD if loop.kernelized is None else number(loop.kernelized, "ops")]
         cells += [_peer(loop, "ops")] if peer else []
@@ -293,15 +291,15 @@ def _extra_table(card: Card, region: OutsideRegion, rows: list[Row]) -> list[str
 
 def _parity_table(rows: list[Row]) -> list[str]:
     """Per peer kernel: the tiny model families where its output matches eager's, differs, and the others."""
-    parity = [r for r in rows if r.study == "peer parity"]
+    parity = [ParityRow.of(r) for r in rows if r.study == PARITY_STUDY]
     if not parity:
         return []
     by_kernel: dict[str, dict[str, list[str]]] = {}
     for r in parity:
-        found = by_kernel.setdefault(kernel_of(r.kind), {outcome: [] for outcome in OUTCOMES})
-        found[r.outcome].append(f"{r.model} ({r.peer:.1g})" if r.outcome == "differs" else r.model)
+        found = by_kernel.setdefault(r.kernel, {outcome: [] for outcome in OUTCOMES})
+        found[r.outcome].append(f"{r.family} ({r.max_diff:.1g})" if r.outcome == "differs" else r.family)
     body = [[kernel, *(", ".join(found[o]) or "-" for o in OUTCOMES)] for kernel, found in by_kernel.items()]
-    families = len({r.model for r in parity})
+    families = len({r.family for r in parity})
     title = f"Peer parity: each peer kernel alone on the {families} tiny model families of "
     title += "`npu_hub_kernels.testing.tiny_models` (float32, emulated npu device), logits against eager's; matches: "
     title += f"max |diff| <= {PARITY_TOLERANCE:g} (in parentheses when it differs):"

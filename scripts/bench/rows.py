@@ -23,6 +23,8 @@ CHUNK_STUDY = "chunk sweep"
 """The study of a region outside the decoder layer counted with the card at other tokens per chunk (`Row.chunk`)."""
 ESTIMATE_STUDY = "step estimate"
 """The study of a whole training step's estimated Atlas A2 time (`step`), which the step targets read (`targets`)."""
+EXPERTS_SWEEP_STUDY = "experts sweep"
+"""The study of an MoE region counted with other numbers of experts (`ExpertsSweepRow`)."""
 
 
 @dataclass
@@ -51,18 +53,19 @@ class Row:
     machine: str = ""
     versions: str = ""
     study: str = ""
-    """What the row belongs to. Counted: "layer" (a decoder layer and its regions), "experts sweep", OUTSIDE_STUDY
+    """What the row belongs to. Counted: "layer" (a decoder layer and its regions), EXPERTS_SWEEP_STUDY, OUTSIDE_STUDY
     and CHUNK_STUDY (a region outside the decoder layer), an extra column's studies (`cards.ExtraColumn`).
     Timed: "kernelize", "call overhead", "host cost" (a card's call against a bare module call, ops stubbed),
     "get_kernel", "fallback" (torch-universal on CPU), "device", "training".
-    Parity: "peer parity" (a peer kernel's output against eager on a tiny model family)."""
+    Parity: `peer.PARITY_STUDY` (a peer kernel's output against eager on a tiny model family)."""
     kind: str = ""
     """The region kind (a card's card.toml `region`) or "decoder layer"; "" for none."""
     variant: str = "default"
     """The kernelized column's variant: "default", kernelize alone (what users get)."""
     path: str = ""
-    """The eager column's transformers path where there are several: the experts implementation ("eager", the
-    per-expert loop, or "grouped_mm") in the experts sweep."""
+    """What a study's rows vary beside the columns, written by its typed row: the experts implementation
+    (`ExpertsSweepRow`), the step's category or aten op (`step.CategoryRow`, `step.OtherOpRow`), the validation's
+    figure kind (`step.ValidationRow`), the attention region's mask scenario (`attention.AttentionRow`)."""
     model: str = ""
     """The model's name (ModelSpec.name)."""
     experts: int | None = None
@@ -78,8 +81,9 @@ class Row:
     chunks (`cards.OutsideRegion`); None: not chunked."""
     extra: float | None = None
     """The extra column of a region outside the decoder layer (`cards.ExtraColumn`, e.g. TRL's fused LM head): its
-    figure, on the same region as the eager and kernelized ones; the row's study names the column's variant. None:
-    not measured."""
+    figure, on the same region as the eager and kernelized ones; the row's study names the column's variant. Also
+    written by the typed rows of `attention.AttentionRow` (flash_attention_2) and `padding_free.PaddingFreeRow`
+    (packed through sdpa). None: not measured."""
 
     @property
     def ratio(self) -> float | None:
@@ -92,6 +96,54 @@ CSV_COLUMNS = ["machine", "versions", "mode", "config", "op", "phase", "batch", 
 CSV_COLUMNS += ["eager", "kernelized", "floor", "peer", "ratio", "unit", "target", "note"]
 CSV_COLUMNS += ["study", "kind", "variant", "path", "model", "experts", "emulated", "peer_patched", "outcome"]
 CSV_COLUMNS += ["chunk", "extra"]
+
+
+@dataclass(frozen=True)
+class ExpertsSweepRow:
+    """An MoE region counted with `experts` experts under one experts implementation (`counted.experts_sweep_rows`)."""
+
+    model: str  # ModelSpec.name
+    experts: int
+    region: str  # the card's region kind
+    implementation: str  # the eager column's experts implementation: "eager" (the per-expert loop) or "grouped_mm"
+    phase: str
+    batch: int
+    seq: int
+    unit: str  # "ops" or "bytes"
+    eager: float | None
+    kernelized: float | None  # None: the region has no card
+    floor: float | None
+    peer: float | None
+    peer_patched: bool | None
+    note: str
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv: the implementation in the path column."""
+        return Row(
+            "counted", f"{self.model}, {self.experts} experts", f"{self.region} (transformers {self.implementation})",
+            self.phase, self.batch, self.seq, eager=self.eager, kernelized=self.kernelized, floor=self.floor,
+            peer=self.peer, unit=self.unit, target="independent of #experts" if self.unit == "ops" else "",
+            note=self.note, study=EXPERTS_SWEEP_STUDY, kind=self.region, path=self.implementation, model=self.model,
+            experts=self.experts, peer_patched=self.peer_patched,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> ExpertsSweepRow:
+        """The experts sweep row a line of bench.csv holds (what `csv_row` wrote)."""
+        return cls(
+            model=row.model, experts=row.experts, region=row.kind, implementation=row.path, phase=row.phase,
+            batch=row.batch, seq=row.seq, unit=row.unit, eager=row.eager, kernelized=row.kernelized, floor=row.floor,
+            peer=row.peer, peer_patched=row.peer_patched, note=row.note,
+        )  # fmt: skip
+
+
+def sweep_ops(rows: list[Row], region: str) -> list[ExpertsSweepRow]:
+    """The experts sweep's forward+backward op counts of the region `region`, in the rows' order."""
+    return [
+        ExpertsSweepRow.of(r)
+        for r in rows
+        if r.study == EXPERTS_SWEEP_STUDY and r.kind == region and r.unit == "ops" and r.phase == "fwd+bwd"
+    ]
 
 
 def write_csv(rows: list[Row], path: Path) -> None:

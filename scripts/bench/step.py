@@ -366,29 +366,89 @@ def _rows_of(model: StepModel, batch: int, seq: int, steps: dict[str, Figures]) 
     for kind in categories():
         for figure, unit, scale in (("bytes", "bytes", 1), ("device s", "ms", 1e3)):
             label = f"{figure}: {kind}"
-            rows.append(
-                Row(
-                    "counted" if unit == "bytes" else "estimated", name, kind, "fwd+bwd+AdamW",
-                    eager=steps["eager"][label] * scale, kernelized=steps["kernelized"][label] * scale,
-                    peer=peer[label] * scale if peer else None, unit=unit,
-                    note="share of the step" if unit == "bytes" else "estimate: device time of these ops",
-                    study=CATEGORY_STUDY, path=kind, batch=batch, seq=seq, model=name, experts=model.spec.experts,
-                    kind=STEP_KIND,
-                )
+            split = CategoryRow(
+                name, model.spec.experts, batch, seq, kind, unit, eager=steps["eager"][label] * scale,
+                kernelized=steps["kernelized"][label] * scale, peer=peer[label] * scale if peer else None,
             )  # fmt: skip
+            rows.append(split.csv_row())
     ours = steps["kernelized"].values
-    largest = sorted((n for n in ours if n.startswith(OTHER_OP)), key=lambda n: -ours[n])[:LARGEST_OTHER_OPS]
+    largest = sorted((n for n in ours if n.startswith(OTHER_OP)), key=lambda n: (-ours[n], n))[:LARGEST_OTHER_OPS]
     for label in largest:
-        rows.append(
-            Row(
-                "estimated", name, label.removeprefix(OTHER_OP), "fwd+bwd+AdamW",
-                eager=steps["eager"][label] * 1e3, kernelized=ours[label] * 1e3,
-                peer=peer[label] * 1e3 if peer else None, unit="ms",
-                note="estimate: device time of this aten op in the 'other' category, summed over the step",
-                study=OTHER_OPS_STUDY, path=label.removeprefix(OTHER_OP), **common,
-            )
+        other = OtherOpRow(
+            name, model.spec.experts, batch, seq, label.removeprefix(OTHER_OP), eager=steps["eager"][label] * 1e3,
+            kernelized=ours[label] * 1e3, peer=peer[label] * 1e3 if peer else None,
         )  # fmt: skip
+        rows.append(other.csv_row())
     return rows
+
+
+@dataclass(frozen=True)
+class CategoryRow:
+    """One category of a step's ops (`categories()`): its counted bytes or its estimated device time, per variant."""
+
+    model: str  # ModelSpec.name
+    experts: int | None
+    batch: int
+    seq: int
+    category: str  # one of `categories()`
+    unit: str  # "bytes" (counted) or "ms" (estimated device time)
+    eager: float
+    kernelized: float
+    peer: float | None
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv: the category in the op and path columns."""
+        counted = self.unit == "bytes"
+        return Row(
+            "counted" if counted else "estimated", self.model, self.category, "fwd+bwd+AdamW", eager=self.eager,
+            kernelized=self.kernelized, peer=self.peer, unit=self.unit,
+            note="share of the step" if counted else "estimate: device time of these ops", study=CATEGORY_STUDY,
+            path=self.category, batch=self.batch, seq=self.seq, model=self.model, experts=self.experts, kind=STEP_KIND,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> CategoryRow:
+        """The category row a line of bench.csv holds (what `csv_row` wrote)."""
+        return cls(
+            model=row.model, experts=row.experts, batch=row.batch, seq=row.seq, category=row.path, unit=row.unit,
+            eager=row.eager, kernelized=row.kernelized, peer=row.peer,
+        )  # fmt: skip
+
+
+def category_rows(rows: list[Row], unit: str) -> list[CategoryRow]:
+    """The step's categories in `unit` ("bytes" or "ms"), in the rows' order."""
+    return [CategoryRow.of(r) for r in rows if r.study == CATEGORY_STUDY and r.unit == unit]
+
+
+@dataclass(frozen=True)
+class OtherOpRow:
+    """One aten op of the step's `OTHER` category: its estimated device time over the step (ms), per variant."""
+
+    model: str  # ModelSpec.name
+    experts: int | None
+    batch: int
+    seq: int
+    aten_op: str
+    eager: float
+    kernelized: float
+    peer: float | None
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv: the aten op in the op and path columns."""
+        return Row(
+            "estimated", self.model, self.aten_op, "fwd+bwd+AdamW", self.batch, self.seq, eager=self.eager,
+            kernelized=self.kernelized, peer=self.peer, unit="ms",
+            note="estimate: device time of this aten op in the 'other' category, summed over the step",
+            study=OTHER_OPS_STUDY, kind=STEP_KIND, path=self.aten_op, model=self.model, experts=self.experts,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> OtherOpRow:
+        """The other-op row a line of bench.csv holds (what `csv_row` wrote)."""
+        return cls(
+            model=row.model, experts=row.experts, batch=row.batch, seq=row.seq, aten_op=row.path, eager=row.eager,
+            kernelized=row.kernelized, peer=row.peer,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -607,22 +667,21 @@ def step_section(rows: list[Row]) -> list[str]:
         "(step.png):"
     )
     lines = ["", title, "", *table(["model", "figure", *variants, "ours / eager"], body)]
-    lines += _category_table(rows, models)
-    lines += _time_table(rows, models)
-    lines += _other_ops_table(rows, peer)
+    lines += _category_table(category_rows(rows, "bytes"), models)
+    lines += _time_table(category_rows(rows, "ms"), rows, models)
+    lines += _other_ops_table([OtherOpRow.of(r) for r in rows if r.study == OTHER_OPS_STUDY], peer)
     lines += _validation_table([ValidationRow.of(r) for r in rows if r.study == VALIDATION_STUDY])
     lines += _decode_table(rows, peer)
     return lines
 
 
-def _category_table(rows: list[Row], models: list[str]) -> list[str]:
-    chosen = [r for r in rows if r.study == CATEGORY_STUDY and r.unit == "bytes"]
+def _category_table(chosen: list[CategoryRow], models: list[str]) -> list[str]:
     if not chosen:
         return []
     body = []
     for model in models:
         for variant, attr in (("eager", "eager"), ("ours", "kernelized"), ("peer", "peer")):
-            values = {r.path: getattr(r, attr) for r in chosen if r.model == model}
+            values = {r.category: getattr(r, attr) for r in chosen if r.model == model}
             if any(v is None for v in values.values()) or not values:
                 continue
             total = sum(values.values())
@@ -636,16 +695,15 @@ def _category_table(rows: list[Row], models: list[str]) -> list[str]:
     return ["", title, "", *table(["model", "variant", *categories(), "no card touches"], body)]
 
 
-def _time_table(rows: list[Row], models: list[str]) -> list[str]:
+def _time_table(chosen: list[CategoryRow], rows: list[Row], models: list[str]) -> list[str]:
     """Where the step's estimated time goes: per model and variant, the device seconds of each category."""
-    chosen = [r for r in rows if r.study == CATEGORY_STUDY and r.unit == "ms"]
     estimates = {r.model: r for r in rows if r.study == ESTIMATE_STUDY}
     if not chosen:
         return []
     body = []
     for model in models:
         for variant, attr in (("eager", "eager"), ("ours", "kernelized"), ("peer", "peer")):
-            values = {r.path: getattr(r, attr) for r in chosen if r.model == model}
+            values = {r.category: getattr(r, attr) for r in chosen if r.model == model}
             if any(v is None for v in values.values()) or not values:
                 continue
             step = getattr(estimates[model], attr) if model in estimates else None
@@ -659,13 +717,12 @@ def _time_table(rows: list[Row], models: list[str]) -> list[str]:
     return ["", title, "", *table(header, body)]
 
 
-def _other_ops_table(rows: list[Row], peer: bool) -> list[str]:
+def _other_ops_table(chosen: list[OtherOpRow], peer: bool) -> list[str]:
     """The largest ops of the 'other' category, by our estimated time, per model: where the next fusion would pay."""
-    chosen = [r for r in rows if r.study == OTHER_OPS_STUDY]
     if not chosen:
         return []
     body = [
-        [r.model, r.op, _cell(r.eager, "ms"), _cell(r.kernelized, "ms"), *([_cell(r.peer, "ms")] if peer else [])]
+        [r.model, r.aten_op, _cell(r.eager, "ms"), _cell(r.kernelized, "ms"), *([_cell(r.peer, "ms")] if peer else [])]
         for r in chosen
     ]
     title = (
@@ -726,7 +783,7 @@ def write_step_chart(rows: list[Row], path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no step.png: matplotlib is not installed"
-    chosen = [r for r in rows if r.study == CATEGORY_STUDY and r.unit == "ms"]
+    chosen = category_rows(rows, "ms")
     if not chosen:
         return None
     models = list(dict.fromkeys(r.model for r in chosen))
@@ -737,7 +794,7 @@ def write_step_chart(rows: list[Row], path) -> str | None:
         bottoms = [0.0] * len(variants)
         colors = plt.get_cmap("tab20").colors
         for i, kind in enumerate(categories()):
-            r = next(r for r in chosen if r.model == model and r.path == kind)
+            r = next(r for r in chosen if r.model == model and r.category == kind)
             values = [getattr(r, attr) / 1e3 for _, attr in variants]
             ax.bar([v for v, _ in variants], values, bottom=bottoms, color=colors[i % len(colors)], label=kind)
             bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from npu_hub_kernels.cards import Card
 
 from .cards import LAYER, NO_CARD, BeforeCardTarget, CountedTarget, specs, with_piece
-from .rows import ESTIMATE_STUDY, ESTIMATE_UNIT, REGION_STUDIES, Row
+from .rows import ESTIMATE_STUDY, ESTIMATE_UNIT, REGION_STUDIES, Row, sweep_ops
 
 LAYER_BYTES_TOLERANCE = 1.03
 LAYER_TARGET_SHAPE = (8, 4096)
@@ -159,11 +159,7 @@ def _step(rows: list[Row]) -> list[Result]:
 def _experts_sweep(card: Card, rows: list[Row]) -> list[Result]:
     """The experts sweep of a card's region: the card's op count the same for every number of experts."""
     label = f"{card.region}: op count independent of #experts"
-    loop = [
-        r for r in rows
-        if r.study == "experts sweep" and r.kind == card.region and r.path == "eager" and r.unit == "ops"
-        and r.phase == "fwd+bwd"
-    ]  # fmt: skip
+    loop = [r for r in sweep_ops(rows, card.region) if r.implementation == "eager"]
     if not loop:
         return []
     experts = "/".join(str(r.experts) for r in loop)
