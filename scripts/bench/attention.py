@@ -46,6 +46,7 @@ from .configs import DTYPE, PHASES, ModelSpec
 from .counted import count_run, memory_value, unit_value
 from .markdown import human_bytes, table
 from .rows import ATTENTION_STUDY, ESTIMATE_UNIT, MEMORY_UNITS, Row, largest_shape, log
+from .targets import counted_target
 
 EAGER, PEER = "sdpa", "flash_attention_2"
 """transformers' default attention (eager column) and its built-in npu flash path (peer column)."""
@@ -277,8 +278,6 @@ def attention_rows(specs: list[ModelSpec], quick: bool) -> list[Row]:
     with _flash_path_counted():
         for model, (batch, seq) in plan:
             rows += _model_rows(card, card_spec, name, model, batch, seq, fake_mode)
-    from .targets import counted_target
-
     for row in rows:
         row.target = counted_target(row)
     return rows
