@@ -29,4 +29,6 @@ def test_demo_reports_every_model_kernelized(built_cards, tmp_path):
     assert "host: CPU, torch_npu emulated" in out
     assert "get_kernel('demo-org/npu-rms-norm', version=1) -> variant torch213-cxx11-cann91-" in out
     assert "llama then .train()" in out and "gemma3_text kernelize" in out
-    assert "OK: every model kernelized" in out
+    assert "OK: every model fused" in out
+    attention = [line for line in out.splitlines() if "window 4, padded" in line]
+    assert len(attention) == 2 and all("npu_fusion_attention 2" in line for line in attention), attention
