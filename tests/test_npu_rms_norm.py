@@ -121,11 +121,14 @@ def test_one_kernel_reasons(card, monkeypatch):
         "float32 weight": (x, weight.float(), "zero_centered", "takes gamma in x's dtype"),
         "x with overlapping rows": (x[:1].to("npu").expand(4, 16), weight, "zero_centered", "contiguous tensors only"),
         "no such op": (x, weight, "zero_centered", "this torch_npu has no npu_gemma_rms_norm"),
+        "Ascend 950": (x, weight, "zero_centered", "Atlas A2/A3 only"),
     }
     for case, (x_case, w_case, scaling, reason) in cases.items():
         with monkeypatch.context() as patch:
             if case == "no such op":
                 patch.delattr(torch_npu, "npu_gemma_rms_norm")
+            if case == "Ascend 950":
+                patch.setattr(torch.npu, "get_device_name", lambda device=None: "Ascend950PR")
             x_npu, w_npu = x_case.to("npu"), w_case.to("npu")
             assert reason in card.rms_norm_unavailable_reason(x_npu, w_npu, scaling, one_kernel=True), case
             assert card.rms_norm_unavailable_reason(x_npu, w_npu, scaling) is None
