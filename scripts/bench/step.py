@@ -675,19 +675,24 @@ def step_section(rows: list[Row]) -> list[str]:
     return lines
 
 
+def _variant_categories(chosen: list[CategoryRow], models: list[str]):
+    """(model, variant, its CategoryRow field, {category: value}) for each model's variant with every category."""
+    for model in models:
+        for variant, attr in (("eager", "eager"), ("ours", "kernelized"), ("peer", "peer")):
+            values = {r.category: getattr(r, attr) for r in chosen if r.model == model}
+            if values and all(v is not None for v in values.values()):
+                yield model, variant, attr, values
+
+
 def _category_table(chosen: list[CategoryRow], models: list[str]) -> list[str]:
     if not chosen:
         return []
     body = []
-    for model in models:
-        for variant, attr in (("eager", "eager"), ("ours", "kernelized"), ("peer", "peer")):
-            values = {r.category: getattr(r, attr) for r in chosen if r.model == model}
-            if any(v is None for v in values.values()) or not values:
-                continue
-            total = sum(values.values())
-            untouched = sum(values[c] for c in UNTOUCHED) / total
-            shares = (f"{values[c] / total:.0%}" for c in categories())
-            body.append([model, variant, *shares, f"**{untouched:.0%}**"])
+    for model, variant, _, values in _variant_categories(chosen, models):
+        total = sum(values.values())
+        untouched = sum(values[c] for c in UNTOUCHED) / total
+        shares = (f"{values[c] / total:.0%}" for c in categories())
+        body.append([model, variant, *shares, f"**{untouched:.0%}**"])
     title = (
         "Where the step's bytes go, by op (counted; share of each step's bytes). The first four are what no card "
         "touches: the next fusion target is the largest share there, or the 'other' ops the cards leave:"
@@ -701,14 +706,10 @@ def _time_table(chosen: list[CategoryRow], rows: list[Row], models: list[str]) -
     if not chosen:
         return []
     body = []
-    for model in models:
-        for variant, attr in (("eager", "eager"), ("ours", "kernelized"), ("peer", "peer")):
-            values = {r.category: getattr(r, attr) for r in chosen if r.model == model}
-            if any(v is None for v in values.values()) or not values:
-                continue
-            step = getattr(estimates[model], attr) if model in estimates else None
-            cells = (_cell(values[c], "ms") for c in categories())
-            body.append([model, variant, *cells, _cell(sum(values.values()), "ms"), _cell(step, "ms")])
+    for model, variant, attr, values in _variant_categories(chosen, models):
+        step = getattr(estimates[model], attr) if model in estimates else None
+        cells = (_cell(values[c], "ms") for c in categories())
+        body.append([model, variant, *cells, _cell(sum(values.values()), "ms"), _cell(step, "ms")])
     title = (
         "Where the step's estimated time goes, by op (**estimate**, Atlas A2 model: each op's device time, "
         "summed by category; the step is the device's sum or the host's per-op cost, whichever is longer):"
