@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from bench import cards, configs, counted, padding_free, regions, report, targets
+from bench import cards, configs, counted, padding_free, regions, report, targets, timed
 from bench.accounting import count_device_ops, fake_module, fused_ops
 from bench.attention import AttentionRow
 from bench.cards import npu_rms_norm, npu_rope
@@ -684,6 +684,8 @@ def _typed_rows() -> list:
         PaddingFreeRow("Llama-3-8B", padding_free.QUICK_LENGTHS, "ops", 100.0, 90.0, None),
         ParityRow("llama", kernel, 1e-6, "matches", "matches; 3 torch_npu calls"),
         ParityRow("qwen3", kernel, None, "raises", "raises; 0 torch_npu calls; ValueError: no"),
+        timed.CallOverheadRow("RMSNorm", 1.5, 4.0, "overhead 2.50 us per call; tensors on cpu"),
+        timed.HostCostRow("RoPE", 2.0, 3.0, "1.50 x a bare call"),
     ]
 
 

@@ -13,7 +13,8 @@ from .cards import LAYER, NO_CARD, ExpertsSweep, kinds, with_piece
 from .configs import CONFIGS
 from .markdown import human_bytes
 from .rows import MEMORY_UNITS, REGION_STUDIES, Row, largest_shape, sweep_ops
-from .targets import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_TARGET_US, counted_targets
+from .targets import counted_targets
+from .timed import FALLBACK_TOLERANCE, KERNELIZE_TARGET_MS, OVERHEAD_STUDY, OVERHEAD_TARGET_US, CallOverheadRow
 
 
 def write_chart(rows: list[Row], path: Path, machine: str) -> str | None:
@@ -172,8 +173,8 @@ def _chart_host(ax, rows: list[Row]) -> None:
             continue
         if r.study == "kernelize":
             bars.append((f"kernelize, 32 layers: {r.kernelized:.1f} ms", r.kernelized / KERNELIZE_TARGET_MS))
-        elif r.study == "call overhead":
-            us = r.kernelized - r.eager
+        elif r.study == OVERHEAD_STUDY:
+            us = CallOverheadRow.of(r).overhead_us
             bars.append((f"{r.kind} module call overhead: {us:.2f} us", max(us, 0) / OVERHEAD_TARGET_US))
         elif r.study == "fallback":
             bars.append((f"{r.kind} fallback: {r.ratio:.2f} x eager", r.ratio / FALLBACK_TOLERANCE))

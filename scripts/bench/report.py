@@ -32,7 +32,8 @@ from .rows import (
     sweep_ops,
 )
 from .step import step_section
-from .targets import HOST_COST_STUDY, Result, counted_targets, evaluate
+from .targets import Result, counted_targets, evaluate
+from .timed import HOST_COST_STUDY, OVERHEAD_STUDY
 
 README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 FLOOR_TEXT = (
@@ -365,13 +366,13 @@ def summary(
     for card, region in with_piece("OUTSIDE_REGION"):
         lines += outside_tables(card, region, rows)
     lines += _parity_table(rows)
-    host = [r for r in rows if r.study in ("kernelize", "call overhead", HOST_COST_STUDY, "get_kernel", "fallback")]
+    host = [r for r in rows if r.study in ("kernelize", OVERHEAD_STUDY, HOST_COST_STUDY, "get_kernel", "fallback")]
     if host:
         body = [
             [f"{r.op} ({r.config})", number(r.eager, r.unit), number(r.kernelized, r.unit), r.unit, r.note]
             for r in host
         ]
-        header = ["measurement", "eager, direct or bare", "kernelized", "unit", "note"]
+        header = ["measurement", "what it is against (after vs)", "kernelized", "unit", "note"]
         lines += ["", "Timed on this machine, host side:", "", *table(header, body)]
     if real_device:
         body = [

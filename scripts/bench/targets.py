@@ -12,20 +12,20 @@ from npu_hub_kernels.cards import Card
 
 from .cards import LAYER, NO_CARD, BeforeCardTarget, CountedTarget, specs, with_piece
 from .rows import ESTIMATE_STUDY, ESTIMATE_UNIT, REGION_STUDIES, Row, sweep_ops
+from .timed import (
+    FALLBACK_TOLERANCE,
+    HOST_COST_BOUND,
+    HOST_COST_STUDY,
+    KERNELIZE_TARGET_MS,
+    OVERHEAD_STUDY,
+    OVERHEAD_TARGET_US,
+    CallOverheadRow,
+    HostCostRow,
+)
 
 LAYER_BYTES_TOLERANCE = 1.03
 LAYER_TARGET_SHAPE = (8, 4096)
 """The kernelized decoder layer within 3% of the floor's bytes, forward+backward at batch 8 x sequence 4096."""
-KERNELIZE_TARGET_MS = 100.0
-OVERHEAD_TARGET_US = 10.0
-FALLBACK_TOLERANCE = 1.05
-"""The fallback counts as not slower than eager when its median is within 5% (timing noise) of eager's."""
-HOST_COST_BOUND = 2.0
-"""A card's kernelized module costs the host at most 2 x a bare module call issuing the same ops (`timed.host_cost`)."""
-HOST_COST_SHAPE = (1, 1)
-"""Decode size, where the host bounds a step: batch 1, one token."""
-HOST_COST_STUDY = "host cost"
-"""The study of the timed rows of a card's host cost against a bare module call."""
 REGION_TIME_PHASES = ("fwd", "fwd+bwd")
 """Every card's region at most eager's region in estimated device time (Atlas A2 model), in these phases, at every
 size the bench counts."""
@@ -207,15 +207,15 @@ def _host(rows: list[Row]) -> list[Result]:
     for r in (r for r in timed if r.study == "kernelize"):
         met = r.kernelized < KERNELIZE_TARGET_MS
         out.append(Result("", f"kernelize of 32 layers < {KERNELIZE_TARGET_MS:g} ms", f"{r.kernelized:.1f} ms", met))
-    overheads = [(r.kind, r.kernelized - r.eager) for r in timed if r.study == "call overhead"]
+    overheads = [CallOverheadRow.of(r) for r in timed if r.study == OVERHEAD_STUDY]
     if overheads:
-        text = ", ".join(f"{kind} {us:.2f} us" for kind, us in overheads)
-        met = all(us < OVERHEAD_TARGET_US for _, us in overheads)
+        text = ", ".join(f"{r.region} {r.overhead_us:.2f} us" for r in overheads)
+        met = all(r.overhead_us < OVERHEAD_TARGET_US for r in overheads)
         out.append(Result("", f"per-call overhead < {OVERHEAD_TARGET_US:g} us", text, met))
-    for r in (r for r in timed if r.study == HOST_COST_STUDY):
-        label = f"{r.kind}: host cost of a call <= {HOST_COST_BOUND:g} x a bare module call (decode, ops stubbed)"
-        measured = f"{r.ratio:.2f} x ({r.kernelized:.1f} vs {r.eager:.1f} us)"
-        out.append(Result(r.kind, label, measured, r.ratio <= HOST_COST_BOUND))
+    for r in (HostCostRow.of(r) for r in timed if r.study == HOST_COST_STUDY):
+        label = f"{r.region}: host cost of a call <= {HOST_COST_BOUND:g} x a bare module call (decode, ops stubbed)"
+        measured = f"{r.ratio:.2f} x ({r.call_us:.1f} vs {r.bare_us:.1f} us)"
+        out.append(Result(r.region, label, measured, r.ratio <= HOST_COST_BOUND))
     fallbacks = [(r.kind, r.ratio) for r in timed if r.study == "fallback"]
     if fallbacks:
         text = ", ".join(f"{kind} {ratio:.2f} x eager" for kind, ratio in fallbacks)

@@ -38,14 +38,21 @@ from .configs import CONFIGS, DTYPE, PHASES, ROOT, TINY_SPECS, ModelSpec
 from .device_model import HOST_PER_OP
 from .regions import Region, capture, find_regions, forward_backward, layer_inputs, region_call, set_variant
 from .rows import EMULATED, Row, log
-from .targets import (
-    FALLBACK_TOLERANCE,
-    HOST_COST_BOUND,
-    HOST_COST_SHAPE,
-    HOST_COST_STUDY,
-    KERNELIZE_TARGET_MS,
-    OVERHEAD_TARGET_US,
-)
+
+KERNELIZE_TARGET_MS = 100.0
+"""kernelize of a 32-layer model, its cards loaded, takes under 100 ms (`kernelize_rows`)."""
+OVERHEAD_TARGET_US = 10.0
+"""A kernelized module's call costs under 10 us more than calling its card function directly (`overhead_rows`)."""
+OVERHEAD_STUDY = "call overhead"
+"""The study of the timed rows of a kernelized module's call against its card function (`CallOverheadRow`)."""
+FALLBACK_TOLERANCE = 1.05
+"""The fallback counts as not slower than eager when its median is within 5% (timing noise) of eager's."""
+HOST_COST_BOUND = 2.0
+"""A card's kernelized module costs the host at most 2 x a bare module call issuing the same ops (`host_cost`)."""
+HOST_COST_SHAPE = (1, 1)
+"""Decode size, where the host bounds a step: batch 1, one token."""
+HOST_COST_STUDY = "host cost"
+"""The study of the timed rows of a card's host cost against a bare module call (`HostCostRow`)."""
 
 
 def median_time(fn: Callable, repeats: int, number: int = 1, warmup: int = 1, sync: Callable = lambda: None) -> float:
@@ -107,11 +114,39 @@ def kernelize_rows(repeats: int) -> list[Row]:
     ]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class CallOverheadRow:
+    """A kernelized module's call against a direct call of its card function, tiny tensors (`overhead_rows`)."""
+
+    region: str  # the card's region kind
+    function_us: float  # the card function called directly
+    module_us: float  # the kernelized module called
+    note: str
+
+    @property
+    def overhead_us(self) -> float:
+        """What the module call adds to the function call."""
+        return self.module_us - self.function_us
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv: the function call in the eager column, the module call in the kernelized."""
+        return Row(
+            "timed", "tiny", f"{self.region}: kernelized module vs its function", "host", 1, 8,
+            eager=self.function_us, kernelized=self.module_us, unit="us",
+            target=f"module - function < {OVERHEAD_TARGET_US:g} us",
+            note=self.note, study=OVERHEAD_STUDY, kind=self.region,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> CallOverheadRow:
+        """The call overhead row a line of bench.csv holds (what `csv_row` wrote)."""
+        return cls(region=row.kind, function_us=row.eager, module_us=row.kernelized, note=row.note)
+
+
 def overhead_rows(device: str, repeats: int, number: int) -> list[Row]:
     """Return the rows of the per-call cost of each card's kernelized module over its card function.
 
-    The cost is that of a kernelized module (eager column: calling its card function directly), tiny tensors: each card
-    whose HOST_TIMING has a direct_call, on its region of a tiny Llama decoder layer."""
+    Tiny tensors: each card whose HOST_TIMING has a direct_call, on its region of a tiny Llama decoder layer."""
     from kernels import Mode, kernelize
 
     model = tiny_causal_lm("llama", num_hidden_layers=1).to(device)
@@ -124,15 +159,8 @@ def overhead_rows(device: str, repeats: int, number: int) -> list[Row]:
             inputs = timing.inputs(model.config, 1, 8, device)
             function = timing.direct_call(_card_of(module), module)
             module_s, direct_s = paired_medians(*_calls(module, function, inputs), repeats, number)
-            rows.append(
-                Row(
-                    "timed", "tiny", f"{card.region}: kernelized module vs its function", "host", 1, 8,
-                    eager=direct_s * 1e6, kernelized=module_s * 1e6, unit="us",
-                    target=f"module - function < {OVERHEAD_TARGET_US:g} us",
-                    note=f"overhead {(module_s - direct_s) * 1e6:.2f} us per call; tensors on {device}",
-                    study="call overhead", kind=card.region,
-                )
-            )  # fmt: skip
+            note = f"overhead {(module_s - direct_s) * 1e6:.2f} us per call; tensors on {device}"
+            rows.append(CallOverheadRow(card.region, direct_s * 1e6, module_s * 1e6, note).csv_row())
     kernelize(model, mode=Mode.INFERENCE, device="cpu")
     return rows
 
@@ -344,7 +372,7 @@ def host_cost_rows(device: str, repeats: int, number: int, measure: Callable = p
                     tape = OpTape()
                     with tape.stubbing(sys.modules.get("torch_npu"), fused_ops()):
                         call_s, bare_s, steps = host_cost(module, inputs, tape, repeats, number, measure)
-                    rows.append(host_cost_row(card.region, call_s, bare_s, steps, device, repeats, number))
+                    rows.append(host_cost_row(card.region, call_s, bare_s, steps, device, repeats, number).csv_row())
         finally:
             kernelize(model, mode=Mode.INFERENCE, device="cpu")
     return rows
@@ -355,14 +383,41 @@ def direct_calls() -> list[tuple[Any, Any]]:
     return [(card, timing) for card, timing in with_piece("HOST_TIMING") if timing.direct_call is not None]
 
 
+@dataclass(frozen=True)
+class HostCostRow:
+    """A card's kernelized module against a bare module call issuing the same ops, ops stubbed (`host_cost_rows`)."""
+
+    region: str  # the card's region kind
+    bare_us: float  # the bare module call
+    call_us: float  # the kernelized module's call
+    note: str
+
+    @property
+    def ratio(self) -> float:
+        """The call's host cost as a multiple of the bare call's (`ratio_to_bare`)."""
+        return ratio_to_bare(self.call_us, self.bare_us)
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv: the bare call in the eager column, the module's call in the kernelized one."""
+        batch, seq = HOST_COST_SHAPE
+        return Row(
+            "timed", "tiny, bfloat16, decode", f"{self.region}: kernelized module vs a bare call", "host", batch, seq,
+            eager=self.bare_us, kernelized=self.call_us, unit="us", target=f"<= {HOST_COST_BOUND:g} x a bare call",
+            note=self.note, study=HOST_COST_STUDY, kind=self.region,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> HostCostRow:
+        """The host cost row a line of bench.csv holds (what `csv_row` wrote)."""
+        return cls(region=row.kind, bare_us=row.eager, call_us=row.kernelized, note=row.note)
+
+
 def host_cost_row(
     kind: str, call_s: float, bare_s: float, steps: list[Step], device: str, repeats: int, number: int
-) -> Row:
-    """Return the timed row of a card's host cost.
+) -> HostCostRow:
+    """Return the timed row of a card's host cost: the module's call against a bare call, in us.
 
-    The bare call in the eager column, the kernelized module in the kernelized one (us), held to `HOST_COST_BOUND` x the
-    bare call."""
-    batch, seq = HOST_COST_SHAPE
+    The note names the recorded ops and what the card's Python adds to the bare call."""
     ratio = ratio_to_bare(call_s, bare_s)
     launches = [step.name for step in steps if step.launches]
     extra_us = (call_s - bare_s) * 1e6
@@ -372,11 +427,7 @@ def host_cost_row(
         f"beyond the bare call {extra_us:.1f} us per call ({extra_us / (HOST_PER_OP.value * 1e6):.2f} of one op's "
         f"modelled host cost); interleaved, median of {repeats} x {number}; tensors on {device}"
     )
-    return Row(
-        "timed", "tiny, bfloat16, decode", f"{kind}: kernelized module vs a bare call", "host", batch, seq,
-        eager=bare_s * 1e6, kernelized=call_s * 1e6, unit="us", target=f"<= {HOST_COST_BOUND:g} x a bare call",
-        note=note, study=HOST_COST_STUDY, kind=kind,
-    )  # fmt: skip
+    return HostCostRow(kind, bare_s * 1e6, call_s * 1e6, note)
 
 
 def get_kernel_rows(build: Path, org: str, cold_repeats: int, warm_repeats: int, emulated: bool) -> list[Row]:
