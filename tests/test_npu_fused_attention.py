@@ -19,7 +19,6 @@ import textwrap
 import proof
 import pytest
 import torch
-from kernels import get_local_kernel
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -33,11 +32,6 @@ from npu_hub_kernels.testing.tiny_models import TINY_WIDTHS, tiny_causal_lm, tin
 
 NAME = "npu_fused_attention"
 OP = "npu_fusion_attention"
-
-
-@pytest.fixture(scope="module")
-def card(built_cards):
-    return get_local_kernel(built_cards / "npu-fused-attention")
 
 
 @pytest.fixture
