@@ -100,6 +100,27 @@ def test_emulated_ascend_host_loads_the_cann91_build_of_every_card(offline_hub, 
     assert text.endswith(f"OK: all {len(CARDS)} cards resolve to a build variant that loads on this host.\n")
 
 
+def test_built_cards_are_diagnosed_as_local_dir_loads_them_and_a_folder_without_builds_is_named(
+    built_cards, tmp_path, capsys
+):
+    """`--local-dir`: each card's variant from its built folder, its files checked, no Hub asked; a folder without
+    built cards fails with the fix (the negative control)."""
+    status, report = doctor_json(capsys, "--local-dir", str(built_cards))
+    assert status == 0 and report["ok"] and report["local_dir"] == str(built_cards)
+    assert report["publisher_trust"].startswith("not asked") and report["registry_trust"].startswith("not needed")
+    for name, card in cards_of(report).items():
+        assert card["source"] == f"built card: {built_cards / name}" and card["revision"] is None
+        assert (card["variant"], card["fallbacks"]) == (ARCH_VARIANT, ["torch-npu", "torch-universal"])
+        assert card["files"].endswith("files match the metadata.json digest")
+    assert main(["doctor", "--local-dir", str(built_cards)]) == 0
+    assert capsys.readouterr().out.startswith(f"npu-hub-kernels doctor: built cards of {built_cards}\n")
+
+    status, report = doctor_json(capsys, "--local-dir", str(tmp_path))
+    assert status == 1 and not report["ok"]
+    assert cards_of(report)["npu-rope"]["problem"] == f"{tmp_path / 'npu-rope'} holds no built card (no build/ folder)"
+    assert report["hints"][0].startswith("build the cards (`make build`) and pass the folder that holds npu-")
+
+
 def test_another_cann_version_falls_back_to_the_generic_npu_build(offline_hub, capsys):
     emulation.set_cann_version("8.5.0")  # torch 2.13 is built for CANN 9.1 only
     try:

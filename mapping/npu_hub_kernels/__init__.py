@@ -1,7 +1,7 @@
 """npu-hub-kernels: fused Ascend NPU kernels from the Hugging Face Hub, swapped into transformers models.
 
     from npu_hub_kernels import register_npu_kernels
-    register_npu_kernels()                       # the cards of the default org, version 1
+    register_npu_kernels(local_dir="build")      # the cards `make build` wrote; or org="<org>" for the Hub
     model = AutoModelForCausalLM.from_pretrained(path, device_map="npu", use_kernels=True)
 
 or `apply_npu_kernels(model)` on a model already built; `swapped_modules(model)` reports what runs

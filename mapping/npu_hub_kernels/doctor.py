@@ -72,7 +72,7 @@ from .selftest.results import summary as selftest_summary
 NOT_INSTALLED = "not installed"
 NOT_CACHED_HINT = (
     "put the cards into the Hub cache: on a connected machine download each card's full v{version} snapshot "
-    "(README, 'Distribution: offline and pinned use') and copy the cache over, or from a source checkout run "
+    "(docs/loading.md, 'Offline and pinned use') and copy the cache over, or from a source checkout run "
     "`make build`, then seed the cache: "
     "python -c \"from npu_hub_kernels.offline import seed_offline_cache; seed_offline_cache('build', '{org}')\""
 )
@@ -170,6 +170,8 @@ class Report:
     publisher_trust: str
     cards: list[CardReport]
     model: ModelReport | None = None
+    local_dir: str | None = None
+    """The folder of built cards diagnosed instead of the Hub's (`register_npu_kernels(local_dir=...)`)."""
 
     @property
     def ok(self) -> bool:
@@ -194,30 +196,39 @@ class _Refusal(Exception):
         self.hint = hint
 
 
-def diagnose(org: str | None = None, version: int = 1, model: nn.Module | None = None) -> Report:
+def diagnose(
+    org: str | None = None, version: int = 1, model: nn.Module | None = None, local_dir: str | Path | None = None
+) -> Report:
     """Diagnose every card of `org` at API version `version`, and what runs in `model` when one is given.
 
-    `org` defaults as register_npu_kernels'; what runs in `model` is its `model_report`.
+    `org` defaults as register_npu_kernels'; what runs in `model` is its `model_report`. With `local_dir`, the built
+    cards of that folder instead, as `register_npu_kernels(local_dir=...)` loads them.
     """
     org = resolve_org(org)
-    cards = [_diagnose_card(card, org, version) for card in CARDS.values()]
+    cards = [_diagnose_card(card, org, version, local_dir) for card in CARDS.values()]
     host = host_report()
     note = _torch_npu_note(host, cards)
     if note:
         host.notes.append(note)
-    publisher_trusted, publisher_trust = _publisher_trust(org)
+    if local_dir is None:
+        publisher_trusted, publisher_trust = _publisher_trust(org)
+        registry_trust = (
+            f"yes for each card: register_npu_kernels(org={org!r}) passes "
+            f"trust_remote_code={[card.repo_id for card in cards]}, exactly the repositories it registers"
+        )
+    else:
+        publisher_trusted, publisher_trust = None, "not asked: built cards load from a folder, not from the Hub"
+        registry_trust = f"not needed: register_npu_kernels(local_dir={str(local_dir)!r}) imports the folder's builds"
     return Report(
         org=org,
         version=version,
         host=host,
-        registry_trust=(
-            f"yes for each card: register_npu_kernels(org={org!r}) passes "
-            f"trust_remote_code={[card.repo_id for card in cards]}, exactly the repositories it registers"
-        ),
+        registry_trust=registry_trust,
         publisher_trusted=publisher_trusted,
         publisher_trust=publisher_trust,
         cards=cards,
         model=None if model is None else model_report(model),
+        local_dir=None if local_dir is None else str(local_dir),
     )
 
 
@@ -318,11 +329,14 @@ def _publisher_trust(org: str) -> tuple[bool | None, str]:
     )
 
 
-def _diagnose_card(card: Card, org: str, version: int) -> CardReport:
+def _diagnose_card(card: Card, org: str, version: int, local_dir: str | Path | None) -> CardReport:
     """One card's report; a refusal at any step becomes its problem and hint."""
     report = CardReport(card=card.repo_name, kernel_id=card.kernel_id, repo_id=card.repo_id(org))
     try:
-        _resolve(report, org, version)
+        if local_dir is None:
+            _resolve(report, org, version)
+        else:
+            _resolve_built(report, Path(local_dir) / card.repo_name, version)
     except _Refusal as refusal:
         report.problem, report.hint = refusal.problem, refusal.hint
     return report
@@ -335,14 +349,30 @@ def _resolve(report: CardReport, org: str, version: int) -> None:
     report.revision = _version_commit(report.repo_id, org, version, offline, local)
     snapshot = _cache_snapshot(report.repo_id, report.revision)
     if local is not None:
-        variant_dir = _from_local_folder(report, local, version)
+        variant_dir = _from_local_folder(report, local, version, f"LOCAL_KERNELS: {local}")
     elif offline:
         variant_dir = _from_cache(report, snapshot, org, version)
     else:
         variant_dir = _from_hub(report)
         if variant_dir is None:
             return
-    metadata = _check_files(report, variant_dir, local if local is not None else snapshot)
+    _check_and_validate(report, variant_dir, local if local is not None else snapshot)
+
+
+def _resolve_built(report: CardReport, folder: Path, version: int) -> None:
+    """Fill `report` for the built card in `folder`, as register_npu_kernels(local_dir=...) loads it."""
+    if not (folder / "build").is_dir():
+        raise _Refusal(
+            f"{folder} holds no built card (no build/ folder)",
+            f"build the cards (`make build`) and pass the folder that holds {report.card}/",
+        )
+    variant_dir = _from_local_folder(report, folder, version, f"built card: {folder}")
+    _check_and_validate(report, variant_dir, folder)
+
+
+def _check_and_validate(report: CardReport, variant_dir: Path, copy: Path) -> None:
+    """Check the chosen variant's files against its digest, then run kernels' own checks of its metadata."""
+    metadata = _check_files(report, variant_dir, copy)
     try:
         compat.AllValidator(compat.get_kernel_validators()).validate_metadata(metadata=metadata, variant=report.variant)
     except Exception as error:  # kernels' checks raise ValueError or RuntimeError with the fix in the message
@@ -351,9 +381,9 @@ def _resolve(report: CardReport, org: str, version: int) -> None:
         ) from None
 
 
-def _from_local_folder(report: CardReport, folder: Path, version: int) -> Path:
-    """The variant kernels' RepoPathsResolver takes from a LOCAL_KERNELS folder."""
-    report.source = f"LOCAL_KERNELS: {folder}"
+def _from_local_folder(report: CardReport, folder: Path, version: int, source: str) -> Path:
+    """The variant kernels' RepoPathsResolver takes from a folder of one built card (LOCAL_KERNELS, local_dir)."""
+    report.source = source
     location = _loader(lambda: compat.local_folder_variant(folder), version, report, folder)
     _record_decisions(report, compat.get_variants_local(location.variant_path.parent))
     return location.variant_path
@@ -582,7 +612,8 @@ def _one_line(error: BaseException) -> str:
 def format_report(report: Report) -> str:
     """The report for people: aligned label columns, one block per card, the hints (one per kind) at the end."""
     host = report.host
-    lines = [f"npu-hub-kernels doctor: org {report.org}, version {report.version}", "", "host"]
+    where = f"built cards of {report.local_dir}" if report.local_dir else f"org {report.org}, version {report.version}"
+    lines = [f"npu-hub-kernels doctor: {where}", "", "host"]
     lines += _rows(
         [
             ("python", host.python),
@@ -710,6 +741,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="card API version from 1, the branch v<version> (default: 1)",
     )
+    parser.add_argument("--local-dir", type=Path, help="diagnose the built cards of this folder (make build's build/)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -720,6 +752,6 @@ def run(args: argparse.Namespace) -> int:
         if problem:
             print(f"error: {ORG_ENV}={problem}", file=sys.stderr)
             return 2
-    report = diagnose(args.org, args.version)
+    report = diagnose(args.org, args.version, local_dir=args.local_dir)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.ok else 1
