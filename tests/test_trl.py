@@ -26,7 +26,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
-from npu_hub_kernels import apply_npu_kernels, kept_forwards, swapped_modules
+from npu_hub_kernels import CARDS, apply_npu_kernels, kept_forwards, swapped_modules
+from npu_hub_kernels.models import MODEL_CLASSES
 from npu_hub_kernels.report import ROOT_MODULE
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import VOCAB, tiny_causal_lm
@@ -35,8 +36,13 @@ STEPS = 2
 BATCH = 2
 TRL_HEAD = "trl.trainer.utils.add_fused_lm_head.<locals>._fused_forward"
 """The forward TRL's trainers set on the model, by the name `kept_forwards` gives it."""
-OTHER_CARDS = {"npu-rms-norm", "npu-add-rms-norm", "npu-rope", "npu-swiglu"}
-"""The cards that swap a tiny Llama's modules besides npu-linear-cross-entropy."""
+LOSS_CARD = "npu-linear-cross-entropy"
+OTHER_CARDS = {
+    CARDS[kernel_id].repo_name
+    for kernel_id, rules in MODEL_CLASSES.items()
+    if any(rule.module == "transformers.models.llama.modeling_llama" for rule in rules)
+} - {LOSS_CARD}
+"""The cards whose tables swap a Llama class, besides npu-linear-cross-entropy (read from the tables, not listed)."""
 LOADS = ["use_kernels=True", "apply_npu_kernels"]
 
 
@@ -111,7 +117,7 @@ def loaded_on_npu(source, load: str, built_cards) -> dict:
 def assert_trls_head_kept_and_the_other_cards_fused(model) -> None:
     """TRL's head is the model's forward, kept and said so; every other card swaps what it swaps in a tiny Llama."""
     assert [(kept.module, kept.forward, kept.card) for kept in kept_forwards(model)] == [
-        (ROOT_MODULE, TRL_HEAD, "npu-linear-cross-entropy")
+        (ROOT_MODULE, TRL_HEAD, LOSS_CARD)
     ]
     assert {swap.card for swap in swapped_modules(model)} == OTHER_CARDS
 
