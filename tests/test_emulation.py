@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch_npu
+from numerics import gelu_tanh_golden, rotary_golden
 
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
@@ -223,30 +223,16 @@ def test_install_refuses_a_torch_it_is_not_tested_with(torch_version):
     assert "install torch==2.13.0" in result.stderr
 
 
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rotate_interleave(x):
-    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["half", "interleave"])
 def test_npu_rotary_mul_matches_the_formula(dtype, mode):
-    x = torch.randn(2, 4, 5, 64, dtype=dtype)
-    r1 = torch.randn(1, 1, 5, 64, dtype=dtype)
-    r2 = torch.randn(1, 1, 5, 64, dtype=dtype)
+    x, r1, r2 = (torch.randn(shape, dtype=dtype) for shape in ((2, 4, 5, 64), (1, 1, 5, 64), (1, 1, 5, 64)))
     with emulation.count_op_calls() as calls:
         out = torch_npu.npu_rotary_mul(x.to("npu"), r1.to("npu"), r2.to("npu"), rotary_mode=mode)
     assert calls == {"npu_rotary_mul": 1} and out.dtype == dtype and out.shape == x.shape
-    rotate = _rotate_half if mode == "half" else _rotate_interleave
-    x64, r1_64, r2_64 = x.double(), r1.double(), r2.double()
-    expected = x64 * r1_64 + rotate(x64) * r2_64
+    expected = rotary_golden(x.double(), r1.double(), r2.double(), mode)
     torch.testing.assert_close(out.cpu().double(), expected, **_tol(dtype))
-    x32 = x.float()
-    assert torch.equal(out.cpu(), (x32 * r1.float() + rotate(x32) * r2.float()).to(dtype))
+    assert torch.equal(out.cpu(), rotary_golden(x.float(), r1.float(), r2.float(), mode).to(dtype))
 
 
 @pytest.mark.parametrize(
@@ -259,6 +245,12 @@ def test_npu_rotary_mul_matches_the_formula(dtype, mode):
         ((10, 100, 3, 8), (1, 1, 3, 8), "interleave", "npu_rotary_mul/interleave-limits"),
         ((2, 4, 3, 8), (2, 1, 3, 8), "interleave", "npu_rotary_mul/interleave-forms"),
         ((5, 8), (5, 8), "half", "npu_rotary_mul/rank"),
+        ((2, 2, 5, 128), (1, 2, 1, 128), "quarter", "npu_rotary_mul/rotary-mode"),
+        # x read as BSND (r of form 1S1D or BS1D): the limits of the layout the op reads
+        ((2, 5, 1000, 8), (1, 5, 1, 8), "half", "npu_rotary_mul/half-limits"),
+        ((2, 5, 4, 8), (1, 5, 4, 8), "half", "npu_rotary_mul/half-forms"),
+        ((2, 5, 4, 8), (2, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-forms"),
+        ((2, 5, 600, 8), (1, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-limits"),
     ],
 )
 def test_npu_rotary_mul_enforces_the_layout_limits(x_shape, r_shape, mode, message):
@@ -278,7 +270,7 @@ def test_npu_rotary_mul_backward_reaches_x_r1_and_r2():
     leaves = [t.float().to("npu").requires_grad_() for t in (x, r1, r2)]
     torch_npu.npu_rotary_mul(*leaves).pow(2).sum().backward()
     refs = [t.clone().requires_grad_() for t in (x, r1, r2)]
-    (refs[0] * refs[1] + _rotate_half(refs[0]) * refs[2]).pow(2).sum().backward()
+    rotary_golden(*refs).pow(2).sum().backward()
     for got, ref in zip(leaves, refs, strict=True):
         torch.testing.assert_close(got.grad.cpu().double(), ref.grad, rtol=1e-4, atol=1e-4)
 
@@ -366,23 +358,8 @@ def test_npu_rotary_mul_takes_each_layout_and_returns_it_row_major(x_shape, r_sh
     r1, r2 = torch.randn(r_shape).to("npu"), torch.randn(r_shape).to("npu")
     out = torch_npu.npu_rotary_mul(x, r1, r2)
     assert out.shape == x.shape and out.is_contiguous()
-    x64, r1_64, r2_64 = (t.cpu().double() for t in (x, r1, r2))
-    torch.testing.assert_close(out.cpu().double(), x64 * r1_64 + _rotate_half(x64) * r2_64, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    ("x_shape", "r_shape", "mode", "message"),
-    [
-        ((2, 5, 1000, 8), (1, 5, 1, 8), "half", "npu_rotary_mul/half-limits"),
-        ((2, 5, 4, 8), (1, 5, 4, 8), "half", "npu_rotary_mul/half-forms"),
-        ((2, 5, 4, 8), (2, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-forms"),
-        ((2, 5, 600, 8), (1, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-limits"),
-    ],
-)
-def test_npu_rotary_mul_checks_the_limits_of_the_layout_it_reads(x_shape, r_shape, mode, message):
-    x, r = torch.randn(x_shape, device="npu"), torch.randn(r_shape, device="npu")
-    with pytest.raises(RuntimeError, match=message):
-        torch_npu.npu_rotary_mul(x, r, r, rotary_mode=mode)
+    expected = rotary_golden(*(t.cpu().double() for t in (x, r1, r2)))
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_npu_apply_rotary_pos_emb_rotates_q_and_k_in_place():
@@ -393,7 +370,7 @@ def test_npu_apply_rotary_pos_emb_rotates_q_and_k_in_place():
         out = torch_npu.npu_apply_rotary_pos_emb(q_npu, k_npu, cos.to("npu"), sin.to("npu"))
     assert calls == {"npu_apply_rotary_pos_emb": 1} and out[0] is q_npu and out[1] is k_npu
     for got, x in zip(out, (q, k), strict=True):
-        torch.testing.assert_close(got.cpu(), x * cos + _rotate_half(x) * sin, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.cpu(), rotary_golden(x, cos, sin), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -598,8 +575,7 @@ def test_npu_geglu_keeps_x_and_its_gelu_output_for_backward():
     assert not gelu.requires_grad and gelu.dtype == out.dtype == torch.bfloat16
     gate, up = x.detach().cpu().float().chunk(2, dim=-1)
     weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape).bfloat16().float()
-    tanh = torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3))
-    slope = 0.5 * (1 + tanh) + 0.5 * gate * (1 - tanh**2) * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * gate**2)
+    _, slope = gelu_tanh_golden(gate)
     expected = torch.cat((weights * up * slope, weights * gelu.cpu().float()), dim=-1).bfloat16()
     (grad,) = _grads_of([x], out)
     torch.testing.assert_close(grad.float(), expected.float(), rtol=1e-2, atol=1e-3)  # one bf16 ulp
@@ -612,9 +588,7 @@ def test_npu_rotary_mul_keeps_x_r1_and_r2_for_backward(mode):
     x, r1, r2 = _bf16_leaf(2, 3, 4, 8), _bf16_leaf(1, 1, 4, 8), _bf16_leaf(1, 1, 4, 8)
     out, saved = _saved_for_backward(lambda: torch_npu.npu_rotary_mul(x, r1, r2, rotary_mode=mode))
     _assert_saved_exactly(saved, [x, r1, r2])
-    rotate = _rotate_half if mode == "half" else _rotate_interleave
-    x32 = x.float()
-    expected = _grads_of([x, r1, r2], (x32 * r1.float() + rotate(x32) * r2.float()).bfloat16())
+    expected = _grads_of([x, r1, r2], rotary_golden(x.float(), r1.float(), r2.float(), mode).bfloat16())
     assert all(torch.equal(g, e) for g, e in zip(_grads_of([x, r1, r2], out), expected, strict=True))
 
 

@@ -31,15 +31,13 @@ cases, the NZ weight format), group_list_type 2. test_npu_grouped_matmul_0_empty
 
 from __future__ import annotations
 
-import math
-
 import numpy
 import pytest
 import torch
 import torch.nn.functional as F
 import torch_npu
+from numerics import gelu_tanh_golden, rotary_golden
 
-OP_PLUGIN_COMMIT = "517f2e7d0f202f38b76310706cb977ca2388ad21"
 RTOL = {torch.float32: 1e-4, torch.float16: 1e-3}
 
 
@@ -53,16 +51,6 @@ def close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
     misses_relative = (diff / (torch.maximum(got.abs(), want.abs()) + 1e-9) > rtol).sum().item()
     allowed = got.numel() * rtol
     assert misses_absolute <= allowed or misses_relative <= allowed, (misses_absolute, misses_relative, allowed)
-
-
-def rotate_golden(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> torch.Tensor:
-    """The golden of test_npu_rotary_mul: r1 * x + r2 * rotation(x), in the inputs' dtype."""
-    if mode == "half":
-        x1, x2 = torch.chunk(x, 2, -1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-    else:
-        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).reshape(x.shape)
-    return r1 * x + r2 * rotated
 
 
 HALF_SHAPES = [  # x, r1 (= r2): BSND 1S1D, SBND S11D with S >= 1000 (an S the B limit would refuse), and a shape
@@ -83,13 +71,17 @@ def _rand(shape, dtype, seed):
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+def _randn(shape, dtype, seed, std=1.0):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(("mode", "shapes"), [("half", HALF_SHAPES), ("interleave", INTERLEAVE_SHAPES)])
 def test_rotary_mul_forward(mode, shapes, dtype):
     for seed, (x_shape, r_shape) in enumerate(shapes):
         x, r1, r2 = (_rand(shape, dtype, seed * 3 + i) for i, shape in enumerate((x_shape, r_shape, r_shape)))
         out = torch_npu.npu_rotary_mul(x.to("npu"), r1.to("npu"), r2.to("npu"), rotary_mode=mode)
-        close(out, rotate_golden(x, r1, r2, mode), RTOL[dtype])
+        close(out, rotary_golden(x, r1, r2, mode), RTOL[dtype])
 
 
 @pytest.mark.parametrize(
@@ -103,18 +95,12 @@ def test_rotary_mul_backward(mode, shapes, dtypes):
             leaves = [_rand(shape, dtype, seed * 3 + i) for i, shape in enumerate((x_shape, r_shape, r_shape))]
             cpu = [t.clone().requires_grad_() for t in leaves]
             npu = [t.to("npu").requires_grad_() for t in leaves]
-            golden = rotate_golden(*cpu, mode)
+            golden = rotary_golden(*cpu, mode)
             golden.backward(torch.ones_like(golden))
             out = torch_npu.npu_rotary_mul(*npu, rotary_mode=mode)
             out.backward(torch.ones_like(out))
             for got, want in zip(npu, cpu, strict=True):  # r1/r2 sum over the broadcast axes: float32 tolerance
                 close(got.grad, want.grad, 1e-3 if dtype == torch.float16 else 1e-4)
-
-
-def test_rotary_mul_refuses_an_unknown_mode():
-    x, r = torch.rand(2, 2, 5, 128).to("npu"), torch.rand(1, 2, 1, 128).to("npu")
-    with pytest.raises(RuntimeError, match="npu_rotary_mul/rotary-mode"):
-        torch_npu.npu_rotary_mul(x, r, r, "quarter")
 
 
 def rms_norm_golden(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,14 +226,6 @@ def test_swiglu_forward_and_backward():
     close(x_npu.grad, torch.cat((da, db), dim=-1).bfloat16(), 1e-4)
 
 
-def _gelu_tanh_golden(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops-nn's do_gelu for approximate=1, and its derivative (gelu_grad_tanh's closed form), in x's dtype."""
-    c = math.sqrt(2 / math.pi)
-    tanh = torch.tanh(c * (x + 0.044715 * x**3))
-    slope = 0.5 * (1 + tanh) + 0.5 * x * (1 - tanh**2) * c * (1 + 3 * 0.044715 * x**2)
-    return 0.5 * x * (1 + tanh), slope
-
-
 def test_geglu_fake_tensor_case():
     """test_fake_tensor's npu_geglu case: float32 [2, 10, 64], dim=-1, approximate=1, activate_left=False; both
     outputs [2, 10, 32]. Values: ops-nn's golden (the SECOND half activated), float32."""
@@ -255,7 +233,7 @@ def test_geglu_fake_tensor_case():
     y, gelu = torch_npu.npu_geglu(x.to("npu"), -1, 1, False)
     assert y.shape == gelu.shape == (2, 10, 32)
     first, second = x.chunk(2, dim=-1)
-    want_gelu, _ = _gelu_tanh_golden(second)
+    want_gelu, _ = gelu_tanh_golden(second)
     close(gelu, want_gelu, RTOL[torch.float32])
     close(y, first * want_gelu, RTOL[torch.float32])
 
@@ -269,7 +247,7 @@ def test_geglu_docstring_example_forward_and_backward():
     g = torch.Generator().manual_seed(4)
     x = (torch.rand(GEGLU_SHAPE, generator=g) * 4 - 2).half()
     first, second = (half.float() for half in x.chunk(2, dim=-1))
-    want_gelu, _ = _gelu_tanh_golden(second)
+    want_gelu, _ = gelu_tanh_golden(second)
     y, gelu = torch_npu.npu_geglu(x.to("npu"), dim=-1, approximate=1)
     close(gelu, want_gelu.half(), RTOL[torch.float16])
     close(y, (first * want_gelu).half(), RTOL[torch.float16])
@@ -277,7 +255,7 @@ def test_geglu_docstring_example_forward_and_backward():
     x_npu = x.to("npu").requires_grad_()
     out, kept = torch_npu.npu_geglu(x_npu, dim=-1, approximate=1, activate_left=True)
     out.backward(grad.to("npu"))
-    _, slope = _gelu_tanh_golden(first)
+    _, slope = gelu_tanh_golden(first)
     want = torch.cat((grad.float() * second * slope, grad.float() * kept.cpu().float()), dim=-1)
     close(x_npu.grad, want.half(), RTOL[torch.float16])
 
@@ -294,11 +272,7 @@ def test_apply_rotary_pos_emb_bsnd():
         out = torch_npu.npu_apply_rotary_pos_emb(q_npu, k_npu, cos.to("npu"), sin.to("npu"), "BSND", "half")
     assert out[0] is q_npu and out[1] is k_npu
     for got, x in zip(out, (q, k), strict=True):
-        close(got, rotate_golden(x, cos, sin, "half"), 1e-3)
-
-
-def _randn(shape, dtype, seed, std=1.0):
-    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std).to(dtype)
+        close(got, rotary_golden(x, cos, sin, "half"), 1e-3)
 
 
 def _expert_ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
