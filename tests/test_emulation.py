@@ -194,18 +194,15 @@ def test_in_place_ops_that_change_sizes_change_the_npu_tensor(change):
     _same_as_on_the_host(on_npu, change(x))
 
 
-def test_host_reports_cann_and_kernels_sees_it():
-    from npu_hub_kernels._kernels_compat import backend as _backend
+def test_host_reports_cann_and_kernels_sees_it(cann_version):
+    from npu_hub_kernels._kernels_compat import backend
 
     assert torch_npu.utils.collect_env.get_cann_version() == emulation.DEFAULT_CANN_VERSION
-    assert _backend().variant_str == "cann91"
-    emulation.set_cann_version("8.3.RC1")
-    try:
-        assert _backend().variant_str == "cann83"
-    finally:
-        emulation.set_cann_version(emulation.DEFAULT_CANN_VERSION)
+    assert backend().variant_str == "cann91"
+    cann_version("8.3.RC1")
+    assert backend().variant_str == "cann83"
     with pytest.raises(ValueError, match="CANN versions look like"):
-        emulation.set_cann_version("9")
+        cann_version("9")
 
 
 @pytest.mark.parametrize("torch_version", ["2.12.1", "2.14.0+cpu"])
