@@ -14,9 +14,16 @@ from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
 
-def _rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    x64 = x.double()
-    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
+def _rms_norm_math(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, dtype=torch.float64, dims=-1):
+    """x * rsqrt(mean(x^2 over dims) + eps) * gamma, computed in dtype."""
+    x, gamma = x.to(dtype), gamma.to(dtype)
+    return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps) * gamma
+
+
+def _tol(dtype):
+    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}.get(
+        dtype, dict(rtol=2e-3, atol=2e-3)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -27,16 +34,8 @@ def test_npu_rms_norm_matches_fp32_then_cast(dtype, shape):
     y, rstd = torch_npu.npu_rms_norm(x.to("npu"), gamma.to("npu"), epsilon=1e-5)
     assert y.device.type == "npu" and y.dtype == dtype and y.shape == x.shape
     assert rstd.dtype == torch.float32 and rstd.shape == (*shape[:-1], 1)
-    x32 = x.float()
-    fp32_then_cast = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()).to(dtype)
-    assert torch.equal(y.cpu(), fp32_then_cast)
-    torch.testing.assert_close(y.cpu().double(), _rms_norm_reference(x, gamma, 1e-5), **_tol(dtype))
-
-
-def _tol(dtype):
-    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}.get(
-        dtype, dict(rtol=2e-3, atol=2e-3)
-    )
+    assert torch.equal(y.cpu(), _rms_norm_math(x, gamma, 1e-5, torch.float32).to(dtype))  # float32, then cast
+    torch.testing.assert_close(y.cpu().double(), _rms_norm_math(x, gamma, 1e-5), **_tol(dtype))
 
 
 def test_npu_rms_norm_two_dim_gamma_normalises_trailing_dims():
@@ -44,9 +43,7 @@ def test_npu_rms_norm_two_dim_gamma_normalises_trailing_dims():
     gamma = torch.randn(4, 8)
     y, rstd = torch_npu.npu_rms_norm(x.to("npu"), gamma.to("npu"))
     assert rstd.shape == (2, 3, 1, 1)
-    x64 = x.double()
-    expected = x64 * torch.rsqrt(x64.pow(2).mean((-2, -1), keepdim=True) + 1e-6) * gamma.double()
-    torch.testing.assert_close(y.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.cpu().double(), _rms_norm_math(x, gamma, dims=(-2, -1)), rtol=1e-5, atol=1e-5)
 
 
 def test_npu_rms_norm_bf16_input_with_fp32_gamma():
@@ -76,7 +73,7 @@ def test_npu_rms_norm_backward_matches_fp64_autograd():
     x_npu = x.detach().to("npu").requires_grad_()
     gamma_npu = gamma.detach().to("npu").requires_grad_()
     torch_npu.npu_rms_norm(x_npu, gamma_npu)[0].pow(2).sum().backward()
-    _rms_norm_reference(x, gamma, 1e-6).pow(2).sum().backward()
+    _rms_norm_math(x, gamma).pow(2).sum().backward()
     torch.testing.assert_close(x_npu.grad.cpu(), x.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gamma_npu.grad.cpu(), gamma.grad, rtol=1e-4, atol=1e-4)
 
@@ -595,8 +592,7 @@ def test_npu_rms_norm_keeps_x_gamma_and_rstd_for_backward():
     x, gamma = _bf16_leaf(3, 5, 32, scale=4.0), _bf16_leaf(32)
     (y, rstd), saved = _saved_for_backward(lambda: torch_npu.npu_rms_norm(x, gamma))
     _assert_saved_exactly(saved, [x, gamma, rstd])
-    x32 = x.float()
-    reference = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma.float()).bfloat16()
+    reference = _rms_norm_math(x, gamma, dtype=torch.float32).bfloat16()
     for got, want in zip(_grads_of([x, gamma], y), _grads_of([x, gamma], reference), strict=True):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
