@@ -1,8 +1,9 @@
-"""Numeric helpers the tests share: error measures of the dtype idioms, and the training loop of the
-convergence idiom (a few optimizer steps; compare losses and each parameter's whole update)."""
+"""Numeric helpers the tests share: error measures of the dtype idioms, the goldens of the emulated ops' tests, and
+the training loop of the convergence idiom (a few optimizer steps; compare losses and each parameter's whole update)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -16,6 +17,24 @@ def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative L2 error of a against b: a max over a few tiny entries would be one rounding draw."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def rotary_golden(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str = "half") -> torch.Tensor:
+    """The golden of op-plugin's test_npu_rotary_mul: r1 * x + r2 * rotation(x), in the inputs' dtype."""
+    if mode == "half":
+        x1, x2 = torch.chunk(x, 2, -1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+    else:
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).reshape(x.shape)
+    return r1 * x + r2 * rotated
+
+
+def gelu_tanh_golden(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops-nn's do_gelu for approximate=1, and its derivative (gelu_grad_tanh's closed form), in x's dtype."""
+    c = math.sqrt(2 / math.pi)
+    tanh = torch.tanh(c * (x + 0.044715 * x**3))
+    slope = 0.5 * (1 + tanh) + 0.5 * x * (1 - tanh**2) * c * (1 + 3 * 0.044715 * x**2)
+    return 0.5 * x * (1 + tanh), slope
 
 
 def train_steps(

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch_npu
+from numerics import gelu_tanh_golden, rotary_golden
 
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
 
 
-def _rms_norm_reference(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-    x64 = x.double()
-    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * gamma.double()
+def _rms_norm_math(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, dtype=torch.float64, dims=-1):
+    """x * rsqrt(mean(x^2 over dims) + eps) * gamma, computed in dtype."""
+    x, gamma = x.to(dtype), gamma.to(dtype)
+    return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps) * gamma
+
+
+def _tol(dtype):
+    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}.get(
+        dtype, dict(rtol=2e-3, atol=2e-3)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -27,16 +34,8 @@ def test_npu_rms_norm_matches_fp32_then_cast(dtype, shape):
     y, rstd = torch_npu.npu_rms_norm(x.to("npu"), gamma.to("npu"), epsilon=1e-5)
     assert y.device.type == "npu" and y.dtype == dtype and y.shape == x.shape
     assert rstd.dtype == torch.float32 and rstd.shape == (*shape[:-1], 1)
-    x32 = x.float()
-    fp32_then_cast = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.float()).to(dtype)
-    assert torch.equal(y.cpu(), fp32_then_cast)
-    torch.testing.assert_close(y.cpu().double(), _rms_norm_reference(x, gamma, 1e-5), **_tol(dtype))
-
-
-def _tol(dtype):
-    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}.get(
-        dtype, dict(rtol=2e-3, atol=2e-3)
-    )
+    assert torch.equal(y.cpu(), _rms_norm_math(x, gamma, 1e-5, torch.float32).to(dtype))  # float32, then cast
+    torch.testing.assert_close(y.cpu().double(), _rms_norm_math(x, gamma, 1e-5), **_tol(dtype))
 
 
 def test_npu_rms_norm_two_dim_gamma_normalises_trailing_dims():
@@ -44,9 +43,7 @@ def test_npu_rms_norm_two_dim_gamma_normalises_trailing_dims():
     gamma = torch.randn(4, 8)
     y, rstd = torch_npu.npu_rms_norm(x.to("npu"), gamma.to("npu"))
     assert rstd.shape == (2, 3, 1, 1)
-    x64 = x.double()
-    expected = x64 * torch.rsqrt(x64.pow(2).mean((-2, -1), keepdim=True) + 1e-6) * gamma.double()
-    torch.testing.assert_close(y.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.cpu().double(), _rms_norm_math(x, gamma, dims=(-2, -1)), rtol=1e-5, atol=1e-5)
 
 
 def test_npu_rms_norm_bf16_input_with_fp32_gamma():
@@ -76,7 +73,7 @@ def test_npu_rms_norm_backward_matches_fp64_autograd():
     x_npu = x.detach().to("npu").requires_grad_()
     gamma_npu = gamma.detach().to("npu").requires_grad_()
     torch_npu.npu_rms_norm(x_npu, gamma_npu)[0].pow(2).sum().backward()
-    _rms_norm_reference(x, gamma, 1e-6).pow(2).sum().backward()
+    _rms_norm_math(x, gamma).pow(2).sum().backward()
     torch.testing.assert_close(x_npu.grad.cpu(), x.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gamma_npu.grad.cpu(), gamma.grad, rtol=1e-4, atol=1e-4)
 
@@ -194,18 +191,15 @@ def test_in_place_ops_that_change_sizes_change_the_npu_tensor(change):
     _same_as_on_the_host(on_npu, change(x))
 
 
-def test_host_reports_cann_and_kernels_sees_it():
-    from npu_hub_kernels._kernels_compat import backend as _backend
+def test_host_reports_cann_and_kernels_sees_it(cann_version):
+    from npu_hub_kernels._kernels_compat import backend
 
     assert torch_npu.utils.collect_env.get_cann_version() == emulation.DEFAULT_CANN_VERSION
-    assert _backend().variant_str == "cann91"
-    emulation.set_cann_version("8.3.RC1")
-    try:
-        assert _backend().variant_str == "cann83"
-    finally:
-        emulation.set_cann_version(emulation.DEFAULT_CANN_VERSION)
+    assert backend().variant_str == "cann91"
+    cann_version("8.3.RC1")
+    assert backend().variant_str == "cann83"
     with pytest.raises(ValueError, match="CANN versions look like"):
-        emulation.set_cann_version("9")
+        cann_version("9")
 
 
 @pytest.mark.parametrize("torch_version", ["2.12.1", "2.14.0+cpu"])
@@ -223,30 +217,16 @@ def test_install_refuses_a_torch_it_is_not_tested_with(torch_version):
     assert "install torch==2.13.0" in result.stderr
 
 
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rotate_interleave(x):
-    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["half", "interleave"])
 def test_npu_rotary_mul_matches_the_formula(dtype, mode):
-    x = torch.randn(2, 4, 5, 64, dtype=dtype)
-    r1 = torch.randn(1, 1, 5, 64, dtype=dtype)
-    r2 = torch.randn(1, 1, 5, 64, dtype=dtype)
+    x, r1, r2 = (torch.randn(shape, dtype=dtype) for shape in ((2, 4, 5, 64), (1, 1, 5, 64), (1, 1, 5, 64)))
     with emulation.count_op_calls() as calls:
         out = torch_npu.npu_rotary_mul(x.to("npu"), r1.to("npu"), r2.to("npu"), rotary_mode=mode)
     assert calls == {"npu_rotary_mul": 1} and out.dtype == dtype and out.shape == x.shape
-    rotate = _rotate_half if mode == "half" else _rotate_interleave
-    x64, r1_64, r2_64 = x.double(), r1.double(), r2.double()
-    expected = x64 * r1_64 + rotate(x64) * r2_64
+    expected = rotary_golden(x.double(), r1.double(), r2.double(), mode)
     torch.testing.assert_close(out.cpu().double(), expected, **_tol(dtype))
-    x32 = x.float()
-    assert torch.equal(out.cpu(), (x32 * r1.float() + rotate(x32) * r2.float()).to(dtype))
+    assert torch.equal(out.cpu(), rotary_golden(x.float(), r1.float(), r2.float(), mode).to(dtype))
 
 
 @pytest.mark.parametrize(
@@ -259,6 +239,12 @@ def test_npu_rotary_mul_matches_the_formula(dtype, mode):
         ((10, 100, 3, 8), (1, 1, 3, 8), "interleave", "npu_rotary_mul/interleave-limits"),
         ((2, 4, 3, 8), (2, 1, 3, 8), "interleave", "npu_rotary_mul/interleave-forms"),
         ((5, 8), (5, 8), "half", "npu_rotary_mul/rank"),
+        ((2, 2, 5, 128), (1, 2, 1, 128), "quarter", "npu_rotary_mul/rotary-mode"),
+        # x read as BSND (r of form 1S1D or BS1D): the limits of the layout the op reads
+        ((2, 5, 1000, 8), (1, 5, 1, 8), "half", "npu_rotary_mul/half-limits"),
+        ((2, 5, 4, 8), (1, 5, 4, 8), "half", "npu_rotary_mul/half-forms"),
+        ((2, 5, 4, 8), (2, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-forms"),
+        ((2, 5, 600, 8), (1, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-limits"),
     ],
 )
 def test_npu_rotary_mul_enforces_the_layout_limits(x_shape, r_shape, mode, message):
@@ -278,7 +264,7 @@ def test_npu_rotary_mul_backward_reaches_x_r1_and_r2():
     leaves = [t.float().to("npu").requires_grad_() for t in (x, r1, r2)]
     torch_npu.npu_rotary_mul(*leaves).pow(2).sum().backward()
     refs = [t.clone().requires_grad_() for t in (x, r1, r2)]
-    (refs[0] * refs[1] + _rotate_half(refs[0]) * refs[2]).pow(2).sum().backward()
+    rotary_golden(*refs).pow(2).sum().backward()
     for got, ref in zip(leaves, refs, strict=True):
         torch.testing.assert_close(got.grad.cpu().double(), ref.grad, rtol=1e-4, atol=1e-4)
 
@@ -366,23 +352,8 @@ def test_npu_rotary_mul_takes_each_layout_and_returns_it_row_major(x_shape, r_sh
     r1, r2 = torch.randn(r_shape).to("npu"), torch.randn(r_shape).to("npu")
     out = torch_npu.npu_rotary_mul(x, r1, r2)
     assert out.shape == x.shape and out.is_contiguous()
-    x64, r1_64, r2_64 = (t.cpu().double() for t in (x, r1, r2))
-    torch.testing.assert_close(out.cpu().double(), x64 * r1_64 + _rotate_half(x64) * r2_64, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    ("x_shape", "r_shape", "mode", "message"),
-    [
-        ((2, 5, 1000, 8), (1, 5, 1, 8), "half", "npu_rotary_mul/half-limits"),
-        ((2, 5, 4, 8), (1, 5, 4, 8), "half", "npu_rotary_mul/half-forms"),
-        ((2, 5, 4, 8), (2, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-forms"),
-        ((2, 5, 600, 8), (1, 5, 1, 8), "interleave", "npu_rotary_mul/interleave-limits"),
-    ],
-)
-def test_npu_rotary_mul_checks_the_limits_of_the_layout_it_reads(x_shape, r_shape, mode, message):
-    x, r = torch.randn(x_shape, device="npu"), torch.randn(r_shape, device="npu")
-    with pytest.raises(RuntimeError, match=message):
-        torch_npu.npu_rotary_mul(x, r, r, rotary_mode=mode)
+    expected = rotary_golden(*(t.cpu().double() for t in (x, r1, r2)))
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_npu_apply_rotary_pos_emb_rotates_q_and_k_in_place():
@@ -393,7 +364,7 @@ def test_npu_apply_rotary_pos_emb_rotates_q_and_k_in_place():
         out = torch_npu.npu_apply_rotary_pos_emb(q_npu, k_npu, cos.to("npu"), sin.to("npu"))
     assert calls == {"npu_apply_rotary_pos_emb": 1} and out[0] is q_npu and out[1] is k_npu
     for got, x in zip(out, (q, k), strict=True):
-        torch.testing.assert_close(got.cpu(), x * cos + _rotate_half(x) * sin, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.cpu(), rotary_golden(x, cos, sin), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -598,8 +569,7 @@ def test_npu_geglu_keeps_x_and_its_gelu_output_for_backward():
     assert not gelu.requires_grad and gelu.dtype == out.dtype == torch.bfloat16
     gate, up = x.detach().cpu().float().chunk(2, dim=-1)
     weights = torch.linspace(-1, 1, out.numel()).reshape(out.shape).bfloat16().float()
-    tanh = torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3))
-    slope = 0.5 * (1 + tanh) + 0.5 * gate * (1 - tanh**2) * math.sqrt(2 / math.pi) * (1 + 3 * 0.044715 * gate**2)
+    _, slope = gelu_tanh_golden(gate)
     expected = torch.cat((weights * up * slope, weights * gelu.cpu().float()), dim=-1).bfloat16()
     (grad,) = _grads_of([x], out)
     torch.testing.assert_close(grad.float(), expected.float(), rtol=1e-2, atol=1e-3)  # one bf16 ulp
@@ -612,9 +582,7 @@ def test_npu_rotary_mul_keeps_x_r1_and_r2_for_backward(mode):
     x, r1, r2 = _bf16_leaf(2, 3, 4, 8), _bf16_leaf(1, 1, 4, 8), _bf16_leaf(1, 1, 4, 8)
     out, saved = _saved_for_backward(lambda: torch_npu.npu_rotary_mul(x, r1, r2, rotary_mode=mode))
     _assert_saved_exactly(saved, [x, r1, r2])
-    rotate = _rotate_half if mode == "half" else _rotate_interleave
-    x32 = x.float()
-    expected = _grads_of([x, r1, r2], (x32 * r1.float() + rotate(x32) * r2.float()).bfloat16())
+    expected = _grads_of([x, r1, r2], rotary_golden(x.float(), r1.float(), r2.float(), mode).bfloat16())
     assert all(torch.equal(g, e) for g, e in zip(_grads_of([x, r1, r2], out), expected, strict=True))
 
 
@@ -624,8 +592,7 @@ def test_npu_rms_norm_keeps_x_gamma_and_rstd_for_backward():
     x, gamma = _bf16_leaf(3, 5, 32, scale=4.0), _bf16_leaf(32)
     (y, rstd), saved = _saved_for_backward(lambda: torch_npu.npu_rms_norm(x, gamma))
     _assert_saved_exactly(saved, [x, gamma, rstd])
-    x32 = x.float()
-    reference = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma.float()).bfloat16()
+    reference = _rms_norm_math(x, gamma, dtype=torch.float32).bfloat16()
     for got, want in zip(_grads_of([x, gamma], y), _grads_of([x, gamma], reference), strict=True):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)

@@ -31,15 +31,13 @@ cases, the NZ weight format), group_list_type 2. test_npu_grouped_matmul_0_empty
 
 from __future__ import annotations
 
-import math
-
 import numpy
 import pytest
 import torch
 import torch.nn.functional as F
 import torch_npu
+from numerics import gelu_tanh_golden, rotary_golden
 
-OP_PLUGIN_COMMIT = "517f2e7d0f202f38b76310706cb977ca2388ad21"
 RTOL = {torch.float32: 1e-4, torch.float16: 1e-3}
 
 
@@ -53,16 +51,6 @@ def close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
     misses_relative = (diff / (torch.maximum(got.abs(), want.abs()) + 1e-9) > rtol).sum().item()
     allowed = got.numel() * rtol
     assert misses_absolute <= allowed or misses_relative <= allowed, (misses_absolute, misses_relative, allowed)
-
-
-def rotate_golden(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str) -> torch.Tensor:
-    """The golden of test_npu_rotary_mul: r1 * x + r2 * rotation(x), in the inputs' dtype."""
-    if mode == "half":
-        x1, x2 = torch.chunk(x, 2, -1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-    else:
-        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).reshape(x.shape)
-    return r1 * x + r2 * rotated
 
 
 HALF_SHAPES = [  # x, r1 (= r2): BSND 1S1D, SBND S11D with S >= 1000 (an S the B limit would refuse), and a shape
@@ -83,13 +71,17 @@ def _rand(shape, dtype, seed):
     return torch.rand(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+def _randn(shape, dtype, seed, std=1.0):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(("mode", "shapes"), [("half", HALF_SHAPES), ("interleave", INTERLEAVE_SHAPES)])
 def test_rotary_mul_forward(mode, shapes, dtype):
     for seed, (x_shape, r_shape) in enumerate(shapes):
         x, r1, r2 = (_rand(shape, dtype, seed * 3 + i) for i, shape in enumerate((x_shape, r_shape, r_shape)))
         out = torch_npu.npu_rotary_mul(x.to("npu"), r1.to("npu"), r2.to("npu"), rotary_mode=mode)
-        close(out, rotate_golden(x, r1, r2, mode), RTOL[dtype])
+        close(out, rotary_golden(x, r1, r2, mode), RTOL[dtype])
 
 
 @pytest.mark.parametrize(
@@ -103,18 +95,12 @@ def test_rotary_mul_backward(mode, shapes, dtypes):
             leaves = [_rand(shape, dtype, seed * 3 + i) for i, shape in enumerate((x_shape, r_shape, r_shape))]
             cpu = [t.clone().requires_grad_() for t in leaves]
             npu = [t.to("npu").requires_grad_() for t in leaves]
-            golden = rotate_golden(*cpu, mode)
+            golden = rotary_golden(*cpu, mode)
             golden.backward(torch.ones_like(golden))
             out = torch_npu.npu_rotary_mul(*npu, rotary_mode=mode)
             out.backward(torch.ones_like(out))
             for got, want in zip(npu, cpu, strict=True):  # r1/r2 sum over the broadcast axes: float32 tolerance
                 close(got.grad, want.grad, 1e-3 if dtype == torch.float16 else 1e-4)
-
-
-def test_rotary_mul_refuses_an_unknown_mode():
-    x, r = torch.rand(2, 2, 5, 128).to("npu"), torch.rand(1, 2, 1, 128).to("npu")
-    with pytest.raises(RuntimeError, match="npu_rotary_mul/rotary-mode"):
-        torch_npu.npu_rotary_mul(x, r, r, "quarter")
 
 
 def rms_norm_golden(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,13 +121,18 @@ def test_rms_norm_forward(x_dtype):
     close(rstd, want_rstd, 1e-4)
 
 
-def test_rms_norm_backward():
-    """test_npu_rms_norm_backward's golden, [10, 128] float32 with values up to 100."""
+def _rms_norm_backward_case():
+    """test_npu_rms_norm_backward's inputs ([10, 128] float32 with values up to 100) and golden dx, dgamma."""
     g = torch.Generator().manual_seed(1)
     x, gamma, grad_y = (torch.rand(shape, generator=g) * 100 for shape in ((10, 128), (128,), (10, 128)))
     rstd = 1 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     dgamma = (grad_y * x * rstd).sum(0)
     dx = grad_y * gamma * rstd - x * (rstd**3 * grad_y * gamma * x).sum(1, keepdim=True) / 128
+    return x, gamma, grad_y, dx, dgamma
+
+
+def test_rms_norm_backward():
+    x, gamma, grad_y, dx, dgamma = _rms_norm_backward_case()
     x_npu, gamma_npu = x.to("npu").requires_grad_(), gamma.to("npu").requires_grad_()
     torch_npu.npu_rms_norm(x_npu, gamma_npu)[0].backward(grad_y.to("npu"))
     close(x_npu.grad, dx, 1e-4)
@@ -149,13 +140,9 @@ def test_rms_norm_backward():
 
 
 def test_rms_norm_backward_as_an_op_of_its_own():
-    """test_npu_rms_norm_backward's golden, through torch_npu.npu_rms_norm_backward(dy, x, gamma, rstd) called
-    directly with the forward's rstd: dx in x's dtype, dgamma in float32."""
-    g = torch.Generator().manual_seed(1)
-    x, gamma, grad_y = (torch.rand(shape, generator=g) * 100 for shape in ((10, 128), (128,), (10, 128)))
-    rstd = 1 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-    dgamma = (grad_y * x * rstd).sum(0)
-    dx = grad_y * gamma * rstd - x * (rstd**3 * grad_y * gamma * x).sum(1, keepdim=True) / 128
+    """Through torch_npu.npu_rms_norm_backward(dy, x, gamma, rstd) called directly with the forward's rstd: dx in
+    x's dtype, dgamma in float32."""
+    x, gamma, grad_y, dx, dgamma = _rms_norm_backward_case()
     x_npu, gamma_npu = x.to("npu"), gamma.to("npu")
     _, rstd_npu = torch_npu.npu_rms_norm(x_npu, gamma_npu)
     got_dx, got_dgamma = torch_npu.npu_rms_norm_backward(grad_y.to("npu"), x_npu, gamma_npu, rstd_npu)
@@ -172,8 +159,7 @@ def test_add_rms_norm_forward(dtype):
     x1, x2 = ((torch.rand(64, 12288, generator=g) * 100).to(dtype) for _ in range(2))  # op-plugin: 1024 rows
     gamma = (torch.rand(12288, generator=g) * 100).to(dtype)
     x = x1 + x2
-    rstd = 1 / torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-    want_y = (x.float() * rstd * gamma.float()).to(dtype)
+    want_y, rstd = rms_norm_golden(x, gamma)
     y, got_rstd, got_x = torch_npu.npu_add_rms_norm(x1.to("npu"), x2.to("npu"), gamma.to("npu"), 1e-6)
     close(y, want_y, RTOL[dtype])
     close(got_rstd, rstd, RTOL[dtype])
@@ -196,8 +182,7 @@ def test_gemma_rms_norm_forward(dtype):
     cast once to x's dtype; rstd float32, [rows, 1] (the meta tests: y has x's dtype). uniform(0, 100), [256, 512]."""
     g = torch.Generator().manual_seed(5)
     x, gamma = ((torch.rand(shape, generator=g) * 100).to(dtype) for shape in ((256, 512), (512,)))
-    rstd = 1 / torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-    want_y = (x.float() * rstd * (gamma.float() + 1)).to(dtype)
+    want_y, rstd = rms_norm_golden(x, gamma.float() + 1)
     y, got_rstd = torch_npu.npu_gemma_rms_norm(x.to("npu"), gamma.to("npu"))
     assert y.dtype == dtype and got_rstd.dtype == torch.float32 and tuple(got_rstd.shape) == (256, 1)
     close(y, want_y, RTOL[dtype])
@@ -240,14 +225,6 @@ def test_swiglu_forward_and_backward():
     close(x_npu.grad, torch.cat((da, db), dim=-1).bfloat16(), 1e-4)
 
 
-def _gelu_tanh_golden(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops-nn's do_gelu for approximate=1, and its derivative (gelu_grad_tanh's closed form), in x's dtype."""
-    c = math.sqrt(2 / math.pi)
-    tanh = torch.tanh(c * (x + 0.044715 * x**3))
-    slope = 0.5 * (1 + tanh) + 0.5 * x * (1 - tanh**2) * c * (1 + 3 * 0.044715 * x**2)
-    return 0.5 * x * (1 + tanh), slope
-
-
 def test_geglu_fake_tensor_case():
     """test_fake_tensor's npu_geglu case: float32 [2, 10, 64], dim=-1, approximate=1, activate_left=False; both
     outputs [2, 10, 32]. Values: ops-nn's golden (the SECOND half activated), float32."""
@@ -255,7 +232,7 @@ def test_geglu_fake_tensor_case():
     y, gelu = torch_npu.npu_geglu(x.to("npu"), -1, 1, False)
     assert y.shape == gelu.shape == (2, 10, 32)
     first, second = x.chunk(2, dim=-1)
-    want_gelu, _ = _gelu_tanh_golden(second)
+    want_gelu, _ = gelu_tanh_golden(second)
     close(gelu, want_gelu, RTOL[torch.float32])
     close(y, first * want_gelu, RTOL[torch.float32])
 
@@ -269,7 +246,7 @@ def test_geglu_docstring_example_forward_and_backward():
     g = torch.Generator().manual_seed(4)
     x = (torch.rand(GEGLU_SHAPE, generator=g) * 4 - 2).half()
     first, second = (half.float() for half in x.chunk(2, dim=-1))
-    want_gelu, _ = _gelu_tanh_golden(second)
+    want_gelu, _ = gelu_tanh_golden(second)
     y, gelu = torch_npu.npu_geglu(x.to("npu"), dim=-1, approximate=1)
     close(gelu, want_gelu.half(), RTOL[torch.float16])
     close(y, (first * want_gelu).half(), RTOL[torch.float16])
@@ -277,7 +254,7 @@ def test_geglu_docstring_example_forward_and_backward():
     x_npu = x.to("npu").requires_grad_()
     out, kept = torch_npu.npu_geglu(x_npu, dim=-1, approximate=1, activate_left=True)
     out.backward(grad.to("npu"))
-    _, slope = _gelu_tanh_golden(first)
+    _, slope = gelu_tanh_golden(first)
     want = torch.cat((grad.float() * second * slope, grad.float() * kept.cpu().float()), dim=-1)
     close(x_npu.grad, want.half(), RTOL[torch.float16])
 
@@ -294,11 +271,7 @@ def test_apply_rotary_pos_emb_bsnd():
         out = torch_npu.npu_apply_rotary_pos_emb(q_npu, k_npu, cos.to("npu"), sin.to("npu"), "BSND", "half")
     assert out[0] is q_npu and out[1] is k_npu
     for got, x in zip(out, (q, k), strict=True):
-        close(got, rotate_golden(x, cos, sin, "half"), 1e-3)
-
-
-def _randn(shape, dtype, seed, std=1.0):
-    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std).to(dtype)
+        close(got, rotary_golden(x, cos, sin, "half"), 1e-3)
 
 
 def _expert_ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
@@ -395,6 +368,11 @@ def _grouped_matmul_golden(x: torch.Tensor, weights: list[torch.Tensor], bounds:
     return torch.cat([x64[a:b] @ w.double() for a, b, w in zip(bounds[:-1], bounds[1:], weights, strict=True)])
 
 
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor, **options) -> list[torch.Tensor]:
+    """npu_grouped_matmul of one x and one weight with split_item 3, the form the cards call."""
+    return torch_npu.npu_grouped_matmul([x], [weight], group_list=group_list.to("npu"), split_item=3, **options)
+
+
 @pytest.mark.parametrize("group_list_type", [0, 1])  # op-plugin: cumsum; the card passes counts
 @pytest.mark.parametrize(
     "dtype", [torch.float16, torch.float32], ids=["test_npu_grouped_matmul_1", "test_npu_grouped_matmul_9"]
@@ -404,14 +382,7 @@ def test_grouped_matmul_rows_split_one_3d_weight(dtype, group_list_type):
     x, weight = _randn((1792, 1024), dtype, 8, std=0.1), _randn((2, 1024, 256), dtype, 9, std=0.1)
     cumsum = torch.tensor([256, 1792])
     group_list = cumsum if group_list_type == 0 else torch.diff(cumsum, prepend=torch.zeros(1, dtype=torch.int64))
-    (out,) = torch_npu.npu_grouped_matmul(
-        [x.to("npu")],
-        [weight.to("npu")],
-        group_list=group_list.to("npu"),
-        split_item=3,
-        group_type=0,
-        group_list_type=group_list_type,
-    )
+    (out,) = _grouped_matmul(x.to("npu"), weight.to("npu"), group_list, group_type=0, group_list_type=group_list_type)
     assert out.dtype == dtype
     close(out, _grouped_matmul_golden(x, list(weight), [0, 256, 1792], 0), RTOL[dtype])
 
@@ -423,14 +394,8 @@ def test_grouped_matmul_k_split(group_list_type):
     x1, weight = _randn((1792, 1024), torch.float16, 10, std=0.1), _randn((1792, 256), torch.float16, 11, std=0.1)
     sizes = torch.tensor([256, 256, 512, 768])
     group_list = sizes.cumsum(0) if group_list_type == 0 else sizes
-    (out,) = torch_npu.npu_grouped_matmul(
-        [x1.to("npu").T],
-        [weight.to("npu")],
-        group_list=group_list.to("npu"),
-        split_item=3,
-        group_type=2,
-        group_list_type=group_list_type,
-    )
+    x = x1.to("npu").T
+    (out,) = _grouped_matmul(x, weight.to("npu"), group_list, group_type=2, group_list_type=group_list_type)
     bounds = [0, *sizes.cumsum(0).tolist()]
     close(out, _grouped_matmul_golden(x1.T, list(weight.split(sizes.tolist())), bounds, 2), 1e-3)
 
@@ -448,13 +413,7 @@ def test_grouped_matmul_refuses_a_missing_or_invalid_group_type(group_type, mess
     """test_npu_grouped_matmul_group_list_none and _invalid_group_type: the adapter's checks, as ledger rules."""
     x, weight = torch.randn(1792, 256).half().to("npu"), torch.randn(1792, 256).half().to("npu")
     with pytest.raises(RuntimeError, match=f"rule {message}:"):
-        torch_npu.npu_grouped_matmul(
-            [x],
-            [weight],
-            group_list=torch.tensor([256, 512, 1024, 1792]).to("npu"),
-            split_item=3,
-            group_type=group_type,
-        )
+        _grouped_matmul(x, weight, torch.tensor([256, 512, 1024, 1792]), group_type=group_type)
 
 
 @pytest.mark.parametrize(
@@ -506,18 +465,9 @@ def _gating_case(rows, dtype, k, norm_type=1, group_select_mode=1, scale=1.0, ou
     x = (torch.rand(rows, 256, generator=g) * 4 - 2).to(dtype)  # op-plugin: numpy.random.uniform(-2, 2, ...)
     bias = (torch.rand(256, generator=g) * 4 - 2).to(dtype)
     got = torch_npu.npu_moe_gating_top_k(
-        x.to("npu"),
-        k,
-        bias=bias.to("npu"),
-        k_group=4,
-        group_count=8,
-        group_select_mode=group_select_mode,
-        renorm=0,
-        norm_type=norm_type,
-        out_flag=out_flag,
-        routed_scaling_factor=scale,
-        eps=1e-20,
-    )
+        x.to("npu"), k, bias=bias.to("npu"), k_group=4, group_count=8, group_select_mode=group_select_mode, renorm=0,
+        norm_type=norm_type, out_flag=out_flag, routed_scaling_factor=scale, eps=1e-20,
+    )  # fmt: skip
     want = gating_top_k_golden(x, bias, k, 4, 8, group_select_mode, norm_type, scale)
     return [t.cpu() for t in got], want
 
@@ -586,14 +536,9 @@ def test_moe_gating_top_k_backward_against_float64_autograd(dtype, scale):
     )
     y.backward(grad.to(dtype).to("npu"))
     exposed = torch_npu.npu_moe_gating_top_k_backward(
-        torch.sigmoid(logits.float()).to("npu"),
-        grad.to(dtype).to("npu"),
-        idx.int().to("npu"),
-        renorm=0,
-        norm_type=1,
-        routed_scaling_factor=scale,
-        eps=1e-20,
-    )
+        torch.sigmoid(logits.float()).to("npu"), grad.to(dtype).to("npu"), idx.int().to("npu"), renorm=0, norm_type=1,
+        routed_scaling_factor=scale, eps=1e-20,
+    )  # fmt: skip
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     assert torch.equal(expert_idx.cpu().long(), idx)
     for got in (x.grad.cpu(), exposed.cpu()):
