@@ -354,18 +354,42 @@ def _problem(tokens=96, hidden=32, vocab=200, dtype=torch.float32, seed=0, bias=
     return lm_head.to(dtype), h.to(dtype), labels
 
 
+def _copy(lm_head: nn.Linear, device: str | torch.device, cls: type[nn.Linear] = nn.Linear) -> nn.Linear:
+    """A `cls` with lm_head's weights and dtype, on device."""
+    head = cls(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None)
+    head = head.to(lm_head.weight.dtype).to(device)
+    head.load_state_dict(lm_head.state_dict())
+    return head
+
+
 def _run(fn, lm_head, h, labels, device, *, autocast: torch.dtype | None = None, **kwargs):
     """(loss, dL/dh, dL/dW, dL/db or None) of fn on device copies; its forward under torch.autocast(device, autocast)
     when one is given."""
-    head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=lm_head.bias is not None)
-    head = head.to(lm_head.weight.dtype).to(device)
-    head.load_state_dict(lm_head.state_dict())
-    leaf = h.clone().to(device).requires_grad_()
+    head, leaf = _copy(lm_head, device), h.clone().to(device).requires_grad_()
     with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
         loss, _ = fn(leaf, head, labels.to(device), lm_head.out_features, **kwargs)
     loss.backward()
     bias_grad = None if head.bias is None else head.bias.grad.cpu()
     return loss.detach().cpu(), leaf.grad.cpu(), head.weight.grad.cpu(), bias_grad
+
+
+def _idiom_runs(card, lm_head, h, labels, dtype: torch.dtype, **kwargs):
+    """`_run`'s results of the fused loss in dtype on the npu, of eager in dtype and of eager in float64 on the host,
+    and the ops the fused run counted."""
+    reference = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")
+    low = (lm_head.to(dtype), h.to(dtype), labels)
+    eager = _run(card.linear_cross_entropy_eager, *low, "cpu")
+    with emulation.count_op_calls() as calls:
+        fused = _run(card.linear_cross_entropy, *low, "npu", **kwargs)
+    return fused, eager, reference, calls
+
+
+def _assert_within_twice_eagers_error(fused, eager, reference, names=("loss", "dh", "dW", "db")) -> None:
+    """flash-attention's idiom on each result the reference has: fused's error against it at most twice eager's."""
+    for name, f, e, r in zip(names, fused, eager, reference, strict=True):
+        if r is not None:
+            fused_error, eager_error = relative_error(f, r), relative_error(e, r)
+            assert fused_error <= 2 * eager_error + 1e-6, (name, fused_error, eager_error)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -382,14 +406,8 @@ def test_float32_loss_and_gradients_match_eager_over_several_chunks(card, bias):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bfloat16_error_at_most_twice_eagers_against_float64(card, seed):
-    lm_head, h, labels = _problem(tokens=256, hidden=64, vocab=1000, seed=seed)
-    reference = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")
-    bf16 = (lm_head.to(torch.bfloat16), h.to(torch.bfloat16), labels)
-    eager = _run(card.linear_cross_entropy_eager, *bf16, "cpu")
-    fused = _run(card.linear_cross_entropy, *bf16, "npu", chunk_tokens=64)
-    for name, f, e, r in zip(("loss", "dh", "dW"), fused, eager, reference, strict=False):
-        fused_error, eager_error = relative_error(f, r), relative_error(e, r)
-        assert fused_error <= 2 * eager_error + 1e-6, (name, fused_error, eager_error)
+    problem = _problem(tokens=256, hidden=64, vocab=1000, seed=seed)
+    _assert_within_twice_eagers_error(*_idiom_runs(card, *problem, torch.bfloat16, chunk_tokens=64)[:3])
 
 
 def test_num_items_in_batch_shift_labels_and_another_ignore_index_are_eagers(card):
@@ -434,16 +452,10 @@ def test_the_form_is_chosen_by_tokens_per_hidden_size(card):
 def test_low_precision_forms_within_twice_eagers_error(card, dtype, chunk):
     """Both forms in bf16/fp16 (the chunked one hands the backward op grad_loss in log_prob's float32, the only dtype
     it takes): loss and gradients within twice eager's error against float64."""
-    lm_head, h, labels = _problem(tokens=256, hidden=160, vocab=1000, seed=3)  # 256 < 2 x 160: the log-prob form
-    reference = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")
-    low = (lm_head.to(dtype), h.to(dtype), labels)
-    eager = _run(card.linear_cross_entropy_eager, *low, "cpu")
-    with emulation.count_op_calls() as calls:
-        fused = _run(card.linear_cross_entropy, *low, "npu", chunk_tokens=chunk)
-    assert [calls[op] for op in OPS] == ([1, 0] if chunk is None else [4, 4])
-    for name, f, e, r in zip(("loss", "dh", "dW"), fused, eager, reference, strict=False):
-        fused_error, eager_error = relative_error(f, r), relative_error(e, r)
-        assert fused_error <= 2 * eager_error + 1e-6, (name, fused_error, eager_error)
+    problem = _problem(tokens=256, hidden=160, vocab=1000, seed=3)  # 256 < 2 x 160: the log-prob form
+    *results, calls = _idiom_runs(card, *problem, dtype, chunk_tokens=chunk)
+    assert [calls[op] for op in OPS] == (LOG_PROB_FORM if chunk is None else [4, 4])
+    _assert_within_twice_eagers_error(*results)
 
 
 FLOAT32_OUT_ADDMM = "addmm.dtype_out"
@@ -474,16 +486,12 @@ def test_bfloat16_weight_gradient_sums_bfloat16_products_in_float32_within_twice
     """dW from bfloat16 operands, one float32 sum over the chunks (addmm out_dtype, counted): its error against float64
     at most twice eager's (one bfloat16 GEMM of the whole logits gradient) at every chunk count, and below the negative
     control's: each chunk's product rounded to bfloat16, then summed in float32 (from eager's own logits gradient)."""
-    tokens = 512
+    tokens, chunk = 512, 512 // chunks
     lm_head, h, labels = _problem(tokens=tokens, hidden=64, vocab=2000, seed=chunks)
-    reference = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")[2]
-    bf16 = (lm_head.to(torch.bfloat16), h.to(torch.bfloat16), labels)
-    eager = _run(card.linear_cross_entropy_eager, *bf16, "cpu")[2]
-    with emulation.count_op_calls() as calls:
-        fused = _run(card.linear_cross_entropy, *bf16, "npu", chunk_tokens=tokens // chunks)[2]
+    *results, calls = _idiom_runs(card, lm_head, h, labels, torch.bfloat16, chunk_tokens=chunk)
+    fused, eager, reference = (result[2] for result in results)
     assert calls[FLOAT32_OUT_ADDMM] == chunks
-    grad_logits, hidden = _eager_logits_grad(*bf16)
-    chunk = tokens // chunks
+    grad_logits, hidden = _eager_logits_grad(lm_head.to(torch.bfloat16), h.to(torch.bfloat16), labels)
     products = (grad_logits[r : r + chunk].t() @ hidden[r : r + chunk] for r in range(0, tokens, chunk))
     rounded_per_chunk = sum(p.float() for p in products).to(torch.bfloat16)
     fused_error, eager_error, rounded_error = (relative_error(t, reference) for t in (fused, eager, rounded_per_chunk))
@@ -529,8 +537,7 @@ def test_more_tokens_than_the_op_takes_rows_go_in_chunks_of_200000(card):
     lm_head = nn.Linear(2, 3, bias=False)
     h, labels = torch.randn(1, 200_001, 2), torch.randint(0, 3, (1, 200_001))
     want = card.linear_cross_entropy_eager(h, lm_head, labels, 3)[0]
-    lm_head_npu = nn.Linear(2, 3, bias=False).to("npu")
-    lm_head_npu.load_state_dict(lm_head.state_dict())
+    lm_head_npu = _copy(lm_head, "npu")
     for chunk in (None, 10**6):  # the log-probability form (no grad), the chunked form asked for larger chunks
         with torch.set_grad_enabled(chunk is not None), emulation.count_op_calls() as calls:
             got, _ = card.linear_cross_entropy(h.to("npu"), lm_head_npu, labels.to("npu"), 3, chunk_tokens=chunk)
@@ -567,9 +574,7 @@ def _custom_loss(logits, labels, vocab_size, **kwargs):
 
 
 def _retyped(head: nn.Linear) -> nn.Linear:
-    new = _Subclassed(head.in_features, head.out_features, bias=False).to(head.weight.device)
-    new.load_state_dict(head.state_dict())
-    return new
+    return _copy(head, head.weight.device, _Subclassed)
 
 
 def _hooked(head: nn.Linear) -> nn.Linear:
@@ -659,12 +664,8 @@ def test_autocast_on_float32_weights_error_at_most_twice_eagers_against_float64(
     assert [calls[op] for op in OPS] == [4, 4]  # 256 tokens in chunks of 64
     assert relative_error(eager[2], reference[2]) > 1e-4  # eager's lm_head did run in dtype
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)  # the same logits, in dtype, as eager's
-    for name, f, e, r in zip(("loss", "dh", "dW", "db"), fused, eager, reference, strict=True):
-        if r is None:
-            continue
-        assert f.dtype == e.dtype == torch.float32, (name, f.dtype, e.dtype)
-        fused_error, eager_error = relative_error(f, r), relative_error(e, r)
-        assert fused_error <= 2 * eager_error + 1e-6, (name, fused_error, eager_error)
+    assert all(f.dtype == e.dtype == torch.float32 for f, e in zip(fused, eager, strict=True) if f is not None)
+    _assert_within_twice_eagers_error(fused, eager, reference)
 
 
 def test_autocast_elsewhere_or_on_float64_keeps_the_eager_path(card):
@@ -1325,9 +1326,7 @@ def test_a_second_backward_and_a_double_backward_give_eagers_gradients(card, chu
     lm_head, h, labels = _problem(tokens=96)
     results = []
     for fn, device in ((card.linear_cross_entropy_eager, "cpu"), (card.linear_cross_entropy, "npu")):
-        head = nn.Linear(lm_head.in_features, lm_head.out_features, bias=False).to(device)
-        head.load_state_dict(lm_head.state_dict())
-        leaf = h.clone().to(device).requires_grad_()
+        head, leaf = _copy(lm_head, device), h.clone().to(device).requires_grad_()
         kwargs = {} if fn is card.linear_cross_entropy_eager else {"chunk_tokens": chunk}
         loss, _ = fn(leaf, head, labels.to(device), lm_head.out_features, **kwargs)
         loss.backward(retain_graph=True)
