@@ -462,16 +462,6 @@ FLOAT32_OUT_ADDMM = "addmm.dtype_out"
 """The weight gradient's call, `torch.addmm(sum, grad_logits.t(), h, out_dtype=torch.float32, out=sum)`, as counted."""
 
 
-@contextlib.contextmanager
-def _reporting_cann(version: str):
-    before = torch.version.cann
-    emulation.set_cann_version(version)
-    try:
-        yield
-    finally:
-        emulation.set_cann_version(before)
-
-
 def _eager_logits_grad(lm_head: nn.Linear, h: torch.Tensor, labels: torch.Tensor):
     """(eager's gradient of the logits [T, V], the hidden states [T, H]), in the model's dtype."""
     hidden = h.reshape(-1, h.shape[-1])
@@ -500,21 +490,20 @@ def test_bfloat16_weight_gradient_sums_bfloat16_products_in_float32_within_twice
 
 
 @pytest.mark.parametrize("cann", ["9.0.0", "9.1.0-beta.3"])
-def test_without_the_float32_out_addmm_the_model_sums_float32_products_and_says_why(npu_kernels, cann):
+def test_without_the_float32_out_addmm_the_model_sums_float32_products_and_says_why(npu_kernels, cann_version, cann):
     """Before CANN 9.1 the weight gradient sums float32 products (no addmm out_dtype call; the loss still fuses),
     swapped_modules says why, and the gradient is within eager's idiom; from 9.1 (negative control) it calls it."""
-    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))  # 128 tokens: the chunked form
+    ids = _TWO_CHUNKS_OF_IDS
     reference = _tiny("llama").double().train()
     reference(input_ids=ids, labels=_labels(ids)).loss.backward()
     eager = _tiny("llama").to(torch.bfloat16).train()
     eager(input_ids=ids, labels=_labels(ids)).loss.backward()
     grads = {}
-    for version in (cann, emulation.DEFAULT_CANN_VERSION):
+    for version in (emulation.DEFAULT_CANN_VERSION, cann):
         model = kernelize(_tiny("llama").to(torch.bfloat16).train().to("npu"), mode=Mode.TRAINING, device="npu")
-        with _reporting_cann(version), emulation.count_op_calls() as calls:
-            model(input_ids=ids.to("npu"), labels=_labels(ids).to("npu")).loss.backward()
-        (swap,) = swapped_modules(model, card="npu-linear-cross-entropy")
-        grads[version], said = model.lm_head.weight.grad.cpu(), swap.eager_reason
+        cann_version(version)  # after kernelize; conftest's fixture restores the default
+        calls, said = _counted_step_and_reason(model, ids)
+        grads[version] = model.lm_head.weight.grad.cpu()
         assert calls[OPS[1]] == 2 and calls[FLOAT32_OUT_ADDMM] == (0 if version == cann else 2)  # 2 chunks of 64
         assert (said is None) == (version != cann) and (version != cann or f"CANN {cann}" in said), said
     want = reference.lm_head.weight.grad
@@ -522,14 +511,23 @@ def test_without_the_float32_out_addmm_the_model_sums_float32_products_and_says_
     assert all(relative_error(grad, want) <= 2 * eager_error for grad in grads.values())
 
 
-def test_float32_weights_keep_float32_products_and_no_reason(npu_kernels):
-    """float32 weights: the model's own dtype, no 16-bit product to make, nothing to say (negative control)."""
-    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
-    model = kernelize(_tiny("llama").train().to("npu"), mode=Mode.TRAINING, device="npu")
+_TWO_CHUNKS_OF_IDS = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+"""128 tokens: a tiny Llama's loss takes the chunked form, in 2 chunks of 64."""
+
+
+def _counted_step_and_reason(model, ids: torch.Tensor):
+    """The ops a training step of the kernelized `model` on `ids` counted, and why this card's layer ran eager."""
     with emulation.count_op_calls() as calls:
         model(input_ids=ids.to("npu"), labels=_labels(ids).to("npu")).loss.backward()
     (swap,) = swapped_modules(model, card="npu-linear-cross-entropy")
-    assert calls[OPS[1]] == 2 and calls[FLOAT32_OUT_ADDMM] == 0 and swap.eager_reason is None
+    return calls, swap.eager_reason
+
+
+def test_float32_weights_keep_float32_products_and_no_reason(npu_kernels):
+    """float32 weights: the model's own dtype, no 16-bit product to make, nothing to say (negative control)."""
+    model = kernelize(_tiny("llama").train().to("npu"), mode=Mode.TRAINING, device="npu")
+    calls, said = _counted_step_and_reason(model, _TWO_CHUNKS_OF_IDS)
+    assert calls[OPS[1]] == 2 and calls[FLOAT32_OUT_ADDMM] == 0 and said is None
 
 
 def test_more_tokens_than_the_op_takes_rows_go_in_chunks_of_200000(card):
