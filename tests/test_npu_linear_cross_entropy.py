@@ -786,11 +786,16 @@ def _fused_model_equals_eager(model_type: str) -> None:
     assert len(got.hidden_states) == len(want.hidden_states) == eager.config.num_hidden_layers + 1
     for g, w in zip(got.hidden_states, want.hidden_states, strict=True):
         torch.testing.assert_close(g.detach().cpu(), w.detach().cpu(), rtol=1e-5, atol=1e-5)
+    _assert_same_gradients(eager, fused)
+
+
+def _assert_same_gradients(eager, fused) -> None:
+    """Every parameter's gradient is eager's; one no token reaches (an MoE's unrouted expert, Doge's A and dt_proj
+    here) has none in either."""
     for (name, p), q in zip(eager.named_parameters(), fused.parameters(), strict=True):
-        if p.grad is None:  # a parameter no token reaches (an MoE's unrouted expert): none in either
-            assert q.grad is None, name
-            continue
-        torch.testing.assert_close(q.grad.cpu(), p.grad.cpu(), rtol=1e-4, atol=1e-6, msg=name)
+        assert (q.grad is None) == (p.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad.cpu(), p.grad.cpu(), rtol=1e-4, atol=1e-6, msg=name)
 
 
 AUX_LOSS_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "dbrx", "jetmoe", "doge")
@@ -857,10 +862,7 @@ def test_moe_auxiliary_loss_added_as_eager_adds_it_to_the_fused_loss(npu_kernels
         torch.testing.assert_close(got.aux_loss.cpu(), want.aux_loss, rtol=1e-5, atol=1e-6)
         assert len(got.router_logits) == len(want.router_logits) > 0
     torch.testing.assert_close(got.loss.cpu(), want.loss, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(eager.named_parameters(), fused.parameters(), strict=True):
-        assert (q.grad is None) == (p.grad is None), name  # Doge's A and dt_proj get none here, in both
-        if p.grad is not None:
-            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_gradients(eager, fused)
 
 
 @pytest.mark.parametrize("model_type", AUX_LOSS_FAMILIES)
@@ -890,19 +892,6 @@ def test_doge_without_moe_asks_no_router_logits_as_its_class(npu_kernels):
     assert calls[OPS[0]] == 1 and keywords == want_keywords and keywords["output_router_logits"] is False
     assert got.aux_loss is None and want.aux_loss is None
     torch.testing.assert_close(got.loss.cpu(), want.loss, rtol=1e-5, atol=1e-6)
-
-
-def test_moe_auxiliary_loss_with_return_dict_false(npu_kernels):
-    """The tuple holds what eager's does, the logits' slot None (so every field keeps eager's position)."""
-    eager, fused = _pair("qwen3_moe")
-    ids = token_ids()
-    with emulation.count_op_calls() as calls:
-        got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), output_router_logits=True, return_dict=False)
-    assert calls[OPS[0]] == 1
-    want = eager(input_ids=ids, labels=ids, output_router_logits=True, return_dict=False)
-    assert isinstance(got, tuple) and len(got) == len(want) and got[2] is None  # (loss, aux_loss, logits, ...)
-    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)  # the loss
-    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-6)  # the auxiliary loss
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
@@ -999,16 +988,21 @@ def test_without_labels_and_in_generate_the_model_is_eager(npu_kernels):
         assert torch.equal(tokens.cpu(), eager.generate(ids, max_new_tokens=4, do_sample=False))
 
 
-def test_return_dict_false_in_a_training_step(npu_kernels):
-    eager, fused = _pair("qwen3")
+@pytest.mark.parametrize(("model_type", "call"), [("qwen3", {}), ("qwen3_moe", {"output_router_logits": True})])
+def test_return_dict_false_in_a_training_step(npu_kernels, model_type, call):
+    """The tuple holds what eager's does, the logits' slot None, so every field keeps eager's position: (loss, logits,
+    past_key_values), and the MoE's (loss, aux_loss, logits, ...) with the router logits."""
+    eager, fused = _pair(model_type)
     ids = token_ids()
     with emulation.count_op_calls() as calls:
-        got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), return_dict=False)
+        got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"), return_dict=False, **call)
     assert [calls[op] for op in OPS] == LOG_PROB_FORM
-    want = eager(input_ids=ids, labels=ids, return_dict=False)
-    # eager's (loss, logits, past_key_values): the logits' slot is None, so out[1] is never the cache
-    assert isinstance(got, tuple) and len(got) == len(want) and got[1] is None and type(got[2]) is type(want[2])
-    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-5, atol=1e-6)
+    want = eager(input_ids=ids, labels=ids, return_dict=False, **call)
+    logits = 2 if call else 1
+    assert isinstance(got, tuple) and len(got) == len(want) and got[logits] is None
+    assert [type(g) for g in got[logits + 1 :]] == [type(w) for w in want[logits + 1 :]]
+    for g, w in zip(got[:logits], want[:logits], strict=True):  # the loss (and the auxiliary loss)
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("evaluation", ["eval()", "no_grad"])
@@ -1026,20 +1020,8 @@ def test_evaluation_with_labels_is_eager_with_its_logits(npu_kernels, evaluation
     torch.testing.assert_close(got.logits.cpu(), want.logits, rtol=1e-5, atol=1e-5)
 
 
-def test_a_custom_loss_function_keeps_the_class_forward(npu_kernels):
-    eager, fused = _pair("llama")
-    fused.loss_function = _custom_loss
-    eager.loss_function = _custom_loss
-    ids = token_ids()
-    with emulation.count_op_calls() as calls:
-        got = fused(input_ids=ids.to("npu"), labels=ids.to("npu"))
-    assert calls[OPS[0]] == 0 and got.logits is not None
-    torch.testing.assert_close(got.loss.cpu(), eager(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
-
-
 def _z_loss_wrapper():
     """A user's wrapper of transformers' ForCausalLMLoss (a z-loss added), made with functools.wraps."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
 
     @functools.wraps(ForCausalLMLoss)
     def with_z_loss(logits, labels, vocab_size, **kwargs):
@@ -1048,14 +1030,16 @@ def _z_loss_wrapper():
     return with_z_loss
 
 
-@pytest.mark.parametrize("where", ["model.loss_function", "LOSS_MAPPING"])
-def test_a_loss_function_wrapped_with_functools_wraps_runs(npu_kernels, monkeypatch, where):
-    """functools.wraps copies ForCausalLMLoss's __module__ and __name__: only the function itself is transformers'."""
+@pytest.mark.parametrize("where", ["custom loss", "model.loss_function", "LOSS_MAPPING"])
+def test_a_custom_or_wrapped_loss_function_keeps_the_class_forward(npu_kernels, monkeypatch, where):
+    """A loss of one's own, or ForCausalLMLoss wrapped with functools.wraps (which copies its __module__ and
+    __name__: only the function itself is transformers'), runs in the class's forward, eager's loss."""
     from transformers.loss import loss_utils
 
     eager, fused = _pair("llama")
-    wrapper = _z_loss_wrapper()
-    assert (wrapper.__module__, wrapper.__name__) == ("transformers.loss.loss_utils", "ForCausalLMLoss")
+    wrapper = _custom_loss if where == "custom loss" else _z_loss_wrapper()
+    if where != "custom loss":
+        assert (wrapper.__module__, wrapper.__name__) == ("transformers.loss.loss_utils", "ForCausalLMLoss")
     if where == "LOSS_MAPPING":
         monkeypatch.setitem(loss_utils.LOSS_MAPPING, "ForCausalLM", wrapper)
     else:
@@ -1285,30 +1269,28 @@ def test_a_dropped_wrapper_whose_autocast_accelerate_cannot_say_raises_what_to_d
 # --- eager's answer in every autograd and output form (issue 30) -----------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "case", ["model", "num_items_in_batch 0", "several chunks"], ids=["model", "num_items_in_batch=0", "chunks"]
-)
-def test_a_batch_with_no_counted_label_gives_eagers_nan_loss_and_zero_gradients(npu_kernels, card, case):
+def test_a_batch_with_no_counted_label_gives_eagers_nan_loss_and_zero_gradients(npu_kernels):
     """A truncated SFT prompt (every label -100): eager's loss is NaN (0 / 0) and every gradient 0; never a NaN
     gradient (one optimizer step would write NaN into every weight)."""
-    if case == "model":
-        eager, fused = _pair("llama")
-        ids = token_ids()
-        labels = torch.full_like(ids, -100)
-        losses = []
-        for model in (eager, fused):
-            loss = model(input_ids=ids.to(model.device), labels=labels.to(model.device)).loss
-            loss.backward()
-            losses.append(loss.detach().cpu())
-        assert torch.isnan(losses[0]) and torch.isnan(losses[1])
-        for p in fused.parameters():
-            assert p.grad is None or torch.isfinite(p.grad.cpu()).all()
-        assert not fused.lm_head.weight.grad.cpu().any()
-        return
+    eager, fused = _pair("llama")
+    ids = token_ids()
+    labels = torch.full_like(ids, -100)
+    losses = []
+    for model in (eager, fused):
+        loss = model(input_ids=ids.to(model.device), labels=labels.to(model.device)).loss
+        loss.backward()
+        losses.append(loss.detach().cpu())
+    assert torch.isnan(losses[0]) and torch.isnan(losses[1])
+    for p in fused.parameters():
+        assert p.grad is None or torch.isfinite(p.grad.cpu()).all()
+    assert not fused.lm_head.weight.grad.cpu().any()
+
+
+@pytest.mark.parametrize(("kwargs", "chunk"), [({"num_items_in_batch": 0}, None), ({}, 20)], ids=["items=0", "chunks"])
+def test_the_loss_of_no_counted_label_is_eagers_nan_and_zero_gradients(card, kwargs, chunk):
+    """The same at the op: num_items_in_batch=0 (log-probability form), or several chunks."""
     lm_head, h, _ = _problem(tokens=96)
     labels = torch.full((1, 96), -100)
-    kwargs = {"num_items_in_batch": 0} if case == "num_items_in_batch 0" else {}
-    chunk = 20 if case == "several chunks" else None
     want = _run(card.linear_cross_entropy_eager, lm_head, h, labels, "cpu", **kwargs)
     with emulation.count_op_calls() as calls:
         got = _run(card.linear_cross_entropy, lm_head, h, labels, "npu", chunk_tokens=chunk, **kwargs)
