@@ -1154,12 +1154,24 @@ def test_micro_batches_never_above_eager_in_bytes_or_peak(npu_kernels, model, sh
 
 
 @pytest.fixture
-def fresh_accelerate_state():
-    """accelerate's process-wide state cleared before and after (as TrainingArguments clears it)."""
+def accelerated(npu_kernels, tmp_path):
+    """(accelerator, model): a tiny Llama loaded with use_kernels=True, prepared by accelerate for bf16 (its forward,
+    this card's layer, wrapped in autocast), then switched to train(), whose kernelize keeps that wrapper
+    (npu-hub-kernels never replaces a forward another library set). accelerate's process-wide state is cleared before
+    and after, as TrainingArguments clears it."""
+    from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
-    yield
+    tiny_causal_lm("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="npu", use_kernels=True)
+    accelerator = Accelerator(mixed_precision="bf16")
+    model = accelerator.prepare(model)
+    model.train()
+    assert "_original_forward" in vars(model)
+    assert qualified_name(compat.instance_forward(model)) == ACCELERATES_WRAPPER
+    assert [swap.module for swap in swapped_modules(model, card="npu-linear-cross-entropy")] == [ROOT_MODULE]
+    yield accelerator, model
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
@@ -1167,43 +1179,19 @@ ACCELERATES_WRAPPER = "accelerate.utils.operations.convert_outputs_to_fp32.<loca
 """The forward accelerate's mixed precision sets on a prepared model (native AMP), by its qualified name."""
 
 
-def _wrapped_by_accelerate(source: Path):
-    """A tiny Llama loaded with use_kernels=True, prepared by accelerate for bf16 (its forward, this card's layer,
-    wrapped in autocast), then switched to train(): kernelize runs again and keeps that wrapper (npu-hub-kernels never
-    replaces a forward another library set), and the card's layer runs inside it."""
-    from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM
-
-    tiny_causal_lm("llama").save_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, device_map="npu", use_kernels=True)
-    accelerator = Accelerator(mixed_precision="bf16")
-    model = accelerator.prepare(model)
-    model.train()
-    assert "_original_forward" in vars(model)
-    assert qualified_name(compat.instance_forward(model)) == ACCELERATES_WRAPPER
-    assert [swap.module for swap in swapped_modules(model, card="npu-linear-cross-entropy")] == [ROOT_MODULE]
-    return accelerator, model
-
-
-def _wrapped_then_kernelized_again(source: Path):
-    """As `_wrapped_by_accelerate`, then this card's layer bound over accelerate's wrapper as kernels' kernelize binds
-    it on a class npu-hub-kernels did not retag (the card loaded through a mapping of one's own, without this
-    package): the wrapper is dropped, and the layer is to run the call as the wrapper did."""
-    accelerator, model = _wrapped_by_accelerate(source)
+def _kernelized_again(model):
+    """This card's layer bound over accelerate's wrapper as kernels' kernelize binds it on a class npu-hub-kernels did
+    not retag (the card loaded through a mapping of one's own): the wrapper is dropped, and the layer is to run the
+    call as the wrapper did."""
     _, layer = card_layer_of(model)
     model.forward = MethodType(getattr(card_package(model).layers, layer).forward, model)
     assert "_original_forward" in vars(model) and qualified_name(compat.instance_forward(model)) != ACCELERATES_WRAPPER
-    return accelerator, model
+    return model
 
 
-def test_use_kernels_keeps_accelerates_bf16_wrapper_and_the_loss_fuses_inside_it(
-    npu_kernels, fresh_accelerate_state, tmp_path
-):
-    """The wrapper kept through train()'s kernelize runs the card's layer under accelerate's own autocast: the lm_head
-    in bfloat16 and the outputs in float32, exactly eager's forward under the accelerator's autocast (a hook on the
-    lm_head keeps its own forward); without the hook the loss fuses under that autocast."""
-    accelerator, model = _wrapped_by_accelerate(tmp_path / "source")
-    _assert_runs_under_accelerates_autocast(accelerator, model, token_ids(batch=2, seq=8).to("npu"))
+def test_use_kernels_keeps_accelerates_bf16_wrapper_and_the_loss_fuses_inside_it(accelerated):
+    """The wrapper kept through train()'s kernelize runs the card's layer under accelerate's own autocast."""
+    _assert_runs_under_accelerates_autocast(*accelerated, token_ids(batch=2, seq=8).to("npu"))
 
 
 def _assert_runs_under_accelerates_autocast(accelerator, model, ids: torch.Tensor) -> None:
@@ -1234,15 +1222,11 @@ def _lm_head_dtype_and_outputs(model, ids: torch.Tensor):
     return seen, outputs
 
 
-def test_a_kernelize_dropping_accelerates_bf16_wrapper_runs_as_that_wrapper(
-    npu_kernels, fresh_accelerate_state, tmp_path
-):
-    """A kernelize that binds the layer over accelerate's bf16 wrapper of the model's forward (kernels' own, for a
-    class npu-hub-kernels did not retag): the layer runs the call as the wrapper does, the lm_head in bfloat16 and the
-    outputs in float32, exactly eager's forward under the accelerator's autocast (a hook on the lm_head keeps its own
-    forward), and without the hook the loss fuses under that autocast. Without the wrapper's marker (negative
+def test_a_kernelize_dropping_accelerates_bf16_wrapper_runs_as_that_wrapper(accelerated):
+    """The layer bound over the wrapper runs the call as the wrapper does; without the wrapper's marker (negative
     control) it runs float32."""
-    accelerator, model = _wrapped_then_kernelized_again(tmp_path / "source")
+    accelerator, model = accelerated
+    model = _kernelized_again(model)
     ids = token_ids(batch=2, seq=8).to("npu")
     assert not torch.is_autocast_enabled("npu")
     _assert_runs_under_accelerates_autocast(accelerator, model, ids)
@@ -1252,14 +1236,12 @@ def test_a_kernelize_dropping_accelerates_bf16_wrapper_runs_as_that_wrapper(
     assert dtypes == [torch.float32] and outputs.loss.dtype == torch.float32
 
 
-def test_a_dropped_wrapper_whose_autocast_accelerate_cannot_say_raises_what_to_do(
-    npu_kernels, fresh_accelerate_state, tmp_path
-):
+def test_a_dropped_wrapper_whose_autocast_accelerate_cannot_say_raises_what_to_do(accelerated):
     """The wrapper dropped, and accelerate's state cleared afterwards: which autocast it ran is unknown, so the layer
     raises, saying what to do, rather than run the model without it."""
     from accelerate.state import AcceleratorState
 
-    _, model = _wrapped_then_kernelized_again(tmp_path / "source")
+    model = _kernelized_again(accelerated[1])
     AcceleratorState._reset_state(reset_partial_state=True)
     ids = token_ids(batch=2, seq=8).to("npu")
     with pytest.raises(RuntimeError, match=r"accelerate's state \(not initialized\).*apply_npu_kernels"):
