@@ -19,6 +19,15 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def assert_within_twice_eagers_error(
+    fused: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor, what: object = None, error=max_error
+) -> None:
+    """flash-attention's idiom: fused's error against the float64 reference at most twice eager's (1e-6 of slack for
+    an eager that is exact)."""
+    fused_error, eager_error = error(fused, reference), error(eager, reference)
+    assert fused_error <= 2 * eager_error + 1e-6, (what, fused_error, eager_error)
+
+
 def rotary_golden(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, mode: str = "half") -> torch.Tensor:
     """The golden of op-plugin's test_npu_rotary_mul: r1 * x + r2 * rotation(x), in the inputs' dtype."""
     if mode == "half":

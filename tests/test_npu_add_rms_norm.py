@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers
 from kernels import Mode, kernelize
-from numerics import train_steps
+from numerics import assert_within_twice_eagers_error, train_steps
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.helium.modeling_helium import HeliumRMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
@@ -101,9 +101,7 @@ def test_fused_error_at_most_twice_eager_error(card, scaling, dtype):
         assert torch.equal(fused[1], eager[1])  # the sum: rounded to the dtype, as eager's add
         for got, want, ref in zip(fused, eager, reference, strict=True):
             assert got.dtype == want.dtype
-            fused_error = (got.double() - ref).abs().max().item()
-            eager_error = (want.double() - ref).abs().max().item()
-            assert fused_error <= 2 * eager_error + 1e-6, (seed, fused_error, eager_error)
+            assert_within_twice_eagers_error(got, want, ref, seed)
 
 
 def test_host_tensors_run_the_eager_math_negative_control(card):

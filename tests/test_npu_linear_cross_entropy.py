@@ -26,7 +26,7 @@ import pytest
 import torch
 import transformers
 from kernels import Mode, kernelize
-from numerics import relative_error, train_steps
+from numerics import assert_within_twice_eagers_error, relative_error, train_steps
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
@@ -386,8 +386,7 @@ def _assert_within_twice_eagers_error(fused, eager, reference, names=("loss", "d
     """flash-attention's idiom on each result the reference has: fused's error against it at most twice eager's."""
     for name, f, e, r in zip(names, fused, eager, reference, strict=True):
         if r is not None:
-            fused_error, eager_error = relative_error(f, r), relative_error(e, r)
-            assert fused_error <= 2 * eager_error + 1e-6, (name, fused_error, eager_error)
+            assert_within_twice_eagers_error(f, e, r, name, error=relative_error)
 
 
 @pytest.mark.parametrize("bias", [False, True])

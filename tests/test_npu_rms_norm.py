@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from numerics import assert_within_twice_eagers_error
 
 from npu_hub_kernels.testing import emulation
 
@@ -46,9 +47,7 @@ def test_fused_error_at_most_twice_eager_error(card, scaling, dtype):
         eager = card.rms_norm_eager(x, weight, eps, scaling)
         assert fused.dtype == eager.dtype and fused.shape == eager.shape
         reference = reference_fp64(x, weight, eps, scaling)
-        fused_error = (fused.double() - reference).abs().max().item()
-        eager_error = (eager.double() - reference).abs().max().item()
-        assert fused_error <= 2 * eager_error + 1e-6, (shape, fused_error, eager_error)
+        assert_within_twice_eagers_error(fused, eager, reference, shape)
 
 
 @pytest.mark.parametrize("scaling", ["zero_centered", "float32_scale"])
@@ -107,8 +106,7 @@ def test_gemma3_norms_forward_and_backward_at_most_twice_eagers_error(card, inpu
         assert out.stride() == inference_out.stride() == x.stride()
         results[name] = [t.cpu().double() for t in (out, *grads, inference_out)]
     for index, want in enumerate((reference, *reference_grads, reference)):
-        fused_error, eager_error = ((results[name][index] - want.detach()).abs().max().item() for name in results)
-        assert fused_error <= 2 * eager_error + 1e-6, (index, fused_error, eager_error)
+        assert_within_twice_eagers_error(results["fused"][index], results["eager"][index], want.detach(), index)
 
 
 def test_one_kernel_reasons(card, monkeypatch):

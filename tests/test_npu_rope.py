@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from numerics import relative_error
+from numerics import assert_within_twice_eagers_error, relative_error
 
 from npu_hub_kernels.testing import emulation
 
@@ -125,9 +125,7 @@ def test_fused_error_at_most_twice_eager_error(card, style, dtype, seed):
         eager = transformers_eager(q, k, cos, sin, dim, style)
         for got, want, ref in zip(fused, eager, reference_fp64(q, k, cos, sin, dim, style), strict=True):
             assert got.dtype == want.dtype and got.shape == want.shape
-            fused_error = (got.double() - ref).abs().max().item()
-            eager_error = (want.double() - ref).abs().max().item()
-            assert fused_error <= 2 * eager_error + 1e-6, (case, fused_error, eager_error)
+            assert_within_twice_eagers_error(got, want, ref, case)
 
 
 @pytest.mark.parametrize("style", STYLES)
