@@ -3,38 +3,20 @@
 Why: publishing kernel cards and loading them back must be tested end to end, with the very HTTP
 calls HfApi, hf_hub_download/snapshot_download and kernels.get_kernel make, on a machine with no
 network. The server keeps every repo in memory: a branch points at a chain of immutable commits,
-each holding the complete file tree. Ids are git's (blob, tree and commit sha1), so a client can
-compare the hashes the way it does against the Hub.
+each holding the complete file tree. File and folder ids are git's (blob and tree sha1), so a client
+compares hashes the way it does against the Hub.
 
     with LoopbackHub() as hub:
         hub.add_org("my-org", kernels_approved=True)
         token = hub.add_user("alice", orgs=["my-org"])
         api = HfApi(endpoint=hub.url, token=token)
 
-Endpoints (`{type}s` is models, datasets, spaces or kernels; kernel repos are a type of their own
-in huggingface_hub 2.4: `/api/kernels/...` for the API, `/kernels/<repo>` for URLs and downloads):
-
-| name            | method and path                                   | client call                                  |
-|-----------------|---------------------------------------------------|----------------------------------------------|
-| whoami          | GET  /api/whoami-v2                               | HfApi.whoami                                 |
-| create_repo     | POST /api/repos/create                            | HfApi.create_repo                            |
-| validate_yaml   | POST /api/validate-yaml                           | create_commit, when README.md is added       |
-| org_overview    | GET  /api/organizations/{org}/overview            | get_organization_overview (kernels' trust)   |
-| repo_info       | GET  /api/{type}s/{repo}[/revision/{rev}]         | repo_info, kernel_info, snapshot_download    |
-| list_refs       | GET  /api/{type}s/{repo}/refs                     | list_repo_refs (kernels: version -> branch)  |
-| list_tree       | GET  /api/{type}s/{repo}/tree/{rev}[/{path}]      | list_repo_tree, snapshot_download, kernels   |
-| paths_info      | POST /api/{type}s/{repo}/paths-info/{rev}         | get_paths_info                               |
-| preupload       | POST /api/{type}s/{repo}/preupload/{rev}          | create_commit (upload mode, remote oids)     |
-| commit          | POST /api/{type}s/{repo}/commit/{rev}             | create_commit (NDJSON), upload_folder        |
-| create_branch   | POST /api/{type}s/{repo}/branch/{branch}          | create_branch                                |
-| create_tag      | POST /api/{type}s/{repo}/tag/{rev}                | create_tag                                   |
-| resolve         | GET/HEAD /[{type}s/]{repo}/resolve/{rev}/{path}   | hf_hub_download, snapshot_download           |
-| agent_harnesses | GET  /api/agent-harnesses                         | user-agent of any call, unless telemetry off |
-
-What is left out, because no client call here needs it: LFS and Xet storage (preupload answers
-"regular" for every file, so file contents travel base64 in the commit), pull requests, private
-repos, pagination (trees are small) and Range requests (a client that asks for a range and gets
-the whole file copes, as huggingface_hub does).
+It serves model and kernel repos (kernel repos are a type of their own in huggingface_hub 2.4:
+`/api/kernels/...` for the API, `/kernels/<repo>` for URLs and downloads) and only the endpoints
+these clients call: `LoopbackHub._route` lists them, each with the client call behind it. Left out,
+because nothing here calls it: LFS and Xet storage (preupload answers "regular" for every file, so
+contents travel base64 in the commit), folder deletion, tags, pull requests, dataset and Space repos,
+private repos, pagination and Range requests. JSON answers hold the fields the clients read.
 
 Auth: writes need `Authorization: Bearer <token>` of a user with rights on the namespace (its own
 name or one of its orgs); an unknown token gets 401 on every endpoint, reads included. Kernel
@@ -72,27 +54,25 @@ from types import MappingProxyType, TracebackType
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+# The names `fail_next`, `drop_answer_next` and `request_count` take; `LoopbackHub._route` maps requests to them.
 ENDPOINTS = frozenset(
     {
         "whoami",
         "create_repo",
         "validate_yaml",
+        "agent_harnesses",
         "org_overview",
         "repo_info",
         "list_refs",
         "list_tree",
-        "paths_info",
         "preupload",
         "commit",
         "create_branch",
-        "create_tag",
         "resolve",
-        "agent_harnesses",
     }
 )
-
-REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space", "kernels": "kernel"}
-URL_PREFIXES = {"model": "", "dataset": "datasets/", "space": "spaces/", "kernel": "kernels/"}
+REPO_TYPES = {"models": "model", "kernels": "kernel"}
+URL_PREFIXES = {"model": "", "kernel": "kernels/"}
 DEFAULT_BRANCH = "main"
 INVALID_TOKEN = "Invalid credentials in Authorization header"  # huggingface_hub tells a bad token by this message
 AUTH_REQUIRED = "Authentication required: send 'Authorization: Bearer <token>'"
@@ -204,12 +184,11 @@ class _Repo:
     created_at: datetime
     commits: dict[str, Commit] = field(default_factory=dict)
     branches: dict[str, str] = field(default_factory=dict)
-    tags: dict[str, str] = field(default_factory=dict)
     commit_counts: Counter[str] = field(default_factory=Counter)  # per branch, commits made through the API
 
     def resolve(self, revision: str) -> Commit:
-        """The commit a branch, tag or full commit id names; 404 RevisionNotFound otherwise."""
-        oid = self.branches.get(revision) or self.tags.get(revision) or revision
+        """The commit a branch or full commit id names; 404 RevisionNotFound otherwise."""
+        oid = self.branches.get(revision, revision)
         if oid not in self.commits:
             raise HubError(404, f"Invalid rev id: {revision}", code="RevisionNotFound")
         return self.commits[oid]
@@ -396,8 +375,8 @@ class LoopbackHub:
             self._memberships[name] = set(orgs)
         return token
 
-    def fail_next(self, endpoint: str, status: int = 500, *, times: int = 1) -> None:
-        """Answer the next `times` requests to `endpoint` with `status`, changing nothing on the Hub.
+    def fail_next(self, endpoint: str, status: int = 500) -> None:
+        """Answer the next request to `endpoint` with `status`, changing nothing on the Hub.
 
         huggingface_hub retries 5xx with backoff on preupload, tree listings and downloads, so one
         failure there only delays the call; commit, create_repo and create_branch are not retried.
@@ -407,7 +386,7 @@ class LoopbackHub:
         if status < 400:
             raise ValueError("an injected failure needs an error status")
         with self._lock:
-            self._failures.setdefault(endpoint, deque()).extend([status] * times)
+            self._failures.setdefault(endpoint, deque()).append(status)
 
     def drop_answer_next(self, endpoint: str) -> None:
         """Run the next request to `endpoint` (its effect stays), then close the connection without answering:
@@ -435,7 +414,7 @@ class LoopbackHub:
             return self._repo(repo_type, repo_id).resolve(branch).oid
 
     def commit(self, repo_id: str, revision: str = DEFAULT_BRANCH, *, repo_type: str = "kernel") -> Commit:
-        """The commit `revision` (branch, tag or commit id) names: files, parent, title, git ids."""
+        """The commit `revision` (branch or commit id) names: files, parent, title, git ids."""
         with self._lock:
             return self._repo(repo_type, repo_id).resolve(revision)
 
@@ -473,18 +452,19 @@ class LoopbackHub:
     def _route(self, request: _Request) -> tuple[str, str | None, Action] | None:
         method, segments = request.method, request.segments
         match method, segments:
-            case "GET", ["api", "whoami-v2"]:
+            case "GET", ["api", "whoami-v2"]:  # HfApi.whoami
                 return "whoami", None, self._whoami
-            case "POST", ["api", "repos", "create"]:
+            case "POST", ["api", "repos", "create"]:  # HfApi.create_repo
                 return "create_repo", None, self._create_repo
-            case "POST", ["api", "validate-yaml"]:
+            case "POST", ["api", "validate-yaml"]:  # create_commit, when README.md is added
                 return "validate_yaml", None, self._validate_yaml
-            case "GET", ["api", "agent-harnesses"]:
+            case "GET", ["api", "agent-harnesses"]:  # the user agent of any call, unless telemetry is off
                 return "agent_harnesses", None, self._agent_harnesses
-            case "GET", ["api", "organizations", org, "overview"]:
+            case "GET", ["api", "organizations", org, "overview"]:  # get_organization_overview (kernels' trust)
                 return "org_overview", None, lambda _request, _user: self._org_overview(org)
             case _, ["api", plural, namespace, name, *tail] if plural in REPO_TYPES:
                 return self._route_repo_api(method, REPO_TYPES[plural], f"{namespace}/{name}", tail)
+            # hf_hub_download and snapshot_download: /kernels/{repo}/resolve/..., /{repo}/resolve/... for a model
             case "GET" | "HEAD", [plural, namespace, name, "resolve", revision, *path] if plural in REPO_TYPES and path:
                 return self._route_resolve(REPO_TYPES[plural], f"{namespace}/{name}", revision, "/".join(path))
             case "GET" | "HEAD", [namespace, name, "resolve", revision, *path] if path:
@@ -498,24 +478,20 @@ class LoopbackHub:
             return endpoint, repo_id, lambda request, user: action(request, user, self._repo(repo_type, repo_id), *args)
 
         match method, tail:
-            case "GET", []:
+            case "GET", []:  # repo_info, repo_exists
                 return on_repo("repo_info", self._repo_info, DEFAULT_BRANCH)
-            case "GET", ["revision", revision]:
+            case "GET", ["revision", revision]:  # repo_info, snapshot_download
                 return on_repo("repo_info", self._repo_info, revision)
-            case "GET", ["refs"]:
+            case "GET", ["refs"]:  # list_repo_refs (kernels: version -> branch)
                 return on_repo("list_refs", self._list_refs)
-            case "GET", ["tree", revision, *path]:
+            case "GET", ["tree", revision, *path]:  # list_repo_tree, snapshot_download, kernels
                 return on_repo("list_tree", self._list_tree, revision, "/".join(path).strip("/"))
-            case "POST", ["paths-info", revision]:
-                return on_repo("paths_info", self._paths_info, revision)
-            case "POST", ["preupload", revision]:
+            case "POST", ["preupload", revision]:  # create_commit (upload mode, remote oids)
                 return on_repo("preupload", self._preupload, revision)
-            case "POST", ["commit", revision]:
+            case "POST", ["commit", revision]:  # create_commit (NDJSON), upload_folder
                 return on_repo("commit", self._commit, revision)
-            case "POST", ["branch", branch]:
+            case "POST", ["branch", branch]:  # create_branch
                 return on_repo("create_branch", self._create_branch, branch)
-            case "POST", ["tag", revision]:
-                return on_repo("create_tag", self._create_tag, revision)
         return None
 
     def _route_resolve(self, repo_type: str, repo_id: str, revision: str, path: str) -> tuple[str, str, Action]:
@@ -638,16 +614,12 @@ class LoopbackHub:
             }
         )
 
-    def _list_refs(self, request: _Request, _user: str | None, repo: _Repo) -> _Response:
-        def refs(names: Mapping[str, str], kind: str) -> list[dict[str, str]]:
-            return [
-                {"name": name, "ref": f"refs/{kind}/{name}", "targetCommit": oid} for name, oid in sorted(names.items())
-            ]
-
-        data = {"branches": refs(repo.branches, "heads"), "tags": refs(repo.tags, "tags"), "converts": []}
-        if request.query.get("include_prs"):
-            data["pullRequests"] = []
-        return _json(data)
+    def _list_refs(self, _request: _Request, _user: str | None, repo: _Repo) -> _Response:
+        branches = [
+            {"name": name, "ref": f"refs/heads/{name}", "targetCommit": oid}
+            for name, oid in sorted(repo.branches.items())
+        ]
+        return _json({"branches": branches, "tags": [], "converts": []})
 
     def _list_tree(self, request: _Request, _user: str | None, repo: _Repo, revision: str, folder: str) -> _Response:
         commit = repo.resolve(revision)
@@ -661,11 +633,6 @@ class LoopbackHub:
             if path.startswith(prefix) and (recursive or "/" not in relative):
                 listed.append(commit.entry(path))
         return _json(listed)
-
-    def _paths_info(self, request: _Request, _user: str | None, repo: _Repo, revision: str) -> _Response:
-        commit = repo.resolve(revision)
-        paths = parse_qs(request.body.decode()).get("paths", [])
-        return _json([entry for path in paths if (entry := commit.entry(path.strip("/"))) is not None])
 
     def _preupload(self, request: _Request, user: str | None, repo: _Repo, revision: str) -> _Response:
         """Every file is "regular" (sent base64 in the commit); `oid` lets the client skip unchanged files."""
@@ -685,8 +652,6 @@ class LoopbackHub:
     def _commit(self, request: _Request, user: str | None, repo: _Repo, branch: str) -> _Response:
         """Apply an NDJSON commit atomically: every operation is checked on a copy before the branch moves."""
         user = self._require_write(user, repo.repo_id.split("/")[0])
-        if request.query.get("create_pr"):
-            raise HubError(400, "Pull requests are not supported by the loopback Hub")
         if branch not in repo.branches:
             raise HubError(404, f"Invalid rev id: {branch} is not a branch", code="RevisionNotFound")
         head = repo.commits[repo.branches[branch]]
@@ -728,7 +693,7 @@ class LoopbackHub:
     @staticmethod
     def _apply_operation(files: dict[str, bytes], key: str | None, value: Mapping[str, Any]) -> None:
         path = str(value.get("path", ""))
-        path = _check_path(path.rstrip("/") if key == "deletedFolder" else path)
+        path = _check_path(path)
         if key == "file":
             if value.get("encoding") != "base64":
                 raise HubError(400, f"Unsupported encoding for {path}: {value.get('encoding')!r}")
@@ -739,16 +704,8 @@ class LoopbackHub:
         elif key == "deletedFile":
             if files.pop(path, None) is None:
                 raise HubError(404, f"A file with this name doesn't exist: {path}", code="EntryNotFound")
-        elif key == "deletedFolder":
-            inside = [name for name in files if name.startswith(f"{path}/")]
-            if not inside:
-                raise HubError(404, f"A folder with this name doesn't exist: {path}", code="EntryNotFound")
-            for name in inside:
-                del files[name]
-        elif key == "lfsFile":
-            raise HubError(400, f"No LFS storage here: preupload answers 'regular' for every file ({path})")
-        else:
-            raise HubError(400, f"Unknown commit operation {key!r}")
+        else:  # lfsFile cannot come (preupload answers "regular"); nothing here deletes a folder
+            raise HubError(400, f"Unsupported commit operation {key!r}")
 
     def _create_branch(self, request: _Request, user: str | None, repo: _Repo, branch: str) -> _Response:
         self._require_write(user, repo.repo_id.split("/")[0])
@@ -756,15 +713,6 @@ class LoopbackHub:
         if branch in repo.branches:
             raise HubError(409, f"Reference already exists: refs/heads/{branch}")
         repo.branches[branch] = start.oid
-        return _json({})
-
-    def _create_tag(self, request: _Request, user: str | None, repo: _Repo, revision: str) -> _Response:
-        self._require_write(user, repo.repo_id.split("/")[0])
-        target = repo.resolve(revision)
-        tag = request.json()["tag"]
-        if tag in repo.tags:
-            raise HubError(409, f"Reference already exists: refs/tags/{tag}")
-        repo.tags[tag] = target.oid
         return _json({})
 
     def _resolve(self, repo: _Repo, revision: str, path: str) -> _Response:
