@@ -46,7 +46,6 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -140,32 +139,21 @@ class Commit:
     oid: str
     parent: str | None
     title: str
-    date: datetime
     files: Mapping[str, bytes]
     blob_ids: Mapping[str, str]
     tree_ids: Mapping[str, str]
 
     @classmethod
-    def create(
-        cls, files: Mapping[str, bytes], *, parent: str | None, author: str, title: str, description: str
-    ) -> Commit:
-        """Build the commit with git's object ids (its oid is the git commit sha1, so it is 40 hex digits)."""
+    def create(cls, files: Mapping[str, bytes], *, parent: str | None, title: str) -> Commit:
+        """Build the commit: git's ids for files and folders, 40 random hex digits for its own (no client checks it)."""
         blob_ids = {path: git_blob_id(content) for path, content in files.items()}
-        tree_ids = _git_tree_ids(blob_ids)
-        date = datetime.now(UTC)
-        signature = f"{author} <{author}@loopback.hub> {int(date.timestamp())} +0000"
-        message = f"{title}\n\n{description}" if description else title
-        lines = [f"tree {tree_ids['']}", *([f"parent {parent}"] if parent else []), f"author {signature}"]
-        body = "\n".join([*lines, f"committer {signature}", "", message, ""]).encode()
-        oid = hashlib.sha1(b"commit %d\0" % len(body) + body).hexdigest()
         return cls(
-            oid=oid,
+            oid=secrets.token_hex(20),
             parent=parent,
             title=title,
-            date=date,
             files=MappingProxyType(dict(files)),
             blob_ids=MappingProxyType(blob_ids),
-            tree_ids=MappingProxyType(tree_ids),
+            tree_ids=MappingProxyType(_git_tree_ids(blob_ids)),
         )
 
     def entry(self, path: str) -> dict[str, Any] | None:
@@ -181,7 +169,6 @@ class Commit:
 class _Repo:
     repo_type: str
     repo_id: str
-    created_at: datetime
     commits: dict[str, Commit] = field(default_factory=dict)
     branches: dict[str, str] = field(default_factory=dict)
     commit_counts: Counter[str] = field(default_factory=Counter)  # per branch, commits made through the API
@@ -251,10 +238,6 @@ class HubError(Exception):
         if self.code:
             headers["X-Error-Code"] = self.code
         return _json({"error": self.message, **self.extra}, self.status, headers)
-
-
-def _iso(date: datetime) -> str:
-    return date.strftime("%Y-%m-%dT%H:%M:%S.000Z")
 
 
 def _check_path(path: str) -> str:
@@ -510,12 +493,11 @@ class LoopbackHub:
             raise HubError(401, INVALID_TOKEN)
         return user
 
-    def _require_write(self, user: str | None, namespace: str) -> str:
+    def _require_write(self, user: str | None, namespace: str) -> None:
         if user is None:
             raise HubError(401, AUTH_REQUIRED)
         if namespace != user and namespace not in self._memberships[user]:
             raise HubError(403, f"You don't have the rights to write to the namespace '{namespace}'")
-        return user
 
     def _repo(self, repo_type: str, repo_id: str) -> _Repo:
         repo = self._repos.get((repo_type, repo_id))
@@ -531,17 +513,7 @@ class LoopbackHub:
     def _whoami(self, _request: _Request, user: str | None) -> _Response:
         if user is None:
             raise HubError(401, AUTH_REQUIRED)
-        orgs = [{"type": "org", "name": org, "roleInOrg": "write"} for org in sorted(self._memberships[user])]
-        token_info = {"displayName": "loopback", "role": "write"}
-        return _json(
-            {
-                "type": "user",
-                "name": user,
-                "fullname": user,
-                "orgs": orgs,
-                "auth": {"type": "access_token", "accessToken": token_info},
-            }
-        )
+        return _json({"type": "user", "name": user, "orgs": [{"name": org} for org in sorted(self._memberships[user])]})
 
     def _create_repo(self, request: _Request, user: str | None) -> _Response:
         payload = request.json()
@@ -549,23 +521,21 @@ class LoopbackHub:
         if repo_type not in URL_PREFIXES:
             raise HubError(400, f"Invalid repo type: {repo_type!r}")
         namespace = payload.get("organization") or user or ""
-        user = self._require_write(user, namespace)
+        self._require_write(user, namespace)
         if repo_type == "kernel" and not (namespace in self._orgs and self._orgs[namespace].kernels_approved):
             raise HubError(
                 403,
                 f"The namespace '{namespace}' is not approved to publish kernels: "
                 "kernel repositories can only be created in organizations approved for kernels",
             )
-        repo = _Repo(repo_type, f"{namespace}/{payload['name']}", created_at=datetime.now(UTC))
+        repo = _Repo(repo_type, f"{namespace}/{payload['name']}")
         if (repo_type, repo.repo_id) in self._repos:
             raise HubError(409, f"You already created this {repo_type} repo", extra={"url": self._repo_url(repo)})
-        initial = Commit.create(
-            {".gitattributes": INITIAL_GITATTRIBUTES}, parent=None, author=user, title="initial commit", description=""
-        )
+        initial = Commit.create({".gitattributes": INITIAL_GITATTRIBUTES}, parent=None, title="initial commit")
         repo.commits[initial.oid] = initial
         repo.branches[DEFAULT_BRANCH] = initial.oid
         self._repos[repo_type, repo.repo_id] = repo
-        return _json({"url": self._repo_url(repo), "name": repo.repo_id})
+        return _json({"url": self._repo_url(repo)})
 
     def _validate_yaml(self, _request: _Request, _user: str | None) -> _Response:
         """Accept any card metadata: validating YAML is the real Hub's business, not what these tests check."""
@@ -576,43 +546,13 @@ class LoopbackHub:
         return _json({"standardEnvVars": [], "harnesses": {}})
 
     def _org_overview(self, name: str) -> _Response:
-        org = self._orgs.get(name)
-        if org is None:
+        if name not in self._orgs:
             raise HubError(404, f"Organization not found: {name}")
-        members = sum(name in orgs for orgs in self._memberships.values())
-        return _json(
-            {
-                "name": name,
-                "fullname": name,
-                "avatarUrl": "",
-                "isVerified": False,
-                "numUsers": members,
-                "trustedKernelPublisher": org.trusted_kernel_publisher,
-            }
-        )
+        return _json({"name": name, "trustedKernelPublisher": self._orgs[name].trusted_kernel_publisher})
 
     def _repo_info(self, _request: _Request, _user: str | None, repo: _Repo, revision: str) -> _Response:
-        commit = repo.resolve(revision)
-        siblings = [
-            {"rfilename": path, "size": len(content), "blobId": commit.blob_ids[path]}
-            for path, content in sorted(commit.files.items())
-        ]
-        return _json(
-            {
-                "id": repo.repo_id,
-                "author": repo.repo_id.split("/")[0],
-                "sha": commit.oid,
-                "createdAt": _iso(repo.created_at),
-                "lastModified": _iso(commit.date),
-                "private": False,
-                "gated": False,
-                "disabled": False,
-                "downloads": 0,
-                "likes": 0,
-                "tags": [],
-                "siblings": siblings,
-            }
-        )
+        """The commit a revision names; snapshot_download reads `sha`, repo_info needs `id`."""
+        return _json({"id": repo.repo_id, "sha": repo.resolve(revision).oid})
 
     def _list_refs(self, _request: _Request, _user: str | None, repo: _Repo) -> _Response:
         branches = [
@@ -651,7 +591,7 @@ class LoopbackHub:
 
     def _commit(self, request: _Request, user: str | None, repo: _Repo, branch: str) -> _Response:
         """Apply an NDJSON commit atomically: every operation is checked on a copy before the branch moves."""
-        user = self._require_write(user, repo.repo_id.split("/")[0])
+        self._require_write(user, repo.repo_id.split("/")[0])
         if branch not in repo.branches:
             raise HubError(404, f"Invalid rev id: {branch} is not a branch", code="RevisionNotFound")
         head = repo.commits[repo.branches[branch]]
@@ -671,24 +611,11 @@ class LoopbackHub:
         folders = {path[:i] for path in files for i, char in enumerate(path) if char == "/"}
         if clashes := sorted(folders & files.keys()):
             raise HubError(400, f"Paths would be both a file and a folder: {clashes}")
-        commit = Commit.create(
-            files,
-            parent=head.oid,
-            author=user,
-            title=header.get("summary", ""),
-            description=header.get("description", ""),
-        )
+        commit = Commit.create(files, parent=head.oid, title=header.get("summary", ""))
         repo.commits[commit.oid] = commit
         repo.branches[branch] = commit.oid
         repo.commit_counts[branch] += 1
-        return _json(
-            {
-                "success": True,
-                "commitOid": commit.oid,
-                "commitUrl": f"{self._repo_url(repo)}/commit/{commit.oid}",
-                "hookOutput": "",
-            }
-        )
+        return _json({"commitOid": commit.oid, "commitUrl": f"{self._repo_url(repo)}/commit/{commit.oid}"})
 
     @staticmethod
     def _apply_operation(files: dict[str, bytes], key: str | None, value: Mapping[str, Any]) -> None:
