@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -157,7 +157,7 @@ class Commit:
         )
 
     def entry(self, path: str) -> dict[str, Any] | None:
-        """The tree/paths-info JSON entry of a file or folder, None if the path is neither."""
+        """The tree-listing JSON entry of a file or folder, None if the path is neither."""
         if path in self.files:
             return {"type": "file", "oid": self.blob_ids[path], "size": len(self.files[path]), "path": path}
         if path and path in self.tree_ids:
@@ -196,10 +196,7 @@ class _Request:
     body: bytes
 
     def json(self) -> Any:
-        try:
-            return json.loads(self.body or b"{}")
-        except ValueError as error:
-            raise HubError(400, f"Malformed JSON body: {error}") from None
+        return json.loads(self.body or b"{}")
 
 
 @dataclass
@@ -240,13 +237,12 @@ class HubError(Exception):
         return _json({"error": self.message, **self.extra}, self.status, headers)
 
 
-def _check_path(path: str) -> str:
-    if not path or path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
-        raise HubError(400, f"Invalid path in repo: {path!r}")
-    return path
-
-
 Action = Callable[[_Request, str | None], _Response]
+
+
+def _check_endpoint(endpoint: str) -> None:
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"unknown endpoint {endpoint!r}; one of {sorted(ENDPOINTS)}")
 
 
 class LoopbackHub:
@@ -263,12 +259,12 @@ class LoopbackHub:
         self.stop_reason: str | None = None
         self.unrouted: list[str] = []
         self.errors: list[str] = []
+        self.url = ""  # the endpoint once started, e.g. "http://127.0.0.1:40123"
         self._lock = threading.RLock()  # every request runs under it: commits are atomic, reads consistent
         self._lifecycle = threading.Lock()
         self._stopped = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
-        self._url: str | None = None
         self._last_activity = self._started_at = time.monotonic()
         self._repos: dict[tuple[str, str], _Repo] = {}
         self._tokens: dict[str, str] = {}
@@ -281,33 +277,22 @@ class LoopbackHub:
     # Lifecycle
 
     @property
-    def url(self) -> str:
-        """The endpoint, e.g. "http://127.0.0.1:40123"."""
-        if self._url is None:
-            raise RuntimeError("LoopbackHub is not started")
-        return self._url
-
-    @property
     def running(self) -> bool:
         """Whether the server still accepts requests."""
         return self._server is not None
 
     def start(self) -> LoopbackHub:
-        """Listen on a free port of 127.0.0.1 and serve from a daemon thread; returns self."""
-        with self._lifecycle:
-            if self._server is not None or self._stopped.is_set():
-                raise RuntimeError("a LoopbackHub starts once")
-            server = _Server(("127.0.0.1", 0), _Handler)
-            server.hub = self
-            self._server = server
-            self._url = f"http://127.0.0.1:{server.server_address[1]}"
-            self._last_activity = self._started_at = time.monotonic()
-            self._threads = [
-                threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True),
-                threading.Thread(target=self._watchdog, daemon=True),
-            ]
-            for thread in self._threads:
-                thread.start()
+        """Listen on a free port of 127.0.0.1 and serve from a daemon thread; returns self. A hub starts once."""
+        server = self._server = _Server(("127.0.0.1", 0), _Handler)
+        server.hub = self
+        self.url = f"http://127.0.0.1:{server.server_address[1]}"
+        self._last_activity = self._started_at = time.monotonic()
+        self._threads = [
+            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True),
+            threading.Thread(target=self._watchdog, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self, reason: str = "stopped") -> None:
@@ -327,9 +312,7 @@ class LoopbackHub:
     def __enter__(self) -> LoopbackHub:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def _watchdog(self) -> None:
@@ -351,9 +334,6 @@ class LoopbackHub:
         """Create a user with write rights on its own namespace and on `orgs`; returns its token."""
         token = token or f"hf_loopback_{secrets.token_hex(12)}"
         with self._lock:
-            unknown = set(orgs) - set(self._orgs)
-            if unknown:
-                raise ValueError(f"unknown orgs {sorted(unknown)}: add_org them first")
             self._tokens[token] = name
             self._memberships[name] = set(orgs)
         return token
@@ -364,42 +344,36 @@ class LoopbackHub:
         huggingface_hub retries 5xx with backoff on preupload, tree listings and downloads, so one
         failure there only delays the call; commit, create_repo and create_branch are not retried.
         """
-        if endpoint not in ENDPOINTS:
-            raise ValueError(f"unknown endpoint {endpoint!r}; one of {sorted(ENDPOINTS)}")
-        if status < 400:
-            raise ValueError("an injected failure needs an error status")
+        _check_endpoint(endpoint)
         with self._lock:
             self._failures.setdefault(endpoint, deque()).append(status)
 
     def drop_answer_next(self, endpoint: str) -> None:
-        """Run the next request to `endpoint` (its effect stays), then close the connection without answering:
-        a connection lost after the Hub did the work."""
-        if endpoint not in ENDPOINTS:
-            raise ValueError(f"unknown endpoint {endpoint!r}; one of {sorted(ENDPOINTS)}")
+        """Run the next request to `endpoint`, then close the connection unanswered (its effect stays)."""
+        _check_endpoint(endpoint)
         with self._lock:
             self._dropped_answers[endpoint] += 1
 
     def request_count(self, endpoint: str, repo_id: str | None = None) -> int:
         """How many requests reached `endpoint` (for `repo_id` only, if given), failed ones included."""
-        if endpoint not in ENDPOINTS:
-            raise ValueError(f"unknown endpoint {endpoint!r}; one of {sorted(ENDPOINTS)}")
+        _check_endpoint(endpoint)
         with self._lock:
             return sum(n for (name, repo), n in self._requests.items() if name == endpoint and repo_id in (None, repo))
 
-    def commit_count(self, repo_id: str, branch: str = DEFAULT_BRANCH, *, repo_type: str = "kernel") -> int:
-        """How many commits the commit endpoint made on `branch` (the repo's initial commit is not one)."""
+    def commit_count(self, repo_id: str, branch: str = DEFAULT_BRANCH) -> int:
+        """How many commits the commit endpoint made on `branch` of kernel repo `repo_id` (not the initial one)."""
         with self._lock:
-            return self._repo(repo_type, repo_id).commit_counts[branch]
+            return self._repo("kernel", repo_id).commit_counts[branch]
 
-    def head(self, repo_id: str, branch: str = DEFAULT_BRANCH, *, repo_type: str = "kernel") -> str:
-        """The commit id `branch` points at."""
+    def head(self, repo_id: str, branch: str = DEFAULT_BRANCH) -> str:
+        """The commit id `branch` of kernel repo `repo_id` points at."""
         with self._lock:
-            return self._repo(repo_type, repo_id).resolve(branch).oid
+            return self._repo("kernel", repo_id).resolve(branch).oid
 
-    def commit(self, repo_id: str, revision: str = DEFAULT_BRANCH, *, repo_type: str = "kernel") -> Commit:
-        """The commit `revision` (branch or commit id) names: files, parent, title, git ids."""
+    def commit(self, repo_id: str, revision: str = DEFAULT_BRANCH) -> Commit:
+        """The commit `revision` (branch or commit id) of kernel repo `repo_id` names: files, parent, title, git ids."""
         with self._lock:
-            return self._repo(repo_type, repo_id).resolve(revision)
+            return self._repo("kernel", repo_id).resolve(revision)
 
     # Request handling
 
@@ -425,10 +399,10 @@ class LoopbackHub:
                 return response
         except HubError as error:
             return error.response()
-        except Exception as error:  # a bug of this server: answer 500 and keep the traceback for the test
+        except Exception as error:  # a bug here or a payload no client here sends: 500, the traceback kept for the test
             with self._lock:
                 self.errors.append(traceback.format_exc())
-            return HubError(500, f"Loopback Hub bug: {error!r}").response()
+            return HubError(500, f"Loopback Hub failed: {error!r}").response()
         finally:
             self._last_activity = time.monotonic()
 
@@ -590,49 +564,28 @@ class LoopbackHub:
         return _json({"files": files, "commitOid": commit.oid})
 
     def _commit(self, request: _Request, user: str | None, repo: _Repo, branch: str) -> _Response:
-        """Apply an NDJSON commit atomically: every operation is checked on a copy before the branch moves."""
+        """Apply an NDJSON commit (a header line, then operations) atomically: on a copy, then the branch moves."""
         self._require_write(user, repo.repo_id.split("/")[0])
         if branch not in repo.branches:
             raise HubError(404, f"Invalid rev id: {branch} is not a branch", code="RevisionNotFound")
         head = repo.commits[repo.branches[branch]]
-        try:
-            lines = [json.loads(line) for line in request.body.splitlines() if line.strip()]
-        except ValueError as error:
-            raise HubError(400, f"Malformed NDJSON commit payload: {error}") from None
-        if not lines or lines[0].get("key") != "header":
-            raise HubError(400, "The commit payload must start with a header line")
-        header = lines[0]["value"]
-        parent = header.get("parentCommit")
-        if parent and not head.oid.startswith(parent.lower()):
+        header, *operations = [json.loads(line) for line in request.body.splitlines() if line.strip()]
+        if header["value"].get("parentCommit") not in (None, head.oid):
             raise HubError(412, "A commit has happened since. Please refresh and try again.")
         files = dict(head.files)
-        for line in lines[1:]:
-            self._apply_operation(files, line.get("key"), line.get("value") or {})
-        folders = {path[:i] for path in files for i, char in enumerate(path) if char == "/"}
-        if clashes := sorted(folders & files.keys()):
-            raise HubError(400, f"Paths would be both a file and a folder: {clashes}")
-        commit = Commit.create(files, parent=head.oid, title=header.get("summary", ""))
+        for operation in operations:
+            path = operation["value"]["path"]
+            if operation["key"] == "file":
+                files[path] = base64.b64decode(operation["value"]["content"], validate=True)
+            elif operation["key"] != "deletedFile":  # no lfsFile (preupload answers "regular"), no deletedFolder
+                raise HubError(400, f"Unsupported commit operation {operation['key']!r}")
+            elif files.pop(path, None) is None:
+                raise HubError(404, f"A file with this name doesn't exist: {path}", code="EntryNotFound")
+        commit = Commit.create(files, parent=head.oid, title=header["value"].get("summary", ""))
         repo.commits[commit.oid] = commit
         repo.branches[branch] = commit.oid
         repo.commit_counts[branch] += 1
         return _json({"commitOid": commit.oid, "commitUrl": f"{self._repo_url(repo)}/commit/{commit.oid}"})
-
-    @staticmethod
-    def _apply_operation(files: dict[str, bytes], key: str | None, value: Mapping[str, Any]) -> None:
-        path = str(value.get("path", ""))
-        path = _check_path(path)
-        if key == "file":
-            if value.get("encoding") != "base64":
-                raise HubError(400, f"Unsupported encoding for {path}: {value.get('encoding')!r}")
-            try:
-                files[path] = base64.b64decode(value.get("content", ""), validate=True)
-            except ValueError:
-                raise HubError(400, f"Invalid base64 content for {path}") from None
-        elif key == "deletedFile":
-            if files.pop(path, None) is None:
-                raise HubError(404, f"A file with this name doesn't exist: {path}", code="EntryNotFound")
-        else:  # lfsFile cannot come (preupload answers "regular"); nothing here deletes a folder
-            raise HubError(400, f"Unsupported commit operation {key!r}")
 
     def _create_branch(self, request: _Request, user: str | None, repo: _Repo, branch: str) -> _Response:
         self._require_write(user, repo.repo_id.split("/")[0])
