@@ -2,9 +2,8 @@
 
 Why: publishing kernel cards and loading them back must be tested end to end, with the very HTTP
 calls HfApi, hf_hub_download/snapshot_download and kernels.get_kernel make, on a machine with no
-network. The server keeps every repo in memory: a branch points at a chain of immutable commits,
-each holding the complete file tree. File and folder ids are git's (blob and tree sha1), so a client
-compares hashes the way it does against the Hub.
+network. Every repo lives in memory: a branch points at a chain of immutable commits, each holding
+the complete file tree, with git's blob and tree ids so a client compares hashes as against the Hub.
 
     with LoopbackHub() as hub:
         hub.add_org("my-org", kernels_approved=True)
@@ -12,25 +11,21 @@ compares hashes the way it does against the Hub.
         api = HfApi(endpoint=hub.url, token=token)
 
 It serves model and kernel repos (kernel repos are a type of their own in huggingface_hub 2.4:
-`/api/kernels/...` for the API, `/kernels/<repo>` for URLs and downloads) and only the endpoints
-these clients call: `LoopbackHub._route` lists them, each with the client call behind it. Left out,
-because nothing here calls it: LFS and Xet storage (preupload answers "regular" for every file, so
-contents travel base64 in the commit), folder deletion, tags, pull requests, dataset and Space repos,
-private repos, pagination and Range requests. JSON answers hold the fields the clients read.
+`/api/kernels/...`, `/kernels/<repo>`) and only what these clients call: `LoopbackHub._route` lists
+the endpoints, each with its client call, and the answers hold the fields the clients read. Nothing
+here needs LFS or Xet (preupload answers "regular", so contents travel base64 in the commit), folder
+deletion, tags, pull requests, datasets, Spaces, private repos, pagination or Range requests.
 
-Auth: writes need `Authorization: Bearer <token>` of a user with rights on the namespace (its own
-name or one of its orgs); an unknown token gets 401 on every endpoint, reads included. Kernel
-repos may only be created in an org approved for them (`add_org(..., kernels_approved=True)`),
-otherwise 403 with the reason in the JSON body.
+Auth: writes need the Bearer token of a user with rights on the namespace (its own or one of its
+orgs); an unknown token gets 401 everywhere, reads included. Kernel repos may only be created in an
+org approved for them (`add_org(..., kernels_approved=True)`), otherwise 403 with the reason.
 
-For tests: `fail_next(endpoint)` makes the next request to an endpoint fail without touching any
-state, `drop_answer_next(endpoint)` runs it and closes the connection without answering,
-`request_count`, `commit_count`, `head` and `commit` tell what happened, `unrouted` lists
-requests no endpoint matched (a client calling something this server does not implement) and
-`errors` the tracebacks of requests this server failed on (answered 500).
-
-Standard library only. It stops by itself after `idle_timeout` seconds without a request or after
-`lifetime` seconds in all, so a crashed test cannot leave it running.
+For tests: `fail_next(endpoint)` fails the next request to an endpoint without touching any state,
+`drop_answer_next(endpoint)` runs it and closes the connection unanswered; `request_count`,
+`commit_count`, `head` and `commit` tell what happened; `unrouted` lists requests no endpoint matched
+and `errors` the tracebacks of requests answered 500. Standard library only; it stops by itself after
+`idle_timeout` seconds without a request or `lifetime` seconds in all, so a crashed test cannot leave
+it running.
 """
 
 from __future__ import annotations
@@ -46,7 +41,6 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import MappingProxyType
@@ -192,7 +186,7 @@ class _Request:
     method: str
     segments: list[str]
     query: dict[str, list[str]]
-    headers: Message
+    authorization: str | None
     body: bytes
 
     def json(self) -> Any:
@@ -246,11 +240,10 @@ def _check_endpoint(endpoint: str) -> None:
 
 
 class LoopbackHub:
-    """The in-memory Hub on 127.0.0.1 (a free port), serving from daemon threads until stopped.
+    """The in-memory Hub on a free port of 127.0.0.1, from `with LoopbackHub() as hub:` (or start()/stop()).
 
-    Start and stop it with `with LoopbackHub() as hub:` (or `start()`/`stop()`); `url` is the
-    endpoint to give HfApi(endpoint=...) or HF_ENDPOINT. It stops by itself after `idle_timeout`
-    seconds without a request or `lifetime` seconds after start; `stop_reason` then says which.
+    `url` is the endpoint for HfApi(endpoint=...) or HF_ENDPOINT; `stop_reason` says why it stopped:
+    "stopped", "idle" (`idle_timeout` seconds without a request) or "lifetime" (`lifetime` seconds in all).
     """
 
     def __init__(self, *, idle_timeout: float = 120.0, lifetime: float = 900.0) -> None:
@@ -392,7 +385,7 @@ class LoopbackHub:
                 failures = self._failures.get(endpoint)
                 if failures:
                     return HubError(failures.popleft(), f"Injected failure of {endpoint}").response()
-                response = action(request, self._authenticate(request.headers))
+                response = action(request, self._authenticate(request.authorization))
                 if self._dropped_answers[endpoint]:
                     self._dropped_answers[endpoint] -= 1
                     response.dropped = True
@@ -456,9 +449,8 @@ class LoopbackHub:
 
     # Auth
 
-    def _authenticate(self, headers: Message) -> str | None:
+    def _authenticate(self, authorization: str | None) -> str | None:
         """The user a request's token names, None without a token; 401 for any unknown token."""
-        authorization = headers.get("Authorization")
         if authorization is None:
             return None
         scheme, _, token = authorization.partition(" ")
@@ -625,7 +617,7 @@ class _Handler(BaseHTTPRequestHandler):
             method=self.command,
             segments=[unquote(segment) for segment in split.path.split("/")[1:]],
             query=parse_qs(split.query),
-            headers=self.headers,
+            authorization=self.headers.get("Authorization"),
             body=self.rfile.read(length) if length else b"",
         )
         response = self.server.hub.handle(request)
