@@ -7,6 +7,7 @@ environment (HF_ENDPOINT, HF_TOKEN, an empty HF_HUB_CACHE), as a user's process 
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import shutil
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,17 @@ def run_client(code: str, hub: LoopbackHub, home: Path) -> dict:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+def http_status(call: Callable[[], object]) -> int:
+    """The HTTP status a client call fails with."""
+    with pytest.raises(HfHubHTTPError) as error:
+        call()
+    return error.value.response.status_code
+
+
+def connect(hub: LoopbackHub) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", int(hub.url.rsplit(":", 1)[1])), timeout=1)
+
+
 def raw(hub: LoopbackHub, method: str, path: str) -> tuple[int, http.client.HTTPMessage, bytes]:
     """One request by hand, for the tests whose point is the server's raw answer."""
     host, port = hub.url.removeprefix("http://").split(":")
@@ -111,9 +123,7 @@ def test_kernel_repos_live_under_the_kernels_prefix(hub, api):
     assert (url, url.repo_type, url.repo_id) == (f"{hub.url}/kernels/{KERNEL}", "kernel", KERNEL)
     assert api.repo_info(KERNEL, repo_type="kernel").sha == hub.head(KERNEL)
     assert api.create_repo(KERNEL, repo_type="kernel", exist_ok=True) == url
-    with pytest.raises(HfHubHTTPError) as error:
-        api.create_repo(KERNEL, repo_type="kernel")
-    assert error.value.response.status_code == 409
+    assert http_status(lambda: api.create_repo(KERNEL, repo_type="kernel")) == 409
     with pytest.raises(RepositoryNotFoundError):
         api.repo_info(KERNEL)  # the model repo of that name does not exist
 
@@ -132,17 +142,11 @@ def test_tokens_and_namespace_rights_are_checked(hub, api):
     assert api.whoami()["name"] == PUBLISHER
     assert {org["name"] for org in api.whoami()["orgs"]} == {ORG, UNAPPROVED_ORG}
     bad = HfApi(endpoint=hub.url, token="hf_not_a_token")
-    with pytest.raises(HfHubHTTPError) as error:
-        bad.whoami()
-    assert error.value.response.status_code == 401
+    assert http_status(bad.whoami) == 401
     for client in (bad, HfApi(endpoint=hub.url, token=False)):
-        with pytest.raises(HfHubHTTPError) as error:
-            client.create_repo(KERNEL, repo_type="kernel")
-        assert error.value.response.status_code == 401
+        assert http_status(functools.partial(client.create_repo, KERNEL, repo_type="kernel")) == 401
     outsider = HfApi(endpoint=hub.url, token=hub.add_user("outsider"))
-    with pytest.raises(HfHubHTTPError) as error:
-        outsider.create_repo(KERNEL, repo_type="kernel")
-    assert error.value.response.status_code == 403
+    assert http_status(lambda: outsider.create_repo(KERNEL, repo_type="kernel")) == 403
     assert hub.request_count("create_repo") == 3
     assert not api.repo_exists(KERNEL, repo_type="kernel")
 
@@ -151,9 +155,7 @@ def test_org_overview_says_whether_kernels_trusts_the_publisher(hub, api):
     hub.add_org("trusted-publisher", trusted_kernel_publisher=True)
     assert api.get_organization_overview("trusted-publisher").trustedKernelPublisher is True
     assert api.get_organization_overview(ORG).trustedKernelPublisher is False
-    with pytest.raises(HfHubHTTPError) as error:
-        api.get_organization_overview("no-such-org")
-    assert error.value.response.status_code == 404
+    assert http_status(lambda: api.get_organization_overview("no-such-org")) == 404
 
 
 def test_one_commit_adds_and_deletes_on_branch_v1(hub, api, kernel_repo):
@@ -184,9 +186,7 @@ def test_a_commit_applies_all_its_operations_or_none(hub, api, kernel_repo):
     base = commit_to_v1(api, [add("a.txt", b"a")])
     with pytest.raises(RemoteEntryNotFoundError):
         commit_to_v1(api, [add("b.txt", b"b"), CommitOperationDelete("missing.txt")])
-    with pytest.raises(HfHubHTTPError) as error:
-        commit_to_v1(api, [add("c.txt", b"c")], parent_commit=hub.head(KERNEL, "main"))
-    assert error.value.response.status_code == 412
+    assert http_status(lambda: commit_to_v1(api, [add("c.txt", b"c")], parent_commit=hub.head(KERNEL, "main"))) == 412
     assert hub.head(KERNEL, "v1") == base.oid
     assert set(hub.commit(KERNEL, "v1").files) == {".gitattributes", "a.txt"}
     assert hub.commit_count(KERNEL, "v1") == 1
@@ -195,9 +195,7 @@ def test_a_commit_applies_all_its_operations_or_none(hub, api, kernel_repo):
 def test_injected_commit_failure_changes_nothing_and_a_retry_succeeds(hub, api, kernel_repo):
     head = hub.head(KERNEL, "v1")
     hub.fail_next("commit", status=500)
-    with pytest.raises(HfHubHTTPError) as error:
-        commit_to_v1(api, [add("build/torch-universal/metadata.json", b"{}")])
-    assert error.value.response.status_code == 500
+    assert http_status(lambda: commit_to_v1(api, [add("build/torch-universal/metadata.json", b"{}")])) == 500
     assert hub.head(KERNEL, "v1") == head
     assert hub.commit_count(KERNEL, "v1") == 0
     assert hub.request_count("commit", KERNEL) == 1
@@ -336,19 +334,17 @@ print(json.dumps({{"refused": refused, "variant": kernel.VARIANT, "rope": hasatt
 @pytest.mark.parametrize(("limits", "reason"), [({"idle_timeout": 0.2}, "idle"), ({"lifetime": 0.2}, "lifetime")])
 def test_the_hub_stops_by_itself(limits, reason):
     hub = LoopbackHub(**limits).start()
-    port = int(hub.url.rsplit(":", 1)[1])
     deadline = time.monotonic() + 10
     while hub.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert hub.stop_reason == reason
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", port), timeout=1)
+        connect(hub)
 
 
 def test_leaving_the_context_closes_the_port():
     with LoopbackHub() as hub:
-        port = int(hub.url.rsplit(":", 1)[1])
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        connect(hub).close()
     assert (hub.running, hub.stop_reason) == (False, "stopped")
     with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", port), timeout=1)
+        connect(hub)
