@@ -20,7 +20,6 @@ from npu_hub_kernels.testing import emulation
 
 CARD_DIRS = ROOT / "kernel-cards"
 MODELS_DIR = ROOT / "mapping" / "npu_hub_kernels" / "models"
-EMULATED_OPS_DIR = ROOT / "mapping" / "npu_hub_kernels" / "testing" / "emulation" / "ops"
 OPS_DOC = ROOT / "docs" / "torch-npu-ops.md"
 CALLED_OP = re.compile(r"\btorch_npu\.(npu_\w+)")
 

@@ -24,7 +24,6 @@ RULES = MODEL_CLASSES["npu_fused_rmsnorm"]
 ROPE_RULES = MODEL_CLASSES["npu_fused_rope"]
 SWIGLU_RULES = MODEL_CLASSES["npu_fused_swiglu"]
 MOE_RULES = MODEL_CLASSES["npu_fused_moe"]
-SCALING = {"RMSNorm": "plain", "RMSNormZeroCentered": "zero_centered", "RMSNormFloat32Scale": "float32_scale"}
 
 
 def _class(rule: ClassRule) -> type:

@@ -47,7 +47,7 @@ from .accounting import OpRecord, Tally, count_device_ops, fake_module
 from .attention import UnpackedReads, card_implementation, unpacked_batches
 from .cards import specs
 from .configs import CONFIGS, DTYPE, ModelSpec
-from .device_model import CONSTANTS, HOST_PER_OP, device_seconds
+from .device_model import HOST_PER_OP, device_seconds
 from .markdown import human_bytes, table
 from .memory import tracking_memory
 from .peer import Peer
@@ -614,11 +614,6 @@ def decode_rows(peer: Peer | None, build, keys: tuple[str, ...] = tuple(STEP_MOD
             )
         )  # fmt: skip
     return rows
-
-
-def constants_table() -> list[list[str]]:
-    """The time model's constants as table rows: name, value, unit, source."""
-    return [[name, f"{c.value:.4g}", c.unit, c.source] for name, c in CONSTANTS.items()]
 
 
 def _cell(value: float | None, unit: str) -> str:
