@@ -52,7 +52,7 @@ def host_state(model) -> dict[str, torch.Tensor]:
 
 def assert_written(got: dict[str, torch.Tensor], model, eager) -> None:
     """What was written: the keys, shapes and dtypes of the model trained without kernels, and the values of the
-    model itself, exactly (the two runs' values agree by the convergence idiom, tests/test_default_path.py)."""
+    model itself, exactly (the two runs' values agree by the convergence idiom, tests/numerics.py)."""
     want, own = host_state(eager), host_state(model)
     assert sorted(got) == sorted(want)
     for key, tensor in want.items():

@@ -12,12 +12,11 @@ import sys
 import pytest
 from conftest import run_python
 from hub_server import LoopbackHub, client_env
-from kernels import Mode, VariantAccepted, get_kernel, get_local_kernel, kernelize
+from kernels import Mode, get_kernel, get_local_kernel, kernelize
 from test_mapping import expected_calls
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from npu_hub_kernels import CARDS, ORG_ENV, register_npu_kernels, registration, swapped_modules, unregister_npu_kernels
-from npu_hub_kernels import _kernels_compat as compat
 from npu_hub_kernels.cards import DEFAULT_ORG, resolve_org
 from npu_hub_kernels.doctor import diagnose
 from npu_hub_kernels.integrity import LOAD_ELSEWHERE, VariantFilesError, not_on_the_hub
@@ -70,15 +69,6 @@ def test_other_cann_version_falls_back_to_torch_npu(offline_hub):
     finally:
         emulation.set_cann_version(emulation.DEFAULT_CANN_VERSION)
     assert card.VARIANT == "torch-npu"
-
-
-def test_decision_trace_explains_every_rejected_variant(built_cards):
-    accepted, trace = compat.resolve_variants(compat.get_variants_local(built_cards / "npu-rms-norm" / "build"))
-    assert [v.variant_str for v in accepted] == [ARCH_VARIANT, "torch-npu", "torch-universal"]
-    rejected = {d.variant.variant_str: d.reason for d in trace if not isinstance(d, VariantAccepted)}
-    assert "Torch version (2.9)" in rejected[f"torch29-cxx11-cann91-{platform.machine()}-linux"]
-    other_cpu = "aarch64" if platform.machine() == "x86_64" else "x86_64"
-    assert "does not match system CPU" in rejected[f"torch213-cxx11-cann91-{other_cpu}-linux"]
 
 
 def test_missing_variant_error_names_each_variant_and_why(built_cards, tmp_path):

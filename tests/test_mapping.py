@@ -412,28 +412,6 @@ def test_rotary_function_is_shared_by_all_models_of_a_family(npu_kernels):
     assert calls["npu_rotary_mul"] == 0
 
 
-def test_kernelized_mlps_train_save_and_load_like_eager(npu_kernels, tmp_path):
-    """A training step through the fused MLPs updates the parameters as eager's does, later forwards read the
-    updated weights, and the saved checkpoint holds exactly the model's weights."""
-    model = kernelized("llama", mode=Mode.TRAINING)
-    reference = tiny_model("llama")
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
-    for m, optimizer in zip((model, reference), optimizers, strict=True):
-        m.train()
-        device = next(m.parameters()).device
-        m(token_ids().to(device), labels=token_ids().to(device)).loss.backward()
-        optimizer.step()
-    with emulation.count_op_calls() as calls:
-        forward(model, token_ids())
-    assert calls["npu_swiglu"] == gated_mlp_count(model)
-    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
-    model.save_pretrained(tmp_path)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    saved = reloaded.state_dict()
-    assert all(torch.equal(saved[k], v.cpu()) for k, v in model.state_dict().items())
-
-
 def test_a_silu_shaped_mlp_built_with_another_activation_runs_its_own_forward(npu_kernels):
     """LlamaMLP is listed, but a config may give it GELU: the layer checks the activation on every call."""
     model = tiny_model("llama")
