@@ -86,7 +86,7 @@ def test_a_fingerprint_reads_the_own_init_behind_kernels_decorator(monkeypatch):
 def test_every_installed_class_whose_code_is_not_proven_stays_eager_with_why(npu_kernels):
     """On this release: each listed class (or rotary function) with unproven code is not retagged, and the registry
     says why (on the surveyed release there is none; the next test is the negative control)."""
-    failures = []
+    failures, unproven = [], 0
     for kernel_id, rules in MODEL_CLASSES.items():
         card = CARDS[kernel_id]
         for rule in rules:
@@ -95,10 +95,13 @@ def test_every_installed_class_whose_code_is_not_proven_stays_eager_with_why(npu
             reason = None if obj is None else fingerprints.unproven_reason(card, rule.path, code)
             if reason is None:
                 continue
+            unproven += 1
             if retagged_card(obj if isinstance(obj, type) else type(obj)) is not None:
                 failures.append(f"{rule.path}: retagged although its code is not proven")
             if fingerprints.left_eager().get(rule.path) != reason:
                 failures.append(f"{rule.path}: the registry does not say why it stays eager")
+    if not unproven:
+        pytest.skip("every listed class's code is proven on this release: none stays eager to check")
     assert failures == []
 
 
