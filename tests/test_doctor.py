@@ -113,7 +113,9 @@ def test_built_cards_are_diagnosed_as_local_dir_loads_them_and_a_folder_without_
         assert (card["variant"], card["fallbacks"]) == (ARCH_VARIANT, ["torch-npu", "torch-universal"])
         assert card["files"].endswith("files match the metadata.json digest")
     assert main(["doctor", "--local-dir", str(built_cards)]) == 0
-    assert capsys.readouterr().out.startswith(f"npu-hub-kernels doctor: built cards of {built_cards}\n")
+    text = capsys.readouterr().out
+    assert text.startswith(f"npu-hub-kernels doctor: built cards of {built_cards}\n")
+    assert f"\nnpu-rope  {built_cards / 'npu-rope'}  (kernel id npu_fused_rope)\n" in text
 
     status, report = doctor_json(capsys, "--local-dir", str(tmp_path))
     assert status == 1 and not report["ok"]

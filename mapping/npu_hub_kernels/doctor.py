@@ -649,7 +649,8 @@ def format_report(report: Report) -> str:
         lines += _rows([("left out", f"{m.module} ({m.module_class}, {m.card}): {m.reason}") for m in left_out])
     shown_rejections: dict[str, str] = {}
     for card in report.cards:
-        lines += ["", f"{card.card}  {card.repo_id}  (kernel id {card.kernel_id})"]
+        where = Path(report.local_dir, card.card) if report.local_dir else card.repo_id
+        lines += ["", f"{card.card}  {where}  (kernel id {card.kernel_id})"]
         rows = []
         if card.variant:
             rows.append(("loads" if card.problem is None else "would load", card.variant))
