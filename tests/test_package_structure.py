@@ -1,5 +1,5 @@
-"""The npu_hub_kernels package's modules log under their own names and import one another without a circle; so do the
-bench's (scripts/bench)."""
+"""The npu_hub_kernels package's modules log under their own names, import one another without a circle (so do the
+bench's, scripts/bench) and name no card outside each card's own modules."""
 
 from __future__ import annotations
 
@@ -125,3 +125,21 @@ def test_the_circle_check_finds_a_circle_through_a_deferred_import():
     report = imports_of("pkg.report", "from . import retag\n", modules)
     assert import_circles({"pkg.retag": retag, "pkg.report": report}) == [["pkg.report", "pkg.retag"]]
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_runtime_and_emulation_name_no_card_outside_each_cards_own_modules():
+    """CONTRIBUTING's "no list in the product or the emulation is keyed by card": outside a card's own modules (those
+    named after its package: its model table, its selftest cases, its emulated ops and their rules), no module of the
+    runtime package or of the emulation spells a card's repo name or region in a string (docstrings aside). The tiny
+    models' helpers (`testing/tiny_models.py`) are test code and may. The bench's modules have their own test."""
+    from test_bench import card_literals
+
+    from npu_hub_kernels import CARDS
+
+    own = {card.python_name for card in CARDS.values()} | {f"_{card.python_name}_rules" for card in CARDS.values()}
+    generic = [p for p in package_modules().values() if p.stem not in own and p.name != "tiny_models.py"]
+    assert {"registry.py", "doctor.py", "report.py", "device.py"} <= {p.name for p in generic}
+    found = {str(p.relative_to(PACKAGE)): card_literals(p.read_text()) for p in generic}
+    assert {name: literals for name, literals in found.items() if literals} == {}
+    tiny_models = PACKAGE / "testing" / "tiny_models.py"
+    assert card_literals(tiny_models.read_text())  # negative control: a module that names a card is found
