@@ -23,7 +23,7 @@ from bench.device_model import device_seconds
 from bench.padding_free import PaddingFreeRow
 from bench.peer import PARITY_TOLERANCE, ParityRow, load_peer, parity_rows
 from bench.rows import CSV_COLUMNS, EMULATED, ESTIMATE_UNIT, MEMORY_UNITS, ExpertsSweepRow, Row, write_csv
-from bench.step import CategoryRow, OtherOpRow, categories
+from bench.step import CategoryRow, MixedPrecisionRow, OtherOpRow, categories
 from conftest import ROOT
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
@@ -687,6 +687,7 @@ def _typed_rows() -> list:
         ParityRow("qwen3", kernel, None, "raises", "raises; 0 torch_npu calls; ValueError: no"),
         timed.CallOverheadRow("RMSNorm", 1.5, 4.0, "overhead 2.50 us per call; tensors on cpu"),
         timed.HostCostRow("RoPE", 2.0, 3.0, "1.50 x a bare call"),
+        MixedPrecisionRow("Llama-3-8B", 8, 4096, "ms", 9000.0, 8000.0, 8500.0),
     ]
 
 

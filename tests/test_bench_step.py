@@ -127,6 +127,23 @@ def test_step_counts_the_optimizer_and_leaves_host_ops_out():
     assert figures["state bytes"] == 3 * params  # parameters and AdamW's two moments
 
 
+def test_a_mixed_precision_step_keeps_float32_state_counts_autocasts_casts_and_fuses(npu_kernels):
+    """Trainer's bf16=True (`mixed`): float32 weights and AdamW state; autocast's weight casts are counted (more ops
+    than the bfloat16 step); the kernelized step fuses under autocast (the cards' ops run, fewer ops than eager's)."""
+    spec = TINY["llama"]
+    params = sum(p.numel() for p in step.build_step_model(spec, 1, 128).parameters())
+    plain = step.measure_step(spec, 1, 128, 1, 8)
+    mixed = step.measure_step(spec, 1, 128, 1, 8, mixed=True)
+    assert (plain["state bytes"], mixed["state bytes"]) == (3 * params * 2, 3 * params * 4)
+    assert mixed["ops"] > plain["ops"]
+    fused = step.measure_step(spec, 1, 128, 1, 8, "kernelized", mixed=True)
+    card_ops = [kind for kind in step.categories() if kind not in (*step.UNTOUCHED, step.OTHER)]
+    assert all(mixed[f"ops: {kind}"] == 0 for kind in card_ops)  # the negative control: eager runs no card op
+    assert sum(fused[f"ops: {kind}"] for kind in card_ops) > 0 and fused["ops"] < mixed["ops"]
+    row = step.MixedPrecisionRow("tiny Llama", 1, 8, "ops", mixed["ops"], fused["ops"], None)
+    assert "| tiny Llama | ops |" in "\n".join(step._mixed_precision_table([row], peer=False))
+
+
 def test_no_card_category_is_dead_and_the_fused_attention_op_is_its_cards():
     """Each card column of the split is where some fused op (or its backward) lands: the attention card's
     npu_fusion_attention under "<card> ops", not under the untouched "attention", where sdpa's kernel stays."""

@@ -214,14 +214,14 @@ def estimated_seconds(f: Figures) -> float:
     return max(f["device s"], f["host s"])
 
 
-def build_step_model(spec: ModelSpec, layers: int, vocab: int) -> nn.Module:
-    """The whole causal LM with `layers` decoder layers on the meta device: bfloat16, sdpa, eager experts loop."""
+def build_step_model(spec: ModelSpec, layers: int, vocab: int, dtype: torch.dtype = DTYPE) -> nn.Module:
+    """The whole causal LM with `layers` decoder layers on the meta device: `dtype` (bfloat16), sdpa, eager experts."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(spec.model_type, **dict(spec.config, num_hidden_layers=layers, vocab_size=vocab))
     options = {"experts_implementation": "eager"} if spec.experts else {}
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPE, **options)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype, **options)
 
 
 def _apply_variant(model: nn.Module, variant: str, peer: Peer | None, build, kernels: tuple[str, ...]):
@@ -251,6 +251,7 @@ def measure_step(
     kernels: tuple[str, ...] = (),
     inputs: Callable[[], dict] | None = None,
     attention: str | None = None,
+    mixed: bool = False,
 ) -> Figures:
     """Measure one training step of the model with `layers` layers, whole, on fake tensors.
 
@@ -258,8 +259,9 @@ def measure_step(
     AdamW(foreach=True) step and zero_grad, its optimizer state made beforehand (a step after the first). `kernels`:
     only these cards (kernel ids, `apply_npu_kernels`), for the variant "kernelized". `inputs`: the model's inputs
     (made inside the fake mode; default input_ids and labels [batch, seq]); `attention`: the attention implementation
-    to set (default: the cards' in a kernelized step, as `apply_npu_kernels` sets it, else the model's sdpa)."""
-    model = build_step_model(spec, layers, vocab).train()
+    to set (default: the cards' in a kernelized step, as `apply_npu_kernels` sets it, else the model's sdpa); `mixed`:
+    Trainer's `bf16=True` (`MIXED_PRECISION_MODELS`): float32 weights and AdamW state, the forward under autocast."""
+    model = build_step_model(spec, layers, vocab, torch.float32 if mixed else DTYPE).train()
     fake_mode = FakeTensorMode()
     fake_module(model, fake_mode, "npu")
     running = _apply_variant(model, variant, peer, build, kernels)
@@ -281,8 +283,10 @@ def measure_step(
         ids = torch.empty(batch, seq, dtype=torch.long, device="npu")
         batch_inputs = inputs() if inputs is not None else {"input_ids": ids, "labels": ids}
         with tracking_memory() as tracker:
+            autocast = torch.autocast("npu", dtype=DTYPE) if mixed else contextlib.nullcontext()
             with _device_ops(spec.experts) as passes, reads:
-                loss = model(**batch_inputs, use_cache=False).loss
+                with autocast:  # as Trainer's bf16=True: the forward and the loss; backward follows its casts
+                    loss = model(**batch_inputs, use_cache=False).loss
                 loss.backward()
                 del loss
             with _device_ops() as update:
@@ -332,6 +336,7 @@ def step_rows(peer: Peer | None, quick: bool, build, keys: tuple[str, ...] = tup
             log(f"  counted training step {model.spec.name}, batch {batch}, seq {seq}: {seconds:.1f} s")
         rows += [validation.csv_row() for validation in validation_rows(build, quick, keys)]
         rows += decode_rows(peer, build, keys)
+        rows += mixed_precision_rows(peer, build, batch, seq, keys)
     finally:
         from npu_hub_kernels import register_npu_kernels
 
@@ -616,6 +621,76 @@ def decode_rows(peer: Peer | None, build, keys: tuple[str, ...] = tuple(STEP_MOD
     return rows
 
 
+MIXED_PRECISION_STUDY = "step, mixed precision"
+MIXED_PRECISION_MODELS = ("llama-3-8b",)
+"""The step models also counted as Trainer's `bf16=True` trains them: float32 weights, AdamW state and gradients, the
+forward under `torch.autocast("npu", bfloat16)` (every matmul casts its float32 weight to bfloat16 on each call)."""
+
+
+@dataclass(frozen=True)
+class MixedPrecisionRow:
+    """One figure of a model's training step under Trainer's `bf16=True`, eager against ours and the peer."""
+
+    model: str  # ModelSpec.name
+    batch: int
+    seq: int
+    unit: str  # "ops", "bytes" or "ms" (the estimated step time)
+    eager: float
+    kernelized: float
+    peer: float | None
+
+    def csv_row(self) -> Row:
+        """Return its line of bench.csv: counted for ops and bytes, estimated for the time."""
+        mode, op = (
+            ("estimated", "estimated step time (Atlas A2 model)") if self.unit == "ms" else ("counted", STEP_KIND)
+        )
+        return Row(
+            mode, f"{self.model}, float32 weights, bf16 autocast", op, "fwd+bwd+AdamW", self.batch, self.seq,
+            eager=self.eager, kernelized=self.kernelized, peer=self.peer, unit=self.unit,
+            study=MIXED_PRECISION_STUDY, model=self.model, kind=STEP_KIND,
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, row: Row) -> MixedPrecisionRow:
+        """The mixed-precision row a line of bench.csv holds (what `csv_row` wrote)."""
+        return cls(row.model, row.batch, row.seq, row.unit, row.eager, row.kernelized, row.peer)
+
+
+def mixed_precision_rows(
+    peer: Peer | None, build, batch: int, seq: int, keys: tuple[str, ...] = tuple(STEP_MODELS)
+) -> list[Row]:
+    """Return the rows of each model of `MIXED_PRECISION_MODELS` in `keys`: its step under Trainer's `bf16=True`."""
+    rows = []
+    for key in (key for key in MIXED_PRECISION_MODELS if key in keys):
+        model = STEP_MODELS[key]
+        variants = [v for v in VARIANTS if v != "peer" or peer is not None]
+        steps = {v: derived_step(model, batch, seq, v, peer=peer, build=build, mixed=True) for v in variants}
+        figures = [(s["ops"], s["bytes"], estimated_seconds(s) * 1e3) for s in (steps.get(v) for v in VARIANTS) if s]
+        for index, unit in enumerate(("ops", "bytes", "ms")):
+            eager, ours, *theirs = (f[index] for f in figures)
+            mixed = MixedPrecisionRow(model.spec.name, batch, seq, unit, eager, ours, theirs[0] if theirs else None)
+            rows.append(mixed.csv_row())
+        log(f"  counted mixed-precision training step {model.spec.name}, batch {batch}, seq {seq}")
+    return rows
+
+
+def _mixed_precision_table(rows: list[MixedPrecisionRow], peer: bool) -> list[str]:
+    if not rows:
+        return []
+    body = [
+        [r.model, "estimated step time (**estimate**)" if r.unit == "ms" else r.unit, _cell(r.eager, r.unit),
+         _cell(r.kernelized, r.unit), *([_cell(r.peer, r.unit)] if peer else []), f"{r.kernelized / r.eager:.3f}"]
+        for r in rows
+    ]  # fmt: skip
+    title = (
+        "The training step as Trainer's `bf16=True` runs it (float32 weights, gradients and AdamW state; forward under "
+        "`torch.autocast` bfloat16, so each matmul casts its weight on every call), batch "
+        f"{rows[0].batch} x sequence {rows[0].seq}, derived as the step above:"
+    )
+    header = ["model", "figure", "eager", "ours", *(["peer"] if peer else []), "ours / eager"]
+    return ["", title, "", *table(header, body)]
+
+
 def _cell(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
@@ -632,7 +707,7 @@ def step_section(rows: list[Row]) -> list[str]:
     """Render the summary's training-step section.
 
     It holds the counted step per model, its estimated time, the bytes by category, the time model's validation against
-    published figures and the decode-step estimate."""
+    published figures, the decode-step estimate and the step under Trainer's mixed precision."""
     counted = [r for r in rows if r.study == STEP_STUDY]
     if not counted:
         return []
@@ -667,6 +742,8 @@ def step_section(rows: list[Row]) -> list[str]:
     lines += _other_ops_table([OtherOpRow.of(r) for r in rows if r.study == OTHER_OPS_STUDY], peer)
     lines += _validation_table([ValidationRow.of(r) for r in rows if r.study == VALIDATION_STUDY])
     lines += _decode_table(rows, peer)
+    mixed = [MixedPrecisionRow.of(r) for r in rows if r.study == MIXED_PRECISION_STUDY]
+    lines += _mixed_precision_table(mixed, peer)
     return lines
 
 
