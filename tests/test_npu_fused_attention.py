@@ -161,6 +161,32 @@ def test_host_tensors_and_other_dtypes_run_eager_exactly_and_say_why(card):
     assert calls[OP] == 0
 
 
+def test_under_autocast_float32_q_k_and_bfloat16_v_fuse_cast_as_sdpas_are(card):
+    """Trainer's bf16=True: q/k in float32 (eager's rotary promotes them), v in bfloat16 (a linear under autocast).
+    Under autocast the card casts the three to bfloat16, as autocast casts sdpa's, and fuses; its output is eager's
+    dtype and within twice eager-under-autocast's error against float64, with gradients for q, k and v. Without
+    autocast the same dtypes run eager, which raises as eager's matmul does, and say why (the negative control)."""
+    module, q, k, v, *_ = case_inputs("causal", torch.float32)
+    q, k, v = (t.to("npu").requires_grad_() for t in (q, k, v.to(torch.bfloat16)))
+    expected = reference(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), module.scaling)
+    results = {}
+    for name, function in (("fused", card.fused_attention), ("eager", card.fused_attention_eager)):
+        with torch.autocast("npu", dtype=torch.bfloat16), emulation.count_op_calls() as calls:
+            out = function(module, q, k, v, None, scaling=module.scaling)[0]
+        assert calls[OP] == (name == "fused"), name
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        assert [g.dtype for g in grads] == [torch.float32, torch.float32, torch.bfloat16]
+        results[name] = out
+    assert results["fused"].dtype == results["eager"].dtype == torch.bfloat16
+    assert_within_twice_eagers_error(results["fused"].cpu(), results["eager"].cpu(), expected, "output")
+    assert "dtypes torch.float32/torch.float32/torch.bfloat16" in card.fused_attention_unavailable_reason(
+        module, q, k, v, None
+    )
+    with emulation.count_op_calls() as calls, pytest.raises(RuntimeError, match="same dtype"):
+        card.fused_attention(module, q, k, v, None, scaling=module.scaling)
+    assert calls[OP] == 0
+
+
 @pytest.mark.parametrize(
     ("extra", "said"),
     [

@@ -190,6 +190,18 @@ def sink_unavailable_reason(query: torch.Tensor, sinks: torch.Tensor) -> str | N
     return None
 
 
+def _autocast_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The dtype sdpa's operands take under the autocast active for query's device (bfloat16 or float16), or None.
+
+    Under Trainer's `bf16=True` q and k arrive in float32 (eager's rotary promotes them with float32 cos/sin) and v
+    in bfloat16: autocast casts all three of sdpa's to its dtype, and the card casts them as it does (float64 is not
+    cast, as autocast casts none)."""
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type) or query.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def _is_causal(module: nn.Module, kwargs: dict) -> bool:
     is_causal = kwargs.get("is_causal")
     return getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
@@ -213,7 +225,9 @@ def fused_attention_unavailable_reason(
     reason = npu_unavailable_reason(query, key, value)
     if reason is not None:
         return reason
-    if query.dtype not in FUSED_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+    if _autocast_dtype(query) is None and (
+        query.dtype not in FUSED_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
+    ):
         dtypes = f"{query.dtype}/{key.dtype}/{value.dtype}"
         return f"dtypes {dtypes}: npu_fusion_attention takes one of float16, bfloat16, float32 for all three"
     if softcap is not None:
@@ -280,7 +294,8 @@ def fused_attention(
     """Attention of query [B, Nq, Sq, D] over key/value [B, Nkv, Skv, D] as transformers' AttentionInterface calls it.
 
     Returns (output [B, Sq, Nq, Dv], None). Fused as `fused_attention_unavailable_reason` decides, else the module's
-    eager math (`fused_attention_eager`), recorded for `module`.
+    eager math (`fused_attention_eager`), recorded for `module`. Under autocast the op gets q, k and v in autocast's
+    dtype, as sdpa does (`_autocast_dtype`).
     """
     reason = fused_attention_unavailable_reason(
         module, query, key, value, attention_mask, dropout, sliding_window, softcap, **kwargs
@@ -289,6 +304,9 @@ def fused_attention(
         return fused_attention_eager(
             module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
         )
+    autocast_dtype = _autocast_dtype(query)
+    if autocast_dtype is not None:
+        query, key, value = (t.to(autocast_dtype) for t in (query, key, value))
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     keep_prob = 1.0 - (dropout if module.training else 0.0)
     if _is_causal(module, kwargs):
