@@ -7,7 +7,9 @@ on an Ascend host, so there torch_npu must import and a failure is an error wort
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -29,6 +31,20 @@ torch_npu = _import_torch_npu()
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The floating-point dtypes the fused torch_npu ops of the cards take."""
+
+
+def soc_name(device: torch.device | None = None) -> str:
+    """The SoC name of an npu device (`torch.npu.get_device_name`: CANN's `aclrtGetSocName`, e.g. "Ascend910B3").
+
+    Read once per device: a card that checks the product on every call (npu-rms-norm's one-kernel form) asks the
+    driver once, not per norm."""
+    return _soc_name_of(torch.npu.get_device_name, device)
+
+
+@functools.cache
+def _soc_name_of(reader: Callable[..., str], device: torch.device | None) -> str:
+    """`reader(device)`, cached per reader too, so that another reader (a test's patched one) is asked afresh."""
+    return reader(device)
 
 
 _DTENSOR_MODULE = "torch.distributed.tensor"

@@ -34,7 +34,7 @@ from torch import nn
 
 from ._fallbacks import ran_eager
 from ._internals import modeling_global
-from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+from ._npu import FUSED_DTYPES, npu_unavailable_reason, soc_name, torch_npu
 from .host_reads import host_copy
 from .masks import MASK_FUNCTION_ATTRIBUTE
 
@@ -185,7 +185,7 @@ def sink_unavailable_reason(query: torch.Tensor, sinks: torch.Tensor) -> str | N
     cann = _cann_version()
     if cann is None or cann < SINK_CANN:
         return f"attention sinks need CANN 8.5 or later for npu_fusion_attention's sink, this host has {cann}"
-    if "950" in torch.npu.get_device_name():
+    if "950" in soc_name(query.device):
         return "attention sinks on an Ascend 950: torch_npu does not pass the sink to that chip's kernel"
     return None
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
-from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+from ._npu import FUSED_DTYPES, npu_unavailable_reason, soc_name, torch_npu
 from ._rms_norm_forms import Scaling, check_scaling, rms_norm_math
 
 
@@ -75,7 +75,7 @@ def _fused_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Sc
 
 
 GEMMA_RMS_NORM_SOCS = ("Ascend910B", "Ascend910_93")
-"""The SoC names (`torch.npu.get_device_name()`) of the products npu_gemma_rms_norm's docstring lists (支持的型号:
+"""The SoC names (`soc_name`) of the products npu_gemma_rms_norm's docstring lists (支持的型号:
 Atlas A2 training / 800I A2 inference, Atlas A3); aclnnGemmaRmsNorm excludes Ascend 950 and the older series."""
 
 
@@ -87,7 +87,7 @@ def _one_kernel_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scalin
         return "autograd records this call: npu_gemma_rms_norm has no backward"
     if not hasattr(torch_npu, "npu_gemma_rms_norm"):
         return "this torch_npu has no npu_gemma_rms_norm (op-plugin's release branches 7.0.0 and later have it)"
-    soc = torch.npu.get_device_name(x.device)
+    soc = soc_name(x.device)
     if not soc.startswith(GEMMA_RMS_NORM_SOCS):
         return f"npu_gemma_rms_norm runs on Atlas A2/A3 only (SoC Ascend910B*, Ascend910_93*), this device is {soc}"
     if weight.dtype is not x.dtype:
