@@ -179,6 +179,8 @@ def test_under_autocast_float32_q_k_and_bfloat16_v_fuse_cast_as_sdpas_are(card):
         results[name] = out
     assert results["fused"].dtype == results["eager"].dtype == torch.bfloat16
     assert_within_twice_eagers_error(results["fused"].cpu(), results["eager"].cpu(), expected, "output")
+    with torch.autocast("npu", dtype=torch.bfloat16):  # autocast casts no float64: nor does the card
+        assert "float64" in card.fused_attention_unavailable_reason(module, q, k.double(), v, None)
     assert "dtypes torch.float32/torch.float32/torch.bfloat16" in card.fused_attention_unavailable_reason(
         module, q, k, v, None
     )

@@ -190,14 +190,14 @@ def sink_unavailable_reason(query: torch.Tensor, sinks: torch.Tensor) -> str | N
     return None
 
 
-def _autocast_dtype(query: torch.Tensor) -> torch.dtype | None:
-    """The dtype sdpa's operands take under the autocast active for query's device (bfloat16 or float16), or None.
+def _autocast_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype | None:
+    """The dtype sdpa's operands take under the autocast active for their device (bfloat16 or float16), or None.
 
     Under Trainer's `bf16=True` q and k arrive in float32 (eager's rotary promotes them with float32 cos/sin) and v
-    in bfloat16: autocast casts all three of sdpa's to its dtype, and the card casts them as it does (float64 is not
-    cast, as autocast casts none)."""
+    in bfloat16: autocast casts all three of sdpa's to its dtype, and the card casts them as it does. Autocast casts
+    no float64, so with one the operands stay as they are (and their dtypes decide)."""
     device_type = query.device.type
-    if not torch.is_autocast_enabled(device_type) or query.dtype == torch.float64:
+    if not torch.is_autocast_enabled(device_type) or torch.float64 in (query.dtype, key.dtype, value.dtype):
         return None
     return torch.get_autocast_dtype(device_type)
 
@@ -225,7 +225,7 @@ def fused_attention_unavailable_reason(
     reason = npu_unavailable_reason(query, key, value)
     if reason is not None:
         return reason
-    if _autocast_dtype(query) is None and (
+    if _autocast_dtype(query, key, value) is None and (
         query.dtype not in FUSED_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype
     ):
         dtypes = f"{query.dtype}/{key.dtype}/{value.dtype}"
@@ -304,7 +304,7 @@ def fused_attention(
         return fused_attention_eager(
             module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
         )
-    autocast_dtype = _autocast_dtype(query)
+    autocast_dtype = _autocast_dtype(query, key, value)
     if autocast_dtype is not None:
         query, key, value = (t.to(autocast_dtype) for t in (query, key, value))
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
