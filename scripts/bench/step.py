@@ -665,13 +665,15 @@ def mixed_precision_rows(
         model = STEP_MODELS[key]
         variants = [v for v in VARIANTS if v != "peer" or peer is not None]
         steps = {v: derived_step(model, batch, seq, v, peer=peer, build=build, mixed=True) for v in variants}
-        figures = [(s["ops"], s["bytes"], estimated_seconds(s) * 1e3) for s in (steps.get(v) for v in VARIANTS) if s]
-        for index, unit in enumerate(("ops", "bytes", "ms")):
-            eager, ours, *theirs = (f[index] for f in figures)
-            mixed = MixedPrecisionRow(model.spec.name, batch, seq, unit, eager, ours, theirs[0] if theirs else None)
-            rows.append(mixed.csv_row())
+        for unit, value in (("ops", lambda f: f["ops"]), ("bytes", lambda f: f["bytes"]), ("ms", _estimated_ms)):
+            eager, ours, theirs = (value(steps[v]) if v in steps else None for v in VARIANTS)
+            rows.append(MixedPrecisionRow(model.spec.name, batch, seq, unit, eager, ours, theirs).csv_row())
         log(f"  counted mixed-precision training step {model.spec.name}, batch {batch}, seq {seq}")
     return rows
+
+
+def _estimated_ms(figures: Figures) -> float:
+    return estimated_seconds(figures) * 1e3
 
 
 def _mixed_precision_table(rows: list[MixedPrecisionRow], peer: bool) -> list[str]:
