@@ -110,12 +110,31 @@ def case_inputs(name: str, dtype: torch.dtype):
     return attention_module(kv_heads), q, k, v, mask, kwargs, case.get("window"), valid, padding, numbers
 
 
-def run(function, module, q, k, v, mask, kwargs, window, device, valid):
+def card_mask(card, padding, q_len, kv_len, window, device):
+    """What the card's mask function makes of a padding mask for a causal self-attention (the queries the last
+    keys), as transformers' create_causal_mask calls it (create_sliding_window_causal_mask with a window)."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    function = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    return card.fused_attention_mask(
+        batch_size=padding.shape[0],
+        q_length=q_len,
+        kv_length=kv_len,
+        q_offset=kv_len - q_len,
+        mask_function=function,
+        attention_mask=padding.to(device),
+        dtype=torch.float32,
+        device=torch.device(device),
+    )
+
+
+def run(card, function, module, q, k, v, mask, kwargs, window, device, valid):
     """The attention output [B, Sq, N, Dv] and the q, k, v gradients of a fixed random projection of it.
 
-    The projection reads the valid queries only, as a loss reads no padding token."""
+    The projection reads the valid queries only, as a loss reads no padding token. A padding mask goes through the
+    card's mask function, as in a model."""
     q, k, v = (t.detach().to(device).requires_grad_() for t in (q, k, v))
-    mask = None if mask is None else mask.to(device)
+    mask = None if mask is None else card_mask(card, mask, q.shape[2], k.shape[2], window, device)
     moved = {name: value.to(device) if torch.is_tensor(value) else value for name, value in kwargs.items()}
     output, _ = function(module, q, k, v, mask, scaling=module.scaling, sliding_window=window, **moved)
     weights = torch.randn(output.shape, generator=torch.Generator().manual_seed(7)) * valid[:, :, None, None]
@@ -129,11 +148,11 @@ def run(function, module, q, k, v, mask, kwargs, window, device, valid):
 def test_fused_error_at_most_twice_eager_error_forward_and_backward(card, name, dtype):
     module, q, k, v, mask, kwargs, window, valid, padding, numbers = case_inputs(name, dtype)
     with emulation.count_op_calls() as calls:
-        fused = [t.cpu() for t in run(card.fused_attention, module, q, k, v, mask, kwargs, window, "npu", valid)]
+        fused = [t.cpu() for t in run(card, card.fused_attention, module, q, k, v, mask, kwargs, window, "npu", valid)]
     assert calls[OP] == 1
     host_kwargs = {key: value.cpu() if torch.is_tensor(value) else value for key, value in kwargs.items()}
     with emulation.count_op_calls() as calls:
-        eager = run(card.fused_attention_eager, module, q, k, v, mask, host_kwargs, window, "cpu", valid)
+        eager = run(card, card.fused_attention_eager, module, q, k, v, mask, host_kwargs, window, "cpu", valid)
     assert calls[OP] == 0
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     expected = reference(q64, k64, v64, module.scaling, window, padding, numbers)
@@ -554,7 +573,7 @@ def test_trainer_with_flattening_collator_trains_to_eagers_losses(built_cards, t
 def test_overlaid_and_chunked_masks_are_eagers_own_so_those_calls_run_eager(registered):
     """A model's overlay on the causal mask (a prefix here, image tokens in Gemma3) and Llama4's chunked attention are
     masks the op cannot express: the card's mask function returns eager's own 4-D mask for them, which the attention
-    function runs eager with (test_a_four_d_mask_runs_eager_with_it); a plain causal mask stays None."""
+    function runs eager with, saying why; a plain causal mask is a description of the op's causal mode, no mask."""
     from transformers.masking_utils import create_causal_mask, create_chunked_causal_mask
 
     model = tiny_causal_lm("llama")
@@ -573,7 +592,10 @@ def test_overlaid_and_chunked_masks_are_eagers_own_so_those_calls_run_eager(regi
     overlaid, chunked, plain = masks[NAME]
     assert torch.equal(overlaid.cpu(), masks["eager"][0].cpu()) and overlaid.dim() == 4
     assert torch.equal(chunked.cpu(), masks["eager"][1].cpu()) and chunked.dim() == 4
-    assert plain is None  # negative control: the op's causal mode
+    assert "or_mask" in overlaid.npu_fused_attention_eager_reason
+    assert "chunked" in chunked.npu_fused_attention_eager_reason
+    description = plain.npu_fused_attention_description  # negative control: the op's causal mode
+    assert plain.numel() == 0 and description.causal and description.codes is None
 
 
 # The attention table, proven on each transformers release (marker model_tables: scripts/model_tables.py, `make

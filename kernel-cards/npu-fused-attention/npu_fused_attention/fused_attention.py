@@ -2,22 +2,27 @@
 
 `fused_attention` has transformers' AttentionInterface signature. It gets query [B, Nq, Sq, D], key and value
 [B, Nkv, Skv, D] (grouped-query heads not repeated: the op takes Nq a multiple of Nkv), and the mask
-`masks.fused_attention_mask` built, and returns the output [B, Sq, Nq, Dv] and no weights. The forms it fuses:
+`masks.fused_attention_mask` built, and returns the output [B, Sq, Nq, Dv] and no weights. It decides from what that
+mask describes (`attention_form`): the terms transformers composed and the cache's sizes, never the call's keyword
+arguments. The forms it fuses:
 
-- no padding, no packing: layout BSND, causal as `sparse_mode=3` (bottom-right aligned, so a query shorter than its
-  keys, decode with a KV cache, sees what eager's mask lets it see), a sliding window W as the band
-  `sparse_mode=4, pre_tockens=W-1, next_tockens=0` (transformers keeps key j for query i when j > i - W), both with
-  the op's compressed 2048 x 2048 mask, never a dense one; a non-causal model with no mask: `sparse_mode=0`, no mask;
+- every key slot kept and the queries the last ones (no padding, no packing, a cache aligned with the queries):
+  layout BSND, causal as `sparse_mode=3` (bottom-right aligned: decode and chunked prefill see what eager's mask
+  lets them see), a causal window W as the band `sparse_mode=4, pre_tockens=W-1, next_tockens=0` (transformers
+  keeps key j for query i when j > i - W), both with the op's compressed 2048 x 2048 mask, never a dense one;
+  bidirectional (an encoder, cross-attention): `sparse_mode=0`, no mask;
 - attention sinks (`s_aux`, gpt-oss): the op's `sink`, one float32 logit per query head joining each row's softmax,
   from CANN 8.5 on (not on an Ascend 950, whose kernel torch_npu does not pass it);
-- padding (a 2-D mask) or packed sequences (`cu_seq_lens_q/k`, or restarting `position_ids`): layout TND, the
-  tokens gathered by host-computed indices and the sequences given as cumulative host lists; the output of a
-  padding query is 0 (eager's is a value no later layer reads, as with transformers' flash attention).
+- padding, packed sequences (restarting `position_ids`; `cu_seq_lens_q/k` only where no mask came) or a cache whose
+  key slots run past the queries (a static cache's empty slots): layout TND, the tokens gathered by host-computed
+  indices and the sequences given as cumulative host lists; the output of a causal padding query is 0 (eager's is a
+  value no later layer reads, as with transformers' flash attention).
 
+Any other form runs the model's eager attention with the mask transformers' eager would have built, and says why.
 The host lists cost one device-to-host copy per forward, which every layer shares: the masks of every layer type
-(full and sliding) are read together (`host_reads`), or the `cu_seq_lens` tensors in one copy, and each mask's plan is
-kept on the mask tensor itself (`PLAN_ATTRIBUTE`), so it lives exactly as long as the mask of this forward.
-Unpadded, unpacked batches make no host sync at all.
+(full and sliding) are read together (`host_reads`), and each plan is kept on its mask's description, so it lives
+exactly as long as this forward's mask. Unpadded, unpacked batches make no host sync at all. `cu_seq_lens` given
+without a mask are read at each call (never kept on the tensors, which a collator may rewrite in place).
 
 Dropout is the op's `keep_prob` (its own random mask, so a training step's numbers differ from eager's as any two
 dropout draws do); the explicit `scale` is the module's (the op's default is 1). The backward is torch_npu's own
@@ -26,6 +31,7 @@ autograd of the op (npu_fusion_attention_grad).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +42,8 @@ from ._fallbacks import ran_eager
 from ._internals import modeling_global
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, soc_name, torch_npu
 from .host_reads import host_copy
-from .masks import MASK_FUNCTION_ATTRIBUTE
+from .masks import EAGER_REASON_ATTRIBUTE, KEPT, QUERY, MaskDescription, description_of
 
-PLAN_ATTRIBUTE = "npu_fused_attention_plans"
-"""The attribute of a mask (or cu_seq_lens) tensor holding its host plans, by (query length, key length)."""
 COMPRESSED_MASK_SIZE = 2048
 """Sparse modes 2 to 4 take this compressed triu(1) mask (True: masked), whatever the sequence length."""
 MAX_HEAD_DIM = 768
@@ -50,6 +54,18 @@ MAX_TOKENS = 1024 * 1024
 """S and T at most 1M (torch_npu's npu_fusion_attention docs)."""
 
 _COMPRESSED_MASKS: dict[torch.device, torch.Tensor] = {}
+_FORMS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def record_form(module: nn.Module, form: str) -> None:
+    """Keep the form `module`'s last fused call ran (`AttentionForm.summary`), for `last_form`."""
+    if _FORMS.get(module) != form:
+        _FORMS[module] = form
+
+
+def last_form(module: nn.Module) -> str | None:
+    """The form `module`'s last fused call of the card ran ("causal, window 4, BSND", ...), None if none fused."""
+    return _FORMS.get(module)
 
 
 def _compressed_causal_mask(query: torch.Tensor) -> torch.Tensor:
@@ -68,13 +84,12 @@ def _compressed_causal_mask(query: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class VarlenPlan:
-    """How a padded or packed batch goes to the op as TND: the tokens kept, and the sequences' cumulative ends.
+    """How a padded, packed or cache-offset batch goes to the op as TND: the tokens kept, the sequences' ends.
 
     `query_index` / `key_index`: the positions kept of the flattened [B * Sq] queries / [B * Skv] keys (None: all of
     them, in order); `query_ends` / `key_ends`: the cumulative lengths, no leading 0 (the op's actual_seq lists).
-    `holes`: some row's tokens are not contiguous (a window would then measure distances the compacted tokens do not
-    have); `overlaid`: the mask lets a token see a later one; `dense`: a padding mask with no padding (the dense form
-    runs).
+    `holes`: some row's kept keys are not contiguous (a window would then measure distances the compacted tokens do
+    not have); `reason`: why the op cannot take this batch (None: it can).
     """
 
     query_index: torch.Tensor | None
@@ -82,86 +97,143 @@ class VarlenPlan:
     query_ends: tuple[int, ...]
     key_ends: tuple[int, ...]
     holes: bool = False
-    overlaid: bool = False
-    dense: bool = False
+    reason: str | None = None
 
 
-def _plan_of_padding(mask: torch.Tensor, q_len: int, device: torch.device) -> VarlenPlan:
-    """The plan of a (B, Skv) bool padding mask, from its host copy (`host_reads`: one sync per forward)."""
-    kept = host_copy(mask)
-    kv_len = kept.shape[1]
-    kept_queries = kept[:, kv_len - q_len :]
-    key_counts, query_counts = kept.sum(1), kept_queries.sum(1)
+def _plan_of_codes(description: MaskDescription, device: torch.device) -> VarlenPlan | None:
+    """The plan of a description's key codes (masks.KEPT, masks.QUERY), from its host copy; None for the dense form.
+
+    Causal: the queries are the key slots marked QUERY, in order, and a query is kept where its slot is kept, so each
+    row's kept queries are its last kept keys and the op's bottom-right alignment sees what the mask lets it see.
+    Bidirectional (and cross-attention): every query is kept and sees its row's kept keys."""
+    host = host_copy(description.codes).to(torch.int32)
+    kept, is_query = (host & KEPT).bool(), (host & QUERY).bool()
+    batch, kv_len = kept.shape
+    q_len = description.q_length
+    key_counts = kept.sum(1)
+    if description.causal:
+        if bool((is_query.sum(1) != q_len).any()):
+            return VarlenPlan(None, None, (), (), reason="the queries' positions are not among the keys' positions")
+        queries_kept = kept[is_query].view(batch, q_len)
+        if bool(kept.all()) and bool(is_query[:, kv_len - q_len :].all()):
+            return None
+        query_index, query_counts = queries_kept.reshape(-1).nonzero().squeeze(1).to(device), queries_kept.sum(1)
+    else:
+        if bool(kept.all()):
+            return None
+        if q_len and bool((key_counts == 0).any()):
+            return VarlenPlan(None, None, (), (), reason="a batch row with no key to attend to (all padding)")
+        query_index, query_counts = None, torch.full((batch,), q_len)
     positions = torch.arange(kv_len)
     first = torch.where(kept, positions, kv_len).amin(1)
     last = torch.where(kept, positions, -1).amax(1)
-    holes = bool(((key_counts > 0) & (last - first + 1 != key_counts)).any())
-    dense = bool(kept.all())
     return VarlenPlan(
-        query_index=None if dense else kept_queries.reshape(-1).nonzero().squeeze(1).to(device),
-        key_index=None if dense else kept.reshape(-1).nonzero().squeeze(1).to(device),
+        query_index=query_index,
+        key_index=kept.reshape(-1).nonzero().squeeze(1).to(device),
         query_ends=tuple(query_counts.cumsum(0).tolist()),
         key_ends=tuple(key_counts.cumsum(0).tolist()),
-        holes=holes,
-        dense=dense,
+        holes=bool(((key_counts > 0) & (last - first + 1 != key_counts)).any()),
     )
 
 
-def _plan_of_sequence_numbers(numbers: torch.Tensor) -> VarlenPlan:
-    """The plan of a (B, S) int32 tensor of sequence numbers (masks.fused_attention_mask), from its host copy."""
-    host = host_copy(numbers)
-    overlaid = bool((host < 0).any())
+def _plan_of_sequence_ids(sequence_ids: torch.Tensor) -> VarlenPlan:
+    """The plan of (B, S) packed sequence ids (a sequence ends where the id changes, and at each row's end)."""
+    host = host_copy(sequence_ids)
     flat = host.reshape(-1)
-    # A sequence ends where the number changes, and at each row's end.
     changes = torch.ones_like(flat, dtype=torch.bool)
     changes[:-1] = flat[1:] != flat[:-1]
     changes[host.shape[1] - 1 :: host.shape[1]] = True
     ends = tuple((changes.nonzero().squeeze(1) + 1).tolist())
-    return VarlenPlan(None, None, ends, ends, overlaid=overlaid)
+    return VarlenPlan(None, None, ends, ends)
 
 
 def _plan_of_cu_seq_lens(cu_q: torch.Tensor, cu_k: torch.Tensor) -> VarlenPlan:
-    """The plan of packed sequences given as cu_seq_lens (leading 0), read to the host in one copy."""
-    both = torch.cat([cu_q.reshape(-1), cu_k.reshape(-1)]).cpu().tolist() if cu_k is not cu_q else None
-    q_list = both[: cu_q.numel()] if both is not None else cu_q.reshape(-1).cpu().tolist()
-    k_list = both[cu_q.numel() :] if both is not None else q_list
+    """The plan of packed sequences given as cu_seq_lens (leading 0), read to the host in one copy at each call.
+
+    Read at every call, never kept on the tensors: a collator may rewrite its buffers in place between batches."""
+    both = torch.cat([cu_q.reshape(-1), cu_k.reshape(-1)]).cpu().tolist()
+    q_list, k_list = both[: cu_q.numel()], both[cu_q.numel() :]
     return VarlenPlan(None, None, tuple(q_list[1:]), tuple(k_list[1:]))
 
 
-def _cached_plan(holder: torch.Tensor, key: tuple, build) -> VarlenPlan:
-    """The plan kept on `holder` (a mask of this forward) under `key`, built once (see the module docstring)."""
-    plans = getattr(holder, PLAN_ATTRIBUTE, None)
-    if plans is None:
-        plans = {}
-        setattr(holder, PLAN_ATTRIBUTE, plans)
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = build()
-    return plan
-
-
-def varlen_plan(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
-) -> VarlenPlan | None:
-    """The TND plan of this call (padding or packing), or None for a dense batch; at most one host sync per mask."""
-    plan = _varlen_plan(query, key, attention_mask, **kwargs)
-    return None if plan is None or plan.dense else plan
-
-
-def _varlen_plan(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any
-) -> VarlenPlan | None:
-    q_len, kv_len = query.shape[2], key.shape[2]
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
-        return _cached_plan(cu_q, ("cu", id(cu_k)), lambda: _plan_of_cu_seq_lens(cu_q, cu_k))
-    if attention_mask is None or attention_mask.dim() != 2:
+def _described_plan(description: MaskDescription, device: torch.device) -> VarlenPlan | None:
+    """The plan of a described mask kind, made once per forward and kept on its description."""
+    if description.sequence_ids is None and description.codes is None:
         return None
-    if attention_mask.dtype == torch.bool:
-        return _cached_plan(
-            attention_mask, (q_len, kv_len), lambda: _plan_of_padding(attention_mask, q_len, query.device)
+    if "plan" not in description.plans:
+        description.plans["plan"] = (
+            _plan_of_sequence_ids(description.sequence_ids)
+            if description.sequence_ids is not None
+            else _plan_of_codes(description, device)
         )
-    return _cached_plan(attention_mask, (q_len, kv_len), lambda: _plan_of_sequence_numbers(attention_mask))
+    return description.plans["plan"]
+
+
+@dataclass(frozen=True)
+class AttentionForm:
+    """What the op computes for one call: causal (bottom-right) or not, the causal window, the TND plan if any."""
+
+    causal: bool
+    window: int | None
+    plan: VarlenPlan | None
+
+    def summary(self) -> str:
+        """The form in a few words, as `attention_forms` reports it."""
+        parts = ["causal" if self.causal else "bidirectional"]
+        if self.window is not None:
+            parts.append(f"window {self.window}")
+        parts.append("BSND" if self.plan is None else f"TND of {len(self.plan.query_ends)} sequences")
+        return ", ".join(parts)
+
+
+def attention_form(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> AttentionForm | str:
+    """The form the op computes for this call, or why it cannot: from the mask transformers composed (see masks).
+
+    With a described mask, the description alone decides (the module's is_causal and the call's sliding_window and
+    cu_seq_lens are what eager and sdpa ignore under a mask). With no mask (a model that builds none, or a wrapper
+    that dropped it): causal when the module is, bottom-right (the queries are the last keys, as a cache aligns
+    them; with one query every key), with the module's window, packed by cu_seq_lens when given. Any other mask is
+    one the card did not build: eager, saying so."""
+    batch, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    description = description_of(attention_mask)
+    if description is not None:
+        if (description.batch, description.q_length, description.kv_length) != (batch, q_len, kv_len):
+            return (
+                f"the mask was built for batch {description.batch}, {description.q_length} queries and "
+                f"{description.kv_length} keys, the call has {batch}, {q_len} and {kv_len}"
+            )
+        plan = _described_plan(description, query.device)
+        return AttentionForm(description.causal, description.window, plan)
+    if attention_mask is not None:
+        reason = getattr(attention_mask, EAGER_REASON_ATTRIBUTE, None)
+        if reason is not None:
+            return reason
+        if attention_mask.dim() == 4:
+            return (
+                "a 4-D attention mask (the model overlays a pattern on the causal mask, e.g. image tokens or a "
+                "prefix, or a custom mask was passed): npu_fusion_attention's modes cannot express it"
+            )
+        return (
+            f"a {attention_mask.dim()}-D attention mask the card's mask function did not build (the model made or "
+            "changed it): its meaning cannot be proven"
+        )
+    if sliding_window is not None and not _is_causal(module, kwargs):
+        return "a bidirectional sliding window: the op's band mode is bottom-right causal here"
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    plan = None
+    if cu_q is not None and cu_k is not None:
+        if batch != 1:
+            return f"cu_seq_lens with a batch of {batch} rows: packed sequences come as one row"
+        plan = _plan_of_cu_seq_lens(cu_q, cu_k)
+    return AttentionForm(_is_causal(module, kwargs), sliding_window, plan)
 
 
 SINK_CANN = (8, 5)
@@ -220,8 +292,24 @@ def fused_attention_unavailable_reason(
 ) -> str | None:
     """Why `npu_fusion_attention` will not run for this attention call (the model's eager math runs instead), or None.
 
-    For a padded or packed batch it reads the sequence lengths to the host, once per mask (see the module).
+    For a padded, packed or cache-offset batch it reads the sequence lengths to the host, once per forward (masks).
     """
+    decided = _decide(module, query, key, value, attention_mask, dropout, sliding_window, softcap, kwargs)
+    return decided if isinstance(decided, str) else None
+
+
+def _decide(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    kwargs: dict,
+) -> AttentionForm | str:
+    """The form the op computes for this call, or why the model's eager attention runs instead."""
     reason = npu_unavailable_reason(query, key, value)
     if reason is not None:
         return reason
@@ -241,42 +329,37 @@ def fused_attention_unavailable_reason(
             return reason
     if torch.compiler.is_compiling():
         return "torch.compile: the op's sequence lists are host integers read from the batch"
-    if attention_mask is not None and attention_mask.dim() != 2:
-        return (
-            f"a {attention_mask.dim()}-D attention mask (the model overlays a pattern on the causal mask, e.g. image "
-            "tokens or a prefix, or a custom mask was passed): npu_fusion_attention's modes cannot express it"
-        )
     _, heads, q_len, head_dim = query.shape
     kv_heads, kv_len, value_dim = key.shape[1], key.shape[2], value.shape[3]
     if key.shape[3] != head_dim or not 1 <= value_dim <= head_dim <= MAX_HEAD_DIM:
         return f"head dims q {head_dim}, k {key.shape[3]}, v {value_dim}: the op takes Dq = Dk >= Dv, at most 768"
     if heads > MAX_HEADS or heads % kv_heads or value.shape[1] != kv_heads:
         return f"{heads} query heads, {kv_heads} key heads: the op takes at most 256, a multiple of the key heads"
-    if q_len > kv_len:
-        return f"{q_len} queries against {kv_len} keys: the op's causal modes take no more queries than keys"
     if max(q_len, kv_len) > MAX_TOKENS:
         return f"sequence length {max(q_len, kv_len)} exceeds the op's 1M"
-    is_causal = _is_causal(module, kwargs)
-    if sliding_window is not None and not is_causal:
-        return "a bidirectional sliding window: the op's band mode is bottom-right causal here"
     if not 0.0 <= dropout < 1.0:
         return f"dropout {dropout}: the op's keep_prob takes (0, 1]"
-    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] != kv_len:
-        return f"a mask of {attention_mask.shape[1]} keys for {kv_len} keys (a static cache)"
-    plan = varlen_plan(query, key, attention_mask, **kwargs)
+    form = attention_form(module, query, key, attention_mask, sliding_window, **kwargs)
+    if isinstance(form, str):
+        return form
+    plan = form.plan
     if plan is None:
-        return None
+        if form.causal and q_len > kv_len:
+            return f"{q_len} queries against {kv_len} keys: the op's causal modes take no more queries than keys"
+        return form
+    if plan.reason is not None:
+        return plan.reason
     if plan.query_index is None and plan.query_ends and plan.query_ends[-1] != query.shape[0] * q_len:
         return f"the sequence lengths cover {plan.query_ends[-1]} of the {query.shape[0] * q_len} query tokens"
-    if plan.overlaid:
-        return "the mask lets tokens see later tokens (a bidirectional block overlay): the op cannot express it"
+    if plan.key_index is None and plan.key_ends and plan.key_ends[-1] != key.shape[0] * kv_len:
+        return f"the sequence lengths cover {plan.key_ends[-1]} of the {key.shape[0] * kv_len} key tokens"
     if len(plan.query_ends) > MAX_SEQUENCES:
         return f"{len(plan.query_ends)} sequences in one call: the op's varlen form takes at most {MAX_SEQUENCES}"
-    if plan.holes and sliding_window is not None:
+    if plan.holes and form.window is not None:
         return "a padding mask with holes inside a row and a sliding window: the band would measure wrong distances"
-    if plan.query_ends != plan.key_ends and q_len == kv_len:
+    if plan.query_index is None and plan.key_index is None and plan.query_ends != plan.key_ends:
         return "packed query and key sequences of different lengths"
-    return None
+    return form
 
 
 def fused_attention(
@@ -294,23 +377,22 @@ def fused_attention(
     """Attention of query [B, Nq, Sq, D] over key/value [B, Nkv, Skv, D] as transformers' AttentionInterface calls it.
 
     Returns (output [B, Sq, Nq, Dv], None). Fused as `fused_attention_unavailable_reason` decides, else the module's
-    eager math (`fused_attention_eager`), recorded for `module`. Under autocast the op gets q, k and v in autocast's
-    dtype, as sdpa does (`_autocast_dtype`).
+    eager math (`fused_attention_eager`), recorded for `module` with the form each call ran (`last_form`). Under
+    autocast the op gets q, k and v in autocast's dtype, as sdpa does (`_autocast_dtype`).
     """
-    reason = fused_attention_unavailable_reason(
-        module, query, key, value, attention_mask, dropout, sliding_window, softcap, **kwargs
-    )
-    if ran_eager(module, reason):
+    form = _decide(module, query, key, value, attention_mask, dropout, sliding_window, softcap, kwargs)
+    if ran_eager(module, form if isinstance(form, str) else None):
         return fused_attention_eager(
             module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
         )
+    record_form(module, form.summary())
     autocast_dtype = _autocast_dtype(query, key, value)
     if autocast_dtype is not None:
         query, key, value = (t.to(autocast_dtype) for t in (query, key, value))
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     keep_prob = 1.0 - (dropout if module.training else 0.0)
-    if _is_causal(module, kwargs):
-        band = {"sparse_mode": 3} if sliding_window is None else {"sparse_mode": 4, "pre_tockens": sliding_window - 1}
+    if form.causal:
+        band = {"sparse_mode": 3} if form.window is None else {"sparse_mode": 4, "pre_tockens": form.window - 1}
         band = {**band, "next_tockens": 0, "atten_mask": _compressed_causal_mask(query)}
     else:
         band = {"sparse_mode": 0}
@@ -319,7 +401,7 @@ def fused_attention(
     if sinks is not None:
         common["sink"] = sinks.float()
     heads = query.shape[1]
-    plan = varlen_plan(query, key, attention_mask, **kwargs)
+    plan = form.plan
     if plan is None:
         output = torch_npu.npu_fusion_attention(
             query.transpose(1, 2).contiguous(),
@@ -386,61 +468,38 @@ def eager_mask(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """The additive 4-D mask transformers' eager mask function builds for this call (0 kept, dtype minimum masked).
+    """The additive 4-D mask the model's eager attention gets for this call (0 kept, dtype minimum masked), or None.
 
-    Built from what the card's mask says (padding, sequence numbers, cu_seq_lens, or eager's own 4-D mask, returned
-    as it is), the causal and window rules (bottom-right aligned, as eager's cache offsets align them), on the device.
-    Raises ValueError for a mask of another length than the keys (a static cache): use sdpa or eager there.
-    """
+    For a mask the card's mask function described: transformers' own eager mask of that description (built once per
+    forward); a 4-D mask is returned as it is. With no mask (a model that builds none, or a wrapper that dropped it):
+    sdpa's rule as `attention_form` reads it (the module's causality, bottom-right, its window, cu_seq_lens). Raises
+    ValueError for another mask, whose meaning the card cannot know."""
+    description = description_of(attention_mask)
+    if description is not None:
+        return description.eager_mask()
     if attention_mask is not None and attention_mask.dim() == 4:
         return attention_mask
-    batch, q_len, kv_len, device = query.shape[0], query.shape[2], key.shape[2], query.device
-    if attention_mask is not None and attention_mask.shape[-1] != kv_len:
+    if attention_mask is not None:
         raise ValueError(
-            f"npu_fused_attention: a mask of {attention_mask.shape[-1]} keys for {kv_len} keys (a static cache) is not "
-            'supported: load the model with attn_implementation="sdpa" (or "eager") for static caches'
+            f"npu_fused_attention: a {attention_mask.dim()}-D attention mask of shape {tuple(attention_mask.shape)} "
+            'that the card\'s mask function did not build: load the model with attn_implementation="sdpa" (or '
+            '"eager"), or pass transformers\' 4-D mask'
         )
-    is_causal = _is_causal(module, kwargs)
+    batch, q_len, kv_len, device = query.shape[0], query.shape[2], key.shape[2], query.device
+    is_causal = _is_causal(module, kwargs) and q_len > 1
+    cu = kwargs.get("cu_seq_lens_q")
+    if not is_causal and sliding_window is None and (cu is None or batch != 1):
+        return None
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     kv_pos = torch.arange(kv_len, device=device)[None, :]
     kept = torch.ones(1, 1, q_len, kv_len, dtype=torch.bool, device=device)
     if is_causal:
         kept = kept & (kv_pos <= q_pos)
     if sliding_window is not None:
-        kept = (
-            kept & (kv_pos > q_pos - sliding_window) if is_causal else kept & ((kv_pos - q_pos).abs() <= sliding_window)
-        )
-    numbers = _sequence_numbers_of(attention_mask, kwargs, batch, kv_len, device)
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        kept = kept & attention_mask[:, None, None, :]
-    elif (
-        numbers is not None
-        and getattr(attention_mask, MASK_FUNCTION_ATTRIBUTE, None) is not None
-        and bool((attention_mask < 0).any())
-    ):
-        mask_function, q_offset, kv_offset = getattr(attention_mask, MASK_FUNCTION_ATTRIBUTE)
-        rows = torch.arange(batch, device=device)[:, None, None, None]
-        heads = torch.zeros((), dtype=torch.long, device=device)
-        kept = mask_function(
-            rows, heads, q_pos[None, None] - (kv_len - q_len) + q_offset, kv_pos[None, None] + kv_offset
-        )
-    elif numbers is not None:
-        kept = kept & (numbers[:, None, :, None] == numbers[:, None, None, :])
-    if not is_causal and sliding_window is None and attention_mask is None and numbers is None:
-        return None
+        kept = kept & (kv_pos > q_pos - sliding_window)
+    if cu is not None and batch == 1:
+        numbers = torch.searchsorted(cu[1:].to(device=device, dtype=torch.long), kv_pos[0], right=True)
+        kept = kept & (numbers[:, None] == numbers[None, :])
     kept = kept.expand(batch, 1, q_len, kv_len)
     zero = torch.zeros((), dtype=query.dtype, device=device)
     return torch.where(kept, zero, torch.finfo(query.dtype).min)
-
-
-def _sequence_numbers_of(
-    attention_mask: torch.Tensor | None, kwargs: dict, batch: int, length: int, device: torch.device
-) -> torch.Tensor | None:
-    """The (B, S) sequence numbers of packed tokens: the card's mask's, or those cu_seq_lens_q gives; None unpacked."""
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        return attention_mask
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is None or batch != 1:
-        return None
-    positions = torch.arange(length, device=device)
-    return torch.searchsorted(cu[1:].to(device=device, dtype=torch.long), positions, right=True)[None, :]
