@@ -85,12 +85,16 @@ def build_layer(spec: ModelSpec, fake_mode: FakeTensorMode, experts: int | None 
 
 
 def fresh(value: Any) -> Any:
-    """New empty tensors with the layouts (sizes, strides, dtypes, devices, requires_grad) of those in `value`."""
+    """New empty tensors with the layouts (sizes, strides, dtypes, devices, requires_grad) of those in `value`.
+
+    Each keeps its tensor's Python attributes: what a mask function attached for its attention function (the
+    attention card's mask description) goes with the mask."""
 
     def make(t):
         if not isinstance(t, torch.Tensor):
             return t
         new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        new.__dict__.update(t.__dict__)
         return new.requires_grad_(t.requires_grad and t.is_floating_point())
 
     return tree_map(make, value)

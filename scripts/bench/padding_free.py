@@ -22,7 +22,7 @@ attention differ, of:
   them, and the attention card (`npu_fusion_attention` in TND, one call per layer).
 
 On fake tensors the card cannot read `cu_seq_lens` (a host read of device data), so they are made from host values
-fake tensors carry (`_host_values`): the card's one host read per forward reads them as the device would.
+fake tensors carry (`host_values`): the card's one host read per forward reads them as the device would.
 """
 
 from __future__ import annotations
@@ -87,19 +87,25 @@ class PaddingFreeRow:
 
 
 @contextlib.contextmanager
-def _host_values(limit: int) -> Iterator[None]:
-    """Let fake tensors of up to `limit` elements made from host values keep them (FakeTensorMode's constants).
+def host_values(lengths: tuple[int, ...]) -> Iterator[None]:
+    """Let the card read a packed row of these lengths on fake tensors as it reads a device's: from host values.
 
     A fake tensor made by `torch.tensor([...])` carries its values while it has at most CONSTANT_NUMEL_LIMIT (1)
-    elements; raised for the block, `cu_seq_lens` keep theirs through the card's reshape, cat and `tolist`."""
+    elements; raised for the block, `cu_seq_lens` keep theirs through the card's reshape, cat and `tolist`. The
+    sequence ids transformers finds in the restarting position ids (which fake tensors cannot show it) are the
+    lengths', made the same way: the card's mask reads them once per forward, as it reads a device's."""
     from torch._subclasses import fake_tensor
+    from transformers import masking_utils
 
-    before = fake_tensor.CONSTANT_NUMEL_LIMIT
-    fake_tensor.CONSTANT_NUMEL_LIMIT = limit
+    ids = [number for number, length in enumerate(lengths) for _ in range(length)]
+    found, before = masking_utils.find_packed_sequence_indices, fake_tensor.CONSTANT_NUMEL_LIMIT
+    masking_utils.find_packed_sequence_indices = lambda position_ids: torch.tensor([ids])
+    fake_tensor.CONSTANT_NUMEL_LIMIT = max(len(ids), len(lengths) + 1)
     try:
         yield
     finally:
         fake_tensor.CONSTANT_NUMEL_LIMIT = before
+        masking_utils.find_packed_sequence_indices = found
 
 
 def padded_inputs(lengths: tuple[int, ...]) -> Callable[[], dict]:
@@ -117,7 +123,7 @@ def padded_inputs(lengths: tuple[int, ...]) -> Callable[[], dict]:
 def packed_inputs(lengths: tuple[int, ...], cu_seq_lens: bool) -> Callable[[], dict]:
     """The packed row [1, sum(lengths)]: input ids, restarting position ids, labels, and TRL's padding-free kwargs.
 
-    TRL's kwargs (`cu_seq_lens`): the cumulative lengths as host-valued tensors (`_host_values`), and the longest."""
+    TRL's kwargs (`cu_seq_lens`): the cumulative lengths as host-valued tensors (`host_values`), and the longest."""
 
     def make() -> dict:
         total = sum(lengths)
@@ -143,7 +149,7 @@ def padding_free_steps(model: StepModel, lengths: tuple[int, ...], build) -> dic
         "packed, sdpa": derived_step(model, 1, 1, inputs=packed_inputs(lengths, False), attention="sdpa", **default),
     }
     if found is not None:
-        with _host_values(len(lengths) + 1):
+        with host_values(lengths):
             packed = packed_inputs(lengths, True)
             steps["packed, card"] = derived_step(model, 1, 1, inputs=packed, attention=found[1], **default)
     return steps
