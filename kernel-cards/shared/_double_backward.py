@@ -6,6 +6,11 @@ in a backward that autograd records (`create_graph=True`: gradient penalties, He
 autograd fallback gives that op's outputs a node that warns and passes no gradient, so second-order gradients would
 be silently wrong. `with_eager_double_backward` keeps the op's own backward for every plain backward and, in a
 recorded one, differentiates eager's math on the same inputs instead, so the second order is eager's.
+
+Under a torch.func transform (grad, vmap, jvp, ...) the autograd Function it applies cannot be transformed (it marks
+its outputs dirty, which vmap's generated rule refuses, and its backward calls autograd itself), so there it returns
+eager's math on the inputs, which torch.func transforms as it does eager's: the cards' layers run eager under a
+transform anyway, saying why (`_npu.npu_unavailable_reason`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from ._internals import functorch_transform
 
 
 def with_eager_double_backward(
@@ -22,9 +29,15 @@ def with_eager_double_backward(
 
     `fused` is the fused op's output, a tensor or a tuple of them, computed from `inputs`. Its gradient is the fused
     op's in a plain backward and, in a backward autograd records, that of `eager(*inputs)` (the same structure as
-    `fused`), differentiable. Costs nothing unless autograd records this forward."""
+    `fused`), differentiable. Under a torch.func transform that records this forward, `eager(*inputs)` is returned
+    in its place (the module's docstring says why). Costs nothing unless autograd records this forward."""
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
         return fused
+    if functorch_transform() is not None:
+        out = eager(*inputs)
+        if isinstance(fused, torch.Tensor):
+            return out
+        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
     outputs = (fused,) if isinstance(fused, torch.Tensor) else tuple(fused)
     result = _EagerWhenRecorded.apply(eager, len(outputs), *outputs, *inputs)
     if isinstance(fused, torch.Tensor):

@@ -29,6 +29,7 @@ What lives where:
 
 import _npu_hub_kernels_llamafactory
 
+from .attention import AttentionRun, attention_modules
 from .cards import CARDS, DEFAULT_ORG, ORG_ENV
 from .registry import (
     apply_npu_kernels,
@@ -46,10 +47,12 @@ __all__ = [
     "CARDS",
     "DEFAULT_ORG",
     "ORG_ENV",
+    "AttentionRun",
     "KeptForward",
     "LeftOut",
     "Swap",
     "apply_npu_kernels",
+    "attention_modules",
     "available_kernels",
     "kept_forwards",
     "left_out_modules",

@@ -14,6 +14,9 @@ the parity tests proved on some transformers release (`models.fingerprints`, as 
 choice (an explicit "eager", "flash_attention_2", another registered function) and says so. To keep sdpa, leave the
 card out of the selection (`kernels=[...]` without "npu_fused_attention").
 
+`attention_modules` says, per attention module of a model that selected the card, the form its last call fused or
+why it ran eager (the doctor shows it).
+
 `flash_attention_drops` says when a model on the npu runs transformers' built-in `flash_attention_2`, which on an npu
 host drops sliding windows and attention sinks without a word (docs/models.md#npu-fused-attention).
 """
@@ -21,13 +24,15 @@ host drops sliding windows and attention sinks without a word (docs/models.md#np
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kernels import LayerRepository, LocalLayerRepository
 from torch import nn
 
-from .cards import Card
+from .cards import CARDS, Card
 from .integrity import load_checked_kernel
 from .models import ATTENTION_FUNCTION, fingerprints, table_of
 
@@ -144,3 +149,62 @@ def _has_sliding_layers(config: object) -> bool:
         return False
     layer_types = getattr(config, "layer_types", None)
     return layer_types is None or "sliding_attention" in layer_types
+
+
+@dataclass(frozen=True)
+class AttentionRun:
+    """An attention module of a model that selected the attention card, with what its last call ran.
+
+    `form`: the form its last fused call computed ("causal, window 4, TND of 3 sequences"), None when none fused;
+    `eager_reason`: why its last call ran the model's eager attention (None when it fused, or has not run);
+    `eager_calls`: every reason its calls ran eager for, with how many."""
+
+    module: str
+    module_class: str
+    form: str | None
+    eager_reason: str | None
+    eager_calls: tuple[tuple[str, int], ...] = ()
+
+
+def attention_modules(model: nn.Module) -> list[AttentionRun]:
+    """What the attention card ran in each attention module of `model`, and why eager where it did.
+
+    The modules listed: those the card recorded a call of, and those of the classes its table decides (`FUSED`,
+    `LEFT_OUT`), named as `named_modules` names them. Empty when the model's attention is not an attention card's."""
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    cards = [card for card in CARDS.values() if is_attention_card(card) and card.kernel_id == current]
+    if not cards:
+        return []
+    package = _loaded_package(cards[0])
+    forms, fallbacks = (None, None) if package is None else (sys.modules[f"{package}.{part}"] for part in _RECORDS)
+    table = table_of(cards[0])
+    decided = set(table.FUSED) | set(table.LEFT_OUT)
+    runs = []
+    for name, module in model.named_modules():
+        form = None if forms is None else forms.last_form(module)
+        record = None if fallbacks is None else fallbacks.eager_record(module)
+        if form is None and record is None and class_path(type(module)) not in decided:
+            continue
+        runs.append(
+            AttentionRun(
+                module=name or "<root>",
+                module_class=type(module).__name__,
+                form=None if record is not None and record.last is not None else form,
+                eager_reason=None if record is None else record.last,
+                eager_calls=() if record is None else tuple(record.counts.items()),
+            )
+        )
+    return runs
+
+
+_RECORDS = ("fused_attention", "_fallbacks")
+"""The modules of an attention card's build that record each module's last form and its eager calls."""
+
+
+def _loaded_package(card: Card) -> str | None:
+    """The name of the card's build package registered in transformers, imported by a first call; None before."""
+    from transformers import AttentionInterface
+
+    function = AttentionInterface._global_mapping.get(card.kernel_id)
+    loaded = getattr(function, "function", None)
+    return None if loaded is None else loaded.__module__.rpartition(".")[0]

@@ -13,8 +13,10 @@ from that whole description, never from the attention call's keyword arguments o
   bidirectional window, a user's function) is a form the op cannot be proven to compute: the mask function then
   returns the 4-D mask transformers' own eager mask function builds, with the reason (`EAGER_REASON_ATTRIBUTE`),
   and the attention runs the model's eager attention with it.
-- A described form is returned as a carrier: a [B, 0] bool tensor made per call (no device work) holding the
-  `MaskDescription` (`DESCRIPTION_ATTRIBUTE`). Where the op needs host lists (padding, packed sequences, or a cache
+- A described form is returned as a carrier holding the `MaskDescription` (`DESCRIPTION_ATTRIBUTE`): the 2-D
+  padding mask of every position, [B, kv_offset + kv_length] (all True, a view of one element, without padding),
+  so that a caller who hands it back as a model's `attention_mask` (generate prepares a static cache's mask ahead)
+  gets the same mask again. Where the op needs host lists (padding, packed sequences, or a cache
   whose keys are not aligned with the queries' ends: a static cache's empty slots), the description holds a
   [B, kv_length] int8 tensor of per-key codes computed on the device (`KEPT`, `QUERY`) or the packed sequence ids,
   recorded for the one host read of the forward (`host_reads`). Its plans and eager mask are kept on the
@@ -123,7 +125,11 @@ def fused_attention_mask(
         mask = transformers_eager_mask({**arguments, "allow_is_bidirectional_skip": False})
         setattr(mask, EAGER_REASON_ATTRIBUTE, description)
         return mask
-    carrier = torch.empty((batch_size, 0), dtype=torch.bool, device=kwargs.get("device", "cpu"))
+    carrier = _padding(attention_mask, terms.padding, kv_length, kv_offset)
+    if carrier is None:
+        carrier = torch.ones((), dtype=torch.bool, device=kwargs.get("device", "cpu")).expand(
+            batch_size, kv_offset + kv_length
+        )
     setattr(carrier, DESCRIPTION_ATTRIBUTE, description)
     return carrier
 
@@ -205,7 +211,8 @@ def _describe(terms: MaskTerms, arguments: dict[str, Any], device: torch.device 
     op cannot take it."""
     batch, q_length, kv_length = arguments["batch_size"], arguments["q_length"], arguments["kv_length"]
     q_offset, kv_offset = arguments["q_offset"], arguments["kv_offset"]
-    padding = _padding_over_keys(arguments["attention_mask"], terms.padding, kv_length, kv_offset)
+    padding = _padding(arguments["attention_mask"], terms.padding, kv_length, kv_offset)
+    padding = None if padding is None else padding[:, kv_offset : kv_offset + kv_length]
     common = dict(
         batch=batch,
         q_length=q_length,
@@ -234,17 +241,17 @@ def _describe(terms: MaskTerms, arguments: dict[str, Any], device: torch.device 
     return MaskDescription(sequence_ids=None, codes=codes, **common)
 
 
-def _padding_over_keys(
+def _padding(
     attention_mask: torch.Tensor | None, composed: torch.Tensor | None, kv_length: int, kv_offset: int
 ) -> torch.Tensor | None:
-    """The (B, kv_length) bool padding of the key slots, indexed as transformers indexes it (absolute positions,
-    padded with False past the mask's end: a static cache's empty slots), or None without padding."""
+    """The (B, kv_offset + kv_length) bool padding of every position, indexed as transformers indexes it (padded with
+    False past the mask's end: a static cache's empty slots), or None without padding."""
     padding = None
     for mask in (attention_mask, composed):
         if mask is None:
             continue
         missing = kv_offset + kv_length - mask.shape[-1]
         mask = torch.nn.functional.pad(mask.bool(), (0, missing)) if missing > 0 else mask.bool()
-        over_keys = mask[:, kv_offset : kv_offset + kv_length]
-        padding = over_keys if padding is None else padding & over_keys
+        mask = mask[:, : kv_offset + kv_length]
+        padding = mask if padding is None else padding & mask
     return padding

@@ -1,0 +1,340 @@
+"""The attention card against eager on every form a user reaches: one differential harness (issue 43).
+
+Each case builds a tiny model with random weights, runs it with transformers' eager attention and with the card on
+the same weights and inputs, and compares what a user reads: the logits of the tokens the mask keeps, the loss, every
+parameter's gradient, and for generation the tokens and first-step logits. The op counter says whether the card
+fused: every case names what it expects (`FUSED`, or `EAGER` with the words of the reason, which
+`attention_modules` must report), so a form that silently fused wrong, or silently stopped fusing, fails here.
+
+The axes: every family the card is selected for (`apply_npu_kernels`' rule, read from the model tables) x input
+forms (`FORMS`) x train/eval x float32/bfloat16, generation with every cache implementation `generate` offers
+(`CACHES`), and the forms of `SPECIAL` (token-type overlays, a bidirectional flag, cross-attention, a static cache
+forward). The full product runs when NPU_HUB_KERNELS_ALL_FORMS=1 (`make test-forms`, which CI runs); `make test`
+runs a sample that covers every value of every axis.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorWithFlattening
+
+from npu_hub_kernels import attention_modules, register_npu_kernels
+from npu_hub_kernels.attention import attention_kept_reason
+from npu_hub_kernels.cards import CARDS
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, tiny_causal_lm, tiny_config_values, token_ids
+
+NAME = "npu_fused_attention"
+OP = "npu_fusion_attention"
+FUSED = "fused"
+SEQ = 12
+ALL = os.environ.get("NPU_HUB_KERNELS_ALL_FORMS") == "1"
+
+
+def _families() -> dict[str, dict]:
+    """Every tiny family whose attention `apply_npu_kernels` gives the card, and the windowed ones at a short window."""
+    families = {}
+    for family in TINY_CONFIGS:
+        try:
+            model = tiny_causal_lm(family)
+        except (ValueError, KeyError):
+            continue  # an image-text family: no causal LM class
+        if attention_kept_reason(model, CARDS[NAME]) is None:
+            families[family] = {}
+    families["mistral, window 4"] = {"sliding_window": 4}
+    families["gemma3_text, window 4"] = {"sliding_window": 4}
+    return families
+
+
+FAMILIES = _families()
+
+
+def build(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return tiny_causal_lm(family.split(",")[0], dtype=dtype, **FAMILIES[family]).to("npu")
+
+
+def _packed(lengths: tuple[int, ...]) -> dict:
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return {"input_ids": token_ids(1, sum(lengths)), "position_ids": positions}
+
+
+def _cu(lengths: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def _padded(rows: list[tuple[int, int]]) -> dict:
+    """Rows of (left padding, right padding) around SEQ - both tokens."""
+    mask = torch.ones(len(rows), SEQ, dtype=torch.long)
+    for row, (left, right) in enumerate(rows):
+        mask[row, :left] = 0
+        mask[row, SEQ - right :] = 0
+    return {"input_ids": token_ids(len(rows), SEQ), "attention_mask": mask}
+
+
+def _flattening() -> dict:
+    features = [{"input_ids": token_ids(1, n, seed=n)[0].tolist()} for n in (5, 1, 6)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(features)
+    return {key: value for key, value in batch.items() if key != "labels"}
+
+
+FORMS = {
+    "unpadded": lambda: {"input_ids": token_ids(2, SEQ)},
+    "left padding": lambda: _padded([(3, 0), (0, 0)]),
+    "right padding": lambda: _padded([(0, 0), (0, 4)]),
+    "all-padding row": lambda: _padded([(0, 2), (SEQ, 0)]),
+    "packed by position_ids": lambda: _packed((5, 6, 1)),
+    "packed by cu_seq_lens": lambda: {**_packed((5, 6, 1)), "cu_seq_lens_q": _cu((5, 6, 1)),
+                                      "cu_seq_lens_k": _cu((5, 6, 1)), "max_length_q": 6, "max_length_k": 6},
+    "one-token segments": lambda: _packed((1, 1, 4, 1, 5)),
+    "DataCollatorWithFlattening": _flattening,
+}  # fmt: skip
+
+
+def _on_npu(inputs: dict) -> dict:
+    return {key: value.to("npu") if torch.is_tensor(value) else value for key, value in inputs.items()}
+
+
+def _kept(inputs: dict) -> torch.Tensor:
+    mask = inputs.get("attention_mask")
+    return torch.ones_like(inputs["input_ids"], dtype=torch.bool) if mask is None else mask.bool().cpu()
+
+
+def run_both(model: torch.nn.Module, inputs: dict, train: bool, kept: torch.Tensor | None = None):
+    """(eager's, the card's) logits, loss and gradients, and the op's calls under the card (eager: 0 asserted).
+
+    The loss reads the logits of the `kept` tokens (default: those the attention mask keeps)."""
+    kept = _kept(inputs) if kept is None else kept
+    results, calls = {}, {}
+    for name in ("eager", NAME):
+        model.set_attn_implementation(name)
+        model.train(train)
+        model.zero_grad()
+        with emulation.count_op_calls() as counted:
+            out = model(**_on_npu(inputs))
+            weights = kept.to("npu")[..., None]
+            loss = (out.logits.float().square() * weights).sum() / weights.sum().clamp(min=1)
+            loss.backward()
+        grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        results[name] = (out.logits.detach().cpu(), loss.detach().cpu(), grads)
+        calls[name] = counted[OP]
+    assert calls["eager"] == 0
+    return results["eager"], results[NAME], calls[NAME]
+
+
+def assert_eagers_answer(eager, fused, kept: torch.Tensor, dtype: torch.dtype) -> None:
+    """The card's logits (kept tokens), loss and gradients equal eager's: to rounding in float32; in bfloat16 within
+    the tolerance of two bfloat16 computations of the same model (dropout is off: train mode on tiny configs)."""
+    atol, rtol = (3e-5, 1e-3) if dtype == torch.float32 else (6e-2, 6e-2)
+    torch.testing.assert_close(fused[0][kept].float(), eager[0][kept].float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(fused[1], eager[1], atol=atol, rtol=rtol)
+    assert fused[2].keys() == eager[2].keys()
+    for name, grad in eager[2].items():
+        scale = grad.float().abs().max().clamp(min=1e-6)
+        error = (fused[2][name].float() - grad.float()).abs().max() / scale
+        assert error <= (1e-3 if dtype == torch.float32 else 1.5e-1), f"{name}: relative error {error:.2e}"
+
+
+def check_reported(model: torch.nn.Module, expected: str) -> None:
+    """What `attention_modules` says of the model's attention: the form it fused, or the words of the eager reason."""
+    reports = attention_modules(model)
+    assert reports, "no attention module reported"
+    if expected == FUSED:
+        assert all(r.form is not None and r.eager_reason is None for r in reports), reports
+    else:
+        assert any(r.eager_reason and expected in r.eager_reason for r in reports), reports
+
+
+@pytest.fixture(scope="module")
+def registered(built_cards):
+    register_npu_kernels(local_dir=built_cards, kernels=NAME)
+    return built_cards
+
+
+def _sample(axes: list[list]) -> list[tuple]:
+    """Every combination (ALL) or a sample in which each value of each axis occurs at least once."""
+    if ALL:
+        return list(itertools.product(*axes))
+    longest = max(len(axis) for axis in axes)
+    return [tuple(axis[(i + shift) % len(axis)] for shift, axis in enumerate(axes)) for i in range(longest)]
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+FORWARD_CASES = _sample([list(FAMILIES), list(FORMS), [True, False], DTYPES])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "form", "train", "dtype"), FORWARD_CASES, ids=str)
+def test_each_input_form_gives_eagers_logits_loss_and_gradients_fused(registered, family, form, train, dtype):
+    model = build(family, dtype)
+    inputs = FORMS[form]()
+    eager, fused, calls = run_both(model, inputs, train)
+    assert calls == model.config.num_hidden_layers  # one fused call per layer: the form is the op's
+    assert_eagers_answer(eager, fused, _kept(inputs), dtype)
+    check_reported(model, FUSED)
+
+
+def test_a_collators_reused_buffer_gives_each_batchs_own_sequences(registered):
+    """A collator that rewrites its cu_seq_lens buffer in place between batches: each batch is its own (the plan is
+    never kept on the tensor), and the position ids, which the mask describes, decide."""
+    model = build("llama")
+    buffer = _cu((5, 6, 1))
+    first = {**_packed((5, 6, 1)), "cu_seq_lens_q": buffer, "cu_seq_lens_k": buffer}
+    run_both(model, first, True)
+    buffer.copy_(_cu((2, 3, 7)))
+    second = {**_packed((2, 3, 7)), "cu_seq_lens_q": buffer, "cu_seq_lens_k": buffer}
+    eager, fused, calls = run_both(model, second, True)
+    assert calls == model.config.num_hidden_layers
+    assert_eagers_answer(eager, fused, _kept(second), torch.float32)
+
+
+CACHES = ["dynamic", "static", "sliding_window", "hybrid"]
+"""generate's cache implementations, but the offloaded ones: on an npu they need CUDA streams in transformers 5.22,
+and fail the same under eager (test_offloaded_caches_fail_as_eager_does)."""
+PROMPTS = {"all-ones mask": [(0, 0), (0, 0)], "left padding": [(3, 0), (0, 0)], "no mask": None}
+GENERATE_CASES = _sample([list(FAMILIES), CACHES, list(PROMPTS)])
+
+
+def _generate(model: torch.nn.Module, cache: str, prompt: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    rows = PROMPTS[prompt]
+    inputs = _padded(rows or [(0, 0), (0, 0)])
+    if rows is None:
+        inputs.pop("attention_mask")
+    options = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with emulation.count_op_calls() as calls:
+        out = model.generate(**_on_npu(inputs), cache_implementation=cache, **options)
+    return out.sequences.cpu(), out.logits[0].cpu(), calls[OP]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "cache", "prompt"), GENERATE_CASES, ids=str)
+def test_generate_with_each_cache_gives_eagers_tokens_and_logits_fused(registered, family, cache, prompt):
+    model = build(family).eval()
+    model.generation_config.pad_token_id = 0
+    model.set_attn_implementation("eager")
+    eager_tokens, eager_logits, _ = _generate(model, cache, prompt)
+    model.set_attn_implementation(NAME)
+    tokens, logits, calls = _generate(model, cache, prompt)
+    assert calls >= 5 * model.config.num_hidden_layers
+    torch.testing.assert_close(logits, eager_logits, atol=3e-5, rtol=1e-3)
+    assert torch.equal(tokens, eager_tokens)
+    check_reported(model, FUSED)
+
+
+@pytest.mark.parametrize("cache", ["offloaded", "offloaded_static"])
+def test_offloaded_caches_fail_as_eager_does(registered, cache):
+    model = build("llama").eval()
+    errors = []
+    for name in ("eager", NAME):
+        model.set_attn_implementation(name)
+        with pytest.raises(AssertionError, match="CUDA") as raised:
+            _generate(model, cache, "all-ones mask")
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+
+
+def test_a_static_cache_forward_without_a_mask_gives_eagers_logits_fused(registered):
+    """A StaticCache of 32 slots, 12 tokens and no mask: the 20 empty slots are not attended (issue 43, form 1)."""
+    from transformers import StaticCache
+
+    model = build("llama").eval()
+    results = {}
+    for name in ("eager", NAME):
+        model.set_attn_implementation(name)
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        with emulation.count_op_calls() as calls, torch.no_grad():
+            first = model(token_ids(2, SEQ).to("npu"), past_key_values=cache).logits
+            step = model(token_ids(2, 1, seed=5).to("npu"), past_key_values=cache).logits
+        results[name] = (first.cpu(), step.cpu(), calls[OP])
+    assert results[NAME][2] == 2 * model.config.num_hidden_layers and results["eager"][2] == 0
+    for fused, eager in zip(results[NAME][:2], results["eager"][:2], strict=True):
+        torch.testing.assert_close(fused, eager, atol=3e-5, rtol=1e-3)
+
+
+def _gemma_bidirectional() -> torch.nn.Module:
+    """GemmaForCausalLM whose attention modules say is_causal False, under the causal mask the model builds."""
+    config = AutoConfig.for_model("gemma", **tiny_config_values("llama"), use_bidirectional_attention=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to("npu")
+
+
+def _gemma3_image_model() -> torch.nn.Module:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = tiny_config_values("gemma3_text", sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=95)
+    torch.manual_seed(0)
+    return Gemma3ForConditionalGeneration(config).to("npu")
+
+
+def _image_tokens(rows: int) -> dict:
+    inputs = _padded([(3, 0)] + [(0, 0)] * (rows - 1))
+    token_types = torch.zeros_like(inputs["input_ids"])
+    token_types[:, 4:8] = 1
+    return {**inputs, "token_type_ids": token_types}
+
+
+def _bart() -> torch.nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                        pad_token_id=0, dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    return BartForConditionalGeneration(config).to("npu")
+
+
+def _cross_inputs() -> dict:
+    encoder = _padded([(0, 5), (0, 0)])
+    return {
+        "input_ids": encoder["input_ids"],
+        "attention_mask": encoder["attention_mask"],
+        "decoder_input_ids": token_ids(2, 7, seed=3),
+    }
+
+
+SPECIAL = {
+    "Gemma, use_bidirectional_attention, padded": (_gemma_bidirectional, lambda: _padded([(3, 0), (0, 2)]), FUSED),
+    "Gemma3 image tokens, padded": (_gemma3_image_model, lambda: _image_tokens(2), "the mask composes"),
+    "Gemma3 image tokens, unpadded": (
+        _gemma3_image_model,
+        lambda: {**_image_tokens(2), "attention_mask": None},
+        "the mask composes",
+    ),
+    "BART cross-attention, right-padded encoder": (_bart, _cross_inputs, FUSED),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SPECIAL))
+def test_overlays_flags_and_cross_attention_give_eagers_answer(registered, case):
+    make_model, make_inputs, expected = SPECIAL[case]
+    model = make_model()
+    inputs = {key: value for key, value in make_inputs().items() if value is not None}
+    kept = _kept(inputs) if "decoder_input_ids" not in inputs else torch.ones(2, 7, dtype=torch.bool)
+    eager, fused, calls = run_both(model, inputs, train=True, kept=kept)
+    assert (calls > 0) == (expected == FUSED), calls
+    assert_eagers_answer(eager, fused, kept, torch.float32)
+    check_reported(model, expected)
+
+
+def test_the_harness_catches_a_wrong_form(registered, monkeypatch):
+    """Negative control: the comparison fails when the card is told to ignore the padding (a form it fused wrong)."""
+    model = build("llama")
+    inputs = _padded([(3, 0), (0, 0)])
+    eager, _, _ = run_both(model, inputs, train=True)
+    wrong, _, _ = run_both(model, {"input_ids": inputs["input_ids"]}, train=True)
+    with pytest.raises(AssertionError):
+        assert_eagers_answer(eager, wrong, _kept(inputs), torch.float32)
+
+
+def test_the_sample_covers_every_value_of_every_axis():
+    for cases, axes in ((FORWARD_CASES, [FAMILIES, FORMS, [True, False], DTYPES]), (GENERATE_CASES, [FAMILIES, CACHES,
+                        PROMPTS])):  # fmt: skip
+        for position, axis in enumerate(axes):
+            assert {case[position] for case in cases} == set(axis)
