@@ -338,3 +338,22 @@ def test_the_sample_covers_every_value_of_every_axis():
                         PROMPTS])):  # fmt: skip
         for position, axis in enumerate(axes):
             assert {case[position] for case in cases} == set(axis)
+
+
+def test_the_doctor_shows_each_attention_modules_form_and_eager_reason(registered, offline_hub):
+    """`diagnose(model=...)` lists each attention module with the form its last call fused, or why it ran eager."""
+    from npu_hub_kernels.doctor import diagnose, format_report
+
+    model = build("mistral, window 4")
+    model.set_attn_implementation(NAME)
+    model(**_on_npu(_padded([(3, 0), (0, 0)])))
+    text = format_report(diagnose(offline_hub, model=model))
+    assert (
+        "fused" in text and "model.layers.0.self_attn (MistralAttention): causal, window 4, TND of 2 sequences" in text
+    )
+    custom = torch.zeros(2, 1, SEQ, SEQ, device="npu")  # a 4-D mask of the user's: eager, saying so
+    model(token_ids(2, SEQ).to("npu"), attention_mask=custom)
+    runs = diagnose(offline_hub, model=model).model.attention_runs
+    assert [run.module for run in runs] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert all("4-D attention mask" in run.eager_reason and run.form is None for run in runs)
+    assert "ran eager" in format_report(diagnose(offline_hub, model=model))

@@ -61,7 +61,7 @@ from packaging.version import Version
 from torch import nn
 
 from . import _kernels_compat as compat
-from .attention import flash_attention_drops, is_attention_card
+from .attention import AttentionRun, attention_modules, flash_attention_drops, is_attention_card
 from .cards import CARDS, ORG_ENV, Card, org_name_problem, resolve_org, version_problem
 from .integrity import LOAD_ELSEWHERE, VariantFilesError, check_variant_files
 from .offline import default_cache_dir
@@ -144,8 +144,9 @@ class ModelReport:
     this transformers release because their code is not code the tests proved. `not_fused`: the modules of swapped
     classes that run none because kernelize keeps the forward another library set on them. `left_out`: the modules of
     classes a card's model table leaves out, with the table's reason. `attention`: the model's attention
-    implementation; `warnings`: what the user should change (transformers' flash_attention_2 on the npu dropping
-    sliding windows or sinks).
+    implementation; `attention_runs`: under an attention card, each attention module's last fused form or why it ran
+    eager (`attention.attention_modules`); `warnings`: what the user should change (transformers'
+    flash_attention_2 on the npu dropping sliding windows or sinks).
     """
 
     model_class: str
@@ -155,6 +156,7 @@ class ModelReport:
     not_proven: list[Swap] = field(default_factory=list)
     left_out: list[LeftOut] = field(default_factory=list)
     attention: str | None = None
+    attention_runs: list[AttentionRun] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -248,8 +250,20 @@ def model_report(model: nn.Module) -> ModelReport:
         not_proven=[swap for swap in swaps if swap.variant is None],
         left_out=left_out_modules(model),
         attention=getattr(getattr(model, "config", None), "_attn_implementation", None),
+        attention_runs=attention_modules(model),
         warnings=list(dict.fromkeys(warning for warning in warnings if warning)),
     )
+
+
+def _attention_label(run: AttentionRun) -> str:
+    return "ran eager" if run.eager_reason else "fused" if run.form else "not run"
+
+
+def _attention_row(run: AttentionRun) -> str:
+    """An attention module's row: its last fused form, or why it ran eager, with every reason counted."""
+    said = run.eager_reason or run.form or "no call yet"
+    counted = "; ".join(f"{reason} ({count} calls)" for reason, count in run.eager_calls)
+    return f"{run.module} ({run.module_class}): {said}" + (f" [every eager reason: {counted}]" if counted else "")
 
 
 def host_report() -> HostReport:
@@ -637,6 +651,7 @@ def format_report(report: Report) -> str:
         lines += _rows([("fused", f"{fused or 'nothing'} (modules running each card's layer)")])
         if report.model.attention is not None:
             lines += _rows([("attention", report.model.attention)])
+        lines += _rows([(_attention_label(run), _attention_row(run)) for run in report.model.attention_runs])
         lines += _rows([("warning", warning) for warning in report.model.warnings])
         for swap in report.model.eager:
             lines += _eager_rows(swap)
