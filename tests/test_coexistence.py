@@ -323,20 +323,21 @@ def test_a_deep_copy_fuses_as_the_original_does(register, model_type, case):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
-def test_a_copy_made_before_registering_lists_only_what_runs(register, model_type):
+def test_a_copy_made_before_registering_fuses_its_rotary_embedding(register, model_type):
     """A deep copy made before registering holds its own copies of the function-modules transformers
-    attaches (Llama), which its code does not call: kernelizing the copy swaps them but they are not
-    listed, and nothing fuses until the global its code calls is kernelized (through any model of the
-    family). Functions the registry attaches (DeepseekV3) are class attributes, never copied: they fuse."""
+    attaches (Llama), which its code does not call: kernelizing the copy binds the card on the global its
+    code calls too, so it fuses and lists what runs (issue 43). Functions the registry attaches (DeepseekV3)
+    are class attributes, never copied: they fuse as well."""
+    ids = token_ids()
+    eager = forward(tiny_model(model_type), ids)
     base = tiny_model(model_type)
     model = copy.deepcopy(base).to("npu")
     register()
     kernelize(model, mode=Mode.INFERENCE, device="npu")
-    attached_by_transformers = model_type == "llama"
-    expected = [] if attached_by_transformers else rope_names(model_type, model)
-    assert [s.module for s in swapped_modules(model, card="npu-rope")] == expected
-    assert_each_listed_swap_runs(model_type, model)
-    kernelize(base, mode=Mode.INFERENCE, device="npu")  # swaps the shared global the copy's code calls
+    with emulation.count_op_calls() as calls:
+        out = forward(model, ids)
+    assert dict(calls) == expected_calls(model_type, model)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     assert [s.module for s in swapped_modules(model, card="npu-rope")] == rope_names(model_type, model)
     assert_each_listed_swap_runs(model_type, model)
 

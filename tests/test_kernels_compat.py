@@ -309,6 +309,25 @@ def test_keep_forwards_leaves_what_the_keeper_keeps_and_kernelize_binds_the_rest
     assert compat.instance_forward(kept).__func__ is Identity.forward
 
 
+def test_keep_forwards_binds_on_the_original_what_it_binds_on_a_stale_copy_unless_kept():
+    """With `original_of`, kernelize binding a forward on a copy binds it on the original its code calls too; an
+    original the keeper keeps keeps its forward, and a module that is no copy is bound alone."""
+    original, copied, alone = Identity(), Identity(), Identity()
+    for kept in (False, True):
+        for module in (original, copied, alone):
+            module.__dict__.pop("forward", None)
+        original.forward = MethodType(other_forward, original)
+        compat.keep_forwards(lambda module, layer, kept=kept: kept and module is original, {copied: original}.get)
+        try:
+            with use_kernel_mapping({}, inherit_mapping=False):
+                kernelize(nn.Sequential(copied, alone), mode=Mode.INFERENCE, device="cpu")
+        finally:
+            compat.stop_keeping_forwards()
+        assert compat.instance_forward(copied).__func__ is Identity.forward
+        assert compat.instance_forward(alone).__func__ is Identity.forward
+        assert compat.instance_forward(original).__func__ is (other_forward if kept else Identity.forward)
+
+
 def test_is_layer_forward_knows_the_layers_of_every_loaded_kernel_and_kernels_function_modules(built_cards):
     """A layer class's forward of a kernel kernels loaded, and the forward kernels gives a function-module, are what
     kernelize binds; a class's own forward and any other function are not."""

@@ -69,10 +69,13 @@ Private functions wrapped (the section "Private functions wrapped"):
   included): `keep_forwards`, `stop_keeping_forwards`; retag installs it with the first class it
   retags and removes it with `restore()` (`unregister_npu_kernels`), so that kernelize leaves in place
   a forward another library set on a module of a class npu-hub-kernels retagged (TRL's fused LM head,
-  accelerate's autocast wrapper) instead of binding the card's layer over it. Modules of every other
-  class are bound as kernels binds them. Public: a class's `kernel_condition` (retag's condition),
-  which kernelize does not ask for the function-modules it reaches through `_kernel_funcs`, and which
-  decides only whether to kernelize, not why.
+  accelerate's autocast wrapper) instead of binding the card's layer over it, and so that a forward
+  kernelize binds on a stale deep copy of a shared rotary function-module (a model's `_kernel_funcs`
+  entry copied before retag shared them) is bound on the shared original too, which is what the copy's
+  code calls. Modules of every other class are bound as kernels binds them. Public: a class's
+  `kernel_condition` (retag's condition), which kernelize does not ask for the function-modules it
+  reaches through `_kernel_funcs`, and which decides only whether to kernelize, not why; nothing public
+  reaches the original of a copy.
 
 Generated code recognised (the section "Generated code"):
 - the `nn.Module` class `use_kernel_forward_from_hub` makes of a function (`layer._create_func_module`:
@@ -242,6 +245,8 @@ def is_layer_forward(function: object) -> bool:
 
 ForwardKeeper = Callable[["nn.Module", type], bool]
 """Whether kernelize is to leave the forward of a module as it is (True) instead of binding the given layer's."""
+OriginalOf = Callable[["nn.Module"], "nn.Module | None"]
+"""The module a given module is a stale copy of, whose forward the code calls in the copy's place; None if none."""
 
 _KERNELS_LAYER = importlib.import_module("kernels.layer.layer")
 if list(inspect.signature(getattr(_KERNELS_LAYER, "_replace_forward", lambda: None)).parameters) != ["module", "layer"]:
@@ -250,34 +255,40 @@ if list(inspect.signature(getattr(_KERNELS_LAYER, "_replace_forward", lambda: No
         f"npu-hub-kernels wraps. Install kernels=={TESTED}, and report it: mapping/npu_hub_kernels/_kernels_compat.py."
     )
 _forward_keeper: ForwardKeeper | None = None
+_original_of: OriginalOf | None = None
 _wrapped_replace_forward: Callable[[nn.Module, type], None] = _KERNELS_LAYER._replace_forward
 """The `_replace_forward` `keep_forwards` wrapped: kernels' own, or whatever another library had put there."""
 
 
 def _replace_forward_unless_kept(module: nn.Module, layer: type) -> None:
-    """kernels' `_replace_forward(module, layer)`, except for a module the installed keeper keeps."""
-    keeper = _forward_keeper
-    if keeper is not None and keeper(module, layer):
-        return
-    _wrapped_replace_forward(module, layer)
+    """kernels' `_replace_forward(module, layer)` on `module` and on its original, except where the keeper keeps one.
+
+    The original is what the installed `original_of` names (a stale copy's), if anything."""
+    keeper, original_of = _forward_keeper, _original_of
+    original = None if original_of is None else original_of(module)
+    for target in (module,) if original is None else (module, original):
+        if keeper is None or not keeper(target, layer):
+            _wrapped_replace_forward(target, layer)
 
 
-def keep_forwards(keeper: ForwardKeeper) -> None:
+def keep_forwards(keeper: ForwardKeeper, original_of: OriginalOf | None = None) -> None:
     """Make kernelize, from now on, leave the forward of every module for which `keeper(module, layer)` is true.
 
     It binds neither a layer's forward nor the class's own there. Every other module is bound as kernels binds it.
+    With `original_of`, a forward kernelize binds on a module that `original_of(module)` says is a stale copy is
+    bound on that original too (unless the keeper keeps the original's): the code calls the original, not the copy.
     """
-    global _forward_keeper, _wrapped_replace_forward
+    global _forward_keeper, _original_of, _wrapped_replace_forward
     if _KERNELS_LAYER._replace_forward is not _replace_forward_unless_kept:
         _wrapped_replace_forward = _KERNELS_LAYER._replace_forward
         _KERNELS_LAYER._replace_forward = _replace_forward_unless_kept
-    _forward_keeper = keeper
+    _forward_keeper, _original_of = keeper, original_of
 
 
 def stop_keeping_forwards() -> None:
-    """Undo `keep_forwards`: kernelize binds every forward as it did before."""
-    global _forward_keeper
-    _forward_keeper = None
+    """Undo `keep_forwards`: kernelize binds every forward as it did before, on the module it is given only."""
+    global _forward_keeper, _original_of
+    _forward_keeper, _original_of = None, None
     if _KERNELS_LAYER._replace_forward is _replace_forward_unless_kept:
         _KERNELS_LAYER._replace_forward = _wrapped_replace_forward
 
@@ -449,6 +460,7 @@ __all__ = [
     "KernelDependency",
     "KernelVersion",
     "MetadataValidator",
+    "OriginalOf",
     "RepoPathsResolver",
     "Resolver",
     "SequentialResolver",

@@ -23,7 +23,11 @@ Another library may have replaced a rotary function already (LLaMA-Factory's NPU
 forward of transformers' function-module). The card reproduces only transformers' function, so such
 a function is left alone and what replaced it is logged: the other library's function keeps
 running. The function-modules are shared like the functions they stand for: a deep copy of a model
-(a TRL reference model) keeps calling them, so kernelizing the copy fuses it.
+(a TRL reference model) keeps calling them, so kernelizing the copy fuses it. A copy made while they were
+not shared (before the process's first registration, or after `restore()`) holds copies of transformers'
+function-modules in its attention modules' `_kernel_funcs`, which its code never calls (it calls the
+global): what kernelize binds on such a copy it binds on the global too (`shared_original`), so the copy
+runs what kernelize gave it.
 
 Likewise a forward another library set on a module instance of a retagged class (TRL's trainers set their fused
 LM head as the forward of the `*ForCausalLM` model, accelerate wraps a model's forward in its autocast) is never
@@ -241,6 +245,20 @@ def _same_object(self, memo):
     return self
 
 
+def shared_original(module: nn.Module) -> nn.Module | None:
+    """The shared function-module (a module global) that `module` is a stale deep copy of; None for any other module.
+
+    Such a copy was made before `_share` (a model deep-copied before registering): its class is the original's, one
+    class per function (`use_kernel_forward_from_hub`), and the code that holds it in `_kernel_funcs` calls the
+    global. kernelize binds what it binds on the copy on the original too (`_kernels_compat.keep_forwards`), unless
+    another library set the original's forward (`keeps_forward`).
+    """
+    cls = type(module)
+    return next(
+        (shared for shared in _state.function_modules.values() if type(shared) is cls and shared is not module), None
+    )
+
+
 def _replacement(module: ModuleType, name: str, obj: object) -> str | None:
     """What another library replaced transformers' function `name` of `module` with (for the log), or None.
 
@@ -358,9 +376,10 @@ def _retag(cls: type, mapping_name: str, rule: ClassRule | None = None) -> None:
     # Only instances of exactly this class (a subclass may compute something else), and, for a listed class, only
     # while its code is still the proven code: kernelize asks at every call.
     replace_kernel_forward_from_hub(cls, mapping_name, condition=partial(_exactly_and_still_proven, cls, rule))
-    # While a class is retagged, kernelize keeps the forward another library set on one of its modules.
+    # While a class is retagged, kernelize keeps the forward another library set on one of its modules, and binds
+    # what it binds on a stale copy of a shared function-module on the shared one too.
     _state.record(_KEPT_FORWARDS, compat.stop_keeping_forwards)
-    compat.keep_forwards(keeps_forward)
+    compat.keep_forwards(keeps_forward, shared_original)
 
 
 def _exactly_and_still_proven(cls: type, rule: ClassRule | None, module: nn.Module) -> bool:
