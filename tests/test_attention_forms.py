@@ -15,6 +15,7 @@ runs a sample that covers every value of every axis.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 
@@ -33,6 +34,12 @@ OP = "npu_fusion_attention"
 FUSED = "fused"
 SEQ = 12
 ALL = os.environ.get("NPU_HUB_KERNELS_ALL_FORMS") == "1"
+HALF_ULP = 2.0**-9
+"""Half of bfloat16's relative spacing (8 bits of mantissa)."""
+
+
+def mean_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    return (got - want).abs().mean()
 
 
 def _families() -> dict[str, dict]:
@@ -125,27 +132,52 @@ def run_both(model: torch.nn.Module, inputs: dict, train: bool, kept: torch.Tens
     return results["eager"], results[NAME], calls[NAME]
 
 
-def assert_eagers_answer(eager, fused, kept: torch.Tensor, dtype: torch.dtype) -> None:
-    """The card's logits (kept tokens), loss and gradients equal eager's: to rounding in float32; in bfloat16 within
-    the tolerance of two bfloat16 computations of the same model (dropout is off: train mode on tiny configs)."""
-    atol, rtol = (3e-5, 1e-3) if dtype == torch.float32 else (6e-2, 6e-2)
-    torch.testing.assert_close(fused[0][kept].float(), eager[0][kept].float(), atol=atol, rtol=rtol)
-    torch.testing.assert_close(fused[1], eager[1], atol=atol, rtol=rtol)
+def assert_eagers_answer(eager, fused, kept: torch.Tensor, dtype: torch.dtype, reference=None) -> None:
+    """The card's logits (kept tokens), loss and gradients equal eager's: to rounding in float32; in a half dtype
+    each within twice eager's error against `reference`, eager in float32 on the same weights (flash-attention's
+    rule; float32, as grouped_mm has no float64: a MoE router's top-k can flip between two half-precision runs, so
+    they need not agree with each other). The error is the mean absolute one, with half a bfloat16 ulp of the
+    reference's mean magnitude as slack: through a whole model one logit an ulp off is rounding, not a form."""
+    pairs = [("logits", fused[0][kept], eager[0][kept]), ("loss", fused[1], eager[1])]
+    pairs += [(name, fused[2][name], grad) for name, grad in eager[2].items()]
     assert fused[2].keys() == eager[2].keys()
-    for name, grad in eager[2].items():
-        scale = grad.float().abs().max().clamp(min=1e-6)
-        error = (fused[2][name].float() - grad.float()).abs().max() / scale
-        assert error <= (1e-3 if dtype == torch.float32 else 1.5e-1), f"{name}: relative error {error:.2e}"
+    expected = None
+    if reference is not None:
+        expected = {"logits": reference[0][kept], "loss": reference[1], **reference[2]}
+    for name, got, want in pairs:
+        if expected is None:
+            scale = want.float().abs().max().clamp(min=1e-6)
+            error = (got.float() - want.float()).abs().max() / scale
+            assert error <= 1e-3, f"{name}: relative error {error:.2e}"
+        else:
+            reference_of = expected[name].double()
+            fused_error, eager_error = mean_error(got.double(), reference_of), mean_error(want.double(), reference_of)
+            slack = HALF_ULP * reference_of.abs().mean()
+            assert fused_error <= 2 * eager_error + slack, (name, fused_error, eager_error)
+
+
+def float32_eager(model: torch.nn.Module, inputs: dict, train: bool, kept: torch.Tensor | None = None):
+    """Eager's logits, loss and gradients in float32 on `model`'s weights (the reference of a half dtype)."""
+    reference = copy.deepcopy(model).to(torch.float32)
+    reference.set_attn_implementation("eager")
+    reference.train(train)
+    out = reference(**_on_npu(inputs))
+    weights = (_kept(inputs) if kept is None else kept).to("npu")[..., None]
+    loss = (out.logits.float().square() * weights).sum() / weights.sum().clamp(min=1)
+    loss.backward()
+    grads = {n: p.grad.detach().cpu() for n, p in reference.named_parameters() if p.grad is not None}
+    return out.logits.detach().cpu(), loss.detach().cpu(), grads
 
 
 def check_reported(model: torch.nn.Module, expected: str) -> None:
-    """What `attention_modules` says of the model's attention: the form it fused, or the words of the eager reason."""
+    """What `attention_modules` says of the model's attention: the form every call fused, or the words of a reason
+    some call ran eager for."""
     reports = attention_modules(model)
     assert reports, "no attention module reported"
     if expected == FUSED:
-        assert all(r.form is not None and r.eager_reason is None for r in reports), reports
+        assert all(r.form is not None and not r.eager_calls for r in reports), reports
     else:
-        assert any(r.eager_reason and expected in r.eager_reason for r in reports), reports
+        assert any(expected in reason for r in reports for reason, _ in r.eager_calls), reports
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +205,8 @@ def test_each_input_form_gives_eagers_logits_loss_and_gradients_fused(registered
     inputs = FORMS[form]()
     eager, fused, calls = run_both(model, inputs, train)
     assert calls == model.config.num_hidden_layers  # one fused call per layer: the form is the op's
-    assert_eagers_answer(eager, fused, _kept(inputs), dtype)
+    reference = None if dtype == torch.float32 else float32_eager(model, inputs, train)
+    assert_eagers_answer(eager, fused, _kept(inputs), dtype, reference)
     check_reported(model, FUSED)
 
 
@@ -194,34 +227,52 @@ def test_a_collators_reused_buffer_gives_each_batchs_own_sequences(registered):
 CACHES = ["dynamic", "static", "sliding_window", "hybrid"]
 """generate's cache implementations, but the offloaded ones: on an npu they need CUDA streams in transformers 5.22,
 and fail the same under eager (test_offloaded_caches_fail_as_eager_does)."""
-PROMPTS = {"all-ones mask": [(0, 0), (0, 0)], "left padding": [(3, 0), (0, 0)], "no mask": None}
+PROMPTS = {
+    "all-ones mask": [(0, 0), (0, 0)],
+    "left padding": [(3, 0), (0, 0)],
+    "no mask": None,
+    "pad token inside, no mask": None,
+}
+"""Prompts of 2 rows: a mask's rows as (left, right) padding, or no mask (generate infers one from the pad token)."""
 GENERATE_CASES = _sample([list(FAMILIES), CACHES, list(PROMPTS)])
 
 
-def _generate(model: torch.nn.Module, cache: str, prompt: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _prompt(prompt: str) -> dict:
+    """The prompt's inputs: token ids free of the pad token (0) unless the prompt holds one inside a row."""
     rows = PROMPTS[prompt]
     inputs = _padded(rows or [(0, 0), (0, 0)])
+    kept = inputs["attention_mask"].bool()
+    inputs["input_ids"] = torch.where(kept & (inputs["input_ids"] == 0), 3, inputs["input_ids"])
     if rows is None:
         inputs.pop("attention_mask")
+    if prompt.startswith("pad token inside"):
+        inputs["input_ids"][0, 5] = 0
+    return inputs
+
+
+def _generate(model: torch.nn.Module, cache: str, prompt: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     options = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with emulation.count_op_calls() as calls:
-        out = model.generate(**_on_npu(inputs), cache_implementation=cache, **options)
+        out = model.generate(**_on_npu(_prompt(prompt)), cache_implementation=cache, **options)
     return out.sequences.cpu(), out.logits[0].cpu(), calls[OP]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "cache", "prompt"), GENERATE_CASES, ids=str)
 def test_generate_with_each_cache_gives_eagers_tokens_and_logits_fused(registered, family, cache, prompt):
+    """Fused at every step, but for a window over a prompt whose inferred mask has a hole: eager, saying so."""
     model = build(family).eval()
     model.generation_config.pad_token_id = 0
     model.set_attn_implementation("eager")
     eager_tokens, eager_logits, _ = _generate(model, cache, prompt)
     model.set_attn_implementation(NAME)
     tokens, logits, calls = _generate(model, cache, prompt)
-    assert calls >= 5 * model.config.num_hidden_layers
+    windowed = any(getattr(module, "sliding_window", None) for module in model.modules())
+    hole = prompt.startswith("pad token inside") and windowed
+    assert calls >= (0 if hole else 5 * model.config.num_hidden_layers)
     torch.testing.assert_close(logits, eager_logits, atol=3e-5, rtol=1e-3)
     assert torch.equal(tokens, eager_tokens)
-    check_reported(model, FUSED)
+    check_reported(model, "holes inside a row and a sliding window" if hole else FUSED)
 
 
 @pytest.mark.parametrize("cache", ["offloaded", "offloaded_static"])

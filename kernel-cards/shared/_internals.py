@@ -101,6 +101,14 @@ INTERNALS: dict[str, Internal] = {
         "the MoE loss layers add the router's auxiliary loss with the function the class's forward calls",
         "none: transformers does not export each modeling module's function under one name",
     ),
+    "closure_values": Internal(
+        "transformers: the closure variables of a mask function masking_utils composed (and_masks' mask_functions, "
+        "sliding_window_overlay's sliding_window, packed_sequence_mask_function's packed_sequence_mask, "
+        "padding_mask_function's padding_mask), through __code__.co_freevars and __closure__",
+        "the attention card fuses only the compositions it can read back into the primitives the op computes; the "
+        "window size and the packed or padding tensors live only in those closures",
+        "none: masking_utils hands mask functions as closures and keeps no description of them",
+    ),
     "device_has_kernel": Internal(
         "torch: torch._C._dispatch_has_kernel_for_dispatch_key(<aten op>, 'PrivateUse1'), the dispatcher's table",
         "whether this torch_npu registers an aten overload for the npu (addmm.dtype_out, from torch_npu 2.11): the "
@@ -191,6 +199,14 @@ def fsdp2_output_dtype(module: nn.Module) -> torch.dtype | None:
 def modeling_global(cls: type, name: str) -> object:
     """The global `name` as `cls.forward` resolves it, in its own modeling module (past the decorators that wrap it)."""
     return inspect.unwrap(cls.forward).__globals__[name]
+
+
+def closure_values(function: object) -> dict[str, object]:
+    """The closure variables of `function` by name (empty for a function with none), as it captured them."""
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
+    if code is None:
+        return {}
+    return dict(zip(code.co_freevars, (cell.cell_contents for cell in cells), strict=True))
 
 
 def device_has_kernel(overload: str) -> bool:

@@ -7,20 +7,21 @@ sliding-window, offloaded and hybrid caches differ there) and hands `fused_atten
 sizes and the 2-D padding mask; every attention layer of that kind then gets what it returns. The card decides
 from that whole description, never from the attention call's keyword arguments or the module's `is_causal`:
 
-- `describe_mask` reads the composed function back into its primitives (by their code objects: an `and_masks` of
+- `mask_terms` reads the composed function back into its primitives (by their code objects: an `and_masks` of
   `causal_mask_function`, `bidirectional_mask_function`, `sliding_window_overlay(W)`, `packed_sequence_mask_function`
   and `padding_mask_function` terms). Any other term (an or-overlay, chunks, a block or token-type overlay, a
   bidirectional window, a user's function) is a form the op cannot be proven to compute: the mask function then
   returns the 4-D mask transformers' own eager mask function builds, with the reason (`EAGER_REASON_ATTRIBUTE`),
   and the attention runs the model's eager attention with it.
 - A described form is returned as a carrier holding the `MaskDescription` (`DESCRIPTION_ATTRIBUTE`): the 2-D
-  padding mask of every position, [B, kv_offset + kv_length] (all True, a view of one element, without padding),
-  so that a caller who hands it back as a model's `attention_mask` (generate prepares a static cache's mask ahead)
-  gets the same mask again. Where the op needs host lists (padding, packed sequences, or a cache
-  whose keys are not aligned with the queries' ends: a static cache's empty slots), the description holds a
-  [B, kv_length] int8 tensor of per-key codes computed on the device (`KEPT`, `QUERY`) or the packed sequence ids,
-  recorded for the one host read of the forward (`host_reads`). Its plans and eager mask are kept on the
-  description, so they live exactly as long as this forward's mask.
+  padding mask of every position, [B, kv_offset + kv_length] (all True without padding), contiguous, so that a
+  caller who hands it on (generate prepares a static cache's masks ahead and calls `.contiguous()` on them) hands on
+  this very tensor, and one who hands it back as a model's `attention_mask` gets the same mask again.
+- Where the op needs host lists (padding, packed sequences, or a cache whose keys are not aligned with the queries'
+  ends: a static cache's empty slots), the description holds a [B, kv_length] int8 tensor of per-key codes computed
+  on the device (`KEPT`, `QUERY`) or the packed sequence ids, recorded for the one host read of the forward
+  (`host_reads`). Its plans and eager mask are kept on the description, so they live exactly as long as this
+  forward's mask.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._internals import closure_values
 from .host_reads import expect_host_read
 
 DESCRIPTION_ATTRIBUTE = "npu_fused_attention_description"
@@ -70,17 +72,6 @@ class MaskDescription:
         if not self.eager:
             self.eager.append(transformers_eager_mask(self.arguments))
         return self.eager[0]
-
-    def summary(self) -> str:
-        """The form in a few words: 'causal, window 4, padded', 'bidirectional', 'causal, packed', ..."""
-        parts = ["causal" if self.causal else "bidirectional"]
-        if self.window is not None:
-            parts.append(f"window {self.window}")
-        if self.sequence_ids is not None:
-            parts.append("packed")
-        elif self.codes is not None:
-            parts.append("padded or cache-offset")
-        return ", ".join(parts)
 
 
 def transformers_eager_mask(arguments: dict[str, Any]) -> torch.Tensor | None:
@@ -127,9 +118,8 @@ def fused_attention_mask(
         return mask
     carrier = _padding(attention_mask, terms.padding, kv_length, kv_offset)
     if carrier is None:
-        carrier = torch.ones((), dtype=torch.bool, device=kwargs.get("device", "cpu")).expand(
-            batch_size, kv_offset + kv_length
-        )
+        carrier = torch.ones(batch_size, kv_offset + kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+    carrier = carrier.contiguous()  # generate calls .contiguous() on a mask it prepared: the same tensor comes back
     setattr(carrier, DESCRIPTION_ATTRIBUTE, description)
     return carrier
 
@@ -142,11 +132,6 @@ class MaskTerms:
     window: int | None = None
     sequence_ids: torch.Tensor | None = None
     padding: torch.Tensor | None = None
-
-
-def _closure(function: Callable) -> dict[str, Any]:
-    cells = getattr(function, "__closure__", None) or ()
-    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in cells), strict=True))
 
 
 def _primitive_codes() -> dict[Any, str]:
@@ -185,7 +170,7 @@ def mask_terms(mask_function: Callable | None) -> MaskTerms | str:
                 f"the mask composes {name} (an overlay on the causal or bidirectional pattern, chunks, or a custom "
                 "mask function): npu_fusion_attention's modes cannot be proven to compute it"
             )
-        closure = _closure(function)
+        closure = closure_values(function)
         if kind == "and":
             pending.extend(closure["mask_functions"])
         elif kind == "window":
@@ -207,8 +192,9 @@ def mask_terms(mask_function: Callable | None) -> MaskTerms | str:
 
 
 def _describe(terms: MaskTerms, arguments: dict[str, Any], device: torch.device | str) -> MaskDescription | str:
-    """The description of a mask of these terms, with the codes or sequence ids the op's host lists need, or why the
-    op cannot take it."""
+    """The description of a mask of these terms, or why the op cannot take it.
+
+    It holds the codes or sequence ids the op's host lists need, recorded for the forward's one host read."""
     batch, q_length, kv_length = arguments["batch_size"], arguments["q_length"], arguments["kv_length"]
     q_offset, kv_offset = arguments["q_offset"], arguments["kv_offset"]
     padding = _padding(arguments["attention_mask"], terms.padding, kv_length, kv_offset)
@@ -244,8 +230,10 @@ def _describe(terms: MaskTerms, arguments: dict[str, Any], device: torch.device 
 def _padding(
     attention_mask: torch.Tensor | None, composed: torch.Tensor | None, kv_length: int, kv_offset: int
 ) -> torch.Tensor | None:
-    """The (B, kv_offset + kv_length) bool padding of every position, indexed as transformers indexes it (padded with
-    False past the mask's end: a static cache's empty slots), or None without padding."""
+    """The (B, kv_offset + kv_length) bool padding of every position, or None without padding.
+
+    Indexed as transformers indexes it: absolute positions, False past the mask's end (a static cache's empty
+    slots)."""
     padding = None
     for mask in (attention_mask, composed):
         if mask is None:
