@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ORG ?=
 
-.PHONY: setup build demo bench publish test lint ledger clean test-transformers prove-transformers
+.PHONY: setup build demo bench publish test lint ledger clean test-transformers prove-transformers test-forms
 
 setup: $(STAMP)
 
@@ -72,6 +72,11 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -n 2
+
+# The attention card's differential harness on every combination of its axes (`make test` runs a sample that covers
+# every value of every axis): tests/test_attention_forms.py.
+test-forms: setup
+	NPU_HUB_KERNELS_ALL_FORMS=1 $(PY) -m pytest -n 2 tests/test_attention_forms.py
 
 clean:
 	rm -rf build .cache .venv-transformers-*
