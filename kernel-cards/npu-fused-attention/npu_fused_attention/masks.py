@@ -199,12 +199,15 @@ def _describe(terms: MaskTerms, arguments: dict[str, Any], device: torch.device 
     q_offset, kv_offset = arguments["q_offset"], arguments["kv_offset"]
     padding = _padding(arguments["attention_mask"], terms.padding, kv_length, kv_offset)
     padding = None if padding is None else padding[:, kv_offset : kv_offset + kv_length]
+    window = terms.window
+    if window is not None and isinstance(q_offset, int) and window > q_offset + q_length - 1 - kv_offset:
+        window = None  # wider than the farthest key from the last query: it masks nothing
     common = dict(
         batch=batch,
         q_length=q_length,
         kv_length=kv_length,
         causal=terms.causal,
-        window=terms.window,
+        window=window,
         arguments=arguments,
     )
     sequence_ids = terms.sequence_ids
