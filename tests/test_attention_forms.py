@@ -105,16 +105,26 @@ def _on_npu(inputs: dict) -> dict:
     return {key: value.to("npu") if torch.is_tensor(value) else value for key, value in inputs.items()}
 
 
-def _kept(inputs: dict) -> torch.Tensor:
+def _kept(inputs: dict, model: torch.nn.Module | None = None) -> torch.Tensor:
+    """The positions whose query sees some key (through every layer's window, `model`'s): those a user may read.
+
+    A right-padded prompt's last position is one (generate reads it). A query that sees no key (a left pad) gets
+    sdpa's 0 from the card where eager averages every value: a value no later layer reads."""
     mask = inputs.get("attention_mask")
-    return torch.ones_like(inputs["input_ids"], dtype=torch.bool) if mask is None else mask.bool().cpu()
+    if mask is None:
+        return torch.ones_like(inputs["input_ids"], dtype=torch.bool)
+    seen = mask.long().cumsum(1)
+    window = None if model is None else getattr(model.config, "sliding_window", None)
+    if window is not None and window < seen.shape[1]:
+        seen = seen - torch.nn.functional.pad(seen, (window, 0))[:, : seen.shape[1]]
+    return seen.cpu() > 0
 
 
 def run_both(model: torch.nn.Module, inputs: dict, train: bool, kept: torch.Tensor | None = None):
     """(eager's, the card's) logits, loss and gradients, and the op's calls under the card (eager: 0 asserted).
 
     The loss reads the logits of the `kept` tokens (default: those the attention mask keeps)."""
-    kept = _kept(inputs) if kept is None else kept
+    kept = _kept(inputs, model) if kept is None else kept
     results, calls = {}, {}
     for name in ("eager", NAME):
         model.set_attn_implementation(name)
@@ -162,7 +172,7 @@ def float32_eager(model: torch.nn.Module, inputs: dict, train: bool, kept: torch
     reference.set_attn_implementation("eager")
     reference.train(train)
     out = reference(**_on_npu(inputs))
-    weights = (_kept(inputs) if kept is None else kept).to("npu")[..., None]
+    weights = (_kept(inputs, model) if kept is None else kept).to("npu")[..., None]
     loss = (out.logits.float().square() * weights).sum() / weights.sum().clamp(min=1)
     loss.backward()
     grads = {n: p.grad.detach().cpu() for n, p in reference.named_parameters() if p.grad is not None}
@@ -206,7 +216,7 @@ def test_each_input_form_gives_eagers_logits_loss_and_gradients_fused(registered
     eager, fused, calls = run_both(model, inputs, train)
     assert calls == model.config.num_hidden_layers  # one fused call per layer: the form is the op's
     reference = None if dtype == torch.float32 else float32_eager(model, inputs, train)
-    assert_eagers_answer(eager, fused, _kept(inputs), dtype, reference)
+    assert_eagers_answer(eager, fused, _kept(inputs, model), dtype, reference)
     check_reported(model, FUSED)
 
 
@@ -230,6 +240,7 @@ and fail the same under eager (test_offloaded_caches_fail_as_eager_does)."""
 PROMPTS = {
     "all-ones mask": [(0, 0), (0, 0)],
     "left padding": [(3, 0), (0, 0)],
+    "right padding": [(0, 0), (0, 3)],
     "no mask": None,
     "pad token inside, no mask": None,
 }
@@ -360,6 +371,16 @@ def _bart() -> torch.nn.Module:
     return BartForConditionalGeneration(config).to("npu")
 
 
+def _t5() -> torch.nn.Module:
+    """T5: its attention takes a relative position bias, which the op cannot add."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, dropout_rate=0.0,
+                      relative_attention_num_buckets=8, pad_token_id=0, decoder_start_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config).to("npu")
+
+
 def _cross_inputs() -> dict:
     encoder = _padded([(0, 5), (0, 0)])
     return {
@@ -380,6 +401,7 @@ SPECIAL = {
     "PaliGemma prefix tokens, padded": (_paligemma, _prefix_tokens, "the mask composes"),
     "PaliGemma text only, padded": (_paligemma, lambda: _padded([(3, 0), (0, 2)]), FUSED),
     "BART cross-attention, right-padded encoder": (_bart, _cross_inputs, FUSED),
+    "T5 relative position bias": (_t5, _cross_inputs, "position_bias"),
 }
 
 
@@ -389,11 +411,25 @@ def test_overlays_flags_and_cross_attention_give_eagers_answer(registered, case)
     make_model, make_inputs, expected = SPECIAL[case]
     model = make_model()
     inputs = {key: value for key, value in make_inputs().items() if value is not None}
-    kept = _kept(inputs) if "decoder_input_ids" not in inputs else torch.ones(2, 7, dtype=torch.bool)
+    kept = _kept(inputs, model) if "decoder_input_ids" not in inputs else torch.ones(2, 7, dtype=torch.bool)
     eager, fused, calls = run_both(model, inputs, train=True, kept=kept)
     assert (calls > 0) == (expected == FUSED), calls
     assert_eagers_answer(eager, fused, kept, torch.float32)
     check_reported(model, expected)
+
+
+def test_an_all_padding_batch_gives_sdpas_zeros_without_calling_the_op(registered):
+    """Every query sees no key: sdpa's answer is 0 for each (eager's averages every value); the card gives sdpa's,
+    with no call of the op, whose varlen form takes no empty batch."""
+    model = build("llama").eval()
+    inputs = _on_npu({"input_ids": token_ids(2, SEQ), "attention_mask": torch.zeros(2, SEQ, dtype=torch.long)})
+    logits = {}
+    for name in ("sdpa", NAME):
+        model.set_attn_implementation(name)
+        with emulation.count_op_calls() as calls, torch.no_grad():
+            logits[name] = model(**inputs).logits.cpu()
+    assert calls[OP] == 0
+    torch.testing.assert_close(logits[NAME], logits["sdpa"], atol=3e-5, rtol=1e-3)
 
 
 def test_the_harness_catches_a_wrong_form(registered, monkeypatch):

@@ -89,7 +89,10 @@ class VarlenPlan:
     `query_index` / `key_index`: the positions kept of the flattened [B * Sq] queries / [B * Skv] keys (None: all of
     them, in order); `query_ends` / `key_ends`: the cumulative lengths, no leading 0 (the op's actual_seq lists).
     `holes`: some row's kept keys are not contiguous (a window would then measure distances the compacted tokens do
-    not have); `reason`: why the op cannot take this batch (None: it can).
+    not have); `reason`: why the op cannot take this batch (None: it can). `padding_queries`: the flattened
+    positions of the padding queries that see a key (a right-padded prompt's last position, which generate reads),
+    `padding_rows` their batch rows and `padding_keys` [n, Skv] the keys each sees: computed apart (the op's TND form
+    has no place for them), as eager and sdpa compute them.
     """
 
     query_index: torch.Tensor | None
@@ -98,13 +101,17 @@ class VarlenPlan:
     key_ends: tuple[int, ...]
     holes: bool = False
     reason: str | None = None
+    padding_queries: torch.Tensor | None = None
+    padding_rows: torch.Tensor | None = None
+    padding_keys: torch.Tensor | None = None
 
 
 def _plan_of_codes(description: MaskDescription, device: torch.device) -> VarlenPlan | None:
     """The plan of a description's key codes (masks.KEPT, masks.QUERY), from its host copy; None for the dense form.
 
     Causal: the queries are the key slots marked QUERY, in order, and a query is kept where its slot is kept, so each
-    row's kept queries are its last kept keys and the op's bottom-right alignment sees what the mask lets it see.
+    row's kept queries are its last kept keys and the op's bottom-right alignment sees what the mask lets it see; a
+    padding query that sees some kept key goes to `padding_queries`, one that sees none gets 0 (sdpa's value).
     Bidirectional (and cross-attention): every query is kept and sees its row's kept keys."""
     host = host_copy(description.codes).to(torch.int32)
     kept, is_query = (host & KEPT).bool(), (host & QUERY).bool()
@@ -118,7 +125,9 @@ def _plan_of_codes(description: MaskDescription, device: torch.device) -> Varlen
         if bool(kept.all()) and bool(is_query[:, kv_len - q_len :].all()):
             return None
         query_index, query_counts = queries_kept.reshape(-1).nonzero().squeeze(1).to(device), queries_kept.sum(1)
+        padding = _padding_queries(kept, is_query, description.window, device)
     else:
+        padding = {}
         if bool(kept.all()):
             return None
         if q_len and bool((key_counts == 0).any()):
@@ -133,7 +142,49 @@ def _plan_of_codes(description: MaskDescription, device: torch.device) -> Varlen
         query_ends=tuple(query_counts.cumsum(0).tolist()),
         key_ends=tuple(key_counts.cumsum(0).tolist()),
         holes=bool(((key_counts > 0) & (last - first + 1 != key_counts)).any()),
+        **padding,
     )
+
+
+def _padding_queries(
+    kept: torch.Tensor, is_query: torch.Tensor, window: int | None, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The padding queries of a causal plan that see some kept key: `VarlenPlan`'s padding_* fields, or none."""
+    positions = torch.arange(kept.shape[1])
+    seen = kept.cumsum(1)  # kept keys at or before each position
+    if window is not None:  # less those before the window
+        seen = seen - torch.nn.functional.pad(seen, (window, 0))[:, : kept.shape[1]]
+    stray = is_query & ~kept & (seen > 0)
+    if not bool(stray.any()):
+        return {}
+    rows, slots = stray.nonzero(as_tuple=True)
+    sees = kept[rows] & (positions[None, :] <= slots[:, None])
+    if window is not None:
+        sees = sees & (positions[None, :] > slots[:, None] - window)
+    first_query = int(is_query[0].nonzero()[0])
+    q_len = int(is_query[0].sum())
+    return {
+        "padding_queries": (rows * q_len + slots - first_query).to(device),
+        "padding_rows": rows.to(device),
+        "padding_keys": sees.to(device),
+    }
+
+
+def _attend_padding_queries(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: VarlenPlan, scale: float, sinks
+) -> torch.Tensor:
+    """The attention [n, Nq, Dv] of the plan's padding queries over the keys each sees, in float32 as the op's."""
+    rows, slots = plan.padding_rows, plan.padding_queries % query.shape[2]
+    groups = query.shape[1] // key.shape[1]
+    q = query[rows, :, slots].float()
+    k = key[rows].float().repeat_interleave(groups, 1)
+    v = value[rows].float().repeat_interleave(groups, 1)
+    scores = torch.einsum("nhd,nhsd->nhs", q, k) * scale
+    scores = scores.masked_fill(~plan.padding_keys[:, None, :], float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float()[None, :, None].expand(len(rows), -1, 1)], dim=-1)
+    probs = scores.softmax(-1)[..., : k.shape[2]]
+    return torch.einsum("nhs,nhsd->nhd", probs, v).to(query.dtype)
 
 
 def _plan_of_sequence_ids(sequence_ids: torch.Tensor) -> VarlenPlan:
@@ -236,6 +287,22 @@ def attention_form(
     return AttentionForm(_is_causal(module, kwargs), sliding_window, plan)
 
 
+_CALL_TENSORS: set[str] = set()
+
+
+def call_tensors() -> set[str]:
+    """The tensor keywords of an attention call the card reads or that do not change the math.
+
+    They are what transformers passes every attention function (its TransformersKwargs: position ids, the packed
+    sequences' cu_seq_lens, Trainer's num_items_in_batch, ...), sinks (s_aux) and cache_position. Any other (T5's
+    position_bias, a sparse model's indices, a head mask) runs eager, which applies it."""
+    if not _CALL_TENSORS:
+        from transformers.utils import TransformersKwargs  # only transformers calls the attention function
+
+        _CALL_TENSORS.update(TransformersKwargs.__annotations__, {"s_aux", "cache_position"})
+    return _CALL_TENSORS
+
+
 SINK_CANN = (8, 5)
 """npu_fusion_attention takes `sink` from CANN 8.5 (and torch_npu 7.3.0) on: torch_npu's npu_fusion_attention docs."""
 
@@ -322,6 +389,9 @@ def _decide(
         return f"logit soft-capping (softcap={softcap}): npu_fusion_attention has none"
     if kwargs.get("output_attentions"):
         return "output_attentions: npu_fusion_attention returns no attention weights"
+    unknown = sorted(name for name, value in kwargs.items() if torch.is_tensor(value) and name not in call_tensors())
+    if unknown:
+        return f"the call passes {', '.join(unknown)}, which npu_fusion_attention does not take"
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         reason = sink_unavailable_reason(query, sinks)
@@ -413,19 +483,22 @@ def fused_attention(
         )[0]
         return output, None
     batch, _, q_len, _ = query.shape
-    tokens = _tokens(query, plan.query_index)
-    output = torch_npu.npu_fusion_attention(
-        tokens,
-        _tokens(key, plan.key_index),
-        _tokens(value, plan.key_index),
-        heads,
-        "TND",
-        actual_seq_qlen=list(plan.query_ends),
-        actual_seq_kvlen=list(plan.key_ends),
-        **common,
-    )[0]
-    if plan.query_index is not None:
-        output = output.new_zeros(batch * q_len, *output.shape[1:]).index_copy(0, plan.query_index, output)
+    output = query.new_zeros(batch * q_len, heads, value.shape[3])
+    if plan.query_ends[-1] > 0:  # some query is kept (an all-padding batch has none: every output is 0, as sdpa's)
+        fused = torch_npu.npu_fusion_attention(
+            _tokens(query, plan.query_index),
+            _tokens(key, plan.key_index),
+            _tokens(value, plan.key_index),
+            heads,
+            "TND",
+            actual_seq_qlen=list(plan.query_ends),
+            actual_seq_kvlen=list(plan.key_ends),
+            **common,
+        )[0]
+        output = fused if plan.query_index is None else output.index_copy(0, plan.query_index, fused)
+    if plan.padding_queries is not None:
+        padded = _attend_padding_queries(query, key, value, plan, scale, sinks)
+        output = output.index_copy(0, plan.padding_queries, padded)
     return output.view(batch, q_len, *output.shape[1:]), None
 
 

@@ -14,7 +14,8 @@ from that whole description, never from the attention call's keyword arguments o
   returns the 4-D mask transformers' own eager mask function builds, with the reason (`EAGER_REASON_ATTRIBUTE`),
   and the attention runs the model's eager attention with it.
 - A described form is returned as a carrier holding the `MaskDescription` (`DESCRIPTION_ATTRIBUTE`): the 2-D
-  padding mask of every position, [B, kv_offset + kv_length] (all True without padding), contiguous, so that a
+  padding mask of every position, [B, kv_offset + kv_length] (all 1 without padding), int8 (which sdpa refuses,
+  should a module whose config still says "sdpa" get it: transformers' stale sub-configs), contiguous, so that a
   caller who hands it on (generate prepares a static cache's masks ahead and calls `.contiguous()` on them) hands on
   this very tensor, and one who hands it back as a model's `attention_mask` gets the same mask again.
 - Where the op needs host lists (padding, packed sequences, or a cache whose keys are not aligned with the queries'
@@ -118,8 +119,9 @@ def fused_attention_mask(
         return mask
     carrier = _padding(attention_mask, terms.padding, kv_length, kv_offset)
     if carrier is None:
-        carrier = torch.ones(batch_size, kv_offset + kv_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))
-    carrier = carrier.contiguous()  # generate calls .contiguous() on a mask it prepared: the same tensor comes back
+        carrier = torch.ones(batch_size, kv_offset + kv_length, dtype=torch.int8, device=kwargs.get("device", "cpu"))
+    # int8, which sdpa refuses, should a module with another attention get it; contiguous, as generate makes a mask
+    carrier = carrier.to(torch.int8).contiguous()
     setattr(carrier, DESCRIPTION_ATTRIBUTE, description)
     return carrier
 

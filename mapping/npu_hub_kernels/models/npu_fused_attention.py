@@ -152,7 +152,6 @@ FUSED_PATHS = (
     "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeThinkerTextAttention",
     "qwen3_vl.modeling_qwen3_vl.Qwen3VLTextAttention",
     "qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextAttention",
-    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention",
     "recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaAttention",
     "seed_oss.modeling_seed_oss.SeedOssAttention",
     "smollm3.modeling_smollm3.SmolLM3Attention",
@@ -479,6 +478,7 @@ _SPARSE = (
     "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaAttention",
     "minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLAttention",
     "mistral_large4.modeling_mistral_large4.MistralLarge4TextAttention",
+    "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextAttention",  # its decoder layer's indexer reads the mask as 4-D
 )
 
 SWAPPED: dict[str, tuple[str, ...]] = {}
