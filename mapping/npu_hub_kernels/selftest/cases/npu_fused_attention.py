@@ -259,7 +259,8 @@ def _card_case(
     """The card's `fused_attention` forward and backward (and its reason) for a Llama attention module of these heads.
 
     query is [2, heads, q_len, head_dim], key/value [2, kv_heads, kv_len, head_dim or value_dim]. `mask`: a function
-    of the key length giving the attention mask the card's mask function returns."""
+    of the key length giving a padding mask, which goes through the card's mask function as transformers hands it
+    (causal, with the window of `sliding_window` if given)."""
 
     def make(card):
         from transformers import LlamaConfig
@@ -274,7 +275,7 @@ def _card_case(
         q = npu(batch, heads, q_len, head_dim, dtype=dtype, grad=True)
         k = npu(batch, kv_heads, keys, head_dim, dtype=dtype, grad=True)
         v = npu(batch, kv_heads, keys, value_dim or head_dim, dtype=dtype, grad=True)
-        attention_mask = None if mask is None else mask(keys)
+        attention_mask = None if mask is None else _card_mask(card, mask(keys), q_len, options.get("sliding_window"))
 
         def run():
             out, _ = card.fused_attention(module, q, k, v, attention_mask, scaling=head_dim**-0.5, **options)
@@ -283,6 +284,22 @@ def _card_case(
         return run, lambda: card.fused_attention_unavailable_reason(module, q, k, v, attention_mask, **options)
 
     return make
+
+
+def _card_mask(card, padding: torch.Tensor, q_len: int, window: int | None) -> torch.Tensor:
+    """What the card's mask function returns for a causal self-attention (the queries the last keys) with padding."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    keys = padding.shape[1]
+    return card.fused_attention_mask(
+        batch_size=padding.shape[0],
+        q_length=q_len,
+        kv_length=keys,
+        q_offset=keys - q_len,
+        mask_function=causal_mask_function if window is None else sliding_window_causal_mask_function(window),
+        attention_mask=padding,
+        device=padding.device,
+    )
 
 
 def _left_padding(keys: int) -> torch.Tensor:
