@@ -66,7 +66,8 @@ def build(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 def _packed(lengths: tuple[int, ...]) -> dict:
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    return {"input_ids": token_ids(1, sum(lengths)), "position_ids": positions}
+    # no cache: with one, transformers reads no packing from the position ids (nor does eager attend by it)
+    return {"input_ids": token_ids(1, sum(lengths)), "position_ids": positions, "use_cache": False}
 
 
 def _cu(lengths: tuple[int, ...]) -> torch.Tensor:
@@ -85,7 +86,7 @@ def _padded(rows: list[tuple[int, int]]) -> dict:
 def _flattening() -> dict:
     features = [{"input_ids": token_ids(1, n, seed=n)[0].tolist()} for n in (5, 1, 6)]
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(features)
-    return {key: value for key, value in batch.items() if key != "labels"}
+    return {**{key: value for key, value in batch.items() if key != "labels"}, "use_cache": False}
 
 
 FORMS = {
@@ -466,3 +467,27 @@ def test_the_doctor_shows_each_attention_modules_form_and_eager_reason(registere
     assert [run.module for run in runs] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert all("4-D attention mask" in run.eager_reason and run.form is None for run in runs)
     assert "ran eager" in format_report(diagnose(offline_hub, model=model))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral, window 4"])
+def test_a_wrapper_that_drops_the_mask_packs_by_the_position_ids(registered, family):
+    """DeepSpeed's Ulysses wrapper calls the attention with no mask and the (gathered) position ids: restarting
+    position ids are packed sequences, as transformers' flash path reads them; eager with the model's own packed
+    mask is the reference."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    card = ALL_ATTENTION_FUNCTIONS[NAME]
+    AttentionInterface.register("npu_fused_attention_no_mask", lambda *args, **kwargs: card(*args[:4], None, **kwargs))
+    model = build(family)
+    inputs = _packed((5, 6, 1))
+    model.set_attn_implementation("eager")
+    eager = model(**_on_npu(inputs)).logits.cpu()
+    model.config._attn_implementation_internal = "npu_fused_attention_no_mask"  # the mask function stays the card's
+    for module in model.modules():
+        if hasattr(module, "config"):
+            module.config._attn_implementation_internal = "npu_fused_attention_no_mask"
+    with emulation.count_op_calls() as calls:
+        wrapped = model(**_on_npu(inputs)).logits.cpu()
+    assert calls[OP] == model.config.num_hidden_layers
+    torch.testing.assert_close(wrapped, eager, atol=3e-5, rtol=1e-3)

@@ -207,6 +207,18 @@ def _plan_of_cu_seq_lens(cu_q: torch.Tensor, cu_k: torch.Tensor) -> VarlenPlan:
     return VarlenPlan(None, None, tuple(q_list[1:]), tuple(k_list[1:]))
 
 
+def _plan_of_position_ids(position_ids: torch.Tensor) -> VarlenPlan | None:
+    """The plan of one row's packed sequences from its position ids (a sequence starts where they do not step by 1),
+    read to the host at each call; None when they never restart (one sequence: the dense form)."""
+    host = position_ids.reshape(-1).cpu()
+    starts = torch.ones_like(host, dtype=torch.bool)
+    starts[1:] = host[1:] != host[:-1] + 1
+    if int(starts.sum()) == 1:
+        return None
+    ends = (*(starts.nonzero().squeeze(1)[1:].tolist()), host.numel())
+    return VarlenPlan(None, None, ends, ends)
+
+
 def _described_plan(description: MaskDescription, device: torch.device) -> VarlenPlan | None:
     """The plan of a described mask kind, made once per forward and kept on its description."""
     if description.sequence_ids is None and description.codes is None:
@@ -249,8 +261,9 @@ def attention_form(
 
     With a described mask, the description alone decides (the module's is_causal and the call's sliding_window and
     cu_seq_lens are what eager and sdpa ignore under a mask). With no mask (a model that builds none, or a wrapper
-    that dropped it): causal when the module is, bottom-right (the queries are the last keys, as a cache aligns
-    them; with one query every key), with the module's window, packed by cu_seq_lens when given. Any other mask is
+    that dropped it, as DeepSpeed's Ulysses wrapper does): causal when the module is, bottom-right (the queries are
+    the last keys, as a cache aligns them; with one query every key), with the module's window, packed by
+    cu_seq_lens when given, else by position ids that restart (one row of queries and keys alike). Any other mask is
     one the card did not build: eager, saying so."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
@@ -279,11 +292,14 @@ def attention_form(
     if sliding_window is not None and not _is_causal(module, kwargs):
         return "a bidirectional sliding window: the op's band mode is bottom-right causal here"
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    positions = kwargs.get("position_ids")
     plan = None
     if cu_q is not None and cu_k is not None:
         if batch != 1:
             return f"cu_seq_lens with a batch of {batch} rows: packed sequences come as one row"
         plan = _plan_of_cu_seq_lens(cu_q, cu_k)
+    elif batch == 1 and q_len == kv_len > 1 and torch.is_tensor(positions) and positions.numel() == q_len:
+        plan = _plan_of_position_ids(positions)
     return AttentionForm(_is_causal(module, kwargs), sliding_window, plan)
 
 
@@ -560,8 +576,8 @@ def eager_mask(
         )
     batch, q_len, kv_len, device = query.shape[0], query.shape[2], key.shape[2], query.device
     is_causal = _is_causal(module, kwargs) and q_len > 1
-    cu = kwargs.get("cu_seq_lens_q")
-    if not is_causal and sliding_window is None and (cu is None or batch != 1):
+    numbers = _packed_sequence_numbers(kwargs, batch, q_len, kv_len, device)
+    if not is_causal and sliding_window is None and numbers is None:
         return None
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
     kv_pos = torch.arange(kv_len, device=device)[None, :]
@@ -570,9 +586,24 @@ def eager_mask(
         kept = kept & (kv_pos <= q_pos)
     if sliding_window is not None:
         kept = kept & (kv_pos > q_pos - sliding_window)
-    if cu is not None and batch == 1:
-        numbers = torch.searchsorted(cu[1:].to(device=device, dtype=torch.long), kv_pos[0], right=True)
+    if numbers is not None:
         kept = kept & (numbers[:, None] == numbers[None, :])
     kept = kept.expand(batch, 1, q_len, kv_len)
     zero = torch.zeros((), dtype=query.dtype, device=device)
     return torch.where(kept, zero, torch.finfo(query.dtype).min)
+
+
+def _packed_sequence_numbers(
+    kwargs: dict, batch: int, q_len: int, kv_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """Each key's sequence number in a packed row given without a mask (as `attention_form` reads it), or None."""
+    cu, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
+    if batch != 1:
+        return None
+    if cu is not None:
+        ends = cu[1:].to(device=device, dtype=torch.long)
+        return torch.searchsorted(ends, torch.arange(kv_len, device=device), right=True)
+    if q_len == kv_len > 1 and torch.is_tensor(positions) and positions.numel() == q_len:
+        flat = positions.reshape(-1).to(device)
+        return torch.cat([flat.new_zeros(1), (flat[1:] != flat[:-1] + 1).long()]).cumsum(0)
+    return None
