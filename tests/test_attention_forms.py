@@ -116,7 +116,7 @@ def _kept(inputs: dict, model: torch.nn.Module | None = None) -> torch.Tensor:
         return torch.ones_like(inputs["input_ids"], dtype=torch.bool)
     seen = mask.long().cumsum(1)
     window = None if model is None else getattr(model.config, "sliding_window", None)
-    if window is not None and window < seen.shape[1]:
+    if window and window < seen.shape[1]:  # (Qwen2-MoE's config says 0 for none)
         seen = seen - torch.nn.functional.pad(seen, (window, 0))[:, : seen.shape[1]]
     return seen.cpu() > 0
 
