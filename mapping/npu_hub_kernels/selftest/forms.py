@@ -34,6 +34,10 @@ ERROR_FLOOR = 1e-6
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 ALL_LAYERS = ("*",)
 """`Form.layers` of a form every layer of the card runs."""
+NARROWED = ("hidden", "intermediate", "moe_intermediate", "vocab")
+"""The widths `Widths.narrowed` divides."""
+MIN_NARROWED = 16
+"""The narrowest a width gets in `Widths.narrowed`."""
 
 Tensors = dict[str, Any]
 """A form's inputs by name: tensors, and settings (ints, ...) that pass through as they are."""
@@ -59,6 +63,16 @@ class Widths:
     def with_tokens(self, tokens: int) -> Widths:
         """These widths, at `tokens` tokens per call."""
         return Widths(**{**self.__dict__, "tokens": tokens})
+
+    def narrowed(self, divisor: int) -> Widths:
+        """These widths with hidden, intermediate, the experts' intermediate and the vocabulary divided by `divisor`.
+
+        None gets narrower than `MIN_NARROWED` (nor wider than it was); the heads, head dim, experts and top-k are
+        kept, so that every form still applies as it does at the model's own widths.
+        """
+        narrower = {name: max(getattr(self, name) // divisor, min(getattr(self, name), MIN_NARROWED))
+                    for name in NARROWED}  # fmt: skip
+        return Widths(**{**self.__dict__, **narrower})
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ or of `DEFAULT_MODELS`, at a few small token counts:
 - each form's region timed fused and eager on the device (synchronised, the median of repeats);
 - the environment: torch, torch_npu, CANN, device name, driver, the build variant of each card.
 
+On the CPU emulation of torch_npu, a form whose matmuls are too many for a CPU runs at narrower widths
+(`EMULATION_FLOPS`), which the report says.
+
 It prints progress and a table, writes the JSON report (`--json`, schema in docs/selftest.md), and keeps the result
 for this host (`results.save_result`, unless `--no-record`): `register_npu_kernels()` then stands down every card
 form that failed here. Exit status 0 when no card failed, 1 when one did (or the device refused a call the ledger
@@ -41,7 +44,7 @@ import torch
 from ..cards import CARDS, Card, resolve_org
 from . import forms, results
 from .cases import NotRunHere, cases_of
-from .forms import ALL_LAYERS, Form, Widths
+from .forms import ALL_LAYERS, NARROWED, Form, Widths
 
 DEFAULT_MODELS = (
     # meta-llama/Meta-Llama-3-8B config.json: hidden_size 4096, intermediate_size 14336, num_attention_heads 32,
@@ -69,6 +72,16 @@ A2_SECONDS_PER_TIMED_CALL = 0.01
 """Estimated seconds of one timed region call (forward and backward, synchronised) on an A2."""
 A2_SECONDS_PER_PROBE = 0.005
 """Estimated seconds of one refusal probe or limit case (a few tiny op calls) on an A2."""
+EMULATION_FLOPS = 5e8
+"""On the CPU emulation of torch_npu, a form whose matmuls (`Form.flops`) would take more floating-point operations
+than this at a model's widths runs at those widths divided by a power of two (`emulation_divisor`): a CPU computes
+float16 matmuls at about 1 GFLOP/s, and the loss card's chunked form alone would take hours at Llama-3-8B's."""
+EMULATION_NOTE = (
+    f"CPU emulation of torch_npu: a form whose matmuls exceed {EMULATION_FLOPS / 1e9:g} GFLOP at a model's widths "
+    "ran at its hidden, intermediate, experts' intermediate and vocabulary widths divided by a power of two "
+    "(emulation_widths in its rows), as a CPU computes float16 matmuls at about 1 GFLOP/s"
+)
+"""The report's `emulation`, on the emulation (null on a device)."""
 
 Progress = Callable[[str], None]
 
@@ -111,13 +124,18 @@ def environment() -> dict[str, Any]:
         "platform": f"{platform.machine()}-{platform.system().lower()}",
         "torch": torch.__version__,
         "torch_npu": host.get("torch_npu", "not installed"),
-        "emulated": bool(getattr(sys.modules.get("torch_npu"), "__emulated__", False)),
+        "emulated": emulated(),
         "cann": host.get("cann", "unknown"),
         "device": host.get("device", "none"),
         "device_count": torch.npu.device_count() if host else 0,
         "driver": _driver_version(),
         **{name: _version_of(name) for name in ("kernels", "transformers", "huggingface_hub", "npu-hub-kernels")},
     }
+
+
+def emulated() -> bool:
+    """Whether the torch_npu in use is the CPU emulation (npu_hub_kernels.testing.emulation), not a device's."""
+    return bool(getattr(sys.modules.get("torch_npu"), "__emulated__", False))
 
 
 def run_selftest(
@@ -146,6 +164,7 @@ def run_selftest(
     widths = model_widths(model)[: 1 if quick else None]
     tokens = TOKENS[:1] if quick else TOKENS
     repeats = REPEATS[quick]
+    on_emulation = emulated()
     estimate = estimate_a2_seconds(selected, widths, tokens, repeats)
     say(f"selftest of {len(selected)} cards on {host['device']} (CANN {host['cann']}, torch_npu {host['torch_npu']})")
     say(f"models: {', '.join(w.model for w in widths)}; tokens {', '.join(map(str, tokens))}; "
@@ -154,8 +173,9 @@ def run_selftest(
         "schema": results.SCHEMA,
         "started": datetime.fromtimestamp(started, UTC).isoformat(timespec="seconds"),
         "quick": quick,
-        "models": [w.__dict__ for w in widths],
+        "models": [{**w.__dict__, "tokens": list(tokens)} for w in widths],
         "tokens": list(tokens),
+        "emulation": EMULATION_NOTE if on_emulation else None,
         "host": host,
         "environment": environment(),
         "estimate_a2_seconds": round(estimate, 1),
@@ -165,7 +185,7 @@ def run_selftest(
         say(f"[{number}/{len(selected)}] {card.repo_name}")
         report["cards"][card.repo_name] = _card_report(
             card, org=resolve_org(org), version=version, local_dir=local_dir, widths=widths, tokens=tokens,
-            repeats=repeats, say=say,
+            repeats=repeats, on_emulation=on_emulation, say=say,
         )  # fmt: skip
     report["seconds"] = round(time.time() - started, 1)
     report["verdict"] = _worst(card["verdict"] for card in report["cards"].values())
@@ -187,11 +207,29 @@ def estimate_a2_seconds(cards: list[Card], widths: list[Widths], tokens: tuple[i
     return total
 
 
-def _card_report(card: Card, *, org, version, local_dir, widths, tokens, repeats, say: Progress) -> dict[str, Any]:
+def emulation_divisor(form: Form, widths: Widths) -> int:
+    """The power of two the emulation divides `widths` by for `form` (`Widths.narrowed`); 1 where its matmuls are few.
+
+    The least that brings the form's matmuls to `EMULATION_FLOPS`, or past which narrowing shrinks them no further
+    (attention's depend on heads and tokens only).
+    """
+    divisor, flops = 1, form.flops(form.at(widths))
+    while flops > EMULATION_FLOPS:
+        narrower = form.flops(form.at(widths.narrowed(2 * divisor)))
+        if narrower >= flops:
+            break
+        divisor, flops = 2 * divisor, narrower
+    return divisor
+
+
+def _card_report(
+    card: Card, *, org, version, local_dir, widths, tokens, repeats, on_emulation: bool, say: Progress
+) -> dict[str, Any]:
     """One card: loaded as the loader loads it, its forms judged and timed, its probes and limits run."""
     entry: dict[str, Any] = {"kernel_id": card.kernel_id, "version": version, "forms": [], "timings": [],
                              "probes": [], "limits": [], "failed": {}}  # fmt: skip
     module = cases_of(card)
+    card_forms: dict[str, Form] = getattr(module, "FORMS", {})
     try:
         loaded = _load(card, org=org, version=version, local_dir=local_dir)
     except Exception as error:  # the doctor says why in detail; the selftest records it and goes on
@@ -201,8 +239,8 @@ def _card_report(card: Card, *, org, version, local_dir, widths, tokens, repeats
     if loaded is not None:
         entry.update(variant=loaded.VARIANT, digest=results.variant_digest(Path(loaded.__file__).parent.parent))
         entry["problem"] = None
-        for name, form in getattr(module, "FORMS", {}).items():
-            _judge_form(loaded, card, name, form, widths, tokens, repeats, entry, say)
+        for name, form in card_forms.items():
+            _judge_form(loaded, name, form, widths, tokens, repeats, on_emulation, entry, say)
         entry["limits"] = [_limit(name, make, loaded) for name, make in getattr(module, "LIMITS", {}).items()]
     entry["probes"] = [_probe(rule, *calls) for rule, calls in getattr(module, "CASES", {}).items()]
     for probe in entry["probes"]:
@@ -214,40 +252,63 @@ def _card_report(card: Card, *, org, version, local_dir, widths, tokens, repeats
     return entry
 
 
-def _judge_form(card_module, card, name, form: Form, widths, tokens, repeats, entry, say: Progress) -> None:
+def _judge_form(card_module, name, form: Form, widths, tokens, repeats, on_emulation, entry, say: Progress) -> None:
+    """Judge `form` in each of its dtypes at each model's widths and token count, and time it once per model."""
     layers = list(ALL_LAYERS if form.layers == ALL_LAYERS else form.layers)
     for width in widths:
         if not form.applies(width):
             continue
+        shapes = _shapes(form, width, tokens, on_emulation)
         fused_here = None
-        for count in sorted({form.at(width.with_tokens(count)).tokens for count in tokens}):
+        for shape, divisor in shapes:
             for dtype in form.dtypes:
-                judged = forms.judge(card_module, form, width.with_tokens(count), dtype, "npu")
+                judged = forms.judge(card_module, form, shape, dtype, "npu")
                 dtype_name = str(dtype).removeprefix("torch.")
                 entry["forms"].append({
-                    "form": name, "layers": layers, "model": width.model, "tokens": count, "dtype": dtype_name,
-                    "status": judged.status, "reason": judged.reason, "worst": judged.worst,
+                    "form": name, "layers": layers, "model": width.model, "tokens": shape.tokens, "dtype": dtype_name,
+                    "emulation_widths": _emulation_widths(shape, divisor), "status": judged.status,
+                    "reason": judged.reason, "worst": judged.worst,
                     "errors": {k: [e if math.isfinite(e) else None for e in v] for k, v in judged.errors.items()},
                 })  # fmt: skip
                 where = f", {width.model}" if len(widths) > 1 else ""
-                say(f"    {name}, {dtype_name}, {count} tokens{where}: {judged.status}"
+                narrowed = f" at 1/{divisor} of its widths" if divisor > 1 else ""
+                say(f"    {name}, {dtype_name}, {shape.tokens} tokens{where}{narrowed}: {judged.status}"
                     + (f" ({judged.reason or judged.worst})" if judged.status != "pass" else ""))  # fmt: skip
                 if judged.status in ("fail", "error") and name not in entry["failed"]:
                     why = judged.worst if judged.status == "fail" else f"the fused call raised {judged.reason}"
                     entry["failed"][name] = {
                         "layers": layers,
-                        "why": f"{dtype_name}, {count} tokens at {width.model}'s widths: {why}",
+                        "why": f"{dtype_name}, {shape.tokens} tokens at {width.model}'s widths{narrowed}: {why}",
                     }
                 if judged.status in ("pass", "fail") and fused_here is None:
                     fused_here = dtype
         if fused_here is not None:
-            timed = form.at(width.with_tokens(tokens[-1]))
+            timed, divisor = shapes[-1]
             fused_ms, eager_ms = forms.time_form(card_module, form, timed, fused_here, "npu", repeats)
             entry["timings"].append({
                 "form": name, "model": width.model, "tokens": timed.tokens,
                 "dtype": str(fused_here).removeprefix("torch."),
+                "emulation_widths": _emulation_widths(timed, divisor),
                 "fused_ms": round(fused_ms, 3), "eager_ms": round(eager_ms, 3),
             })  # fmt: skip
+
+
+def _shapes(form: Form, width: Widths, tokens: tuple[int, ...], on_emulation: bool) -> list[tuple[Widths, int]]:
+    """The widths `form` runs at for one model at each token count, fewest tokens first, without repeats.
+
+    Each comes with the divisor of the model's widths: 1 but where the emulation narrows them (`emulation_divisor`).
+    """
+    shapes: dict[Widths, int] = {}
+    for count in tokens:
+        at_count = width.with_tokens(count)
+        divisor = emulation_divisor(form, at_count) if on_emulation else 1
+        shapes.setdefault(form.at(at_count.narrowed(divisor)), divisor)
+    return sorted(shapes.items(), key=lambda item: item[0].tokens)
+
+
+def _emulation_widths(shape: Widths, divisor: int) -> dict[str, int] | None:
+    """The narrowed widths a form ran at on the emulation (the report's `emulation_widths`), None at the model's."""
+    return {"divisor": divisor, **{name: getattr(shape, name) for name in NARROWED}} if divisor > 1 else None
 
 
 def _probe(rule: str, accepted: Callable[[], Any], refused: Callable[[], Any]) -> dict[str, Any]:
@@ -311,8 +372,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"npu-hub-kernels selftest: {env['device']} x{env['device_count']}, CANN {env['cann']}, torch {env['torch']}, "
         f"torch_npu {env['torch_npu']}, driver {env['driver']}",
-        f"models {', '.join(m['model'] for m in report['models'])}; {report['seconds']} s "
-        f"(estimated on an Atlas A2: {report['estimate_a2_seconds']} s)",
+        f"models {', '.join(m['model'] for m in report['models'])}; tokens {', '.join(map(str, report['tokens']))}; "
+        f"{report['seconds']} s (estimated on an Atlas A2: {report['estimate_a2_seconds']} s)",
+        *([f"emulation: {report['emulation']}"] if report["emulation"] else []),
         "",
         f"{'card':<26} {'verdict':<10} {'forms pass/fail/eager':<22} {'probes':<14} {'fused/eager ms':<16} variant",
     ]
@@ -333,6 +395,13 @@ def format_table(report: dict[str, Any]) -> str:
         for item in card["probes"] + card["limits"]:
             if item["finding"]:
                 lines.append(f"  {name}: {item['finding']}: {item.get('rule') or item.get('limit')}")
+        narrowed: dict[tuple[str, str], dict[int, int]] = {}
+        for row in card["forms"]:
+            if row["emulation_widths"]:
+                narrowed.setdefault((row["form"], row["model"]), {})[row["tokens"]] = row["emulation_widths"]["divisor"]
+        for (form, model), divisors in narrowed.items():
+            at = ", ".join(f"1/{divisor} ({tokens} tokens)" for tokens, divisor in divisors.items())
+            lines.append(f"  {name}: {form} ran on the emulation at {at} of {model}'s widths")
     lines += ["", f"verdict: {report['verdict']}"]
     if report["verdict"] != "pass":
         lines.append("Please open an issue with the JSON report attached (--json PATH) and the doctor's output.")
