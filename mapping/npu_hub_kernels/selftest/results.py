@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,21 @@ USE_ENV = "NPU_HUB_KERNELS_USE_SELFTEST"
 REASON_PREFIX = "failed the selftest on this host: "
 SCHEMA = 1
 """The version of the result's JSON schema (docs/selftest.md)."""
+NOT_RUN = "not run"
+VERDICTS = ("pass", "findings", NOT_RUN, "bugs", "fail", "not loaded")
+"""Card verdicts from best to worst: findings (the device accepts calls the ledger refuses), not run (no form of the
+card was judged: none applies at the run's widths, or the card runs each eager there), bugs (the device refuses calls
+the ledger accepts, or a card's call at a limit raised), fail (a form's numbers failed, or its fused call raised: the
+form stands down), not loaded (the loader found no build of the card for this host)."""
+
 
 _stood_down: dict[tuple[str, str], str] = {}
 """(card, layer) -> why it stays eager, for the cards the last `register_npu_kernels` registered."""
+
+
+def worst_verdict(verdicts: Iterable[str]) -> str:
+    """The worst of card verdicts (`VERDICTS`), "pass" for none."""
+    return max(verdicts, key=VERDICTS.index, default="pass")
 
 
 def results_dir() -> Path:

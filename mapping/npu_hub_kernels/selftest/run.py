@@ -15,7 +15,8 @@ or of `DEFAULT_MODELS`, at a few small token counts:
 - each form's region timed fused and eager on the device (synchronised, the median of repeats);
 - the environment: torch, torch_npu, CANN, device name, driver, the build variant of each card.
 
-On the CPU emulation of torch_npu, a form whose matmuls are too many for a CPU runs at narrower widths
+A card none of whose forms was judged (none applies at these widths, or the card runs each eager here) is `not run`,
+never `pass`. On the CPU emulation of torch_npu, a form whose matmuls are too many for a CPU runs at narrower widths
 (`EMULATION_FLOPS`), which the report says.
 
 It prints progress and a table, writes the JSON report (`--json`, schema in docs/selftest.md), and keeps the result
@@ -82,6 +83,8 @@ EMULATION_NOTE = (
     "(emulation_widths in its rows), as a CPU computes float16 matmuls at about 1 GFLOP/s"
 )
 """The report's `emulation`, on the emulation (null on a device)."""
+JUDGED = ("pass", "fail", "error")
+"""The statuses of a form that was judged on the device (`eager`: the card did not fuse it there)."""
 
 Progress = Callable[[str], None]
 
@@ -188,7 +191,7 @@ def run_selftest(
             repeats=repeats, on_emulation=on_emulation, say=say,
         )  # fmt: skip
     report["seconds"] = round(time.time() - started, 1)
-    report["verdict"] = _worst(card["verdict"] for card in report["cards"].values())
+    report["verdict"] = results.worst_verdict(card["verdict"] for card in report["cards"].values())
     return report
 
 
@@ -227,7 +230,7 @@ def _card_report(
 ) -> dict[str, Any]:
     """One card: loaded as the loader loads it, its forms judged and timed, its probes and limits run."""
     entry: dict[str, Any] = {"kernel_id": card.kernel_id, "version": version, "forms": [], "timings": [],
-                             "probes": [], "limits": [], "failed": {}}  # fmt: skip
+                             "probes": [], "limits": [], "failed": {}, "not_run": None}  # fmt: skip
     module = cases_of(card)
     card_forms: dict[str, Form] = getattr(module, "FORMS", {})
     try:
@@ -246,9 +249,13 @@ def _card_report(
     for probe in entry["probes"]:
         if probe["finding"]:
             say(f"    {probe['finding']}: {probe['rule']}")
+    entry["judged_forms"] = len({row["form"] for row in entry["forms"] if row["status"] in JUDGED})
+    entry["card_forms"] = len(card_forms)
     if loaded is not None:
         entry["verdict"] = _verdict(entry)
-    say(f"    {entry['verdict']}")
+    if entry["verdict"] == results.NOT_RUN:
+        entry["not_run"] = _why_not_run(card_forms, widths, entry["forms"])
+    say(f"    {entry['verdict']}" + (f": {entry['not_run']}" if entry["not_run"] else ""))
     return entry
 
 
@@ -311,6 +318,23 @@ def _emulation_widths(shape: Widths, divisor: int) -> dict[str, int] | None:
     return {"divisor": divisor, **{name: getattr(shape, name) for name in NARROWED}} if divisor > 1 else None
 
 
+def _why_not_run(card_forms: dict[str, Form], widths: list[Widths], rows: list[dict[str, Any]]) -> str:
+    """Why no form of the card was judged: the run's widths, and whether each form has no region there or ran eager."""
+    forms_by_why: dict[str, list[str]] = {}
+    for name in card_forms:
+        eager = next((row["reason"] for row in rows if row["form"] == name), None)
+        forms_by_why.setdefault(f"eager ({eager})" if eager else "no such region at these widths", []).append(name)
+    whys = "; ".join(f"{', '.join(names)}: {why}" for why, names in forms_by_why.items())
+    return f"no form judged at {'; '.join(map(_described, widths))}: {whys}"
+
+
+def _described(widths: Widths) -> str:
+    """A model's name and the widths that decide which forms apply."""
+    return (f"{widths.model} (hidden {widths.hidden}, intermediate {widths.intermediate}, {widths.heads} / "
+            f"{widths.kv_heads} heads of {widths.head_dim}, vocabulary {widths.vocab}, {widths.experts} experts, "
+            f"top-k {widths.top_k})")  # fmt: skip
+
+
 def _probe(rule: str, accepted: Callable[[], Any], refused: Callable[[], Any]) -> dict[str, Any]:
     """Run one call the ledger accepts and one it refuses: what the device did with each, and any disagreement."""
     inside, past = _outcome(accepted), _outcome(refused)
@@ -347,27 +371,24 @@ def _limit(name: str, make: Callable, card_module: ModuleType) -> dict[str, Any]
     return {"limit": name, "outcome": "fused" if why is None else f"eager: {why}", "finding": None}
 
 
-VERDICTS = ("pass", "findings", "bugs", "fail", "not loaded")
-"""Card verdicts from best to worst: findings (the device accepts calls the ledger refuses), bugs (it refuses calls
-the ledger accepts, or a card's call at a limit raised), fail (a form's numbers failed, or the fused call raised:
-the form stands down), not loaded (the loader found no build of the card for this host)."""
+TO_REPORT = ("findings", "bugs", "fail", "not loaded")
+"""The card verdicts worth an issue (`results.VERDICTS` says what each means)."""
 
 
 def _verdict(entry: dict[str, Any]) -> str:
+    """A loaded card's verdict (`results.VERDICTS`): what its forms, probes and limits found; `not run` if no form."""
     findings = [item["finding"] or "" for item in entry["probes"] + entry["limits"]]
     if entry["failed"]:
         return "fail"
     if any(finding.startswith("bug") for finding in findings):
         return "bugs"
+    if not entry["judged_forms"]:
+        return results.NOT_RUN
     return "findings" if any(findings) else "pass"
 
 
-def _worst(verdicts) -> str:
-    return max(verdicts, key=VERDICTS.index, default="pass")
-
-
 def format_table(report: dict[str, Any]) -> str:
-    """The report for people: the host, one row per card, then what failed and what to send."""
+    """The report for people: the host, one row per card, then what failed, what was not run and what to send."""
     env = report["environment"]
     lines = [
         f"npu-hub-kernels selftest: {env['device']} x{env['device_count']}, CANN {env['cann']}, torch {env['torch']}, "
@@ -376,22 +397,27 @@ def format_table(report: dict[str, Any]) -> str:
         f"{report['seconds']} s (estimated on an Atlas A2: {report['estimate_a2_seconds']} s)",
         *([f"emulation: {report['emulation']}"] if report["emulation"] else []),
         "",
-        f"{'card':<26} {'verdict':<10} {'forms pass/fail/eager':<22} {'probes':<14} {'fused/eager ms':<16} variant",
+        f"{'card':<26} {'verdict':<10} {'forms judged':<13} {'pass/fail/eager':<16} {'probes':<14} "
+        f"{'fused/eager ms':<16} variant",
     ]
     for name, card in report["cards"].items():
         statuses = [form["status"] for form in card["forms"]]
+        judged = f"{card['judged_forms']} of {card['card_forms']}"
         counts = (f"{statuses.count('pass')}/{statuses.count('fail') + statuses.count('error')}/"
                   f"{statuses.count('eager')}")  # fmt: skip
         odd = sum(bool(probe["finding"]) for probe in card["probes"])
         probes = f"{len(card['probes'])}, {odd} odd" if card["probes"] else "-"
         timed = card["timings"][0] if card["timings"] else None
         times = f"{timed['fused_ms']:.2f}/{timed['eager_ms']:.2f}" if timed else "-"
-        lines.append(f"{name:<26} {card['verdict']:<10} {counts:<22} {probes:<14} {times:<16} {card['variant']}")
+        lines.append(f"{name:<26} {card['verdict']:<10} {judged:<13} {counts:<16} {probes:<14} {times:<16} "
+                     f"{card['variant']}")  # fmt: skip
     for name, card in report["cards"].items():
         for form, failure in card["failed"].items():
             lines.append(f"  {name}: {form} stands down: {failure['why']}")
         if card.get("problem"):
             lines.append(f"  {name}: not loaded: {card['problem']}")
+        if card["not_run"]:
+            lines.append(f"  {name}: not run: {card['not_run']}")
         for item in card["probes"] + card["limits"]:
             if item["finding"]:
                 lines.append(f"  {name}: {item['finding']}: {item.get('rule') or item.get('limit')}")
@@ -403,7 +429,7 @@ def format_table(report: dict[str, Any]) -> str:
             at = ", ".join(f"1/{divisor} ({tokens} tokens)" for tokens, divisor in divisors.items())
             lines.append(f"  {name}: {form} ran on the emulation at {at} of {model}'s widths")
     lines += ["", f"verdict: {report['verdict']}"]
-    if report["verdict"] != "pass":
+    if any(card["verdict"] in TO_REPORT for card in report["cards"].values()):
         lines.append("Please open an issue with the JSON report attached (--json PATH) and the doctor's output.")
     return "\n".join(lines)
 
@@ -448,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"report: {args.json}")
     if not args.no_record:
         print(f"kept for register_npu_kernels(): {results.save_result(report)}")
-    return 1 if report["verdict"] in ("fail", "bugs") else 0
+    return 1 if any(card["verdict"] in ("fail", "bugs") for card in report["cards"].values()) else 0
 
 
 def _load(card: Card, *, org: str, version: int, local_dir: str | Path | None) -> ModuleType:
