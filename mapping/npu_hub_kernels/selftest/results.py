@@ -3,7 +3,9 @@
 `python -m npu_hub_kernels selftest` records its result in `result_path()`: one file per host identity (`host_key`:
 device name, CANN, torch_npu), under huggingface_hub's `HF_HOME` (`$HF_HOME`, else `$XDG_CACHE_HOME/huggingface`, else
 `~/.cache/huggingface`) in `npu-hub-kernels/selftest/`, or under `$NPU_HUB_KERNELS_SELFTEST_DIR` when set. Nodes of
-a cluster that share a home directory and a device, CANN and torch_npu share the result.
+a cluster that share a home directory and a device, CANN and torch_npu share the result: each run merges the cards it
+judged into the file under a lock and replaces it whole (`save_result`), so concurrent runs keep every card's latest
+verdict and a reader never finds the file missing or half written.
 
 `register_npu_kernels()` reads it (`stand_down`): each card form whose numbers failed there makes the card's layers
 that run it stay eager, with the reason "failed the selftest on this host: ...", as long as the result is for this
@@ -13,6 +15,7 @@ now. `register_npu_kernels(use_selftest=False)`, or `NPU_HUB_KERNELS_USE_SELFTES
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib
 import importlib.util
@@ -20,7 +23,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Iterable
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +50,6 @@ VERDICTS = ("pass", "findings", NOT_RUN, "bugs", "fail", "not loaded")
 card was judged: none applies at the run's widths, or the card runs each eager there), bugs (the device refuses calls
 the ledger accepts, or a card's call at a limit raised), fail (a form's numbers failed, or its fused call raised: the
 form stands down), not loaded (the loader found no build of the card for this host)."""
-
 
 _stood_down: dict[tuple[str, str], str] = {}
 """(card, layer) -> why it stays eager, for the cards the last `register_npu_kernels` registered."""
@@ -87,25 +91,42 @@ def result_path(host: dict[str, str]) -> Path:
 
 
 def save_result(report: dict[str, Any]) -> Path:
-    """Keep `report` (the selftest's JSON report) as the last result of its host; returns the file."""
+    """Merge `report` (the selftest's JSON report) into the kept result of its host; returns the file.
+
+    Under a lock on the `.lock` file beside it (`fcntl.flock`), the kept result is read, each card `report` judged
+    replaces its entry (`merged`), and the whole is written to a temporary file of this writer's own in the same
+    folder, then renamed over the result: concurrent runs each add their cards, and a reader sees the old result or
+    the new one, never none or half of one.
+    """
     path = result_path(report["host"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(report, indent=2))
-    partial.replace(path)  # a reader never sees half a file
+    with _locked(path.with_suffix(".lock")):
+        _write_atomically(path, json.dumps(merged(_read(path, report["host"]), report), indent=2))
     return path
+
+
+def merged(kept: dict[str, Any] | None, report: dict[str, Any]) -> dict[str, Any]:
+    """`report`, holding also the cards of `kept` it did not judge: each card's latest judged entry.
+
+    A card of `report` replaces the kept one unless the kept one was judged later (`judged_at`: a concurrent run
+    finished it after this one) or this run judged none of its forms (`not run`: the earlier verdict stands). The
+    verdict is the worst of all the cards kept.
+    """
+    cards = dict(kept["cards"]) if kept else {}
+    for name, entry in report["cards"].items():
+        earlier = cards.get(name)
+        stands = earlier is not None and (
+            earlier.get("judged_at", "") > entry["judged_at"]
+            or (entry["verdict"] == NOT_RUN and earlier.get("verdict") != NOT_RUN)
+        )
+        if not stands:
+            cards[name] = entry
+    return {**report, "cards": cards, "verdict": worst_verdict(entry["verdict"] for entry in cards.values())}
 
 
 def load_result(host: dict[str, str]) -> dict[str, Any] | None:
     """The last result kept for `host`, None if there is none (or it cannot be read, or is of another schema)."""
-    path = result_path(host)
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if result.get("schema") != SCHEMA or result.get("host") != host:
-        return None
-    return result
+    return _read(result_path(host), host)
 
 
 def summary() -> str:
@@ -168,6 +189,42 @@ def stood_down(card: str, layer: str) -> str | None:
 def forget() -> None:
     """Stand nothing down (`unregister_npu_kernels`)."""
     _stood_down.clear()
+
+
+def _read(path: Path, host: dict[str, str]) -> dict[str, Any] | None:
+    """The result in `path` if it is one for `host` in this schema, else None."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if result.get("schema") != SCHEMA or result.get("host") != host:
+        return None
+    return result
+
+
+@contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """Hold an exclusive `fcntl.flock` on `lock` (made if missing, and kept: removing it would race) in the block."""
+    with lock.open("a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to a new file of a name no other writer uses beside `path`, flushed to disk, renamed over `path`."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
+    try:
+        with temporary.open("x") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def _variant_that_loads(card: Card, *, org: str, version: int, local_dir: str | Path | None) -> tuple[str, str] | None:

@@ -20,9 +20,9 @@ never `pass`. On the CPU emulation of torch_npu, a form whose matmuls are too ma
 (`EMULATION_FLOPS`), which the report says.
 
 It prints progress and a table, writes the JSON report (`--json`, schema in docs/selftest.md), and keeps the result
-for this host (`results.save_result`, unless `--no-record`): `register_npu_kernels()` then stands down every card
-form that failed here. Exit status 0 when no card failed, 1 when one did (or the device refused a call the ledger
-accepts), 2 when this host has no npu device.
+for this host (`results.save_result`, merged with the other cards' earlier results; unless `--no-record`), so that
+`register_npu_kernels()` stands down every card form that failed here. Exit status 0 when no card failed, 1 when one
+did (or the device refused a call the ledger accepts), 2 when this host has no npu device.
 """
 
 from __future__ import annotations
@@ -255,6 +255,7 @@ def _card_report(
         entry["verdict"] = _verdict(entry)
     if entry["verdict"] == results.NOT_RUN:
         entry["not_run"] = _why_not_run(card_forms, widths, entry["forms"])
+    entry["judged_at"] = datetime.now(UTC).isoformat(timespec="microseconds")
     say(f"    {entry['verdict']}" + (f": {entry['not_run']}" if entry["not_run"] else ""))
     return entry
 
