@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -96,7 +97,8 @@ def save_result(report: dict[str, Any]) -> Path:
     Under a lock on the `.lock` file beside it (`fcntl.flock`), the kept result is read, each card `report` judged
     replaces its entry (`merged`), and the whole is written to a temporary file of this writer's own in the same
     folder, then renamed over the result: concurrent runs each add their cards, and a reader sees the old result or
-    the new one, never none or half of one.
+    the new one, never none or half of one. Raises OSError when the folder cannot be written (`results_dir_problem`
+    says why, asked first).
     """
     path = result_path(report["host"])
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +124,28 @@ def merged(kept: dict[str, Any] | None, report: dict[str, Any]) -> dict[str, Any
         if not stands:
             cards[name] = entry
     return {**report, "cards": cards, "verdict": worst_verdict(entry["verdict"] for entry in cards.values())}
+
+
+def results_dir_problem() -> str | None:
+    """Why a result could not be kept in `results_dir()`, found by making the folder and a file in it; None if it can.
+
+    The selftest asks before it runs a form, so that an unwritable folder stops it at once, not after the work.
+    """
+    folder = results_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".writable-"):
+            pass
+    except OSError as error:
+        return os_reason(error)
+    return None
+
+
+def os_reason(error: OSError) -> str:
+    """An OSError in a few words: what the system said, and about which path."""
+    if not error.strerror:
+        return str(error)
+    return f"{error.strerror} ({error.filename})" if error.filename else error.strerror
 
 
 def load_result(host: dict[str, str]) -> dict[str, Any] | None:

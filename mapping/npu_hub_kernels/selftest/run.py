@@ -19,10 +19,12 @@ A card none of whose forms was judged (none applies at these widths, or the card
 never `pass`. On the CPU emulation of torch_npu, a form whose matmuls are too many for a CPU runs at narrower widths
 (`EMULATION_FLOPS`), which the report says.
 
-It prints progress and a table, writes the JSON report (`--json`, schema in docs/selftest.md), and keeps the result
-for this host (`results.save_result`, merged with the other cards' earlier results; unless `--no-record`), so that
-`register_npu_kernels()` stands down every card form that failed here. Exit status 0 when no card failed, 1 when one
-did (or the device refused a call the ledger accepts), 2 when this host has no npu device.
+Before any form runs it checks that it can write the report (`--json`) and the results folder. It prints progress
+and a table, keeps the result for this host (`results.save_result`, merged with the other cards' earlier results;
+unless `--no-record`), so that `register_npu_kernels()` stands down every card form that failed here, and writes the
+JSON report (schema in docs/selftest.md). Exit status 0 when no card failed, 1 when one did (or the device refused a
+call the ledger accepts), 2 when this host has no npu device, `--cards` names an unknown card, or the report or the
+result cannot be written (before the run; or at its end, saying what was kept where).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import argparse
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -451,7 +454,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the selftest, print the table (progress on stderr), write the report; exit status as the module says."""
+    """Check the paths, run the selftest, print the table, keep the result, write the report: the exit status.
+
+    Progress goes to stderr; the exit status is the module's (docstring).
+    """
     cards = None
     if args.cards:
         by_name = {**CARDS, **{card.repo_name: card for card in CARDS.values()}}
@@ -461,6 +467,11 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         cards = [by_name[name.strip()] for name in args.cards.split(",")]
+    unwritable = _unwritable(args)
+    for problem in unwritable:
+        print(f"error: {problem}", file=sys.stderr)
+    if unwritable:
+        return 2
     try:
         report = run_selftest(
             model=args.model, quick=args.quick, org=args.org, version=args.version, local_dir=args.local_dir,
@@ -470,12 +481,70 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(format_table(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"report: {args.json}")
-    if not args.no_record:
-        print(f"kept for register_npu_kernels(): {results.save_result(report)}")
+    if not _written(report, args):
+        return 2
     return 1 if any(card["verdict"] in ("fail", "bugs") for card in report["cards"].values()) else 0
+
+
+def _unwritable(args: argparse.Namespace) -> list[str]:
+    """One line for each path the run would write and cannot: which, why, and what to do. Asked before the run."""
+    problems = []
+    if args.json is not None and (why := _report_problem(args.json)):
+        problems.append(f"cannot write the report to {args.json}: {why}; pass --json a file in a folder you can write")
+    if not args.no_record and (why := results.results_dir_problem()):
+        origin = f"${results.DIR_ENV}" if os.environ.get(results.DIR_ENV) else "under HF_HOME"
+        problems.append(
+            f"cannot keep this host's result in {results.results_dir()} ({origin}): {why}; make it writable, set "
+            f"{results.DIR_ENV} to a folder you can write, or pass --no-record"
+        )
+    return problems
+
+
+def _report_problem(path: Path) -> str | None:
+    """Why the report could not be written to `path`, or None: opened to append (a new file is removed again)."""
+    if path.is_dir():
+        return "it is a folder"
+    if not path.parent.is_dir():
+        return f"{path.parent} is not a folder" if path.parent.exists() else f"the folder {path.parent} does not exist"
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as error:
+        return results.os_reason(error)
+    if not existed:
+        path.unlink()
+    return None
+
+
+def _written(report: dict[str, Any], args: argparse.Namespace) -> bool:
+    """Keep the result for this host, then write the report (`--json`); False if either could not be written.
+
+    The result goes first: it is what stands failed forms down on this host. A write that fails (the disk filled
+    during the run) is said in one line, with what was kept where.
+    """
+    kept, written = None, True
+    if not args.no_record:
+        try:
+            kept = results.save_result(report)
+        except OSError as error:
+            print(f"error: could not keep this host's result in {results.results_dir()}: {results.os_reason(error)}; "
+                  "no form stands down here until a run keeps it", file=sys.stderr)  # fmt: skip
+            written = False
+        else:
+            print(f"kept for register_npu_kernels(): {kept}")
+    if args.json is not None:
+        try:
+            args.json.write_text(json.dumps(report, indent=2))
+        except OSError as error:
+            where = (f"this host's result is kept in {kept} (the report's cards, with earlier runs' other cards): "
+                     "attach that file instead" if kept else "the result was not kept either")  # fmt: skip
+            print(f"error: could not write the report to {args.json}: {results.os_reason(error)}; {where}",
+                  file=sys.stderr)  # fmt: skip
+            written = False
+        else:
+            print(f"report: {args.json}")
+    return written
 
 
 def _load(card: Card, *, org: str, version: int, local_dir: str | Path | None) -> ModuleType:
