@@ -4,16 +4,27 @@ A deliberately wrong emulated op must fail its card's forms and make the card st
 `register_npu_kernels()` (and not before the result exists); an emulated op that accepts a call the ledger refuses,
 or refuses one it accepts, must be reported. The cases are the package's (`npu_hub_kernels.selftest.cases`), which
 the ledger tests and the hardware tests read too.
+
+As on a cluster, in processes of their own: two selftests of every card at the selftest's own widths started together
+on one results folder (about 20 s each on two free cores) leave one result with every card's verdict; concurrent
+savers and a reader never lose or half-read a result; a path the run cannot write stops it before any form runs; a
+report that cannot be written at the end leaves the result kept; a `--cards` run keeps the other cards' verdicts.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
 from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from kernels import Mode, kernelize
 from transformers import AutoConfig
 
@@ -22,8 +33,8 @@ from npu_hub_kernels.__main__ import main
 from npu_hub_kernels.doctor import format_report, model_report
 from npu_hub_kernels.selftest import results
 from npu_hub_kernels.selftest.cases import cases_of
-from npu_hub_kernels.selftest.forms import ALL_LAYERS, Form
-from npu_hub_kernels.selftest.run import run_selftest
+from npu_hub_kernels.selftest.forms import ALL_LAYERS, NARROWED, Form
+from npu_hub_kernels.selftest.run import DEFAULT_MODELS, EMULATION_FLOPS, TOKENS, run_selftest
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.emulation import LEDGER
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, tiny_config_values, token_ids
@@ -210,3 +221,274 @@ def test_the_hardware_tests_read_every_form_and_case_of_the_selftest():
     assert forms == {(card.repo_name, name) for card in CARDS.values() for name in cases_of(card).FORMS}
     cases = {rule for rule, _ in test_hardware.HARDWARE_CASES}
     assert cases == {rule for card in CARDS.values() for rule in cases_of(card).CASES}
+
+
+SCRIPT = ROOT / "scripts" / "selftest_emulated.py"
+CLI = (
+    "import sys; from npu_hub_kernels.testing import emulation; emulation.install(); "
+    "from npu_hub_kernels.__main__ import main; sys.exit(main(sys.argv[1:]))"
+)
+"""`python -m npu_hub_kernels selftest ...` as an Ascend host runs it, on the emulated device."""
+PROCESS_SECONDS = 600
+"""The longest a selftest process may take: the issue's run at the selftest's widths did not end in 21 minutes."""
+JUDGED = ("pass", "fail", "error")
+
+
+def _start(command: list[str], env: dict[str, str | None]) -> subprocess.Popen:
+    """`command` in a process of its own, with `env` on top of this one's (None: unset)."""
+    environment = {**os.environ, **env}
+    environment = {name: value for name, value in environment.items() if value is not None}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    return subprocess.Popen(command, env=environment, cwd=ROOT, text=True, **pipes)
+
+
+def _selftest_process(*args: str, env: dict[str, str | None]) -> subprocess.Popen:
+    """`python -m npu_hub_kernels selftest ARGS` on the emulated device, in a process of its own."""
+    return _start([sys.executable, "-c", CLI, "selftest", *args], env)
+
+
+def _finished(processes: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
+    """Wait for every process (all are killed if one outlasts PROCESS_SECONDS): their exit status and output."""
+    done = []
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=PROCESS_SECONDS)
+            done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    return done
+
+
+@pytest.mark.slow
+def test_two_concurrent_selftests_of_every_card_at_the_selftests_widths(built_cards, tmp_path):
+    """Two `--quick` selftests of every card at the selftest's own widths, started together on one results folder as
+    a contributor runs them (scripts/selftest_emulated.py); one run of the pair serves the checks below, each of one
+    finding of issue 45."""
+    home = tmp_path / "shared-home"
+    report_paths = [tmp_path / f"report-{number}.json" for number in (1, 2)]
+    env = {results.DIR_ENV: str(home)}
+    runs = _finished([
+        _start([sys.executable, str(SCRIPT), "--quick", "--local-dir", str(built_cards), "--json", str(path)], env)
+        for path in report_paths
+    ])  # fmt: skip
+    for run in runs:
+        assert run.returncode in (0, 1) and "Traceback" not in run.stderr, run.stderr[-3000:]
+    reports = [json.loads(path.read_text()) for path in report_paths]
+    _one_result_with_every_cards_latest_verdict(home, reports, runs)
+    _a_card_with_no_judged_form_is_not_run_and_says_why(reports[0], runs[0].stdout)
+    _the_reports_settings_are_the_runs(reports[0])
+    _the_emulation_narrows_only_the_forms_a_cpu_is_too_slow_for_and_says_so(reports[0], runs[0].stdout)
+
+
+def _one_result_with_every_cards_latest_verdict(home: Path, reports: list[dict], runs) -> None:
+    """Concurrent saves race (finding 2): the pair leaves one result, each card's latest judged entry in it."""
+    result = home / results.result_path(reports[0]["host"]).name
+    assert sorted(path.name for path in home.iterdir()) == [result.name, f"{result.stem}.lock"]
+    kept = json.loads(result.read_text())
+    assert set(kept["cards"]) == {card.repo_name for card in CARDS.values()}
+    latest = {name: max((report["cards"][name] for report in reports), key=lambda entry: entry["judged_at"])
+              for name in kept["cards"]}  # fmt: skip
+    assert kept["cards"] == latest
+    assert kept["verdict"] == results.worst_verdict(entry["verdict"] for entry in kept["cards"].values())
+    assert all(f"kept for register_npu_kernels(): {result}" in run.stdout for run in runs)
+
+
+def _a_card_with_no_judged_form_is_not_run_and_says_why(report: dict, table: str) -> None:
+    """--quick reported cards it never judged as pass (finding 4): they are `not run`, with why, table and JSON."""
+    for name in ("npu-moe", "npu-moe-router"):  # no experts at Llama-3-8B's widths, the only model of --quick
+        entry = report["cards"][name]
+        assert entry["verdict"] == results.NOT_RUN and entry["judged_forms"] == 0 and entry["failed"] == {}
+        assert f"{DEFAULT_MODELS[0].model} (hidden 4096," in entry["not_run"] and "0 experts" in entry["not_run"]
+        assert all(form in entry["not_run"] for form in cases_of(CARDS[entry["kernel_id"]]).FORMS)
+        assert f"  {name}: not run: no form judged at" in table
+    for name, entry in report["cards"].items():
+        judged = {row["form"] for row in entry["forms"] if row["status"] in JUDGED}
+        assert entry["judged_forms"] == len(judged)
+        assert entry["card_forms"] == len(cases_of(CARDS[entry["kernel_id"]]).FORMS)
+        assert (entry["verdict"] in ("pass", "findings")) <= bool(judged), name
+        assert re.search(rf"^{name} +{entry['verdict']} +{len(judged)} of {entry['card_forms']} ", table, re.MULTILINE)
+    assert report["verdict"] != "pass"
+
+
+def _the_reports_settings_are_the_runs(report: dict) -> None:
+    """models[].tokens said 64, a default of the code, where the run used 16 (finding 5)."""
+    assert report["quick"] and report["tokens"] == [TOKENS[0]]
+    assert [(model["model"], model["tokens"]) for model in report["models"]] == [(DEFAULT_MODELS[0].model, [TOKENS[0]])]
+    for entry in report["cards"].values():
+        forms = cases_of(CARDS[entry["kernel_id"]]).FORMS
+        assert all(row["tokens"] == TOKENS[0] for row in entry["forms"] if forms[row["form"]].tokens is None)
+
+
+def _the_emulation_narrows_only_the_forms_a_cpu_is_too_slow_for_and_says_so(report: dict, table: str) -> None:
+    """The emulated run did not end in 21 minutes (finding 6): the forms a CPU computes too slowly run narrower, and
+    the report says so; the least narrowing that brings a form's matmuls within `EMULATION_FLOPS`."""
+    assert report["environment"]["emulated"] and report["emulation"] and f"emulation: {report['emulation']}" in table
+    at_model = DEFAULT_MODELS[0].with_tokens(TOKENS[0])
+    narrowed = set()
+    for entry in report["cards"].values():
+        forms = cases_of(CARDS[entry["kernel_id"]]).FORMS
+        for row in entry["forms"]:
+            form, divisor = forms[row["form"]], (row["emulation_widths"] or {"divisor": 1})["divisor"]
+            ran_at = form.at(at_model.narrowed(divisor))
+            assert form.flops(ran_at) <= EMULATION_FLOPS and row["tokens"] == ran_at.tokens
+            assert divisor == 1 or form.flops(form.at(at_model.narrowed(divisor // 2))) > EMULATION_FLOPS
+            if divisor > 1:
+                assert row["emulation_widths"] == {"divisor": divisor, **{k: getattr(ran_at, k) for k in NARROWED}}
+                narrowed.add(entry["kernel_id"])
+                assert f"{row['form']} ran on the emulation at 1/{divisor} ({row['tokens']} tokens)" in table
+    # the float16 matmuls of the LM head's loss and the MLPs are what a CPU computes too slowly at Llama-3-8B's widths
+    assert narrowed == {"npu_fused_linear_cross_entropy", "npu_fused_swiglu"}
+    assert report["seconds"] < 300  # a few minutes at most, on two busy cores (about 20 s when they are free)
+
+
+SAVER = """
+import json, sys
+from datetime import UTC, datetime
+from npu_hub_kernels.selftest import results
+
+report = json.loads(sys.argv[1])
+(entry,) = report["cards"].values()
+for n in range(int(sys.argv[2])):
+    entry.update(n=n, judged_at=datetime.now(UTC).isoformat(timespec="microseconds"))
+    results.save_result(report)
+"""
+"""Save a report of one card SAVES times (argv: the report, SAVES), each a later judgement numbered n."""
+READER = """
+import json, sys, time
+from npu_hub_kernels.selftest import results
+
+host, last, deadline = json.loads(sys.argv[1]), json.loads(sys.argv[2]), time.monotonic() + 300
+seen, reads, misses = {}, 0, 0
+while seen != last and time.monotonic() < deadline:
+    kept = results.load_result(host)
+    found = {} if kept is None else {card: entry["n"] for card, entry in kept["cards"].items()}
+    reads, misses = reads + 1, misses + (kept is None or any(found.get(card, -1) < n for card, n in seen.items()))
+    seen |= {card: max(n, seen.get(card, -1)) for card, n in found.items()}
+print(json.dumps({"reads": reads, "misses": misses}))
+"""
+"""Read the result until it holds the last judgement of every card (argv: the host, card -> last n): how many reads
+found it missing or half written, or a card's judgement older than one read before (a lost update)."""
+
+
+@pytest.mark.slow
+def test_concurrent_savers_and_a_reader_never_lose_or_half_read_a_result(results_dir):
+    host, saves = {"device": "a shared home", "cann": "9.1.0", "torch_npu": "2.13.0"}, 150
+    results.save_result(_report_of(host, "kept before", 0))
+    last = {"kept before": 0, "writer 1": saves - 1, "writer 2": saves - 1}
+    runs = _finished([
+        _start([sys.executable, "-c", READER, json.dumps(host), json.dumps(last)], env={}),
+        *(_start([sys.executable, "-c", SAVER, json.dumps(_report_of(host, writer, 0)), str(saves)], env={})
+          for writer in ("writer 1", "writer 2")),
+    ])  # fmt: skip
+    assert [run.returncode for run in runs] == [0, 0, 0], [run.stderr[-2000:] for run in runs]
+    reader = json.loads(runs[0].stdout)
+    assert reader["misses"] == 0 and reader["reads"] > 0
+    assert {card: entry["n"] for card, entry in results.load_result(host)["cards"].items()} == last
+    result = results.result_path(host)
+    assert sorted(path.name for path in results_dir.iterdir()) == [result.name, f"{result.stem}.lock"]
+
+
+def _report_of(host: dict[str, str], card: str, n: int, verdict: str = "pass") -> dict:
+    """The smallest report of `card`'s n-th judgement, judged now."""
+    judged_at = datetime.now(UTC).isoformat(timespec="microseconds")
+    entry = {"verdict": verdict, "failed": {}, "n": n, "judged_at": judged_at}
+    return {"schema": results.SCHEMA, "host": host, "cards": {card: entry}, "verdict": verdict}
+
+
+def test_the_merge_keeps_each_cards_latest_judged_verdict():
+    host = {"device": "d", "cann": "c", "torch_npu": "t"}
+    earlier, later = _report_of(host, "a", 0, "fail"), _report_of(host, "a", 1, "pass")
+    assert results.merged(later, earlier)["cards"]["a"]["n"] == 1  # a run that judged it later, saved first, stands
+    assert results.merged(earlier, later)["cards"]["a"]["n"] == 1
+    not_run = _report_of(host, "a", 2, results.NOT_RUN)
+    assert results.merged(earlier, not_run)["cards"]["a"]["n"] == 0  # judging nothing does not undo a verdict
+    assert results.merged(not_run, _report_of(host, "a", 3, results.NOT_RUN))["cards"]["a"]["n"] == 3
+    both = results.merged(earlier, _report_of(host, "b", 4))
+    assert {name: entry["n"] for name, entry in both["cards"].items()} == {"a": 0, "b": 4}
+    assert both["verdict"] == "fail"
+
+
+def _read_only_folder(scratch: Path) -> Path:
+    """A folder this process cannot make files in: mode 0o500 for a user; for root, who writes whatever the mode,
+    /proc (the kernel's, which takes no new files)."""
+    if os.geteuid() != 0:
+        folder = scratch / "read-only"
+        folder.mkdir(mode=0o500)
+        return folder
+    return Path("/proc")
+
+
+@pytest.mark.slow
+def test_a_path_the_run_cannot_write_stops_it_with_one_line_before_any_form_runs(built_cards, tiny_model_dir, tmp_path):
+    a_file, read_only = tmp_path / "a-file", _read_only_folder(tmp_path)
+    a_file.write_text("not a folder")
+    writable = {results.DIR_ENV: str(tmp_path / "writable-results")}
+    cases = {  # case: (--json, the environment, what the line says is wrong)
+        "report in a missing folder": (tmp_path / "missing" / "report.json", writable, "does not exist"),
+        "report in a path under a file": (a_file / "report.json", writable, f"{a_file} is not a folder"),
+        "report in a read-only folder": (read_only / "report.json", writable, f"({read_only}/report.json)"),
+        "report that is a folder": (tmp_path, writable, "it is a folder"),
+        "results folder under a file": (None, {results.DIR_ENV: str(a_file / "selftest")}, f"({a_file}"),
+        "results folder read-only": (None, {results.DIR_ENV: str(read_only)}, f"({read_only}/"),
+        "HF_HOME read-only": (None, {results.DIR_ENV: None, "HF_HOME": str(read_only / "hf")}, f"({read_only}/hf"),
+    }
+    common = ["--quick", "--local-dir", str(built_cards), "--model", tiny_model_dir]
+    runs = _finished([
+        _selftest_process(*common, *(["--json", str(report)] if report else []), env=env)
+        for report, env, _ in cases.values()
+    ])  # fmt: skip
+    for (case, (report, _, wrong)), run in zip(cases.items(), runs, strict=True):
+        assert run.returncode == 2 and run.stdout == "", (case, run.stderr[-3000:])
+        (line,) = run.stderr.splitlines()  # one line, and no progress: no form ran
+        assert wrong in line, (case, line)
+        if report:
+            assert line.startswith(f"error: cannot write the report to {report}: "), (case, line)
+            assert line.endswith("; pass --json a file in a folder you can write"), (case, line)
+        else:
+            assert line.startswith("error: cannot keep this host's result in "), (case, line)
+            assert line.endswith(f"set {results.DIR_ENV} to a folder you can write, or pass --no-record"), (case, line)
+            assert ("(under HF_HOME)" in line) == (case == "HF_HOME read-only"), (case, line)
+    assert not list((tmp_path / "writable-results").glob("result-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, whose writes fail as on a full disk")
+def test_a_report_that_cannot_be_written_at_the_end_leaves_the_result_kept_and_says_where(
+    built_cards, tiny_model_dir, results_dir
+):
+    (run,) = _finished([_selftest_process("--quick", "--cards", "npu-rms-norm", "--local-dir", str(built_cards),
+                                          "--model", tiny_model_dir, "--json", "/dev/full", env={})])  # fmt: skip
+    assert run.returncode == 2 and "verdict: pass" in run.stdout, run.stderr[-3000:]
+    kept = next(results_dir.glob("result-*.json"))
+    assert f"kept for register_npu_kernels(): {kept}" in run.stdout
+    assert run.stderr.splitlines()[-1] == (
+        f"error: could not write the report to /dev/full: No space left on device; this host's result is kept in "
+        f"{kept} (the report's cards, with earlier runs' other cards): attach that file instead"
+    )
+    assert json.loads(kept.read_text())["cards"]["npu-rms-norm"]["verdict"] == "pass"
+
+
+@pytest.mark.slow
+def test_a_cards_run_after_a_failing_full_run_updates_only_the_cards_it_ran(built_cards, tiny_model_dir, results_dir):
+    full = ["selftest", "--quick", "--local-dir", str(built_cards), "--model", tiny_model_dir]
+    with _off_by_five_percent():
+        assert main(full) == 1
+    host = results.host_key()
+    before = results.load_result(host)
+    assert before["cards"][RMS_NORM.repo_name]["verdict"] == "fail" and set(before["cards"]) == {
+        card.repo_name for card in CARDS.values()
+    }
+
+    (run,) = _finished([_selftest_process(*full[1:], "--cards", "npu_fused_swiglu", env={})])
+    assert run.returncode == 0 and "npu-swiglu" in run.stdout, run.stderr[-3000:]
+    after = results.load_result(host)
+    assert set(after["cards"]) == set(before["cards"]) and after["verdict"] == "fail"
+    assert after["cards"]["npu-swiglu"]["judged_at"] > before["cards"]["npu-swiglu"]["judged_at"]
+    assert {name: entry for name, entry in after["cards"].items() if name != "npu-swiglu"} == {
+        name: entry for name, entry in before["cards"].items() if name != "npu-swiglu"
+    }
+    swaps, fused_calls, _ = _rms_norm_swaps(built_cards)  # the failed card still stands down
+    assert swaps and fused_calls == 0 and all(swap.eager_reason.startswith(results.REASON_PREFIX) for swap in swaps)
