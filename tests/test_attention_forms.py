@@ -421,14 +421,18 @@ def test_overlays_flags_and_cross_attention_give_eagers_answer(registered, case)
 
 def test_an_all_padding_batch_gives_sdpas_zeros_without_calling_the_op(registered):
     """Every query sees no key: sdpa's answer is 0 for each (eager's averages every value); the card gives sdpa's,
-    with no call of the op, whose varlen form takes no empty batch."""
-    model = build("llama").eval()
+    with no call of the op, whose varlen form takes no empty batch, and a gradient for every parameter."""
+    model = build("llama")
     inputs = _on_npu({"input_ids": token_ids(2, SEQ), "attention_mask": torch.zeros(2, SEQ, dtype=torch.long)})
     logits = {}
     for name in ("sdpa", NAME):
         model.set_attn_implementation(name)
-        with emulation.count_op_calls() as calls, torch.no_grad():
-            logits[name] = model(**inputs).logits.cpu()
+        model.zero_grad(set_to_none=True)
+        with emulation.count_op_calls() as calls:
+            out = model(**inputs).logits
+            out.float().square().mean().backward()  # every parameter gets a gradient, as under sdpa (DDP needs it)
+        logits[name] = out.detach().cpu()
+        assert all(p.grad is not None for p in model.parameters()), name
     assert calls[OP] == 0
     torch.testing.assert_close(logits[NAME], logits["sdpa"], atol=3e-5, rtol=1e-3)
 

@@ -171,20 +171,27 @@ def _padding_queries(
 
 
 def _attend_padding_queries(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: VarlenPlan, scale: float, sinks
+    output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: VarlenPlan, scale, sinks
 ) -> torch.Tensor:
-    """The attention [n, Nq, Dv] of the plan's padding queries over the keys each sees, in float32 as the op's."""
-    rows, slots = plan.padding_rows, plan.padding_queries % query.shape[2]
-    groups = query.shape[1] // key.shape[1]
-    q = query[rows, :, slots].float()
-    k = key[rows].float().repeat_interleave(groups, 1)
-    v = value[rows].float().repeat_interleave(groups, 1)
-    scores = torch.einsum("nhd,nhsd->nhs", q, k) * scale
-    scores = scores.masked_fill(~plan.padding_keys[:, None, :], float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.float()[None, :, None].expand(len(rows), -1, 1)], dim=-1)
-    probs = scores.softmax(-1)[..., : k.shape[2]]
-    return torch.einsum("nhs,nhsd->nhd", probs, v).to(query.dtype)
+    """`output` [B * Sq, Nq, Dv] with the plan's padding queries attended over the keys each sees (float32 inside).
+
+    Row by row: each row's padding queries against that row's keys, grouped by key head (no key or value repeated
+    per query or per query head), so the scores take what eager's take for those queries."""
+    heads, q_len, head_dim = query.shape[1:]
+    kv_heads, groups = key.shape[1], heads // key.shape[1]
+    for row in plan.padding_rows.unique().tolist():
+        chosen = (plan.padding_rows == row).nonzero().squeeze(1)
+        count = len(chosen)
+        # [Nkv, groups * m, D]: the row's padding queries of each key head's query heads, against [Nkv, D, Skv]
+        q = query[row][:, plan.padding_queries[chosen] % q_len].float().reshape(kv_heads, groups * count, head_dim)
+        scores = (q @ key[row].float().transpose(1, 2) * scale).view(heads, count, -1)
+        scores = scores.masked_fill(~plan.padding_keys[chosen][None], float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float()[:, None, None].expand(-1, count, 1)], dim=-1)
+        probs = scores.softmax(-1)[..., : key.shape[2]].reshape(kv_heads, groups * count, -1)
+        attended = (probs @ value[row].float()).view(heads, count, -1).transpose(0, 1)
+        output = output.index_copy(0, plan.padding_queries[chosen], attended.to(output.dtype))
+    return output
 
 
 def _plan_of_sequence_ids(sequence_ids: torch.Tensor) -> VarlenPlan:
@@ -208,8 +215,9 @@ def _plan_of_cu_seq_lens(cu_q: torch.Tensor, cu_k: torch.Tensor) -> VarlenPlan:
 
 
 def _plan_of_position_ids(position_ids: torch.Tensor) -> VarlenPlan | None:
-    """The plan of one row's packed sequences from its position ids (a sequence starts where they do not step by 1),
-    read to the host at each call; None when they never restart (one sequence: the dense form)."""
+    """The plan of one row's packed sequences from its position ids, or None when they never restart (the dense form).
+
+    A sequence starts where the ids do not step by 1. Read to the host at each call."""
     host = position_ids.reshape(-1).cpu()
     starts = torch.ones_like(host, dtype=torch.bool)
     starts[1:] = host[1:] != host[:-1] + 1
@@ -499,7 +507,8 @@ def fused_attention(
         )[0]
         return output, None
     batch, _, q_len, _ = query.shape
-    output = query.new_zeros(batch * q_len, heads, value.shape[3])
+    # zeros that still depend on q, k and v: an all-padding batch gives every projection a (zero) gradient, as sdpa
+    output = query.new_zeros(batch * q_len, heads, value.shape[3]) + 0 * (query.sum() + key.sum() + value.sum())
     if plan.query_ends[-1] > 0:  # some query is kept (an all-padding batch has none: every output is 0, as sdpa's)
         fused = torch_npu.npu_fusion_attention(
             _tokens(query, plan.query_index),
@@ -513,8 +522,7 @@ def fused_attention(
         )[0]
         output = fused if plan.query_index is None else output.index_copy(0, plan.query_index, fused)
     if plan.padding_queries is not None:
-        padded = _attend_padding_queries(query, key, value, plan, scale, sinks)
-        output = output.index_copy(0, plan.padding_queries, padded)
+        output = _attend_padding_queries(output, query, key, value, plan, scale, sinks)
     return output.view(batch, q_len, *output.shape[1:]), None
 
 
