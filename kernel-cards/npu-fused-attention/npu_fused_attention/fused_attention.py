@@ -507,10 +507,14 @@ def fused_attention(
         )[0]
         return output, None
     batch, _, q_len, _ = query.shape
-    # zeros that still depend on q, k and v: an all-padding batch gives every projection a (zero) gradient, as sdpa
-    output = query.new_zeros(batch * q_len, heads, value.shape[3]) + 0 * (query.sum() + key.sum() + value.sum())
-    if plan.query_ends[-1] > 0:  # some query is kept (an all-padding batch has none: every output is 0, as sdpa's)
-        fused = torch_npu.npu_fusion_attention(
+    if plan.query_ends[-1] == 0:  # no query kept: a padding query that sees no key gets 0, as sdpa's
+        output = query.new_zeros(batch * q_len, heads, value.shape[3])
+        if plan.padding_queries is None:
+            # zeros that still depend on q, k and v, so that every projection gets its (zero) gradient, as under
+            # sdpa (AdamW's decay, DDP's reduction)
+            return output.view(batch, q_len, heads, -1) + 0 * (query.sum() + key.sum() + value.sum()), None
+    else:
+        output = torch_npu.npu_fusion_attention(
             _tokens(query, plan.query_index),
             _tokens(key, plan.key_index),
             _tokens(value, plan.key_index),
@@ -520,7 +524,8 @@ def fused_attention(
             actual_seq_kvlen=list(plan.key_ends),
             **common,
         )[0]
-        output = fused if plan.query_index is None else output.index_copy(0, plan.query_index, fused)
+        if plan.query_index is not None:
+            output = output.new_zeros(batch * q_len, *output.shape[1:]).index_copy(0, plan.query_index, output)
     if plan.padding_queries is not None:
         output = _attend_padding_queries(output, query, key, value, plan, scale, sinks)
     return output.view(batch, q_len, *output.shape[1:]), None
