@@ -394,7 +394,8 @@ def test_concurrent_savers_and_a_reader_never_lose_or_half_read_a_result(results
 def _report_of(host: dict[str, str], card: str, n: int, verdict: str = "pass") -> dict:
     """The smallest report of `card`'s n-th judgement, judged now."""
     judged_at = datetime.now(UTC).isoformat(timespec="microseconds")
-    entry = {"verdict": verdict, "failed": {}, "n": n, "judged_at": judged_at}
+    judged_forms = 1 if verdict in ("pass", "fail", "findings") else 0
+    entry = {"verdict": verdict, "failed": {}, "n": n, "judged_at": judged_at, "judged_forms": judged_forms}
     return {"schema": results.SCHEMA, "host": host, "cards": {card: entry}, "verdict": verdict}
 
 
@@ -409,6 +410,30 @@ def test_the_merge_keeps_each_cards_latest_judged_verdict():
     both = results.merged(earlier, _report_of(host, "b", 4))
     assert {name: entry["n"] for name, entry in both["cards"].items()} == {"a": 0, "b": 4}
     assert both["verdict"] == "fail"
+
+
+def test_an_entry_that_judged_no_form_never_replaces_one_that_did_in_any_order():
+    host = {"device": "d", "cann": "c", "torch_npu": "t"}
+    fail = _report_of(host, "a", 0, "fail")
+    for verdict in (results.NOT_RUN, "not loaded", "bugs"):
+        nothing = _report_of(host, "a", 1, verdict)  # judged nothing, later than the fail
+        assert results.merged(fail, nothing)["cards"]["a"]["n"] == 0, verdict
+        assert results.merged(nothing, fail)["cards"]["a"]["n"] == 0, verdict
+        earlier_nothing = _report_of(host, "a", 2, verdict)
+        earlier_nothing["cards"]["a"]["judged_at"] = "2000-01-01T00:00:00.000000+00:00"
+        assert results.merged(earlier_nothing, fail)["cards"]["a"]["n"] == 0, verdict
+    old_pass = _report_of(host, "a", 3, "pass")
+    del old_pass["cards"]["a"]["judged_forms"]  # kept by an older version: not trusted as judged
+    assert not results.judged(old_pass["cards"]["a"])
+    assert results.merged(old_pass, _report_of(host, "a", 4, results.NOT_RUN))["cards"]["a"]["n"] == 4
+
+
+def test_a_card_with_no_judged_form_and_a_bug_is_not_run_and_still_exits_1():
+    from npu_hub_kernels.selftest.run import _bugs, _verdict
+
+    entry = {"failed": {}, "judged_forms": 0, "probes": [{"finding": "bug: refused"}], "limits": []}
+    assert _verdict(entry) == results.NOT_RUN and _bugs(entry)
+    assert _verdict({**entry, "judged_forms": 1}) == "bugs"
 
 
 def _read_only_folder(scratch: Path) -> Path:

@@ -110,20 +110,27 @@ def save_result(report: dict[str, Any]) -> Path:
 def merged(kept: dict[str, Any] | None, report: dict[str, Any]) -> dict[str, Any]:
     """`report`, holding also the cards of `kept` it did not judge: each card's latest judged entry.
 
-    A card of `report` replaces the kept one unless the kept one was judged later (`judged_at`: a concurrent run
-    finished it after this one) or this run judged none of its forms (`not run`: the earlier verdict stands). The
-    verdict is the worst of all the cards kept.
+    An entry that judged no form (`not run`, `not loaded`, `bugs` with no form judged; or one kept by an older
+    version without `judged_forms`) never replaces one that judged forms, whatever the timestamps or the order the
+    runs saved in: the earlier verdict stands. Between two entries that both judged forms, or both none, the later
+    `judged_at` wins (a concurrent run may finish a card after this one). The verdict is the worst of all the cards.
     """
     cards = dict(kept["cards"]) if kept else {}
     for name, entry in report["cards"].items():
         earlier = cards.get(name)
-        stands = earlier is not None and (
-            earlier.get("judged_at", "") > entry["judged_at"]
-            or (entry["verdict"] == NOT_RUN and earlier.get("verdict") != NOT_RUN)
-        )
-        if not stands:
+        later = earlier is None or str(earlier.get("judged_at", "")) <= str(entry.get("judged_at", ""))
+        if earlier is None or (judged(entry), later) > (judged(earlier), False):
             cards[name] = entry
     return {**report, "cards": cards, "verdict": worst_verdict(entry["verdict"] for entry in cards.values())}
+
+
+def judged(entry: dict[str, Any]) -> bool:
+    """Whether a card's entry rests on judged forms: `judged_forms` above 0, or (kept by a version that did not
+    count them) forms that failed. A `pass` without `judged_forms` is not trusted: its card is checked again."""
+    count = entry.get("judged_forms")
+    if isinstance(count, int) and not isinstance(count, bool):
+        return count > 0
+    return bool(entry.get("failed"))
 
 
 def results_dir_problem() -> str | None:

@@ -380,14 +380,15 @@ TO_REPORT = ("findings", "bugs", "fail", "not loaded")
 
 
 def _verdict(entry: dict[str, Any]) -> str:
-    """A loaded card's verdict (`results.VERDICTS`): what its forms, probes and limits found; `not run` if no form."""
+    """A loaded card's verdict (`results.VERDICTS`): what its forms, probes and limits found; `not run` if no form
+    was judged (then its bugs are in its probes and limits, and the exit status, but not its verdict)."""
     findings = [item["finding"] or "" for item in entry["probes"] + entry["limits"]]
     if entry["failed"]:
         return "fail"
+    if not entry["judged_forms"]:  # before bugs: an entry that judged no form must not wipe a kept verdict
+        return results.NOT_RUN
     if any(finding.startswith("bug") for finding in findings):
         return "bugs"
-    if not entry["judged_forms"]:
-        return results.NOT_RUN
     return "findings" if any(findings) else "pass"
 
 
@@ -483,7 +484,12 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(report))
     if not _written(report, args):
         return 2
-    return 1 if any(card["verdict"] in ("fail", "bugs") for card in report["cards"].values()) else 0
+    return 1 if any(card["verdict"] in ("fail", "bugs") or _bugs(card) for card in report["cards"].values()) else 0
+
+
+def _bugs(card: dict[str, Any]) -> bool:
+    """Whether the device refused a call the ledger accepts (or a call at a limit raised) for this card."""
+    return any((item.get("finding") or "").startswith("bug") for item in card["probes"] + card["limits"])
 
 
 def _unwritable(args: argparse.Namespace) -> list[str]:
