@@ -436,6 +436,40 @@ def test_a_card_with_no_judged_form_and_a_bug_is_not_run_and_still_exits_1():
     assert _verdict({**entry, "judged_forms": 1}) == "bugs"
 
 
+@pytest.mark.parametrize("kept", [
+    "null", "[]", '"a string"', "{not json", '{"cards": [], "verdict": "pass"}',
+    '{"cards": {"a": 1}, "verdict": "pass"}',
+    '{"cards": {"a": {"failed": {}}}, "verdict": "pass"}', '{"cards": {"a": {"verdict": "fail"}}, "verdict": "fail"}',
+    '{"cards": {"a": {"verdict": "fail", "failed": {"f": "x"}}}, "verdict": "fail"}',
+])  # fmt: skip
+def test_a_kept_file_that_is_not_a_result_is_no_result_said_once_and_replaced(kept, monkeypatch, caplog):
+    host = {"device": "d", "cann": "c", "torch_npu": "t"}
+    monkeypatch.setattr(results, "host_key", lambda: host)
+    path = results.result_path(host)
+    path.parent.mkdir(parents=True)
+    if kept.startswith("{") and kept != "{not json":
+        kept = json.dumps({"schema": results.SCHEMA, "host": host, "started": "s", **json.loads(kept)})
+    path.write_text(kept)
+    results._warned.clear()
+    caplog.set_level("WARNING", logger=results.__name__)
+    assert results.load_result(host) is None
+    results.stand_down(list(CARDS.values()), org="o", version=1, local_dir=None, use=True)
+    assert results.summary().startswith("not run on this host")
+    assert results.save_result(_report_of(host, "b", 0)) == path
+    assert set(results.load_result(host)["cards"]) == {"b"}
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert warning.startswith(f"the kept selftest result {path} is unreadable (") and "replaces it" in warning
+
+
+def test_a_kept_pass_without_judged_forms_reads_as_not_run(monkeypatch):
+    host = {"device": "d", "cann": "c", "torch_npu": "t"}
+    old = _report_of(host, "a", 0, "pass")
+    del old["cards"]["a"]["judged_forms"]
+    results.result_path(host).parent.mkdir(parents=True)
+    results.result_path(host).write_text(json.dumps(old))
+    assert results.load_result(host)["cards"]["a"]["verdict"] == results.NOT_RUN
+
+
 def _read_only_folder(scratch: Path) -> Path:
     """A folder this process cannot make files in: mode 0o500 for a user; for root, who writes whatever the mode,
     /proc (the kernel's, which takes no new files)."""

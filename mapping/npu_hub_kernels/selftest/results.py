@@ -174,7 +174,7 @@ def summary() -> str:
         return f"not run on this host: {run}"
     failed = sorted(f"{card}: {form}" for card, entry in result["cards"].items() for form in entry["failed"])
     stands_down = f"; stands down {', '.join(failed)}" if failed else ""
-    return f"{result['verdict']} on {result['started']} ({result_path(host)}){stands_down}"
+    return f"{result['verdict']} on {result.get('started', '?')} ({result_path(host)}){stands_down}"
 
 
 def variant_digest(variant_dir: Path) -> str:
@@ -223,14 +223,62 @@ def forget() -> None:
 
 
 def _read(path: Path, host: dict[str, str]) -> dict[str, Any] | None:
-    """The result in `path` if it is one for `host` in this schema, else None."""
+    """The result in `path` if it is one for `host` in this schema, else None.
+
+    A file that is not a result (not JSON, or JSON of another shape) is no result: a warning says so once per file,
+    and the next selftest replaces it. An entry kept by a version that did not count `judged_forms` and says `pass`
+    is read as `not run` (`judged`): it is not trusted until the selftest checks the card again.
+    """
     try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except OSError:
         return None
+    try:
+        result = json.loads(text)
+    except ValueError as error:
+        return _unreadable(path, f"not JSON ({error})")
+    if not isinstance(result, dict):
+        return _unreadable(path, f"JSON {type(result).__name__}, not a result")
     if result.get("schema") != SCHEMA or result.get("host") != host:
         return None
+    if why := _not_a_result(result):
+        return _unreadable(path, why)
+    for name, entry in result["cards"].items():
+        if entry["verdict"] == "pass" and not judged(entry):
+            result["cards"][name] = {**entry, "verdict": NOT_RUN, "not_run": "kept without judged forms: run again"}
     return result
+
+
+_warned: set[str] = set()
+"""The unreadable result files a warning was given for (once each per process)."""
+
+
+def _unreadable(path: Path, why: str) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        logger.warning("the kept selftest result %s is unreadable (%s): ignored; the next selftest replaces it", path,
+                       why)  # fmt: skip
+    return None
+
+
+def _not_a_result(result: dict[str, Any]) -> str | None:
+    """Why `result` (a dict of this schema and host) is not a result the selftest wrote, or None."""
+    if not isinstance(result.get("cards"), dict):
+        return "its cards are not a mapping"
+    if not isinstance(result.get("verdict"), str) or not isinstance(result.get("started", ""), str):
+        return "no verdict"
+    for name, entry in result["cards"].items():
+        if not isinstance(entry, dict) or entry.get("verdict") not in VERDICTS:
+            return f"the entry of {name} has no verdict"
+        failed = entry.get("failed")
+        if not isinstance(failed, dict) or not all(map(_is_failure, failed.values())):
+            return f"the entry of {name} has no failed forms"
+    return None
+
+
+def _is_failure(failure: Any) -> bool:
+    """Whether `failure` is a failed form's record: the layers that run it and why."""
+    return isinstance(failure, dict) and isinstance(failure.get("layers"), list) and isinstance(failure.get("why"), str)
 
 
 @contextmanager
