@@ -470,6 +470,33 @@ def test_a_kept_pass_without_judged_forms_reads_as_not_run(monkeypatch):
     assert results.load_result(host)["cards"]["a"]["verdict"] == results.NOT_RUN
 
 
+def test_a_report_over_the_kept_result_is_refused_before_any_form_runs(results_dir, capsys):
+    results_dir.mkdir()
+    for name in ("result-0123456789abcdef.json", "result-0123456789abcdef.lock"):
+        assert main(["selftest", "--json", str(results_dir / name)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == (
+            f"error: cannot write the report to {results_dir / name}: it is where this host's result is kept; "
+            "pass --json a file outside the results folder\n"
+        )
+    assert list(results_dir.iterdir()) == []
+
+
+def test_a_report_that_fails_to_write_leaves_the_earlier_report_whole(tmp_path, monkeypatch):
+    from npu_hub_kernels.selftest.run import _write_report
+
+    report = tmp_path / "report.json"
+    _write_report(report, "earlier")
+
+    def full(descriptor):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        _write_report(report, "later")
+    assert report.read_text() == "earlier" and [path.name for path in tmp_path.iterdir()] == ["report.json"]
+
+
 def _read_only_folder(scratch: Path) -> Path:
     """A folder this process cannot make files in: mode 0o500 for a user; for root, who writes whatever the mode,
     /proc (the kernel's, which takes no new files)."""

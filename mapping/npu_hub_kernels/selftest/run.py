@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -495,7 +496,10 @@ def _bugs(card: dict[str, Any]) -> bool:
 def _unwritable(args: argparse.Namespace) -> list[str]:
     """One line for each path the run would write and cannot: which, why, and what to do. Asked before the run."""
     problems = []
-    if args.json is not None and (why := _report_problem(args.json)):
+    if args.json is not None and _is_kept_file(args.json):
+        problems.append(f"cannot write the report to {args.json}: it is where this host's result is kept; pass --json "
+                        "a file outside the results folder")  # fmt: skip
+    elif args.json is not None and (why := _report_problem(args.json)):
         problems.append(f"cannot write the report to {args.json}: {why}; pass --json a file in a folder you can write")
     if not args.no_record and (why := results.results_dir_problem()):
         origin = f"${results.DIR_ENV}" if os.environ.get(results.DIR_ENV) else "under HF_HOME"
@@ -504,6 +508,13 @@ def _unwritable(args: argparse.Namespace) -> list[str]:
             f"{results.DIR_ENV} to a folder you can write, or pass --no-record"
         )
     return problems
+
+
+def _is_kept_file(path: Path) -> bool:
+    """Whether `path` is a kept result (or its lock or a partial write of one) in the results folder."""
+    if os.path.realpath(path.parent) != os.path.realpath(results.results_dir()):
+        return False
+    return path.name.startswith(("result-", ".result-")) and path.suffix in (".json", ".lock", ".partial")
 
 
 def _report_problem(path: Path) -> str | None:
@@ -520,7 +531,27 @@ def _report_problem(path: Path) -> str | None:
         return results.os_reason(error)
     if not existed:
         path.unlink()
+    if _special(path):
+        return None
+    try:  # the report is written to a temporary file beside it, then renamed over it
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}."):
+            pass
+    except OSError as error:
+        return results.os_reason(error)
     return None
+
+
+def _special(path: Path) -> bool:
+    """Whether `path` is a file that is not a regular one (/dev/stdout, a pipe): written in place, not replaced."""
+    return path.exists() and not path.is_file()
+
+
+def _write_report(path: Path, text: str) -> None:
+    """Write the report atomically: a failed write leaves no truncated file and keeps the report that was there."""
+    if _special(path):
+        path.write_text(text)
+    else:
+        results._write_atomically(path, text)
 
 
 def _written(report: dict[str, Any], args: argparse.Namespace) -> bool:
@@ -541,7 +572,7 @@ def _written(report: dict[str, Any], args: argparse.Namespace) -> bool:
             print(f"kept for register_npu_kernels(): {kept}")
     if args.json is not None:
         try:
-            args.json.write_text(json.dumps(report, indent=2))
+            _write_report(args.json, json.dumps(report, indent=2))
         except OSError as error:
             where = (f"this host's result is kept in {kept} (the report's cards, with earlier runs' other cards): "
                      "attach that file instead" if kept else "the result was not kept either")  # fmt: skip
