@@ -497,6 +497,12 @@ def test_a_report_that_fails_to_write_leaves_the_earlier_report_whole(tmp_path, 
     assert report.read_text() == "earlier" and [path.name for path in tmp_path.iterdir()] == ["report.json"]
 
 
+def test_the_results_folder_expands_a_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(results.DIR_ENV, "~/selftest-results")
+    assert results.results_dir() == tmp_path / "selftest-results"
+
+
 def _read_only_folder(scratch: Path) -> Path:
     """A folder this process cannot make files in: mode 0o500 for a user; for root, who writes whatever the mode,
     /proc (the kernel's, which takes no new files)."""

@@ -62,9 +62,10 @@ def worst_verdict(verdicts: Iterable[str]) -> str:
 
 
 def results_dir() -> Path:
-    """Where the selftest keeps its results: $NPU_HUB_KERNELS_SELFTEST_DIR, else <HF_HOME>/npu-hub-kernels/selftest."""
+    """Where the selftest keeps its results: $NPU_HUB_KERNELS_SELFTEST_DIR (`~` expanded, as HF_HOME's), else
+    <HF_HOME>/npu-hub-kernels/selftest."""
     configured = os.environ.get(DIR_ENV)
-    return Path(configured) if configured else Path(constants.HF_HOME) / "npu-hub-kernels" / "selftest"
+    return Path(configured).expanduser() if configured else Path(constants.HF_HOME) / "npu-hub-kernels" / "selftest"
 
 
 def host_key() -> dict[str, str] | None:
