@@ -503,6 +503,21 @@ def test_the_results_folder_expands_a_tilde(tmp_path, monkeypatch):
     assert results.results_dir() == tmp_path / "selftest-results"
 
 
+def test_a_model_that_is_not_one_stops_the_run_with_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
+    cases = {
+        str(tmp_path / "missing"): "is neither a folder nor a model on the Hub",
+        str(tmp_path): "is not a model config",
+    }
+    for model, wrong in cases.items():
+        assert main(["selftest", "--model", model]) == 2
+        captured = capsys.readouterr()
+        (line,) = captured.err.splitlines()
+        assert captured.out == "" and line.startswith(f"error: --model {model}: {wrong} ("), line
+        assert line.endswith("; pass a model folder holding a config.json, or a Hub model id"), line
+
+
 def _read_only_folder(scratch: Path) -> Path:
     """A folder this process cannot make files in: mode 0o500 for a user; for root, who writes whatever the mode,
     /proc (the kernel's, which takes no new files)."""

@@ -469,6 +469,10 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         cards = [by_name[name.strip()] for name in args.cards.split(",")]
+    if args.model is not None and (why := _model_problem(args.model)):
+        print(f"error: --model {args.model}: {why}; pass a model folder holding a config.json, or a Hub model id",
+              file=sys.stderr)  # fmt: skip
+        return 2
     unwritable = _unwritable(args)
     for problem in unwritable:
         print(f"error: {problem}", file=sys.stderr)
@@ -491,6 +495,16 @@ def run(args: argparse.Namespace) -> int:
 def _bugs(card: dict[str, Any]) -> bool:
     """Whether the device refused a call the ledger accepts (or a call at a limit raised) for this card."""
     return any((item.get("finding") or "").startswith("bug") for item in card["probes"] + card["limits"])
+
+
+def _model_problem(model: str) -> str | None:
+    """Why `model`'s widths cannot be read (no such folder or Hub model, or not a model config), or None."""
+    try:
+        model_widths(model)
+    except Exception as error:  # AutoConfig's OSError, ValueError; AttributeError for a config without widths
+        where = "is not a model config" if Path(model).exists() else "is neither a folder nor a model on the Hub"
+        return f"{where} ({_one_line(error)})"
+    return None
 
 
 def _unwritable(args: argparse.Namespace) -> list[str]:
