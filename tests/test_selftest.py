@@ -479,7 +479,7 @@ def test_a_report_over_the_kept_result_is_refused_before_any_form_runs(results_d
             f"error: cannot write the report to {results_dir / name}: it is where this host's result is kept; "
             "pass --json a file outside the results folder\n"
         )
-    assert list(results_dir.iterdir()) == []
+    assert not list(results_dir.glob("*.json"))
 
 
 def test_a_report_that_fails_to_write_leaves_the_earlier_report_whole(tmp_path, monkeypatch):
@@ -516,6 +516,30 @@ def test_a_model_that_is_not_one_stops_the_run_with_one_line(tmp_path, capsys, m
         (line,) = captured.err.splitlines()
         assert captured.out == "" and line.startswith(f"error: --model {model}: {wrong} ("), line
         assert line.endswith("; pass a model folder holding a config.json, or a Hub model id"), line
+
+
+def test_a_lock_or_result_that_is_a_folder_or_a_lock_that_fails_stops_the_run_first(results_dir, monkeypatch, capsys):
+    import fcntl
+
+    host = {"device": "d", "cann": "c", "torch_npu": "t"}
+    monkeypatch.setattr(results, "host_key", lambda: host)
+    result, lock = results.result_path(host), results.result_path(host).with_suffix(".lock")
+    for folder in (result, lock):
+        folder.mkdir(parents=True)
+        assert main(["selftest"]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"error: cannot keep this host's result in {results_dir} (") and (
+            f": {folder} is a folder; remove it; " in line
+        ), line
+        folder.rmdir()
+
+    def no_flock(file, operation):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    assert main(["selftest"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert ": No locks available; make it writable" in line, line
 
 
 def _read_only_folder(scratch: Path) -> Path:
@@ -558,7 +582,7 @@ def test_a_path_the_run_cannot_write_stops_it_with_one_line_before_any_form_runs
             assert line.startswith("error: cannot keep this host's result in "), (case, line)
             assert line.endswith(f"set {results.DIR_ENV} to a folder you can write, or pass --no-record"), (case, line)
             assert ("(under HF_HOME)" in line) == (case == "HF_HOME read-only"), (case, line)
-    assert not list((tmp_path / "writable-results").glob("result-*"))
+    assert not list((tmp_path / "writable-results").glob("result-*.json"))  # the lock, checked first, stays
 
 
 @pytest.mark.slow

@@ -134,16 +134,30 @@ def judged(entry: dict[str, Any]) -> bool:
     return bool(entry.get("failed"))
 
 
-def results_dir_problem() -> str | None:
-    """Why a result could not be kept in `results_dir()`, found by making the folder and a file in it; None if it can.
+def results_dir_problem(host: dict[str, str] | None = None) -> str | None:
+    """Why a result could not be kept in `results_dir()`, found by making the folder and a file in it, and for `host`
+    by opening its lock file to append and taking and releasing the lock; None if it can.
 
-    The selftest asks before it runs a form, so that an unwritable folder stops it at once, not after the work.
+    The selftest asks before it runs a form, so that an unwritable folder, a lock or result path that is a folder, a
+    lock file of another user or a file system without `flock` stops it at once, not after the work.
     """
     folder = results_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".writable-"):
             pass
+        if host is None:
+            return None
+        path = result_path(host)
+        for kept in (path, path.with_suffix(".lock")):
+            if kept.is_dir():
+                return f"{kept} is a folder; remove it"
+        with path.with_suffix(".lock").open("a") as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another run holds it: locking works here, the save waits its turn
+                return None
+            fcntl.flock(file, fcntl.LOCK_UN)
     except OSError as error:
         return os_reason(error)
     return None

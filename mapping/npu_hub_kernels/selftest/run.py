@@ -515,13 +515,21 @@ def _unwritable(args: argparse.Namespace) -> list[str]:
                         "a file outside the results folder")  # fmt: skip
     elif args.json is not None and (why := _report_problem(args.json)):
         problems.append(f"cannot write the report to {args.json}: {why}; pass --json a file in a folder you can write")
-    if not args.no_record and (why := results.results_dir_problem()):
+    if not args.no_record and (why := results.results_dir_problem(_host())):
         origin = f"${results.DIR_ENV}" if os.environ.get(results.DIR_ENV) else "under HF_HOME"
         problems.append(
             f"cannot keep this host's result in {results.results_dir()} ({origin}): {why}; make it writable, set "
             f"{results.DIR_ENV} to a folder you can write, or pass --no-record"
         )
     return problems
+
+
+def _host() -> dict[str, str] | None:
+    """This host's identity for its result, None when it has no npu device (the run then says so) or it is unknown."""
+    try:
+        return results.host_key()
+    except Exception:  # a broken torch_npu: the run reports it
+        return None
 
 
 def _is_kept_file(path: Path) -> bool:
