@@ -13,6 +13,7 @@ report that cannot be written at the end leaves the result kept; a `--cards` run
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -540,6 +541,30 @@ def test_a_lock_or_result_that_is_a_folder_or_a_lock_that_fails_stops_the_run_fi
     assert main(["selftest"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert ": No locks available; make it writable" in line, line
+
+
+class _BrokenPipe(io.StringIO):
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize("stdout", ["broken pipe", "ascii"])
+def test_a_broken_stdout_after_the_run_loses_neither_the_result_nor_the_report(stdout, tmp_path, monkeypatch):
+    from npu_hub_kernels.selftest import run
+
+    host = {"device": "d", "cann": "c", "torch_npu": "t"}
+    report = _report_of(host, "a", 0, "fail")
+    report["cards"]["a"].update(probes=[], limits=[])
+    monkeypatch.setattr(run, "run_selftest", lambda **_: report)
+    monkeypatch.setattr(run, "format_table", lambda _: "verdict: fail \u2717")
+    out = _BrokenPipe() if stdout == "broken pipe" else io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["selftest", "--json", str(tmp_path / "report.json")]) == 1
+    assert json.loads((tmp_path / "report.json").read_text())["cards"]["a"]["n"] == 0
+    assert results.load_result(host)["cards"]["a"]["verdict"] == "fail"
+    if stdout == "ascii":
+        out.seek(0)
+        assert "verdict: fail \\u2717" in out.buffer.getvalue().decode()
 
 
 def _read_only_folder(scratch: Path) -> Path:

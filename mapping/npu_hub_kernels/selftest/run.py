@@ -30,6 +30,7 @@ result cannot be written (before the run; or at its end, saying what was kept wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -481,13 +482,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = run_selftest(
             model=args.model, quick=args.quick, org=args.org, version=args.version, local_dir=args.local_dir,
-            cards=cards, progress=lambda line: print(line, file=sys.stderr, flush=True),
+            cards=cards, progress=lambda line: _print(line, sys.stderr),
         )  # fmt: skip
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(format_table(report))
-    if not _written(report, args):
+    written, where = _written(report, args)  # before printing: a broken stdout must not lose the report
+    _print(format_table(report))
+    for line in where:
+        _print(line)
+    if not written:
         return 2
     return 1 if any(card["verdict"] in ("fail", "bugs") or _bugs(card) for card in report["cards"].values()) else 0
 
@@ -576,34 +580,50 @@ def _write_report(path: Path, text: str) -> None:
         results._write_atomically(path, text)
 
 
-def _written(report: dict[str, Any], args: argparse.Namespace) -> bool:
-    """Keep the result for this host, then write the report (`--json`); False if either could not be written.
+def _print(text: str, stream: Any = None) -> None:
+    """Print `text` to `stream` (stdout), never fatally: a closed pipe (`| head`) silences the stream from then on,
+    and characters its encoding lacks are escaped."""
+    stream = stream or sys.stdout
+    try:
+        try:
+            print(text, file=stream, flush=True)
+        except UnicodeEncodeError:
+            encoding = getattr(stream, "encoding", None) or "ascii"
+            print(text.encode(encoding, "backslashreplace").decode(encoding), file=stream, flush=True)
+    except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # the rest, and the flush at exit, go nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
+def _written(report: dict[str, Any], args: argparse.Namespace) -> tuple[bool, list[str]]:
+    """Keep the result for this host, then write the report (`--json`): whether both were written, and the lines that
+    say where (for stdout, after the table).
 
     The result goes first: it is what stands failed forms down on this host. A write that fails (the disk filled
-    during the run) is said in one line, with what was kept where.
+    during the run) is said in one line on stderr, with what was kept where.
     """
-    kept, written = None, True
+    kept, written, where = None, True, []
     if not args.no_record:
         try:
             kept = results.save_result(report)
         except OSError as error:
-            print(f"error: could not keep this host's result in {results.results_dir()}: {results.os_reason(error)}; "
-                  "no form stands down here until a run keeps it", file=sys.stderr)  # fmt: skip
+            _print(f"error: could not keep this host's result in {results.results_dir()}: {results.os_reason(error)}; "
+                   "no form stands down here until a run keeps it", sys.stderr)  # fmt: skip
             written = False
         else:
-            print(f"kept for register_npu_kernels(): {kept}")
+            where.append(f"kept for register_npu_kernels(): {kept}")
     if args.json is not None:
         try:
             _write_report(args.json, json.dumps(report, indent=2))
         except OSError as error:
-            where = (f"this host's result is kept in {kept} (the report's cards, with earlier runs' other cards): "
-                     "attach that file instead" if kept else "the result was not kept either")  # fmt: skip
-            print(f"error: could not write the report to {args.json}: {results.os_reason(error)}; {where}",
-                  file=sys.stderr)  # fmt: skip
+            elsewhere = (f"this host's result is kept in {kept} (the report's cards, with earlier runs' other cards): "
+                         "attach that file instead" if kept else "the result was not kept either")  # fmt: skip
+            _print(f"error: could not write the report to {args.json}: {results.os_reason(error)}; {elsewhere}",
+                   sys.stderr)  # fmt: skip
             written = False
         else:
-            print(f"report: {args.json}")
-    return written
+            where.append(f"report: {args.json}")
+    return written, where
 
 
 def _load(card: Card, *, org: str, version: int, local_dir: str | Path | None) -> ModuleType:
