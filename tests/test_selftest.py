@@ -567,6 +567,18 @@ def test_a_broken_stdout_after_the_run_loses_neither_the_result_nor_the_report(s
         assert "verdict: fail \\u2717" in out.buffer.getvalue().decode()
 
 
+def test_a_run_where_no_card_loaded_exits_2_and_says_so(monkeypatch, capsys):
+    from npu_hub_kernels.selftest import run
+
+    host = {"device": "d", "cann": "c", "torch_npu": "t"}
+    report = _report_of(host, "a", 0, "not loaded")
+    report["cards"]["a"].update(probes=[], limits=[])
+    monkeypatch.setattr(run, "run_selftest", lambda **_: report)
+    monkeypatch.setattr(run, "format_table", lambda _: "verdict: not loaded")
+    assert main(["selftest"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: no card loaded on this host")
+
+
 def _read_only_folder(scratch: Path) -> Path:
     """A folder this process cannot make files in: mode 0o500 for a user; for root, who writes whatever the mode,
     /proc (the kernel's, which takes no new files)."""

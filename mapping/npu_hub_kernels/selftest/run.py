@@ -493,6 +493,10 @@ def run(args: argparse.Namespace) -> int:
         _print(line)
     if not written:
         return 2
+    if report["cards"] and all(card["verdict"] == "not loaded" for card in report["cards"].values()):
+        _print("error: no card loaded on this host, so nothing was judged; `python -m npu_hub_kernels doctor` says why",
+               sys.stderr)  # fmt: skip
+        return 2
     return 1 if any(card["verdict"] in ("fail", "bugs") or _bugs(card) for card in report["cards"].values()) else 0
 
 
