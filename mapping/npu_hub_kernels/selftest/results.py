@@ -62,8 +62,9 @@ def worst_verdict(verdicts: Iterable[str]) -> str:
 
 
 def results_dir() -> Path:
-    """Where the selftest keeps its results: $NPU_HUB_KERNELS_SELFTEST_DIR (`~` expanded, as HF_HOME's), else
-    <HF_HOME>/npu-hub-kernels/selftest."""
+    """Where the selftest keeps its results.
+
+    $NPU_HUB_KERNELS_SELFTEST_DIR (`~` expanded, as HF_HOME's), else <HF_HOME>/npu-hub-kernels/selftest."""
     configured = os.environ.get(DIR_ENV)
     return Path(configured).expanduser() if configured else Path(constants.HF_HOME) / "npu-hub-kernels" / "selftest"
 
@@ -126,8 +127,10 @@ def merged(kept: dict[str, Any] | None, report: dict[str, Any]) -> dict[str, Any
 
 
 def judged(entry: dict[str, Any]) -> bool:
-    """Whether a card's entry rests on judged forms: `judged_forms` above 0, or (kept by a version that did not
-    count them) forms that failed. A `pass` without `judged_forms` is not trusted: its card is checked again."""
+    """Whether a card's entry rests on judged forms.
+
+    That is `judged_forms` above 0, or (kept by a version that did not count them) forms that failed. A `pass`
+    without `judged_forms` is not trusted: its card is checked again."""
     count = entry.get("judged_forms")
     if isinstance(count, int) and not isinstance(count, bool):
         return count > 0
@@ -135,11 +138,11 @@ def judged(entry: dict[str, Any]) -> bool:
 
 
 def results_dir_problem(host: dict[str, str] | None = None) -> str | None:
-    """Why a result could not be kept in `results_dir()`, found by making the folder and a file in it, and for `host`
-    by opening its lock file to append and taking and releasing the lock; None if it can.
+    """Why a result could not be kept in `results_dir()`, or None if it can.
 
-    The selftest asks before it runs a form, so that an unwritable folder, a lock or result path that is a folder, a
-    lock file of another user or a file system without `flock` stops it at once, not after the work.
+    Found by making the folder and a file in it, and for `host` by opening its lock file to append and taking and
+    releasing the lock. The selftest asks before it runs a form, so that an unwritable folder, a lock or result path
+    that is a folder, a lock file of another user or a file system without `flock` stops it at once, not after the work.
     """
     folder = results_dir()
     try:

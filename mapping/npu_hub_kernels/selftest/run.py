@@ -382,8 +382,10 @@ TO_REPORT = ("findings", "bugs", "fail", "not loaded")
 
 
 def _verdict(entry: dict[str, Any]) -> str:
-    """A loaded card's verdict (`results.VERDICTS`): what its forms, probes and limits found; `not run` if no form
-    was judged (then its bugs are in its probes and limits, and the exit status, but not its verdict)."""
+    """A loaded card's verdict (`results.VERDICTS`): what its forms, probes and limits found.
+
+    `not run` if no form was judged (then its bugs are in its probes and limits, and the exit status, but not its
+    verdict)."""
     findings = [item["finding"] or "" for item in entry["probes"] + entry["limits"]]
     if entry["failed"]:
         return "fail"
@@ -585,8 +587,9 @@ def _write_report(path: Path, text: str) -> None:
 
 
 def _print(text: str, stream: Any = None) -> None:
-    """Print `text` to `stream` (stdout), never fatally: a closed pipe (`| head`) silences the stream from then on,
-    and characters its encoding lacks are escaped."""
+    """Print `text` to `stream` (stdout), never fatally.
+
+    A closed pipe (`| head`) silences the stream from then on, and characters its encoding lacks are escaped."""
     stream = stream or sys.stdout
     try:
         try:
@@ -600,11 +603,11 @@ def _print(text: str, stream: Any = None) -> None:
 
 
 def _written(report: dict[str, Any], args: argparse.Namespace) -> tuple[bool, list[str]]:
-    """Keep the result for this host, then write the report (`--json`): whether both were written, and the lines that
-    say where (for stdout, after the table).
+    """Keep the result for this host, then write the report (`--json`): whether both were written, and where.
 
-    The result goes first: it is what stands failed forms down on this host. A write that fails (the disk filled
-    during the run) is said in one line on stderr, with what was kept where.
+    The lines that say where are for stdout, after the table. The result goes first: it is what stands failed forms down
+    on this host. A write that fails (the disk filled during the run) is said in one line on stderr, with what was kept
+    where.
     """
     kept, written, where = None, True, []
     if not args.no_record:
