@@ -54,18 +54,13 @@ MAX_TOKENS = 1024 * 1024
 """S and T at most 1M (torch_npu's npu_fusion_attention docs)."""
 
 _COMPRESSED_MASKS: dict[torch.device, torch.Tensor] = {}
-_FORMS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-def record_form(module: nn.Module, form: str) -> None:
-    """Keep the form `module`'s last fused call ran (`AttentionForm.summary`), for `last_form`."""
-    if _FORMS.get(module) != form:
-        _FORMS[module] = form
+_FORMS: weakref.WeakKeyDictionary[nn.Module, AttentionForm] = weakref.WeakKeyDictionary()
 
 
 def last_form(module: nn.Module) -> str | None:
     """The form `module`'s last fused call of the card ran ("causal, window 4, BSND", ...), None if none fused."""
-    return _FORMS.get(module)
+    form = _FORMS.get(module)
+    return None if form is None else form.summary()
 
 
 def _compressed_causal_mask(query: torch.Tensor) -> torch.Tensor:
@@ -479,7 +474,7 @@ def fused_attention(
         return fused_attention_eager(
             module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs
         )
-    record_form(module, form.summary())
+    _FORMS[module] = form  # summarised only when asked (`last_form`): no string work per call
     autocast_dtype = _autocast_dtype(query, key, value)
     if autocast_dtype is not None:
         query, key, value = (t.to(autocast_dtype) for t in (query, key, value))
