@@ -9,6 +9,7 @@ with non-scalar CPU tensors raises, as on real hardware, so device bugs are not 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import os
@@ -18,6 +19,7 @@ import weakref
 from collections import Counter, OrderedDict
 
 import torch
+from torch._library.utils import is_builtin
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -159,6 +161,10 @@ class NpuTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _runs_device_generic_kernel(func):
+            # what a device's dispatcher runs for an op with no kernel of its own: the op's device-generic kernel,
+            # on the npu tensors themselves (DeepSpeed's Ulysses all-to-all calls its collective from there).
+            return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
         if func not in _CROSS_DEVICE_OPS:
             _check_same_device(func, args, kwargs)
         target = kwargs.get("device")
@@ -175,6 +181,26 @@ class NpuTensor(torch.Tensor):
             with torch.inference_mode(False):
                 return tree_map(_wrap, out)
         return tree_map(_wrap, out)
+
+
+def _runs_device_generic_kernel(func: torch._ops.OpOverload) -> bool:
+    """Whether npu tensors run `func`'s device-generic kernel rather than its host kernel.
+
+    A library's own operator (`torch.library.custom_op` with no device type, as DeepSpeed's
+    `deepspeed::dim_zero_all_to_all`) has one kernel for every device, CompositeExplicitAutograd, which a device's
+    dispatcher runs on the device's tensors: its body then sees npu tensors, and the collectives it calls go to the
+    group's npu backend ("hccl"), as on an Ascend host. torch's own operators (aten, prims) and those the emulation
+    gives the npu a kernel for (`register_device_kernel`) keep running on the host data.
+    """
+    if not isinstance(func, torch._ops.OpOverload) or func in _DEVICE_KERNELS or is_builtin(func):
+        return False
+    return _has_only_device_generic_kernel(func.name())
+
+
+@functools.cache
+def _has_only_device_generic_kernel(name: str) -> bool:
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    return has_kernel(name, "CompositeExplicitAutograd") and not has_kernel(name, "PrivateUse1")
 
 
 _EMULATED_OPS_DIR = os.path.join(os.path.dirname(__file__), "ops") + os.sep
@@ -348,6 +374,50 @@ on an Atlas 800T A2 training server (as LLaMA-Factory's `llamafactory-cli env` p
 The emulation stands for the Atlas A2 training series (docs/torch-npu-ops.md), the series its ops' contracts take."""
 
 
+@dataclasses.dataclass(frozen=True)
+class NpuDeviceProperties:
+    """What `torch.npu.get_device_properties()` answers on an Atlas A2 training server.
+
+    torch_npu's `_NPUDeviceProperties`, field for field (Ascend/pytorch@9e73e708ab9350d203475609f36f8a43f6a0c2ab:
+    torch_npu/csrc/npu/Module.cpp, `RegisterNPUDeviceProperties` and `initDeviceProperty`), but `uuid`.
+
+    The values are an Ascend910B3's (DEVICE_NAME): 64 GiB of HBM and 20 AI cores (Project-HAMi/HAMi@
+    75cf53b26c2c95f4ef47721cc8037b43ea36a1ad:charts/hami/templates/scheduler/device-configmap.yaml, chip 910B3:
+    memoryCapacity 65536 MB, aiCore 20), each one cube core with two vector cores (the A2's split cores:
+    cannmirror/asc-devkit@0a2e47c191a0733c90577d6aa6b594db668251e4:docs/api/context/c_api/sys_var/
+    asc_get_sub_block_num.md, KERNEL_TYPE_MIX_AIC_1_2), and the 910B's 192 MiB L2 (docs/step-model.md).
+    torch_npu sets `multi_processor_count` to the vector core count and leaves the other CUDA-style fields unset
+    (None). A device reports as `total_memory` what the runtime gives it (`aclrtGetMemInfo`), somewhat less than the
+    64 GiB of HBM (62420 MiB on a 64 GiB Ascend910B2C); the emulation reports the documented capacity.
+    """
+
+    name: str = DEVICE_NAME
+    total_memory: int = 64 * 2**30
+    cube_core_num: int = 20
+    vector_core_num: int = 40
+    L2_cache_size: int = 192 * 2**20
+    major: int | None = None
+    minor: int | None = None
+    is_multi_gpu_board: int | None = None
+    is_integrated: int | None = None
+    multi_processor_count: int | None = 40
+    max_threads_per_multi_processor: int | None = None
+    warp_size: int | None = None
+    regs_per_multiprocessor: int | None = None
+    gcnArchName: str | None = None
+
+
+def _device_index(device) -> int:
+    """The index of `device` (an index, "npu:<i>", a torch.device or None: the current device), which must be 0.
+
+    One that is not the emulated host's one device raises AssertionError("Invalid device id"), as torch_npu's check
+    does."""
+    index = device if isinstance(device, int) else torch.device(device or "npu").index or 0
+    if index != 0:
+        raise AssertionError("Invalid device id")
+    return index
+
+
 class EmulatedNpuModule(EmulatedNpuStreams):
     """What `torch.npu` offers that transformers, accelerate, kernels, DDP, FSDP2 and DeepSpeed ask of it.
 
@@ -393,13 +463,18 @@ class EmulatedNpuModule(EmulatedNpuStreams):
     def get_device_name(device=None) -> str:
         """torch_npu's answer: the SoC name CANN reports for the device (`aclrtGetSocName`), here DEVICE_NAME.
 
-        `device` is an index, "npu:<i>", a torch.device or None (the current device); one that is not the one
-        device raises AssertionError("Invalid device id"), as torch_npu's check does. TRL's trainers ask it at
-        construction (the telemetry's "gpu")."""
-        index = device if isinstance(device, int) else torch.device(device or "npu").index or 0
-        if index != 0:
-            raise AssertionError("Invalid device id")
+        `device` as `_device_index` takes it. TRL's trainers ask it at construction (the telemetry's "gpu")."""
+        _device_index(device)
         return DEVICE_NAME
+
+    @staticmethod
+    def get_device_properties(device=None) -> NpuDeviceProperties:
+        """torch_npu's answer for an Atlas A2 training device (`NpuDeviceProperties`).
+
+        `device` as `_device_index` takes it. DeepSpeed's ZeRO-1/2 optimizer reads `total_memory` at
+        `deepspeed.initialize`."""
+        _device_index(device)
+        return NpuDeviceProperties()
 
     @staticmethod
     def synchronize(device=None) -> None:
@@ -428,15 +503,16 @@ def _register_factories(lib: torch.library.Library) -> None:
     """Register the PrivateUse1 kernels that tensor creation with device="npu" and host-to-device copies reach.
 
     They reach these kernels because no npu tensor input carries the Python key; the rest dispatches through
-    `NpuTensor.__torch_dispatch__`.
+    `NpuTensor.__torch_dispatch__`. The host buffers behind npu tensors name their device: a library may route
+    `torch.empty` without a device to the accelerator (DeepSpeed's `zero.Init` does), which would come back here.
     """
 
     def empty_memory_format(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-        cpu = torch.empty(size, dtype=dtype, memory_format=memory_format or torch.contiguous_format)
+        cpu = torch.empty(size, dtype=dtype, memory_format=memory_format or torch.contiguous_format, device="cpu")
         return NpuTensor(cpu)
 
     def empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
-        return NpuTensor(torch.empty_strided(size, stride, dtype=dtype))
+        return NpuTensor(torch.empty_strided(size, stride, dtype=dtype, device="cpu"))
 
     def copy_from(src, dst, non_blocking=False):
         dst._cpu.copy_(_to_inner(src))
@@ -467,7 +543,7 @@ def _register_pinned_host_memory(lib: torch.library.Library) -> None:
 
     def pin_memory(self, device=None):
         _check_pinning_device(device)
-        pinned = torch.empty_strided(self.size(), self.stride(), dtype=self.dtype)
+        pinned = torch.empty_strided(self.size(), self.stride(), dtype=self.dtype, device="cpu")
         pinned.copy_(self)
         for address in [a for a, ref in _PINNED.items() if ref.expired()]:  # forget freed buffers
             del _PINNED[address]
