@@ -32,7 +32,7 @@ from torch import nn
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, soc_name, torch_npu
-from ._rms_norm_forms import Scaling, check_scaling, rms_norm_math
+from ._rms_norm_forms import SCALINGS, Scaling, check_scaling, rms_norm_math
 
 
 def rms_norm_unavailable_reason(
@@ -50,19 +50,23 @@ def rms_norm_unavailable_reason(
 
 
 def _fused_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling) -> str | None:
-    """Why `npu_rms_norm` will not run for these inputs, or None."""
-    check_scaling(scaling)
+    """Why `npu_rms_norm` will not run for these inputs, or None.
+
+    Called on every norm call: each tensor attribute is read once, and the checks that pass cost no call (at decode size
+    the card's Python is held to a bare module call's cost, docs/bench.md)."""
+    if scaling not in SCALINGS:
+        check_scaling(scaling)  # raises, naming the accepted values
     reason = npu_unavailable_reason(x, weight)
     if reason is not None:
         return reason
     dtype, weight_dtype = x.dtype, weight.dtype
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype} is not supported by npu_rms_norm (float16, bfloat16, float32)"
-    if scaling == "plain":
-        if weight_dtype is not dtype:  # a dtype is a singleton
+    if weight_dtype is not dtype:  # a dtype is a singleton
+        if scaling == "plain":
             return f"weight dtype {weight_dtype} differs from input dtype {dtype}: eager promotes the output dtype"
-    elif scaling == "float32_scale" and weight_dtype not in (dtype, torch.float32):
-        return f"npu_rms_norm takes a weight in the input dtype or float32, not {weight_dtype} with {dtype}"
+        if scaling == "float32_scale" and weight_dtype is not torch.float32:
+            return f"npu_rms_norm takes a weight in the input dtype or float32, not {weight_dtype} with {dtype}"
     shape = x.shape
     if not 2 <= len(shape) <= 8:
         return f"npu_rms_norm takes 2 to 8 dims, got {len(shape)}"
@@ -141,7 +145,7 @@ def rms_norm(
     if ran_eager(module, _fused_unavailable_reason(x, weight, scaling)):
         return rms_norm_eager(x, weight, eps, scaling)
     x_op, order = _as_dense(x)
-    if _one_kernel_unavailable_reason(x, weight, scaling) is None:
+    if scaling == "zero_centered" and _one_kernel_unavailable_reason(x, weight, scaling) is None:
         fused = torch_npu.npu_gemma_rms_norm(x_op, weight, epsilon=eps)[0]
     else:
         gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
