@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from importlib.machinery import PathFinder
 from types import ModuleType
 
@@ -66,9 +67,9 @@ def register(interface: ModuleType) -> None:
         if problem is not None:
             register_refusal(interface, problem)
             return
-        from npu_hub_kernels.llamafactory import register_plugin
+        from npu_hub_kernels.llamafactory import apply_npu_hub_kernels, kernel_class
 
-        register_plugin(interface)
+        register_plugin(interface, apply_npu_hub_kernels, kernel_class)
     except Exception as error:
         import logging
 
@@ -122,6 +123,19 @@ def environment_problem() -> str | None:
     return f"npu-hub-kernels' plugin 'npu_hub' cannot run here: {'; '.join(problems)}. {LLAMAFACTORY_PINS}."
 
 
+def register_plugin(interface: ModuleType, function: Callable, kernel_class: Callable[[type], type]) -> None:
+    """Register `npu_hub` in the `KernelPlugin` registry of LLaMA-Factory's kernel interface module.
+
+    LLaMA-Factory 0.9.5 registers functions (`KernelPlugin(name).register()` on a function called with `model`
+    and `include_kernels`): `function` is registered. Newer LLaMA-Factory registers kernel classes (`BaseKernel`
+    subclasses with `check_device` and `_apply`, called as `KernelPlugin(name).apply(model=..., config=kernel_config)`),
+    told apart by the `BaseKernel` next to `KernelPlugin`: `kernel_class(BaseKernel)` is registered.
+    """
+    base_kernel = kernel_class_base(interface)
+    plugin = kernel_class(base_kernel) if base_kernel is not None else function
+    interface.KernelPlugin(PLUGIN_NAME).register()(plugin)
+
+
 def register_refusal(interface: ModuleType, problem: str) -> None:
     """Register an `npu_hub` plugin that raises RuntimeError(problem) when LLaMA-Factory uses it.
 
@@ -131,12 +145,10 @@ def register_refusal(interface: ModuleType, problem: str) -> None:
     def refuse(*args, **kwargs):
         raise RuntimeError(problem)
 
-    base_kernel = kernel_class_base(interface)
-    if base_kernel is not None:
-        refusal = type("NpuHubKernelRefusal", (base_kernel,), {"check_device": staticmethod(refuse), "_apply": refuse})
-        interface.KernelPlugin(PLUGIN_NAME).register()(refusal)
-    else:
-        interface.KernelPlugin(PLUGIN_NAME).register()(refuse)
+    def refusal(base_kernel: type) -> type:
+        return type("NpuHubKernelRefusal", (base_kernel,), {"check_device": staticmethod(refuse), "_apply": refuse})
+
+    register_plugin(interface, refuse, refusal)
 
 
 def kernel_class_base(interface: ModuleType) -> type | None:

@@ -27,6 +27,7 @@ from typing import ClassVar
 import _npu_hub_kernels_llamafactory as hook
 import pytest
 import torch
+from _npu_hub_kernels_llamafactory import PLUGIN_NAME
 from conftest import ROOT, run_python
 from kernels import get_local_kernel
 from test_coexistence import ROTARY, fresh_rotary, llamafactory_kernels, modeling, register  # noqa: F401 (fixtures)
@@ -36,7 +37,7 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from npu_hub_kernels import CARDS, ORG_ENV, registration, swapped_modules, unregister_npu_kernels
-from npu_hub_kernels.llamafactory import PLUGIN_NAME, register_plugin
+from npu_hub_kernels.llamafactory import apply_npu_hub_kernels, kernel_class
 from npu_hub_kernels.report import card_layer_of
 from npu_hub_kernels.testing import emulation
 from npu_hub_kernels.testing.tiny_models import VOCAB, norm_module_count, token_ids
@@ -326,7 +327,7 @@ def newer_interface(monkeypatch) -> ModuleType:
 
 
 def test_the_newer_class_registry_gets_a_kernel_class_that_fuses_and_matches_eager(npu_kernels, newer_interface):
-    register_plugin(newer_interface)
+    hook.register_plugin(newer_interface, apply_npu_hub_kernels, kernel_class)
     kernel = newer_interface.KernelPlugin._registry[PLUGIN_NAME]
     assert issubclass(kernel, NewerBaseKernel) and not kernel.__abstractmethods__
     ids = token_ids()
@@ -346,8 +347,6 @@ def test_the_newer_class_registry_gets_a_kernel_class_that_fuses_and_matches_eag
 
 def test_the_released_registry_gets_the_function(npu_kernels):
     interface = llamafactory_kernels()
-    from npu_hub_kernels.llamafactory import apply_npu_hub_kernels
-
     assert interface.KernelPlugin(PLUGIN_NAME)["__call__"] is apply_npu_hub_kernels
 
 

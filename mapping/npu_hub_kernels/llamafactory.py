@@ -7,16 +7,17 @@
 After loading a model (and after PEFT wraps it), LLaMA-Factory 0.9.5's ModelEngine calls
 `KernelPlugin(kernel_config.name)(model=model, include_kernels=kernel_config.get("include_kernels"))`.
 `_npu_hub_kernels_llamafactory` (a top-level module: run at interpreter startup by the package's `.pth` file, and
-at `import npu_hub_kernels`) calls `register_plugin` when LLaMA-Factory's kernel interface is imported.
+at `import npu_hub_kernels`) registers the plugin when LLaMA-Factory's kernel interface is imported: this module's
+`apply_npu_hub_kernels` where the interface's registry takes functions (0.9.5), `kernel_class` where it takes classes.
+This module does not import that one (the registration, the plugin's name and the registry kinds live there): the
+import goes one way.
 """
 
 from __future__ import annotations
 
 import logging
-from types import ModuleType
 
 import torch
-from _npu_hub_kernels_llamafactory import PLUGIN_NAME, kernel_class_base
 from torch import nn
 
 from .registry import KernelSelection, apply_npu_kernels, registration, select_kernels
@@ -64,21 +65,6 @@ def npu_unavailable_reason() -> str | None:
     if not torch.npu.is_available():
         return "torch.npu.is_available() is False"
     return None
-
-
-def register_plugin(interface: ModuleType) -> None:
-    """Register `npu_hub` in the `KernelPlugin` registry of LLaMA-Factory's kernel interface module.
-
-    LLaMA-Factory 0.9.5 registers functions (`KernelPlugin(name).register()` on a function called with `model`
-    and `include_kernels`). Newer LLaMA-Factory registers kernel classes (`BaseKernel` subclasses with
-    `check_device` and `_apply`, called as `KernelPlugin(name).apply(model=..., config=kernel_config)`): told apart
-    by the `BaseKernel` next to `KernelPlugin`.
-    """
-    base_kernel = kernel_class_base(interface)
-    if base_kernel is not None:
-        interface.KernelPlugin(PLUGIN_NAME).register()(kernel_class(base_kernel))
-    else:
-        interface.KernelPlugin(PLUGIN_NAME).register()(apply_npu_hub_kernels)
 
 
 def kernel_class(base_kernel: type) -> type:
