@@ -23,7 +23,8 @@ from bench.device_model import device_seconds
 from bench.padding_free import PaddingFreeRow
 from bench.peer import PARITY_TOLERANCE, ParityRow, load_peer, parity_rows
 from bench.rows import CSV_COLUMNS, EMULATED, ESTIMATE_UNIT, MEMORY_UNITS, ExpertsSweepRow, Row, write_csv
-from bench.step import CategoryRow, MixedPrecisionRow, OtherOpRow, categories
+from bench.step import categories
+from bench.step_study import CategoryRow, MixedPrecisionRow, OtherOpRow
 from conftest import ROOT
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves

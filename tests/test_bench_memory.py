@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from bench import cards, configs, counted, regions
-from bench.accounting import count_device_ops, fake_module, fused_ops
-from bench.memory import Memory, measure_memory
+from bench.accounting import Memory, count_device_ops, fake_module, fused_ops
+from bench.memory import measure_memory
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

@@ -1,4 +1,4 @@
-"""The counted training step (scripts/bench/step.py) and the Atlas A2 time model (scripts/bench/device_model.py).
+"""The counted training step (scripts/bench/step*.py) and the Atlas A2 time model (scripts/bench/device_model.py).
 
 - FLOPs are exact: each matrix product counts 2 x its multiply-adds, flash attention its pairs' products.
 - The step derived from 1 and 2 layers equals the step measured whole at more layers (tiny models, fake tensors):
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from bench import device_model, step
+from bench import device_model, step, step_report, step_study, step_validation
 from bench.accounting import OpRecord, attention_pairs, count_device_ops
 from bench.configs import ModelSpec
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -140,8 +140,8 @@ def test_a_mixed_precision_step_keeps_float32_state_counts_autocasts_casts_and_f
     card_ops = [kind for kind in step.categories() if kind not in (*step.UNTOUCHED, step.OTHER)]
     assert all(mixed[f"ops: {kind}"] == 0 for kind in card_ops)  # the negative control: eager runs no card op
     assert sum(fused[f"ops: {kind}"] for kind in card_ops) > 0 and fused["ops"] < mixed["ops"]
-    row = step.MixedPrecisionRow("tiny Llama", 1, 8, "ops", mixed["ops"], fused["ops"], None)
-    assert "| tiny Llama | ops |" in "\n".join(step._mixed_precision_table([row], peer=False))
+    row = step_study.MixedPrecisionRow("tiny Llama", 1, 8, "ops", mixed["ops"], fused["ops"], None)
+    assert "| tiny Llama | ops |" in "\n".join(step_report._mixed_precision_table([row], peer=False))
 
 
 def test_no_card_category_is_dead_and_the_fused_attention_op_is_its_cards():
@@ -189,16 +189,18 @@ def test_every_published_figure_has_a_prediction(monkeypatch):
     fake.values.update({"device s": 2.0, "host s": 0.1, "peak bytes": 10e9})
     fused = step.Figures()
     fused.values.update({"device s": 1.0, "host s": 0.1, "peak bytes": 8e9})
-    monkeypatch.setattr(
-        step, "derived_step", lambda model, batch, seq, variant, **options: fused if options["kernels"] else fake
-    )
-    rows = step.validation_rows(build=None)
-    assert [r.claim for r in rows] == [c.claim for c in step.PUBLISHED]
-    for row, claim in zip(rows, step.PUBLISHED, strict=True):
+
+    def derived(model, batch, seq, variant, **options):
+        return fused if options["kernels"] else fake
+
+    monkeypatch.setattr(step_validation, "derived_step", derived)
+    rows = step_validation.validation_rows(build=None)
+    assert [r.claim for r in rows] == [c.claim for c in step_validation.PUBLISHED]
+    for row, claim in zip(rows, step_validation.PUBLISHED, strict=True):
         assert row.published == claim.value
-        assert row.predicted == step.predict(claim, fake, fused)
-        assert row.error == step.error_text(claim, row.predicted)
-        assert step.ValidationRow.of(row.csv_row()) == row  # the summary reads back what bench.csv holds
+        assert row.predicted == step_validation.predict(claim, fake, fused)
+        assert row.error == step_validation.error_text(claim, row.predicted)
+        assert step_validation.ValidationRow.of(row.csv_row()) == row  # the summary reads back what bench.csv holds
         assert claim.assumed and claim.kernels
-    lines = step._validation_table(rows)
-    assert all(claim.claim in "\n".join(lines) for claim in step.PUBLISHED)
+    lines = step_report._validation_table(rows)
+    assert all(claim.claim in "\n".join(lines) for claim in step_validation.PUBLISHED)

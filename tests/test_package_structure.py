@@ -1,5 +1,6 @@
 """The npu_hub_kernels package's modules log under their own names, import one another without a circle (so do the
-bench's, scripts/bench) and name no card outside each card's own modules."""
+bench's, scripts/bench, and the LLaMA-Factory shim with the package) and name no card outside each card's own modules;
+no script is over 700 lines."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 from conftest import ROOT
 
 PACKAGE = ROOT / "mapping" / "npu_hub_kernels"
+SHIM = ROOT / "mapping" / "_npu_hub_kernels_llamafactory.py"
 BENCH = ROOT / "scripts" / "bench"
+MAX_LINES = 700
+"""The longest a script may be (CONTRIBUTING's "Code")."""
 
 
 def package_modules(package: Path = PACKAGE) -> dict[str, Path]:
@@ -37,14 +41,12 @@ def misnamed_loggers(source: str) -> list[str]:
 
 
 def imports_of(name: str, source: str, modules: dict[str, Path], *, is_package: bool = False) -> set[str]:
-    """The modules of `modules` that module `name` (of text `source`) imports, at the top or inside a function (a
-    deferred import still makes a circle), but not under `if TYPE_CHECKING:` (never run)."""
+    """The modules of `modules` that module `name` (of text `source`) imports, anywhere in it: at the top, inside a
+    function (a deferred import still makes a circle) or under `if TYPE_CHECKING:` (the type checker and the reader
+    follow it: two modules that need each other's names are one module split in two)."""
     package = name if is_package else name.rpartition(".")[0]
     found = set()
-    tree = ast.parse(source)
-    for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]:
-        block.body = []  # imports for type checkers only: none at run time
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -95,27 +97,30 @@ def test_the_logger_check_catches_another_name(source, found):
     assert misnamed_loggers(source) == found
 
 
-def test_the_package_modules_import_one_another_without_a_circle():
-    modules = package_modules()
-    graph = {
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of `modules` it imports (`imports_of`)."""
+    return {
         name: imports_of(name, path.read_text(), modules, is_package=path.name == "__init__.py")
         for name, path in modules.items()
-        if name != "npu_hub_kernels"  # the package imports its API from its modules, which import none of it
     }
+
+
+def test_the_mapping_modules_import_one_another_without_a_circle():
+    """Every module of mapping/: the package (its `__init__` too) and the LLaMA-Factory startup shim beside it, which
+    registers the package's plugin objects; the package's plugin module imports nothing of the shim."""
+    modules = {"_npu_hub_kernels_llamafactory": SHIM, **package_modules()}
+    graph = import_graph(modules)
     assert "npu_hub_kernels.report" in graph["npu_hub_kernels.retag"]  # the check sees the imports
+    assert "npu_hub_kernels.llamafactory" in graph["_npu_hub_kernels_llamafactory"]  # and the shim's deferred one
     assert import_circles(graph) == []
 
 
 def test_the_bench_modules_import_one_another_without_a_circle():
     """The bench's renderers share their markdown helpers (`bench.markdown`) instead of importing one another, and the
     targets' types are declarations of `bench.cards`, which the targets read."""
-    modules = package_modules(BENCH)
-    graph = {
-        name: imports_of(name, path.read_text(), modules, is_package=path.name == "__init__.py")
-        for name, path in modules.items()
-        if name != "bench"
-    }
-    assert "bench.markdown" in graph["bench.step"]  # the check sees the imports
+    graph = import_graph(package_modules(BENCH))
+    assert "bench.markdown" in graph["bench.step_report"]  # the check sees the imports
+    assert "bench.accounting" in graph["bench.memory"]
     assert import_circles(graph) == []
 
 
@@ -125,6 +130,34 @@ def test_the_circle_check_finds_a_circle_through_a_deferred_import():
     report = imports_of("pkg.report", "from . import retag\n", modules)
     assert import_circles({"pkg.retag": retag, "pkg.report": report}) == [["pkg.report", "pkg.retag"]]
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_circle_check_finds_a_circle_through_a_type_checking_import():
+    modules = {"pkg.accounting": Path(), "pkg.memory": Path()}
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .memory import Memory\n"
+    accounting = imports_of("pkg.accounting", typed, modules)
+    memory = imports_of("pkg.memory", "from .accounting import count_device_ops\n", modules)
+    assert import_circles({"pkg.accounting": accounting, "pkg.memory": memory}) == [["pkg.accounting", "pkg.memory"]]
+
+
+def long_files(files: list[Path], limit: int = MAX_LINES) -> dict[str, int]:
+    """The files of `files` over `limit` lines, with their line counts."""
+    counts = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in files}
+    return {name: lines for name, lines in counts.items() if lines > limit}
+
+
+def test_no_script_is_over_700_lines():
+    """The bench's modules and the other scripts (CONTRIBUTING's "Code": a file over 700 lines is split)."""
+    scripts = sorted((ROOT / "scripts").rglob("*.py"))
+    assert BENCH / "step.py" in scripts
+    assert long_files(scripts) == {}
+
+
+def test_the_line_limit_finds_a_long_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_LINES)
+    assert long_files(sorted(tmp_path.glob("*.py"))) == {"long.py": MAX_LINES + 1}
 
 
 def test_the_runtime_and_emulation_name_no_card_outside_each_cards_own_modules():

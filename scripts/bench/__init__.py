@@ -44,9 +44,11 @@ docstring), `configs` (the models and shapes), `regions` (a decoder layer's fuse
 run), `floors` (the floor of a region and of the layer), `targets`, `accounting` (ops and bytes on fake
 tensors), `memory` (saved and peak bytes on fake tensors), `counted`, `outside` (a region outside the decoder
 layer, counted from the declaration its spec gives: the loss head, its chunk sweep, an extra column such as TRL's
-fused LM head), `timed`, `peer` (LLaMA-Factory's kernels), `rows` (a measurement, bench.csv), `markdown` (cells and
-tables, for `report` and `step`), `report` (summary, README section, card sections), `chart` (bench.png),
-`__main__` (the command). The modules other than the specs name
+fused LM head), `timed`, `peer` (LLaMA-Factory's kernels), `step` (a whole training step measured, its ops by
+category), `step_study` (the step studies' rows), `step_validation` (the time model, `device_model`, against published
+figures), `step_report` (the step's tables, step.png), `rows` (a measurement, bench.csv), `markdown` (cells and tables,
+for `report` and `step_report`), `report` (summary, README section, card sections), `chart` (bench.png), `__main__`
+(the command). The modules other than the specs name
 no card and no region: they iterate over `npu_hub_kernels.CARDS` and the specs; the specs declare, and import from the
 bench only the declaration types and helpers of `cards.SPEC_IMPORTS`.
 """

@@ -44,7 +44,9 @@ from .padding_free import padding_free_rows
 from .peer import load_peer, parity_rows
 from .report import card_summary, readme_summary, summary, tables_page, update_readme
 from .rows import Row, log, write_csv
-from .step import STEP_MODELS, step_rows, write_step_chart
+from .step import STEP_MODELS
+from .step_report import write_step_chart
+from .step_study import step_rows
 from .targets import LAYER_TARGET_SHAPE, evaluate, require_every_target_measured
 from .timed import (
     device_rows,

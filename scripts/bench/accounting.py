@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +54,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
-
-if TYPE_CHECKING:
-    from .memory import Memory
 
 aten = torch.ops.aten
 
@@ -97,6 +94,14 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _sum_bytes(value: Any) -> int:
     return sum(tensor_bytes(t) for t in _tensors(value))
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes kept for backward at the end of the forward, and the peak of live bytes (how `memory` measures them)."""
+
+    saved_bytes: int
+    peak_bytes: int
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ from torch.utils._pytree import tree_map
 
 from npu_hub_kernels.cards import Card
 
-from .accounting import Tally, count_device_ops, fake_module
+from .accounting import Memory, Tally, count_device_ops, fake_module
 from .cards import LAYER, NO_CARD, BeforeCardTarget, kinds
 from .configs import CONFIGS, DTYPE, PHASES, ModelSpec, experts_key
 from .device_model import device_seconds
 from .floors import floor_of, floor_peak, floor_saved_of
-from .memory import Memory, tracking_memory
+from .memory import tracking_memory
 from .peer import Patches, Peer
 from .regions import (
     WITHOUT_LAYER_CARD,

@@ -12,9 +12,9 @@ execution are asynchronous on Ascend, and a step is host-bound when dispatch tak
 (`HOST_BOUND` below). So a step's estimated time is max(sum of device times, ops x host cost per op).
 
 The constants (`CONSTANTS`) come from public specifications or measurements, each with its source; none is fitted to
-the published figures the model is checked against (`step.validation_rows`). What the model leaves out: caches (an
-op whose inputs sit in the 192 MB L2 reads less from HBM), matmul efficiency below the 4096-cube rate at small or
-thin shapes, kernel tail effects, communication (the published figures ran on 8 devices), and the host's own
+the published figures the model is checked against (`step_validation.validation_rows`). What the model leaves out:
+caches (an op whose inputs sit in the 192 MB L2 reads less from HBM), matmul efficiency below the 4096-cube rate at
+small or thin shapes, kernel tail effects, communication (the published figures ran on 8 devices), and the host's own
 Python work beyond its per-op cost.
 """
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .accounting import Memory
 from .cards import card_of_kind, spec
-from .memory import Memory
 from .regions import Region
 
 Floor = tuple[tuple[int, int], tuple[int, int]]

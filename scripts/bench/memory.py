@@ -29,22 +29,13 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .accounting import count_device_ops
+from .accounting import Memory, count_device_ops
 from .regions import forward_backward
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Bytes kept for backward at the end of the forward, and the peak of live bytes (see the module doc)."""
-
-    saved_bytes: int
-    peak_bytes: int
 
 
 def _storage_key(t: torch.Tensor) -> int:

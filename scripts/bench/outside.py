@@ -25,13 +25,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from npu_hub_kernels.cards import Card
 
-from .accounting import Tally, count_device_ops, fake_module
+from .accounting import Memory, Tally, count_device_ops, fake_module
 from .attention import UnpackedReads
 from .cards import OutsideRegion, RegionCall, spec
 from .configs import CONFIGS, ModelSpec
 from .counted import build_model, memory_value, unit_value
 from .floors import Floor, floor_peak
-from .memory import Memory, tracking_memory
+from .memory import tracking_memory
 from .rows import CHUNK_STUDY, ESTIMATE_UNIT, MEMORY_UNITS, OUTSIDE_STUDY, Row, log
 from .targets import counted_target
 

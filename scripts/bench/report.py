@@ -31,7 +31,7 @@ from .rows import (
     largest_shape,
     sweep_ops,
 )
-from .step import step_section
+from .step_report import step_section
 from .targets import Result, counted_targets, evaluate
 from .timed import HOST_COST_STUDY, OVERHEAD_STUDY
 
