@@ -473,18 +473,25 @@ def test_the_doctor_shows_each_attention_modules_form_and_eager_reason(registere
     assert "ran eager" in format_report(diagnose(offline_hub, model=model))
 
 
+def _packed_rows(rows: list[tuple[int, ...]]) -> dict:
+    """Rows of packed sequences of one length each (a micro-batch of several packed rows)."""
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    return {"input_ids": token_ids(len(rows), positions.shape[1]), "position_ids": positions, "use_cache": False}
+
+
+@pytest.mark.parametrize("rows", [[(5, 6, 1)], [(5, 6, 1), (12,), (3, 9)]], ids=["one row", "three rows"])
 @pytest.mark.parametrize("family", ["llama", "mistral, window 4"])
-def test_a_wrapper_that_drops_the_mask_packs_by_the_position_ids(registered, family):
+def test_a_wrapper_that_drops_the_mask_packs_by_the_position_ids(registered, family, rows):
     """DeepSpeed's Ulysses wrapper calls the attention with no mask and the (gathered) position ids: restarting
-    position ids are packed sequences, as transformers' flash path reads them; eager with the model's own packed
-    mask is the reference."""
+    position ids are packed sequences, row by row in a micro-batch of several rows, as transformers' masks read them;
+    eager with the model's own packed mask is the reference."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     card = ALL_ATTENTION_FUNCTIONS[NAME]
     AttentionInterface.register("npu_fused_attention_no_mask", lambda *args, **kwargs: card(*args[:4], None, **kwargs))
     model = build(family)
-    inputs = _packed((5, 6, 1))
+    inputs = _packed_rows(rows)
     model.set_attn_implementation("eager")
     eager = model(**_on_npu(inputs)).logits.cpu()
     model.config._attn_implementation_internal = "npu_fused_attention_no_mask"  # the mask function stays the card's
@@ -495,3 +502,9 @@ def test_a_wrapper_that_drops_the_mask_packs_by_the_position_ids(registered, fam
         wrapped = model(**_on_npu(inputs)).logits.cpu()
     assert calls[OP] == model.config.num_hidden_layers
     torch.testing.assert_close(wrapped, eager, atol=3e-5, rtol=1e-3)
+    model.to(torch.float64)  # the op takes no float64: the card's eager path, which builds the same packed mask
+    with emulation.count_op_calls() as calls:
+        fallback = model(**_on_npu(inputs)).logits.cpu()
+    assert calls[OP] == 0
+    model.set_attn_implementation("eager")
+    torch.testing.assert_close(fallback, model(**_on_npu(inputs)).logits.cpu(), atol=1e-12, rtol=0)

@@ -209,16 +209,21 @@ def _plan_of_cu_seq_lens(cu_q: torch.Tensor, cu_k: torch.Tensor) -> VarlenPlan:
     return VarlenPlan(None, None, tuple(q_list[1:]), tuple(k_list[1:]))
 
 
-def _plan_of_position_ids(position_ids: torch.Tensor) -> VarlenPlan | None:
-    """The plan of one row's packed sequences from its position ids, or None when they never restart (the dense form).
+def _sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] True where a packed sequence starts: at each row's first token and where the ids do not step by 1."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
 
-    A sequence starts where the ids do not step by 1. Read to the host at each call."""
-    host = position_ids.reshape(-1).cpu()
-    starts = torch.ones_like(host, dtype=torch.bool)
-    starts[1:] = host[1:] != host[:-1] + 1
-    if int(starts.sum()) == 1:
+
+def _plan_of_position_ids(position_ids: torch.Tensor) -> VarlenPlan | None:
+    """The plan of the rows' packed sequences from their [B, S] position ids, or None when no row's ids restart (dense).
+
+    A sequence starts at each row's first token and where the ids do not step by 1. Read to the host at each call."""
+    starts = _sequence_starts(position_ids.cpu())
+    if not bool(starts[:, 1:].any()):
         return None
-    ends = (*(starts.nonzero().squeeze(1)[1:].tolist()), host.numel())
+    ends = (*(starts.reshape(-1).nonzero().squeeze(1)[1:].tolist()), starts.numel())
     return VarlenPlan(None, None, ends, ends)
 
 
@@ -266,7 +271,7 @@ def attention_form(
     cu_seq_lens are what eager and sdpa ignore under a mask). With no mask (a model that builds none, or a wrapper
     that dropped it, as DeepSpeed's Ulysses wrapper does): causal when the module is, bottom-right (the queries are
     the last keys, as a cache aligns them; with one query every key), with the module's window, packed by
-    cu_seq_lens when given, else by position ids that restart (one row of queries and keys alike). Any other mask is
+    cu_seq_lens when given, else by position ids that restart (queries and keys alike, row by row). Any other mask is
     one the card did not build: eager, saying so."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
@@ -301,9 +306,20 @@ def attention_form(
         if batch != 1:
             return f"cu_seq_lens with a batch of {batch} rows: packed sequences come as one row"
         plan = _plan_of_cu_seq_lens(cu_q, cu_k)
-    elif batch == 1 and q_len == kv_len > 1 and torch.is_tensor(positions) and positions.numel() == q_len:
-        plan = _plan_of_position_ids(positions)
+    elif q_len == kv_len > 1 and (rows := _row_positions(positions, batch, q_len)) is not None:
+        plan = _plan_of_position_ids(rows)
     return AttentionForm(_is_causal(module, kwargs), sliding_window, plan)
+
+
+def _row_positions(positions: Any, batch: int, q_len: int) -> torch.Tensor | None:
+    """The call's position ids as [batch, q_len] (one row given for every row, as transformers expands it), or None."""
+    if (
+        not torch.is_tensor(positions)
+        or positions.shape[-1:] != (q_len,)
+        or positions.numel() not in (q_len, batch * q_len)
+    ):
+        return None
+    return positions.reshape(-1, q_len).expand(batch, q_len)
 
 
 _CALL_TENSORS: set[str] = set()
@@ -313,12 +329,14 @@ def call_tensors() -> set[str]:
     """The tensor keywords of an attention call the card reads or that do not change the math.
 
     They are what transformers passes every attention function (its TransformersKwargs: position ids, the packed
-    sequences' cu_seq_lens, Trainer's num_items_in_batch, ...), sinks (s_aux) and cache_position. Any other (T5's
-    position_bias, a sparse model's indices, a head mask) runs eager, which applies it."""
+    sequences' cu_seq_lens, Trainer's num_items_in_batch, ...), sinks (s_aux), cache_position and shift_labels (the
+    loss's targets, which DeepSpeed's Ulysses data-loader adapter puts in every batch and a causal LM's forward passes
+    down with its other keywords). Any other (T5's position_bias, a sparse model's indices, a head mask) runs eager,
+    which applies it."""
     if not _CALL_TENSORS:
         from transformers.utils import TransformersKwargs  # only transformers calls the attention function
 
-        _CALL_TENSORS.update(TransformersKwargs.__annotations__, {"s_aux", "cache_position"})
+        _CALL_TENSORS.update(TransformersKwargs.__annotations__, {"s_aux", "cache_position", "shift_labels"})
     return _CALL_TENSORS
 
 
@@ -595,7 +613,7 @@ def eager_mask(
     if sliding_window is not None:
         kept = kept & (kv_pos > q_pos - sliding_window)
     if numbers is not None:
-        kept = kept & (numbers[:, None] == numbers[None, :])
+        kept = kept & (numbers[:, None, :, None] == numbers[:, None, None, :])
     kept = kept.expand(batch, 1, q_len, kv_len)
     zero = torch.zeros((), dtype=query.dtype, device=device)
     return torch.where(kept, zero, torch.finfo(query.dtype).min)
@@ -604,14 +622,17 @@ def eager_mask(
 def _packed_sequence_numbers(
     kwargs: dict, batch: int, q_len: int, kv_len: int, device: torch.device
 ) -> torch.Tensor | None:
-    """Each key's sequence number in a packed row given without a mask (as `attention_form` reads it), or None."""
+    """[B, Skv] each key's sequence number in packed rows given without a mask (as `attention_form` reads them), or
+    None."""
     cu, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
-    if batch != 1:
-        return None
     if cu is not None:
+        if batch != 1:
+            return None
         ends = cu[1:].to(device=device, dtype=torch.long)
-        return torch.searchsorted(ends, torch.arange(kv_len, device=device), right=True)
-    if q_len == kv_len > 1 and torch.is_tensor(positions) and positions.numel() == q_len:
-        flat = positions.reshape(-1).to(device)
-        return torch.cat([flat.new_zeros(1), (flat[1:] != flat[:-1] + 1).long()]).cumsum(0)
-    return None
+        return torch.searchsorted(ends, torch.arange(kv_len, device=device), right=True)[None]
+    rows = _row_positions(positions, batch, q_len) if q_len == kv_len > 1 else None
+    if rows is None:
+        return None
+    starts = _sequence_starts(rows.to(device))
+    starts[:, 0] = False
+    return starts.long().cumsum(1)
