@@ -227,6 +227,24 @@ def test_forms_the_op_has_not_run_the_models_eager_attention(card, extra, said):
     assert torch.equal(out.cpu(), expected.cpu())
 
 
+def test_shift_labels_in_the_call_fuse_and_change_nothing(card):
+    """DeepSpeed's Ulysses data-loader adapter puts shift_labels in every batch and the model passes them to each
+    attention call with its other keywords: the loss's targets, which change no attention, fuse. Another tensor the
+    card does not know (T5's position_bias) runs eager, saying so (the control)."""
+    module, q, k, v, *_ = case_inputs("causal", torch.bfloat16)
+    q, k, v = (t.to("npu") for t in (q, k, v))
+    shift_labels = torch.randint(0, 96, (q.shape[0], q.shape[2])).to("npu")
+    assert card.fused_attention_unavailable_reason(module, q, k, v, None, shift_labels=shift_labels) is None
+    with emulation.count_op_calls() as calls:
+        with_labels, _ = card.fused_attention(module, q, k, v, None, scaling=module.scaling, shift_labels=shift_labels)
+        without, _ = card.fused_attention(module, q, k, v, None, scaling=module.scaling)
+    assert calls[OP] == 2
+    assert torch.equal(with_labels.cpu(), without.cpu())
+    bias = torch.zeros(1, q.shape[1], q.shape[2], k.shape[2]).to("npu")
+    reason = card.fused_attention_unavailable_reason(module, q, k, v, None, position_bias=bias)
+    assert "passes position_bias" in reason
+
+
 def test_a_four_d_mask_runs_eager_with_it(card):
     module, q, k, v, *_ = case_inputs("causal", torch.bfloat16)
     q, k, v = (t.to("npu") for t in (q, k, v))
