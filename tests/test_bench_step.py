@@ -90,6 +90,32 @@ def test_sdpa_flops_forward_and_backward():
     assert flops["scaled_dot_product_attention_backward"] == pairs * 10 * dim
 
 
+def test_sdpa_under_autocast_runs_on_the_operands_autocast_gives_it():
+    """Under torch.autocast("npu", bfloat16) the device casts sdpa's float32 q and k to bfloat16 before its kernel (the
+    lower-precision policy): the stand-in counts those casts (and their gradients' casts back) and its kernel reads
+    bfloat16 at the 16-bit cube rate; v, bfloat16 already, is not cast. Outside autocast (the control) the kernel
+    reads float32 at the float32 rate and nothing is cast."""
+    shape = (1, 2, 8, 4)
+    size = 1 * 2 * 8 * 4
+    tallies = {}
+    with FakeTensorMode():
+        for autocast in (True, False):
+            q, k = (torch.empty(shape, device="npu", requires_grad=True) for _ in range(2))
+            v = torch.empty(shape, device="npu", dtype=torch.bfloat16 if autocast else None, requires_grad=True)
+            with count_device_ops() as tallies[autocast]:
+                with torch.autocast("npu", dtype=torch.bfloat16, enabled=autocast):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                torch.autograd.grad(out, [q, k, v], torch.empty_like(out))
+    sdpa = {cast: {r.name: r for r in tally.records if "scaled_dot" in r.name} for cast, tally in tallies.items()}
+    names = {cast: [r.name for r in tally.records] for cast, tally in tallies.items()}
+    assert names[True].count("_to_copy") == 4  # q and k to bfloat16, their gradients back to float32
+    assert "_to_copy" not in names[False]
+    for cast, element in ((True, 2), (False, 4)):
+        forward = sdpa[cast]["scaled_dot_product_attention"]
+        assert (forward.operand_bytes, forward.reads) == (element, 3 * size * element)
+        assert sdpa[cast]["scaled_dot_product_attention_backward"].operand_bytes == element
+
+
 TINY = {
     "llama": ModelSpec("tiny Llama", "llama", tiny_config_values("llama")),
     "qwen3_moe": ModelSpec("tiny Qwen3-MoE", "qwen3_moe", tiny_config_values("qwen3_moe"), 4),

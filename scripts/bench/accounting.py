@@ -19,7 +19,9 @@ What counts as one device operation:
   Ascend device runs as one flash-attention kernel) counts ONCE forward and ONCE backward. Their
   internals are never run here: `count_device_ops` swaps each for a stand-in that makes outputs of the
   right shape (`fused_ops()`: the rules of each card's bench spec, and sdpa's), records one op, and, when
-  autograd needs it, one `<op>_backward` op.
+  autograd needs it, one `<op>_backward` op. Under `torch.autocast("npu")` a stand-in first casts its operands as
+  the npu's autocast casts the op's before its kernel (sdpa's to the autocast dtype, the torch_npu ops' not at all),
+  each cast counted as the op it is: the kernel reads what the device's would, at the rate of its operands.
 
 Bytes of an op: the distinct bytes of each tensor it reads plus each tensor it writes (a broadcast
 dimension, stride 0, is read once). Gathers (`index`, `index_select`, `gather`, `embedding`) read only
@@ -54,6 +56,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from npu_hub_kernels.testing.emulation.autocast import autocast_arguments
 
 aten = torch.ops.aten
 
@@ -425,9 +429,13 @@ class _FusedAutograd(torch.autograd.Function):
 def _counted(name: str, spec: FusedOp, signature: inspect.Signature, tally: Tally) -> Callable:
     """Stand in for a fused op: outputs of the right shapes, one recorded op forward and one backward.
 
-    With autograd recording, it keeps the tensors the real op keeps; its backward holds only their sizes otherwise."""
+    It sees the operands the device's kernel gets: under `torch.autocast("npu")` it first casts them as the npu's
+    autocast policy casts the op's (sdpa's q, k and v to the autocast dtype; the torch_npu ops as they are given), each
+    cast an op of its own with its gradient's cast back, as autocast runs them below a real op's call. With autograd
+    recording, it keeps the tensors the real op keeps; its backward holds only their sizes otherwise."""
 
     def op(*args, **kwargs):
+        args, kwargs = autocast_arguments(name, args, kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments

@@ -32,7 +32,7 @@ def _mixed_precision_table(rows: list[MixedPrecisionRow], peer: bool) -> list[st
     ]  # fmt: skip
     title = (
         "The training step as Trainer's `bf16=True` runs it (float32 weights, gradients and AdamW state; forward under "
-        "`torch.autocast` bfloat16, so each matmul casts its weight on every call), batch "
+        "`torch.autocast` bfloat16, so each matmul casts its weight on every call and sdpa its q, k and v), batch "
         f"{rows[0].batch} x sequence {rows[0].seq}, derived as the step above:"
     )
     header = ["model", "figure", "eager", "ours", *(["peer"] if peer else []), "ours / eager"]

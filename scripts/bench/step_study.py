@@ -210,7 +210,8 @@ def decode_rows(peer: Peer | None, build, keys: tuple[str, ...] = tuple(STEP_MOD
 MIXED_PRECISION_STUDY = "step, mixed precision"
 MIXED_PRECISION_MODELS = ("llama-3-8b",)
 """The step models also counted as Trainer's `bf16=True` trains them: float32 weights, AdamW state and gradients, the
-forward under `torch.autocast("npu", bfloat16)` (every matmul casts its float32 weight to bfloat16 on each call)."""
+forward under `torch.autocast("npu", bfloat16)`: every matmul casts its float32 weight to bfloat16 on each call, sdpa
+its float32 q and k (`accounting`'s stand-ins see the operands autocast gives the kernel)."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ The same policies are registered here for the emulated device:
 Everything else, the torch_npu ops included (npu_rms_norm, npu_swiglu, npu_grouped_matmul, ...), runs
 in the dtypes it is given. One difference from torch: torch caches the low-precision copy of an fp32
 leaf weight for the rest of the autocast region; here every use casts again (the same values).
+`autocast_arguments` gives the arguments an op's kernel gets under autocast, for code that stands in for
+an op above the dispatcher (the bench's counted stand-ins).
 """
 
 from __future__ import annotations
@@ -169,6 +171,25 @@ def _cast(dtype: torch.dtype, args, kwargs):
 def _first_tensor_eligible(args) -> bool:
     first = next((v for v in tree_flatten(args)[0] if isinstance(v, torch.Tensor)), None)
     return _eligible(first)
+
+
+def autocast_arguments(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments aten op `name` runs with under the current `torch.autocast("npu")`: cast as its policy casts them.
+
+    For code that stands in for an op above the dispatcher, which autocast never reaches (the bench's counted
+    stand-ins for fused ops): it casts what the device's autocast would cast before the kernel, each cast an op of
+    its own. Outside autocast, and for an op autocast passes through (every torch_npu op), the arguments are returned
+    as they are. An op of a policy that is not a plain cast (float32 output dtype, promote) raises: no stand-in has one.
+    """
+    if not torch.is_autocast_enabled("npu"):
+        return args, kwargs
+    if name in LOWER_PRECISION:
+        return _cast(torch.get_autocast_dtype("npu"), args, kwargs)
+    if name in FLOAT32:
+        return _cast(torch.float32, args, kwargs)
+    if name in (*FLOAT32_OUTPUT_DTYPE, *FLOAT32_APPENDED_DTYPE, *PROMOTE, "binary_cross_entropy"):
+        raise NotImplementedError(f"autocast_arguments: {name}'s autocast policy is not a plain cast")
+    return args, kwargs
 
 
 def _lower_precision(op):
