@@ -245,6 +245,19 @@ def test_shift_labels_in_the_call_fuse_and_change_nothing(card):
     assert "passes position_bias" in reason
 
 
+def test_packed_rows_over_a_million_tokens_together_run_eager_and_say_why(card):
+    """The TND call takes every row's tokens at once, at most 1M (the op's T limit): two packed rows of 2^19 + 1
+    tokens each are over it, though each row alone is under the 1M of S; one row fewer fuses (the control)."""
+    module = attention_module(kv_heads=1)
+    rows, seq = 2, 2**19 + 1
+    q, k, v = (torch.zeros(rows, 1, seq, 8, device="npu") for _ in range(3))
+    positions = torch.cat([torch.arange(seq // 2), torch.arange(seq - seq // 2)]).expand(rows, seq).to("npu")
+    reason = card.fused_attention_unavailable_reason(module, q, k, v, None, position_ids=positions)
+    assert reason == f"{rows * seq} tokens in one varlen (TND) call, every row's together: the op takes at most 1M"
+    one_row = card.fused_attention_unavailable_reason(module, q[:1], k[:1], v[:1], None, position_ids=positions[:1])
+    assert one_row is None
+
+
 def test_a_four_d_mask_runs_eager_with_it(card):
     module, q, k, v, *_ = case_inputs("causal", torch.bfloat16)
     q, k, v = (t.to("npu") for t in (q, k, v))

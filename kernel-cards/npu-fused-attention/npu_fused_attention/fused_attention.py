@@ -460,6 +460,9 @@ def _decide(
         return f"the sequence lengths cover {plan.query_ends[-1]} of the {query.shape[0] * q_len} query tokens"
     if plan.key_index is None and plan.key_ends and plan.key_ends[-1] != key.shape[0] * kv_len:
         return f"the sequence lengths cover {plan.key_ends[-1]} of the {key.shape[0] * kv_len} key tokens"
+    tokens = max((*plan.query_ends[-1:], *plan.key_ends[-1:]), default=0)
+    if tokens > MAX_TOKENS:
+        return f"{tokens} tokens in one varlen (TND) call, every row's together: the op takes at most 1M"
     if len(plan.query_ends) > MAX_SEQUENCES:
         return f"{len(plan.query_ends)} sequences in one call: the op's varlen form takes at most {MAX_SEQUENCES}"
     if plan.holes and form.window is not None:
