@@ -16,6 +16,8 @@ What lives where:
 - `report`: `swapped_modules`, what runs where; `kept_forwards`, the modules that keep a forward another
   library set on them (not fused, and why); `left_out_modules`, those of classes a card leaves out, and why;
 - `zero3`: split MLPs as DeepSpeed ZeRO-3 leaf modules, so that they fuse under ZeRO-3;
+- `sequence_parallel`: DeepSpeed Ulysses sequence parallelism with the attention card:
+  `set_sequence_parallel_attention` names the card where accelerate's constructor will not;
 - `integrity`: the digest check of a build variant before it is imported (loader and doctor);
 - `_kernels_compat`: every private `kernels` API the project uses, in one place;
 - `doctor`, `offline`: `python -m npu_hub_kernels doctor`, the offline Hub cache;
@@ -40,6 +42,7 @@ from .registry import (
     unregister_npu_kernels,
 )
 from .report import KeptForward, LeftOut, Swap, kept_forwards, left_out_modules, swapped_modules
+from .sequence_parallel import set_sequence_parallel_attention
 
 _npu_hub_kernels_llamafactory.install()
 
@@ -59,6 +62,7 @@ __all__ = [
     "register_npu_kernels",
     "registration",
     "select_kernels",
+    "set_sequence_parallel_attention",
     "swapped_modules",
     "unregister_npu_kernels",
 ]

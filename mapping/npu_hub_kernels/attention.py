@@ -14,6 +14,20 @@ the parity tests proved on some transformers release (`models.fingerprints`, as 
 choice (an explicit "eager", "flash_attention_2", another registered function) and says so. To keep sdpa, leave the
 card out of the selection (`kernels=[...]` without "npu_fused_attention").
 
+An explicit `attn_implementation="sdpa"` cannot be told from the default on transformers 5.22.2: the model's
+`__init__` writes the resolved default, "sdpa", into `config._attn_implementation_internal`, the value an explicit
+"sdpa" leaves there, nothing else records the request, and the config does not serialize the field. So the rule
+keeps "sdpa" where a choice of it is visible, and otherwise selects the card (the same math, fused):
+- another library installed its own function under "sdpa" in transformers' `ALL_ATTENTION_FUNCTIONS` (DeepSpeed's
+  Ulysses sequence parallelism does, registered with "sdpa"): the card would bypass it (no all-to-all: each rank
+  would attend over its own shard only), so sdpa is kept;
+- `accelerate launch` configures DeepSpeed sequence parallelism naming another attention
+  (PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION, `sequence_parallel.from_environment`): kept, as DeepSpeed would
+  refuse the card there.
+A sequence-parallel configuration made in Python is not visible here: when it names "sdpa", DeepSpeed refuses the
+card at `accelerator.prepare` (a loud error); the doctor says what to do
+(`sequence_parallel.sequence_parallel_mismatch`) and `set_sequence_parallel_attention` names the card in it.
+
 `attention_modules` says, per attention module of a model that selected the card, the form its last call fused or
 why it ran eager (the doctor shows it).
 
@@ -35,6 +49,7 @@ from torch import nn
 from .cards import CARDS, Card
 from .integrity import load_checked_kernel
 from .models import ATTENTION_FUNCTION, fingerprints, table_of
+from .sequence_parallel import from_environment
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +105,9 @@ def attention_kept_reason(model: nn.Module, card: Card) -> str | None:
             f'its attn_implementation is "{current}", not transformers\' default "{DEFAULT_IMPLEMENTATION}": kept as '
             f'chosen (set attn_implementation="{card.kernel_id}" to use the card)'
         )
+    chosen = _sdpa_chosen_reason(card)
+    if chosen is not None:
+        return chosen
     table = table_of(card)
     classes = {class_path(type(module)): type(module) for module in model.modules()}
     classes.pop(None, None)
@@ -103,6 +121,30 @@ def attention_kept_reason(model: nn.Module, card: Card) -> str | None:
         reason = fingerprints.unproven_reason(card, path, classes[path])
         if reason is not None:
             return reason
+    return None
+
+
+def _sdpa_chosen_reason(card: Card) -> str | None:
+    """Why "sdpa" is visibly someone's choice (see the module docstring), or None."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    installed = ALL_ATTENTION_FUNCTIONS[DEFAULT_IMPLEMENTATION]
+    if installed is not sdpa_attention_forward:
+        return (
+            f'"{DEFAULT_IMPLEMENTATION}" runs {getattr(installed, "__module__", "?")}.'
+            f"{getattr(installed, '__qualname__', type(installed).__name__)}, which another library installed over "
+            "transformers' (DeepSpeed's Ulysses sequence parallelism wraps the attention it was registered with): "
+            f'kept, the card would bypass it. To use the card, register sequence parallelism with "{card.kernel_id}" '
+            "(npu_hub_kernels.set_sequence_parallel_attention) after apply_npu_kernels"
+        )
+    configured = from_environment()
+    if configured is not None and configured[1] not in (None, card.kernel_id):
+        return (
+            f'accelerate launch configures DeepSpeed sequence parallelism with "{configured[1]}" '
+            f"(PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION), which DeepSpeed requires of the model's attention: kept. To "
+            f"use the card, leave that setting unset and call npu_hub_kernels.set_sequence_parallel_attention"
+        )
     return None
 
 

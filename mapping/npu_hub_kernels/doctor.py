@@ -28,7 +28,8 @@ call and every reason its calls ran eager for, with how many, as the cards recor
 and each module of a swapped class that runs none because another library set its forward (TRL's fused LM head,
 accelerate's autocast wrapper), which kernelize keeps: the forward kept, by its qualified name
 (`report.kept_forwards`); and each module of a class a card's model table leaves out, with the table's reason
-(`report.left_out_modules`).
+(`report.left_out_modules`). Its warnings say what to change, among them DeepSpeed Ulysses sequence parallelism
+naming another attention than the model's (`diagnose(..., parallelism=...)`, `sequence_parallel_mismatch`).
 
 The doctor never imports card code and never writes to the cache. Exit status: 0 when every card
 resolves to a variant that loads, 1 otherwise, with a hint per problem; 2 for a version below 1 or a
@@ -68,6 +69,7 @@ from .offline import default_cache_dir
 from .report import KeptForward, LeftOut, Swap, kept_forwards, left_out_modules, swapped_modules
 from .selftest.results import REASON_PREFIX
 from .selftest.results import summary as selftest_summary
+from .sequence_parallel import sequence_parallel_mismatch
 
 NOT_INSTALLED = "not installed"
 NOT_CACHED_HINT = (
@@ -199,12 +201,18 @@ class _Refusal(Exception):
 
 
 def diagnose(
-    org: str | None = None, version: int = 1, model: nn.Module | None = None, local_dir: str | Path | None = None
+    org: str | None = None,
+    version: int = 1,
+    model: nn.Module | None = None,
+    local_dir: str | Path | None = None,
+    parallelism: object | None = None,
 ) -> Report:
     """Diagnose every card of `org` at API version `version`, and what runs in `model` when one is given.
 
-    `org` defaults as register_npu_kernels'; what runs in `model` is its `model_report`. With `local_dir`, the built
-    cards of that folder instead, as `register_npu_kernels(local_dir=...)` loads them.
+    `org` defaults as register_npu_kernels'; what runs in `model` is its `model_report`, which checks the attention
+    sequence parallelism names against the model's: that of `parallelism` (TrainingArguments, a Trainer, an
+    Accelerator or a ParallelismConfig), else what `accelerate launch` configures. With `local_dir`, the built cards
+    of that folder instead, as `register_npu_kernels(local_dir=...)` loads them.
     """
     org = resolve_org(org)
     cards = [_diagnose_card(card, org, version, local_dir) for card in CARDS.values()]
@@ -229,19 +237,22 @@ def diagnose(
         publisher_trusted=publisher_trusted,
         publisher_trust=publisher_trust,
         cards=cards,
-        model=None if model is None else model_report(model),
+        model=None if model is None else model_report(model, parallelism),
         local_dir=None if local_dir is None else str(local_dir),
     )
 
 
-def model_report(model: nn.Module) -> ModelReport:
+def model_report(model: nn.Module, parallelism: object | None = None) -> ModelReport:
     """How many modules of `model` run each card's layer, which ran eager and why, and which run none and why.
 
     Those that run none are modules of swapped classes that keep another library's forward instead, and modules of
-    classes a card leaves out. Read from `swapped_modules`, `kept_forwards` and `left_out_modules`.
+    classes a card leaves out. Read from `swapped_modules`, `kept_forwards` and `left_out_modules`. Its warnings say
+    what to change: transformers' flash attention dropping windows on the npu, sequence parallelism naming another
+    attention than the model's (`parallelism` as `diagnose` takes it; `sequence_parallel_mismatch`).
     """
     swaps = swapped_modules(model)
     warnings = [flash_attention_drops(model, card.kernel_id) for card in CARDS.values() if is_attention_card(card)]
+    warnings.append(sequence_parallel_mismatch(model, parallelism))
     return ModelReport(
         model_class=type(model).__name__,
         fused=dict(sorted(Counter(swap.card for swap in swaps if swap.variant is not None).items())),

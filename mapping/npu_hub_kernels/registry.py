@@ -178,7 +178,8 @@ def apply_npu_kernels(
 
     An attention card selected (npu_fused_attention, in "auto") becomes the model's attention where its attention is
     transformers' default "sdpa" and its table fuses every attention class of the model; any other attention the model
-    was given is kept, and so is sdpa when the selection leaves the card out (`attention.use_fused_attention`). A
+    was given is kept, and so is sdpa when the selection leaves the card out or its choice is visible (DeepSpeed's
+    Ulysses wrapper installed over it, `accelerate launch` naming it: `attention.use_fused_attention`). A
     model on the npu left on transformers' flash_attention_2, which drops sliding windows and sinks there, is warned.
     """
     selected = register_npu_kernels(kernels=kernels, **register_kwargs)
