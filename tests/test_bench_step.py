@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from bench import device_model, step, step_report, step_study, step_validation
+from bench import device_model, step, step_report, step_study, step_validation, targets
 from bench.accounting import OpRecord, attention_pairs, count_device_ops
 from bench.configs import ModelSpec
+from bench.rows import ESTIMATE_STUDY, Row
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from npu_hub_kernels.testing import emulation
@@ -230,3 +231,21 @@ def test_every_published_figure_has_a_prediction(monkeypatch):
         assert claim.assumed and claim.kernels
     lines = step_report._validation_table(rows)
     assert all(claim.claim in "\n".join(lines) for claim in step_validation.PUBLISHED)
+
+
+def test_the_step_target_holds_the_mixed_precision_step_too():
+    """Ours at most the peer's / 1.03 on every step row: the bfloat16 step's estimate and the mixed-precision step's
+    time (not its ops or bytes); a mixed-precision step 1.016 x ahead of the peer misses it (the control)."""
+    bf16 = Row("estimated", "Llama-3-8B", "estimated step time", "fwd+bwd+AdamW", 8, 4096, eager=7189.0,
+               kernelized=5890.0, peer=6102.0, unit="ms", study=ESTIMATE_STUDY, model="Llama-3-8B")  # fmt: skip
+    mixed = [
+        step_study.MixedPrecisionRow("Llama-3-8B", 8, 4096, unit, eager, ours, peer).csv_row()
+        for unit, eager, ours, peer in (("ops", 4439, 2351, 2309), ("ms", 8071.2, 6815.1, 6927.1))
+    ]
+    results = targets._step([bf16, *mixed])
+    assert [(r.target.split(" training step")[0], r.met) for r in results] == [
+        ("Llama-3-8B", True),
+        ("Llama-3-8B, float32 weights, bf16 autocast", False),  # 6927.1 / 6815.1 = 1.016
+    ]
+    mixed[1].kernelized = 6927.1 / 1.031
+    assert targets._step([bf16, *mixed])[1].met

@@ -23,6 +23,9 @@ CHUNK_STUDY = "chunk sweep"
 """The study of a region outside the decoder layer counted with the card at other tokens per chunk (`Row.chunk`)."""
 ESTIMATE_STUDY = "step estimate"
 """The study of a whole training step's estimated Atlas A2 time (`step`), which the step targets read (`targets`)."""
+MIXED_PRECISION_STUDY = "step, mixed precision"
+"""The study of a training step as Trainer's `bf16=True` runs it (`step_study.MIXED_PRECISION_MODELS`): its ops, bytes
+and estimated time (unit "ms"), which the step targets read too (`targets`)."""
 EXPERTS_SWEEP_STUDY = "experts sweep"
 """The study of an MoE region counted with other numbers of experts (`ExpertsSweepRow`)."""
 

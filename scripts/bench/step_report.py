@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .device_model import HOST_PER_OP
 from .markdown import human_bytes, table
-from .rows import ESTIMATE_STUDY, Row
+from .rows import ESTIMATE_STUDY, MIXED_PRECISION_STUDY, Row
 from .step import (
     DECODE_STUDY,
     LARGEST_OTHER_OPS,
@@ -18,7 +18,7 @@ from .step import (
     VALIDATION_STUDY,
     categories,
 )
-from .step_study import MIXED_PRECISION_STUDY, UNITS, CategoryRow, MixedPrecisionRow, OtherOpRow, category_rows
+from .step_study import UNITS, CategoryRow, MixedPrecisionRow, OtherOpRow, category_rows
 from .step_validation import ValidationRow
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .markdown import human_bytes
 from .peer import Peer
-from .rows import ESTIMATE_STUDY, Row, log
+from .rows import ESTIMATE_STUDY, MIXED_PRECISION_STUDY, Row, log
 from .step import (
     CATEGORY_STUDY,
     DECODE_STUDY,
@@ -207,7 +207,6 @@ def decode_rows(peer: Peer | None, build, keys: tuple[str, ...] = tuple(STEP_MOD
     return rows
 
 
-MIXED_PRECISION_STUDY = "step, mixed precision"
 MIXED_PRECISION_MODELS = ("llama-3-8b",)
 """The step models also counted as Trainer's `bf16=True` trains them: float32 weights, AdamW state and gradients, the
 forward under `torch.autocast("npu", bfloat16)`: every matmul casts its float32 weight to bfloat16 on each call, sdpa

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from npu_hub_kernels.cards import Card
 
 from .cards import LAYER, NO_CARD, BeforeCardTarget, CountedTarget, specs, with_piece
-from .rows import ESTIMATE_STUDY, ESTIMATE_UNIT, REGION_STUDIES, Row, sweep_ops
+from .rows import ESTIMATE_STUDY, ESTIMATE_UNIT, MIXED_PRECISION_STUDY, REGION_STUDIES, Row, sweep_ops
 from .timed import (
     FALLBACK_TOLERANCE,
     HOST_COST_BOUND,
@@ -30,7 +30,8 @@ REGION_TIME_PHASES = ("fwd", "fwd+bwd")
 """Every card's region at most eager's region in estimated device time (Atlas A2 model), in these phases, at every
 size the bench counts."""
 STEP_AHEAD_OF_PEER = 1.03
-"""Our training step's estimated time at most the peer's / 1.03 on every step model (issue 35)."""
+"""Our training step's estimated time at most the peer's / 1.03 on every step model (issue 35), in bfloat16 and as
+Trainer's `bf16=True` runs it (mixed precision, issue 46)."""
 STEP_TARGET_KIND = "training step"
 """The kind of the step's targets (no region's)."""
 
@@ -144,11 +145,13 @@ def evaluate(rows: list[Row]) -> list[Result]:
 
 
 def _step(rows: list[Row]) -> list[Result]:
-    """Per step model: our estimated training step at most the peer's / STEP_AHEAD_OF_PEER."""
+    """Per step row (each step model; the mixed-precision ones): our estimated step at most the peer's / 1.03.
 
+    The row's config names the step: the model's name, or it with the mixed precision it runs (`step_study`)."""
     out = []
-    for r in (r for r in rows if r.study == ESTIMATE_STUDY and r.peer is not None and r.kernelized):
-        label = f"{r.model} {STEP_TARGET_KIND}: estimated time <= peer / {STEP_AHEAD_OF_PEER:g} (batch {r.batch} x "
+    steps = (r for r in rows if r.study == ESTIMATE_STUDY or (r.study == MIXED_PRECISION_STUDY and r.unit == "ms"))
+    for r in (r for r in steps if r.peer is not None and r.kernelized):
+        label = f"{r.config} {STEP_TARGET_KIND}: estimated time <= peer / {STEP_AHEAD_OF_PEER:g} (batch {r.batch} x "
         label += f"seq {r.seq}, estimate)"
         ahead = r.peer / r.kernelized
         measured = f"peer / ours {ahead:.3f} ({r.kernelized / 1e3:.2f} vs {r.peer / 1e3:.2f} s)"
