@@ -625,8 +625,7 @@ def eager_mask(
 def _packed_sequence_numbers(
     kwargs: dict, batch: int, q_len: int, kv_len: int, device: torch.device
 ) -> torch.Tensor | None:
-    """[B, Skv] each key's sequence number in packed rows given without a mask (as `attention_form` reads them), or
-    None."""
+    """[B, Skv] each key's packed sequence number where no mask came (as `attention_form` reads them), or None."""
     cu, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
     if cu is not None:
         if batch != 1:
