@@ -10,6 +10,9 @@ that call, DDP, FSDP2, DTensor and functional collectives run unchanged in each 
   tensors reaches `NpuTensor.__torch_dispatch__`, which runs it on the host tensors behind them through the gloo
   backend that "hccl" created for the group. The values are what the collective computes (gloo's sums are fp32
   sums in rank order; HCCL's reduction order on a real Ascend cluster may round differently).
+- a library's own operator with no device type (DeepSpeed's `deepspeed::dim_zero_all_to_all`, Ulysses sequence
+  parallelism's exchange) runs its body on the npu tensors (`device._runs_device_generic_kernel`), so the collectives
+  it calls reach "hccl" as on a device.
 - host tensors: refused, as ProcessGroupHCCL refuses them. A group made with "hccl" alone has no backend for
   "cpu" ("No backend type associated with device type cpu"); pass "cpu:gloo,npu:hccl" to carry both, as on Ascend.
 - one machine only: the backend binds gloo to 127.0.0.1 and refuses a rendezvous store on any other host.
