@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from bench import cards, configs, counted, padding_free, regions, report, targets, timed
+from bench import cards, configs, counted, padding_free, regions, report, step, step_study, targets, timed
 from bench.accounting import count_device_ops, fake_module, fused_ops
 from bench.attention import AttentionRow
 from bench.cards import npu_rms_norm, npu_rope
@@ -23,8 +23,6 @@ from bench.device_model import device_seconds
 from bench.padding_free import PaddingFreeRow
 from bench.peer import PARITY_TOLERANCE, ParityRow, load_peer, parity_rows
 from bench.rows import CSV_COLUMNS, EMULATED, ESTIMATE_UNIT, MEMORY_UNITS, ExpertsSweepRow, Row, write_csv
-from bench.step import categories
-from bench.step_study import CategoryRow, MixedPrecisionRow, OtherOpRow
 from conftest import ROOT
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
@@ -680,15 +678,15 @@ def _typed_rows() -> list:
         ExpertsSweepRow(
             "Qwen3-30B-A3B", 64, "moe", "grouped_mm", "fwd+bwd", 1, 512, "ops", 10.0, 4.0, 3.0, 5.0, True, ""
         ),
-        CategoryRow("Qwen3-8B", None, 8, 4096, categories()[-1], "ms", 12.5, 7.25, None),
-        OtherOpRow("Qwen3-8B", None, 8, 4096, "mul", 3.0, 2.0, 2.5),
+        step_study.CategoryRow("Qwen3-8B", None, 8, 4096, step.OTHER, "ms", 12.5, 7.25, None),
+        step_study.OtherOpRow("Qwen3-8B", None, 8, 4096, "mul", 3.0, 2.0, 2.5),
         AttentionRow("Gemma-3-4B", "window 1024", "attention", "fwd+bwd", 1, 4096, "bytes", 9.0, 8.0, 7.0, 6.0),
         PaddingFreeRow("Llama-3-8B", padding_free.QUICK_LENGTHS, "ops", 100.0, 90.0, None),
         ParityRow("llama", kernel, 1e-6, "matches", "matches; 3 torch_npu calls"),
         ParityRow("qwen3", kernel, None, "raises", "raises; 0 torch_npu calls; ValueError: no"),
         timed.CallOverheadRow("RMSNorm", 1.5, 4.0, "overhead 2.50 us per call; tensors on cpu"),
         timed.HostCostRow("RoPE", 2.0, 3.0, "1.50 x a bare call"),
-        MixedPrecisionRow("Llama-3-8B", 8, 4096, "ms", 9000.0, 8000.0, 8500.0),
+        step_study.MixedPrecisionRow("Llama-3-8B", 8, 4096, "ms", 9000.0, 8000.0, 8500.0),
     ]
 
 
