@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ORG ?=
 
-.PHONY: setup build demo bench publish test lint ledger clean test-transformers prove-transformers test-forms
+.PHONY: setup build demo bench publish test lint ledger clean test-transformers prove-transformers test-forms \
+	test-long-context
 
 setup: $(STAMP)
 
@@ -77,6 +78,11 @@ test: setup lint
 # every value of every axis): tests/test_attention_forms.py.
 test-forms: setup
 	NPU_HUB_KERNELS_ALL_FORMS=1 $(PY) -m pytest -n 2 tests/test_attention_forms.py
+
+# DeepSpeed Ulysses sequence parallelism with the cards, every case at SP 2 and 4 (`make test` runs a sample):
+# tests/test_ulysses_sp.py.
+test-long-context: setup
+	NPU_HUB_KERNELS_ALL_SP=1 $(PY) -m pytest tests/test_ulysses_sp.py
 
 clean:
 	rm -rf build .cache .venv-transformers-*
