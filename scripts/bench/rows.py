@@ -67,8 +67,9 @@ class Row:
     """The kernelized column's variant: "default", kernelize alone (what users get)."""
     path: str = ""
     """What a study's rows vary beside the columns, written by its typed row: the experts implementation
-    (`ExpertsSweepRow`), the step's category or aten op (`step.CategoryRow`, `step.OtherOpRow`), the validation's
-    figure kind (`step.ValidationRow`), the attention region's mask scenario (`attention.AttentionRow`)."""
+    (`ExpertsSweepRow`), the step's category or aten op (`step_study.CategoryRow`, `step_study.OtherOpRow`), the
+    validation's figure kind (`step_validation.ValidationRow`), the attention region's mask scenario
+    (`attention.AttentionRow`)."""
     model: str = ""
     """The model's name (ModelSpec.name)."""
     experts: int | None = None
