@@ -74,6 +74,8 @@ class Case:
     seq: int = SEQ
     kernels: bool = True
     dtype: torch.dtype = torch.float32
+    checkpointing: bool = False
+    """Gradient checkpointing (the Trainer's): each layer's forward runs again in backward, its attention included."""
     loop: str = "trainer"
     """Whose training loop: transformers' Trainer, or "accelerate" (accelerate's prepare and a loop of one's own)."""
     eager_reason: str | None = None
@@ -92,7 +94,10 @@ CASES = {
     "qwen3_moe": Case("qwen3_moe"),
     "llama, packed, accelerate": Case("llama", packed=(), loop="accelerate"),
     "llama, bfloat16": Case("llama", dtype=torch.bfloat16),
-    "llama, 1025 packed sequences": Case(
+    "mistral, packed, window 4, checkpointing": Case(
+        "mistral", {"sliding_window": 4}, packed=((9, 7), (2, 6, 8)), checkpointing=True
+    ),
+    "llama, 1026 packed documents": Case(
         "llama",
         packed=((1,) * 1025 + (3,),),
         seq=1028,
@@ -232,7 +237,7 @@ def _training_arguments(case: Case, parallelism, output_dir: str):
     return TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=case.rows, max_steps=1, learning_rate=1e-3,
         bf16=case.dtype == torch.bfloat16, deepspeed=_zero3_config(case, auto=True), parallelism_config=parallelism,
-        report_to=[], disable_tqdm=True, save_strategy="no", seed=0,
+        gradient_checkpointing=case.checkpointing, report_to=[], disable_tqdm=True, save_strategy="no", seed=0,
     )  # fmt: skip
 
 
@@ -380,7 +385,9 @@ def _check_fusion(case: Case, result: dict, sp_size: int, inputs: dict, where: s
         assert "npu_fusion_attention" not in calls, (where, calls)
         assert [reason for _, _, reason in runs] == [case.eager_reason] * LAYERS, (where, runs)
         return
-    assert calls.get("npu_fusion_attention") == LAYERS and [r for _, _, r in runs] == [None] * LAYERS, (where, runs)
+    forwards = 2 if case.checkpointing else 1  # checkpointing runs each layer's forward again in backward
+    assert calls.get("npu_fusion_attention") == forwards * LAYERS, (where, calls)
+    assert [reason for _, _, reason in runs] == [None] * LAYERS, (where, runs)
     heads = 4 // sp_size
     rows, seq = inputs["input_ids"].shape
     for layout, query_shape, op_heads, query_ends in result["op_inputs"]:
