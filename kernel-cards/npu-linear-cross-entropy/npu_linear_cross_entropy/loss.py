@@ -244,28 +244,34 @@ def _fused_loss(
             for start in range(0, hidden.shape[0], MAX_ROWS):
                 part = _chunk(hidden, weight, bias, targets, counted, slice(start, start + MAX_ROWS), (None,) * 3)
                 total = part if total is None else total + part
+            loss = total / divisor
         else:
             chunk = min(chunk_tokens or default_chunk_tokens(*hidden.shape), MAX_ROWS)
-            half = _half_weight_grad(hidden, weight, module)
-            total = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, chunk, half)
-    # the division last: the loss is a tensor of its own, which a trainer may scale in place
-    return with_eager_double_backward(total, _counted_loss_eager, hidden, weight, bias, targets, counted) / divisor
+            float32_out = _float32_out_products(hidden, weight, module)
+            loss = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, divisor, chunk, float32_out)
+    return with_eager_double_backward(loss, _counted_loss_eager, hidden, weight, bias, targets, counted, divisor)
 
 
-def _half_weight_grad(hidden: torch.Tensor, weight: torch.Tensor, module: nn.Module | None) -> bool:
-    """Whether the chunks' weight gradient sums 16-bit products into float32 (else float32 products), said if not."""
-    if hidden.dtype not in HALF_DTYPES or not weight.requires_grad:
-        return False  # float32 operands are the model's own (eager's product too), or no weight gradient
+def _float32_out_products(hidden: torch.Tensor, weight: torch.Tensor, module: nn.Module | None) -> bool:
+    """Whether the chunks sum their gradients' 16-bit products in float32 (`half_weight_grad_unavailable_reason`).
+
+    Said (`ran_eager`) where a 16-bit model's gradient wants them and they cannot run."""
+    if hidden.dtype not in HALF_DTYPES or not (weight.requires_grad or hidden.requires_grad):
+        return False  # float32 operands are the model's own (eager's product too), or no gradient
     return not ran_eager(module, half_weight_grad_unavailable_reason())
 
 
 def half_weight_grad_unavailable_reason() -> str | None:
-    """Why lm_head's float32 weight gradient cannot sum float16/bfloat16 products here, or None when it can.
+    """Why the chunks' gradients cannot sum float16/bfloat16 products in float32 here, or None when they can.
 
-    It can with `torch.addmm(sum, grad_logits.t(), h, out_dtype=torch.float32, out=sum)` (aclnnAddmm's 16-bit inputs
-    with a float32 out: torch_npu 2.11 or later, CANN 9.1 or later; README "How it works"). Without it the loss still
-    fuses, its weight gradient from float32 products at about a quarter of the cube's bfloat16 rate."""
-    slower = "the loss fused; lm_head's weight gradient sums float32 products (a quarter of the bfloat16 cube rate): "
+    They can with `torch.addmm(sum, a, b, out_dtype=torch.float32, out=sum)` (aclnnAddmm's 16-bit inputs with a
+    float32 out: torch_npu 2.11 or later, CANN 9.1 or later; README "How it works"): lm_head's weight gradient, and
+    each chunk's dL/dh before its one rounding. Without it the loss still fuses, its weight gradient from float32
+    products at about a quarter of the cube's bfloat16 rate, and dL/dh rounded by its 16-bit matmul, then scaled."""
+    slower = (
+        "the loss fused; lm_head's weight gradient sums float32 products (a quarter of the bfloat16 cube rate) and "
+        "dL/dh is rounded twice (by its 16-bit matmul, then scaled): "
+    )
     if not device_has_kernel(FLOAT32_OUT_ADDMM):
         return slower + "this torch_npu has no torch.addmm with out_dtype (torch_npu 2.11 or later registers it)"
     cann = str(getattr(torch.version, "cann", None))
@@ -298,10 +304,10 @@ def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) ->
         )
 
 
-def _counted_loss_eager(hidden, weight, bias, targets, counted) -> torch.Tensor:
-    """The counted tokens' summed loss in eager's ops, which a recorded backward (create_graph) differentiates."""
+def _counted_loss_eager(hidden, weight, bias, targets, counted, divisor) -> torch.Tensor:
+    """The counted tokens' loss over `divisor` in eager's ops: what a recorded backward (create_graph) derives."""
     per_token = F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")
-    return torch.where(counted, per_token, 0.0).sum()
+    return torch.where(counted, per_token, 0.0).sum() / divisor
 
 
 def linear_cross_entropy_eager(
@@ -374,44 +380,62 @@ class _StandInForward:
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """The sum over counted tokens of CE(h W^T + b); the gradients made in forward, chunk by chunk."""
+    """The sum over counted tokens of CE(h W^T + b) over `divisor`; the gradients made in forward, chunk by chunk.
+
+    dL/dW and dL/db are float32 sums of the tokens' softmax - onehot products, scaled in backward (by the incoming
+    gradient over `divisor`) and rounded once. dL/dh is kept in the model dtype already over `divisor`, each chunk's
+    product rounded once (`_chunk`), so that a backward of 1 (`loss.backward()`) or of a power of two leaves it as it
+    is; another incoming gradient (a loss divided by 3 accumulation steps) rounds it again."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, counted, chunk: int, half_weight_grad: bool):
+    def forward(ctx, hidden, weight, bias, targets, counted, divisor, chunk: int, float32_out: bool):
         needs_grad = ctx.needs_input_grad[:3]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # dL/dh in the model dtype: each chunk's matmul rounds it to that dtype anyway (as eager's does)
         grad_hidden = torch.empty_like(hidden) if needs_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad[1] else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_grad[2] else None
         grads = (grad_hidden, grad_weight, grad_bias)
+        # a counted token's share of the loss; 0 with no counted token (every gradient 0 then, as eager's)
+        any_counted = counted.any()
+        share = torch.where(any_counted, 1 / divisor, 0.0)
         for start in range(0, hidden.shape[0], chunk):
-            total += _chunk(
-                hidden, weight, bias, targets, counted, slice(start, start + chunk), grads, half_weight_grad
-            )
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, counted.any())
+            rows = slice(start, start + chunk)
+            total += _chunk(hidden, weight, bias, targets, counted, rows, grads, float32_out, share)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, share, any_counted)
         ctx.weight_dtype = weight.dtype
-        return total
+        return total / divisor
 
     @staticmethod
-    def backward(ctx, grad_total):
-        *grads, any_counted = ctx.saved_tensors
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight, grad_bias, share, any_counted = ctx.saved_tensors
         # no counted token: every gradient is 0, as eager's, whatever the incoming one (1 / 0 when its loss is 0 / 0)
-        scale = torch.where(any_counted, grad_total.float(), 0.0)
-        # new tensors (the saved ones stay for a second backward), each rounded once to the parameters' dtype (dL/dh
-        # is in it already: that cast is no op)
-        scaled = (None if grad is None else (grad * scale).to(ctx.weight_dtype) for grad in grads)
-        return *scaled, None, None, None, None
+        scale = torch.where(any_counted, grad_loss.float(), 0.0)
+        # new tensors (the saved ones stay for a second backward), rounded to the parameters' dtype: once for the
+        # float32 sums, not again for dL/dh when the scale is 1
+        hidden_grad = None if grad_hidden is None else (grad_hidden * scale).to(ctx.weight_dtype)
+        sum_scale = scale * share
+        sums = (None if grad is None else (grad * sum_scale).to(ctx.weight_dtype) for grad in (grad_weight, grad_bias))
+        return hidden_grad, *sums, None, None, None, None, None
 
 
 def _chunk(
-    hidden, weight, bias, targets, counted, rows: slice, grads: tuple, half_weight_grad: bool = False
+    hidden,
+    weight,
+    bias,
+    targets,
+    counted,
+    rows: slice,
+    grads: tuple,
+    float32_out: bool = False,
+    share: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return the chunk `rows`' summed loss over its counted rows; add its share into the gradients that are not None.
 
-    `half_weight_grad`: the weight gradient's products from the 16-bit grad_logits (the model's dtype, as eager's) and
-    hidden states, summed in float32 in place (`half_weight_grad_unavailable_reason`); else from float32 ones. (A
-    function, so that every [chunk, V] buffer is freed when it returns.)"""
+    dL/dW and dL/db get the chunk's float32 sums; dL/dh its rows, times `share` (a counted token's share of the loss).
+    `float32_out`: the gradients' products from the 16-bit grad_logits (the model's dtype, as eager's) and hidden
+    states or weight, summed in float32 (`half_weight_grad_unavailable_reason`), dL/dh's then rounded once, scaled;
+    else the weight gradient's from float32 ones and dL/dh's rounded by their matmul, then scaled. (A function, so
+    that every [chunk, V] buffer is freed when it returns.)"""
     h, target, mask, (grad_hidden, grad_weight, grad_bias) = hidden[rows], targets[rows], counted[rows], grads
     logits = F.linear(h, weight, bias).float()
     per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
@@ -423,13 +447,17 @@ def _chunk(
     grad_logits = torch_npu.npu_cross_entropy_loss_backward(mask.to(log_prob.dtype), log_prob, target, reduction="none")
     del log_prob
     # rounded once to the model's dtype, as eager's logits gradient is (no op in float32)
-    low = grad_logits.to(weight.dtype) if grad_hidden is not None or half_weight_grad else None
-    if grad_weight is not None and half_weight_grad:  # 16-bit operands summed in float32, in place: the cube's rate
+    low = grad_logits.to(weight.dtype) if grad_hidden is not None or float32_out else None
+    if grad_weight is not None and float32_out:  # 16-bit operands summed in float32, in place: the cube's rate
         torch.addmm(grad_weight, low.t(), h, out_dtype=torch.float32, out=grad_weight)
     elif grad_weight is not None:  # float32 operands, summed in place: no product buffer of W's size
         grad_weight.addmm_(grad_logits.t(), h.float())
     if grad_bias is not None:
         grad_bias += grad_logits.sum(dim=0)
-    if grad_hidden is not None:
-        grad_hidden[rows] = low @ weight
+    if grad_hidden is not None and float32_out:  # the same into the chunk's float32 [chunk, H], rounded once scaled
+        product = torch.zeros(low.shape[0], weight.shape[1], dtype=torch.float32, device=low.device)
+        torch.addmm(product, low, weight, out_dtype=torch.float32, out=product)
+        torch.mul(product, share, out=grad_hidden[rows])
+    elif grad_hidden is not None:  # in the model dtype: rounded by the matmul, then again scaled (float32: exact)
+        torch.mul(low @ weight, share, out=grad_hidden[rows])
     return chunk_loss
