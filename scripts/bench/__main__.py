@@ -39,6 +39,8 @@ from .cards import with_piece
 from .chart import write_chart
 from .configs import CONFIGS, QUICK_SHAPES, ROOT, SHAPES, TINY_SPECS
 from .counted import before_card_rows, counted_rows, experts_sweep_rows
+from .long_context import LONG_MODELS, longest_rows
+from .long_context_report import write_long_context_chart
 from .outside import outside_rows
 from .padding_free import padding_free_rows
 from .peer import load_peer, parity_rows
@@ -58,8 +60,9 @@ from .timed import (
     training_rows,
 )
 
-CHARTS = ("step.png", "bench.png")
-"""The charts the bench draws in --out: the training step's estimated time, and the counted and timed figures."""
+CHARTS = ("step.png", "bench.png", "long_context.png")
+"""The charts the bench draws in --out: the training step's estimated time, the counted and timed figures, and one
+device's peak memory against the sequence length."""
 QUICK_PARITY = ("llama", "qwen3_moe", "gemma3_text")
 """--quick: the peer parity check on these tiny families only."""
 
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += attention_rows([STEP_MODELS[k].spec for k in steps], quick)
                 rows += step_rows(peer, quick, args.build, steps)
                 rows += padding_free_rows(args.build, quick, steps)
+                if not quick:  # searches lengths up to millions of tokens: minutes, not a quick run's seconds
+                    rows += longest_rows(peer, tuple(k for k in LONG_MODELS if k in steps))
                 if peer is not None:
                     rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)
             else:
@@ -182,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "summary.md").write_text(text)
     for name in CHARTS:  # none left from an earlier run
         (args.out / name).unlink(missing_ok=True)
-    problem = write_chart(rows, args.out / "bench.png", machine) or write_step_chart(rows, args.out / "step.png")
+    problem = (
+        write_chart(rows, args.out / "bench.png", machine)
+        or write_step_chart(rows, args.out / "step.png")
+        or write_long_context_chart(rows, args.out / "long_context.png")
+    )
     charts = [args.out / name for name in CHARTS if (args.out / name).exists()]
     if args.images:
         args.images.mkdir(parents=True, exist_ok=True)

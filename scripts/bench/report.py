@@ -16,6 +16,7 @@ from npu_hub_kernels.cards import Card
 from .attention import attention_section
 from .cards import NO_CARD, OutsideRegion, card_named, spec, with_piece
 from .configs import PREFILL_DECODE
+from .long_context_report import long_context_section
 from .markdown import human_bytes, number, table
 from .padding_free import padding_free_section
 from .peer import OUTCOMES, PARITY_STUDY, PARITY_TOLERANCE, ParityRow
@@ -359,6 +360,7 @@ def summary(
     lines += step_section(rows)
     lines += attention_section(rows)
     lines += padding_free_section(rows)
+    lines += long_context_section(rows)
     for card, _ in with_piece("PREFILL_DECODE_TABLE"):
         lines += _prefill_decode_table(card, rows)
     for card, _ in with_piece("EXPERTS_SWEEP"):

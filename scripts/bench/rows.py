@@ -28,6 +28,10 @@ MIXED_PRECISION_STUDY = "step, mixed precision"
 and estimated time (unit "ms"), which the step targets read too (`targets`)."""
 EXPERTS_SWEEP_STUDY = "experts sweep"
 """The study of an MoE region counted with other numbers of experts (`ExpertsSweepRow`)."""
+LONGEST_STUDY = "longest sequence"
+"""The study of the longest trainable sequence per model and device count (`long_context`), in tokens: eager HF's in
+the eager column, the peer's, and ours with Ulysses SP in the kernelized one (the longest of its setups, named in
+`variant`); the devices in `path`. The targets read it (`targets`)."""
 
 
 @dataclass

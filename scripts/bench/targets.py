@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from npu_hub_kernels.cards import Card
 
 from .cards import LAYER, NO_CARD, BeforeCardTarget, CountedTarget, specs, with_piece
-from .rows import ESTIMATE_STUDY, ESTIMATE_UNIT, MIXED_PRECISION_STUDY, REGION_STUDIES, Row, sweep_ops
+from .rows import (
+    ESTIMATE_STUDY,
+    ESTIMATE_UNIT,
+    LONGEST_STUDY,
+    MIXED_PRECISION_STUDY,
+    REGION_STUDIES,
+    Row,
+    sweep_ops,
+)
 from .timed import (
     FALLBACK_TOLERANCE,
     HOST_COST_BOUND,
@@ -34,6 +42,13 @@ STEP_AHEAD_OF_PEER = 1.03
 Trainer's `bf16=True` runs it (mixed precision, issue 46)."""
 STEP_TARGET_KIND = "training step"
 """The kind of the step's targets (no region's)."""
+LONGEST_OVER_EAGER = 16
+"""Ours with Ulysses SP trains at least 16 x eager HF's longest sequence on the same devices (issue 44)."""
+LONGEST_TOKENS = {"Llama-3-8B": 1_000_000}
+"""The longest sequence ours with Ulysses SP trains on `LONGEST_DEVICES` x 64 GB, at least (issue 44; ALST, arXiv
+2506.13996: 3.7M tokens for Llama-8B on 8 x 80 GB H100)."""
+LONGEST_DEVICES = 8
+"""The device count of the longest-sequence targets."""
 
 
 BEFORE_CARD_STUDY = "layer without the card"
@@ -140,6 +155,7 @@ def evaluate(rows: list[Row]) -> list[Result]:
     for card, target in with_piece("BEFORE_CARD_TARGET"):
         out += _before_card(card, target, rows)
     out += _step(rows)
+    out += _longest(rows)
     out += _host(rows)
     return out
 
@@ -156,6 +172,25 @@ def _step(rows: list[Row]) -> list[Result]:
         ahead = r.peer / r.kernelized
         measured = f"peer / ours {ahead:.3f} ({r.kernelized / 1e3:.2f} vs {r.peer / 1e3:.2f} s)"
         out.append(Result(STEP_TARGET_KIND, label, measured, ahead >= STEP_AHEAD_OF_PEER))
+    return out
+
+
+def _longest(rows: list[Row]) -> list[Result]:
+    """Per model, on `LONGEST_DEVICES` devices: the longest-sequence targets, met or not.
+
+    Ours with SP at least `LONGEST_OVER_EAGER` x eager HF's longest sequence, and at least `LONGEST_TOKENS` where the
+    model has one (counted peaks, `long_context`)."""
+    out = []
+    for r in (r for r in rows if r.study == LONGEST_STUDY and r.path == str(LONGEST_DEVICES)):
+        where = f"{r.model} longest trainable sequence on {LONGEST_DEVICES} x 64 GB (counted)"
+        ours = f"{r.kernelized:,.0f} tokens ({r.variant})"
+        ratio = r.kernelized / r.eager if r.eager else float("inf")
+        label = f"{where}: ours + SP >= {LONGEST_OVER_EAGER} x eager HF's"
+        measured = f"{ours} vs eager {r.eager:,.0f}: {ratio:.1f} x"
+        out.append(Result(STEP_TARGET_KIND, label, measured, ratio >= LONGEST_OVER_EAGER))
+        if r.model in LONGEST_TOKENS:
+            label = f"{where}: ours + SP >= {LONGEST_TOKENS[r.model]:,} tokens"
+            out.append(Result(STEP_TARGET_KIND, label, ours, r.kernelized >= LONGEST_TOKENS[r.model]))
     return out
 
 
