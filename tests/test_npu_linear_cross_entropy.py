@@ -12,6 +12,7 @@ loss get it added as eager adds it (float32 equal, bfloat16 within the idiom, wi
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -28,6 +29,7 @@ import transformers
 from kernels import Mode, kernelize
 from numerics import assert_within_twice_eagers_error, relative_error
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -708,6 +710,42 @@ def test_autocast_on_float32_weights_error_at_most_twice_eagers_against_float64(
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)  # the same logits, in dtype, as eager's
     assert all(f.dtype == e.dtype == torch.float32 for f, e in zip(fused, eager, strict=True) if f is not None)
     _assert_within_twice_eagers_error(fused, eager, reference)
+
+
+class _WeightCasts(TorchDispatchMode):
+    """Counts the dtype casts (aten `_to_copy` to another dtype) of tensors of a given shape, by (from, to) dtype."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.shape, self.casts = shape, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        cast = func is torch.ops.aten._to_copy.default and kwargs.get("dtype", args[0].dtype) != args[0].dtype
+        if cast and tuple(args[0].shape) == self.shape:
+            self.casts[(args[0].dtype, kwargs["dtype"])] += 1
+        return func(*args, **kwargs)
+
+
+def test_autocast_casts_the_weight_once_per_step_and_keeps_float32_gradients_float32(card):
+    """Issue 46: under autocast on float32 weights the chunked form casts lm_head's weight to bfloat16 once per forward
+    (4 chunks) and nothing of its size in backward, where dL/dW comes back from the float32 sum in float32 (eager's
+    autocast rounds it to bfloat16, then casts it back: its negative control, two casts more). So its error against
+    float64 is below eager's, as dL/dh's (kept in float32, the hidden states' dtype)."""
+    lm_head, h, labels = _problem(tokens=256, hidden=64, vocab=1000)
+    weight_shape = tuple(lm_head.weight.shape)
+    runs = {}
+    for name, fn, kwargs in (("eager", card.linear_cross_entropy_eager, {}), ("fused", card.linear_cross_entropy,
+                             {"chunk_tokens": 64})):  # fmt: skip
+        with _WeightCasts(weight_shape) as counted:
+            runs[name] = _run(fn, lm_head, h, labels, "npu", autocast=torch.bfloat16, **kwargs)
+        runs[name + " casts"] = counted.casts
+    reference = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")
+    assert runs["fused casts"] == {(torch.float32, torch.bfloat16): 1}, runs["fused casts"]
+    assert runs["eager casts"] == {(torch.float32, torch.bfloat16): 1, (torch.bfloat16, torch.float32): 1}
+    for index in (1, 2):  # dL/dh, dL/dW
+        fused, eager = (relative_error(runs[name][index], reference[index]) for name in ("fused", "eager"))
+        assert fused < eager, (index, fused, eager)
 
 
 def test_autocast_elsewhere_or_on_float64_keeps_the_eager_path(card):

@@ -5,6 +5,7 @@ It runs without the full logits (its two forms, ignored rows, autocast, the engi
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -232,31 +233,44 @@ def _fused_loss(
     if not torch.is_grad_enabled():  # the Function would see requires_grad and make gradients no one asked for
         hidden, weight, bias = (None if t is None else t.detach() for t in (hidden, weight, bias))
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):  # as autocast's linear: operands cast once, gradients cast back
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight, bias = (None if t is None else t.to(dtype) for t in (hidden, weight, bias))
+    # autocast's linear casts the operands to its dtype: once per call here, and the chunks' matmuls run in it
+    autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     targets = torch.where(counted, targets, 0)
     _check_targets(targets, weight.shape[0], ignore_index)
     needs_grad = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    with torch.autocast(device_type, enabled=False):  # the chunks' matmuls in that dtype, nothing cast again
+    with torch.autocast(device_type, enabled=False):  # nothing cast again
         if chunk_tokens is None and not chunked_form_pays(hidden.shape[0], hidden.shape[1], needs_grad):
-            total = None  # the log-probability form: autograd through the op, which keeps its log-probabilities
+            # the log-probability form: autograd through the casts (which cast the gradients back) and the op,
+            # which keeps its log-probabilities
+            operands = _cast((hidden, weight, bias), autocast)
+            total = None
             for start in range(0, hidden.shape[0], MAX_ROWS):
-                part = _chunk(hidden, weight, bias, targets, counted, slice(start, start + MAX_ROWS), (None,) * 3)
+                part = _chunk(*operands, targets, counted, slice(start, start + MAX_ROWS), (None,) * 3)
                 total = part if total is None else total + part
             loss = total / divisor
         else:
             chunk = min(chunk_tokens or default_chunk_tokens(*hidden.shape), MAX_ROWS)
-            float32_out = _float32_out_products(hidden, weight, module)
-            loss = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, counted, divisor, chunk, float32_out)
-    return with_eager_double_backward(loss, _counted_loss_eager, hidden, weight, bias, targets, counted, divisor)
+            float32_out = _float32_out_products(autocast or hidden.dtype, hidden, weight, module)
+            loss = _ChunkedLinearCrossEntropy.apply(
+                hidden, weight, bias, targets, counted, divisor, chunk, float32_out, autocast
+            )
+    eager = functools.partial(_counted_loss_eager, autocast=autocast)
+    return with_eager_double_backward(loss, eager, hidden, weight, bias, targets, counted, divisor)
 
 
-def _float32_out_products(hidden: torch.Tensor, weight: torch.Tensor, module: nn.Module | None) -> bool:
+def _cast(tensors: tuple, dtype: torch.dtype | None) -> tuple:
+    """The tensors (None kept) cast to `dtype`, as autocast casts a linear's operands; as they are when None."""
+    return tensors if dtype is None else tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def _float32_out_products(
+    dtype: torch.dtype, hidden: torch.Tensor, weight: torch.Tensor, module: nn.Module | None
+) -> bool:
     """Whether the chunks sum their gradients' 16-bit products in float32 (`half_weight_grad_unavailable_reason`).
 
-    Said (`ran_eager`) where a 16-bit model's gradient wants them and they cannot run."""
-    if hidden.dtype not in HALF_DTYPES or not (weight.requires_grad or hidden.requires_grad):
+    `dtype`: the chunks' (autocast's, else the model's). Said (`ran_eager`) where 16-bit products want them and they
+    cannot run."""
+    if dtype not in HALF_DTYPES or not (weight.requires_grad or hidden.requires_grad):
         return False  # float32 operands are the model's own (eager's product too), or no gradient
     return not ran_eager(module, half_weight_grad_unavailable_reason())
 
@@ -304,8 +318,11 @@ def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) ->
         )
 
 
-def _counted_loss_eager(hidden, weight, bias, targets, counted, divisor) -> torch.Tensor:
-    """The counted tokens' loss over `divisor` in eager's ops: what a recorded backward (create_graph) derives."""
+def _counted_loss_eager(hidden, weight, bias, targets, counted, divisor, autocast=None) -> torch.Tensor:
+    """The counted tokens' loss over `divisor` in eager's ops: what a recorded backward (create_graph) derives.
+
+    `autocast`: the dtype autocast cast the operands to in forward (None: none)."""
+    hidden, weight, bias = _cast((hidden, weight, bias), autocast)
     per_token = F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="none")
     return torch.where(counted, per_token, 0.0).sum() / divisor
 
@@ -383,15 +400,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The sum over counted tokens of CE(h W^T + b) over `divisor`; the gradients made in forward, chunk by chunk.
 
     dL/dW and dL/db are float32 sums of the tokens' softmax - onehot products, scaled in backward (by the incoming
-    gradient over `divisor`) and rounded once. dL/dh is kept in the model dtype already over `divisor`, each chunk's
-    product rounded once (`_chunk`), so that a backward of 1 (`loss.backward()`) or of a power of two leaves it as it
-    is; another incoming gradient (a loss divided by 3 accumulation steps) rounds it again."""
+    gradient over `divisor`) and rounded once to the parameters' dtypes. dL/dh is kept in the hidden states' dtype
+    already over `divisor`, each chunk's product rounded once (`_chunk`), so that a backward of 1 (`loss.backward()`)
+    or of a power of two leaves it as it is; another incoming gradient (a loss divided by 3 accumulation steps) rounds
+    it again. `autocast`: the dtype the chunks compute in, the operands cast to it once here (autocast's linear casts
+    them per call), their gradients made in their own dtypes (float32 weights' dL/dW never rounded to 16 bits)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, counted, divisor, chunk: int, float32_out: bool):
+    def forward(ctx, hidden, weight, bias, targets, counted, divisor, chunk: int, float32_out: bool, autocast):
         needs_grad = ctx.needs_input_grad[:3]
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias))
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad[0] else None
+        hidden, weight, bias = _cast((hidden, weight, bias), autocast)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad[1] else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_grad[2] else None
         grads = (grad_hidden, grad_weight, grad_bias)
@@ -402,7 +423,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + chunk)
             total += _chunk(hidden, weight, bias, targets, counted, rows, grads, float32_out, share)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, share, any_counted)
-        ctx.weight_dtype = weight.dtype
         return total / divisor
 
     @staticmethod
@@ -412,10 +432,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         scale = torch.where(any_counted, grad_loss.float(), 0.0)
         # new tensors (the saved ones stay for a second backward), rounded to the parameters' dtype: once for the
         # float32 sums, not again for dL/dh when the scale is 1
-        hidden_grad = None if grad_hidden is None else (grad_hidden * scale).to(ctx.weight_dtype)
+        hidden_grad = None if grad_hidden is None else grad_hidden * scale
         sum_scale = scale * share
-        sums = (None if grad is None else (grad * sum_scale).to(ctx.weight_dtype) for grad in (grad_weight, grad_bias))
-        return hidden_grad, *sums, None, None, None, None, None
+        sums = [None if grad is None else (grad * sum_scale).to(dtype) for grad, dtype in zip(
+            (grad_weight, grad_bias), ctx.dtypes[1:], strict=True)]  # fmt: skip
+        return hidden_grad, *sums, None, None, None, None, None, None
 
 
 def _chunk(
