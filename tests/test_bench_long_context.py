@@ -147,3 +147,10 @@ def test_the_section_renders_each_setup_and_its_bound():
     assert lc.LongestRow.of(row.csv_row()) == row
     text = "\n".join(long_context_section([row.csv_row(), _summary_row("Llama-3-8B", 29_696, 1_048_576)]))
     assert "| Llama-3-8B | ours | 8 | 113k |" in text and "35.3 x" in text
+
+
+def test_the_bound_is_the_part_that_grows_most_to_the_next_length():
+    """The states are the largest part, but the S x S scores appearing at the next length are what bounds it."""
+    fits = lc.Peak(100, 60, {lc.STATES: 40, "logits": 20})
+    over = lc.Peak(101, 70, {lc.STATES: 40, "logits": 21, "attention scores (S x S)": 9})
+    assert (fits.largest(), fits.bound(over), fits.bound(None)) == (lc.STATES, "attention scores (S x S)", lc.STATES)

@@ -129,7 +129,7 @@ class DeviceMemory(MemoryTracker):
 
     def _what(self, t: torch.Tensor) -> str:
         if t.dim() >= 2 and t.shape[-1] == t.shape[-2] and t.shape[-1] in self.sequences:
-            return "dense mask"
+            return "dense mask" if t.dtype == torch.bool else "attention scores (S x S)"
         return self.names.get(t.shape[-1] if t.dim() else 0, "other activations")
 
     def tag(self, t: torch.Tensor, what: str) -> None:
@@ -356,9 +356,16 @@ class Peak:
     bytes: int
     parts: dict[str, int]
 
-    def bound(self) -> str:
+    def largest(self) -> str:
         """What takes the most of the peak."""
         return max(self.parts, key=self.parts.get)
+
+    def bound(self, longer: Peak | None) -> str:
+        """What keeps a longer length from fitting: the part that grows most from this peak to `longer`'s (a longer
+        length's); none longer: the largest part."""
+        if longer is None:
+            return self.largest()
+        return max(longer.parts, key=lambda what: longer.parts[what] - self.parts.get(what, 0))
 
 
 class LongStep:
@@ -554,14 +561,15 @@ def _longest_row(step: LongStep, setup: Setup, devices: int) -> tuple[LongestRow
     found = longest(functools.partial(step.peak, setup, devices), granule)
     fits, over, name = found.fits, found.exceeds, step.model.spec.name
     shown = fits or found.counted[0]
+    bound = fits.bound(over) if fits else shown.largest()
     row = LongestRow(
-        name, setup.name, devices, fits.seq if fits else 0, fits.bytes if fits else 0, shown.bound(),
+        name, setup.name, devices, fits.seq if fits else 0, fits.bytes if fits else 0, bound,
         over.seq if over else None, over.bytes if over else None, _parts_text(shown),
     )  # fmt: skip
     curve = [
         Row(
             "counted", name, setup.name, "fwd+bwd+AdamW", 1, p.seq, kernelized=p.bytes, unit="peak bytes",
-            note=f"bound: {p.bound()}", study=CURVE_STUDY, variant=setup.name, path=str(devices), model=name,
+            note=f"largest part: {p.largest()}", study=CURVE_STUDY, variant=setup.name, path=str(devices), model=name,
             kind="training step",
         )
         for p in found.counted
