@@ -92,6 +92,7 @@ CASES = {
     "mistral, packed, window 4": Case("mistral", {"sliding_window": 4}, packed=((9, 7), (2, 6, 8))),
     "llama, 2 packed rows": Case("llama", packed=(), rows=2),
     "qwen3_moe": Case("qwen3_moe"),
+    "mixtral": Case("mixtral"),
     "llama, packed, accelerate": Case("llama", packed=(), loop="accelerate"),
     "llama, bfloat16": Case("llama", dtype=torch.bfloat16),
     "mistral, packed, window 4, checkpointing": Case(
