@@ -5,7 +5,7 @@ Restated from Ascend/op-plugin `test/test_custom_ops/` at commit 517f2e7d0f202f3
 test_npu_add_rms_norm.py (at 529b54cd45b49a56136351b717c6619bb14f33fc),
 test_npu_swi_glu.py, test_npu_swi_glu_backward.py, test_npu_apply_rotary_pos_emb.py,
 test_npu_moe_token_permute_and_unpermute.py, test_npu_moe_token_permute_and_unpermute_backward.py,
-test_npu_grouped_matmul.py, test_npu_moe_gating_topk.py,
+test_npu_grouped_matmul.py, test_npu_moe_gating_topk.py, test_npu_moe_gating_top_k_softmax_v2.py,
 test_npu_moe_gating_top_k_backward.py, test_npu_flash_attention.py (with the example test of torch_npu's
 npu_fusion_attention docstring; the cases of an external dropout_mask are forms the emulation refuses),
 test_npu_cross_entropy_loss.py and test_npu_gemma_rms_norm.py, whose value cases op-plugin skips "now" on every device:
@@ -488,6 +488,57 @@ def test_moe_gating_top_k_sigmoid_group_cases(rows, dtype, k, scale):
     assert y.dtype == dtype and idx.dtype == torch.int32 and y.shape == idx.shape == (rows, k)
     assert torch.equal(idx, want_idx)
     close(y.float(), want_y.to(dtype).float(), RTOL.get(dtype, 1e-4))
+
+
+def softmax_v2_golden(x, k, finished, renorm, output_softmax):
+    """The golden of test_npu_moe_gating_top_k_softmax_v2 (numpy): renorm 0, the float32 softmax's top k; renorm 1,
+    the float32 softmax of x's top k; stable descending order; finished rows get the id `experts`."""
+    x = x.numpy()
+    experts = x.shape[-1]
+    softmax = numpy.exp(x.astype(numpy.float32) - x.max(-1, keepdims=True).astype(numpy.float32))
+    softmax /= softmax.sum(-1, keepdims=True)
+    if renorm == 1:
+        idx = numpy.argsort(-x, -1, kind="stable")[:, :k]
+        top = numpy.take_along_axis(x, idx, -1).astype(numpy.float32)
+        y = numpy.exp(top - top.max(-1, keepdims=True))
+        y = (y / y.sum(-1, keepdims=True)).astype(x.dtype)
+    else:
+        idx = numpy.argsort(-softmax, -1, kind="stable")[:, :k]
+        y = numpy.take_along_axis(softmax, idx, -1).astype(x.dtype)
+    idx = numpy.where(finished.numpy()[:, None], experts, idx).astype(numpy.int32)
+    written = softmax if renorm == 0 and output_softmax else numpy.zeros((0,), numpy.float32)
+    return torch.from_numpy(y), torch.from_numpy(idx), torch.from_numpy(written)
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "experts", "renorm", "output_softmax", "dtype"),
+    [
+        (10, 2, 200, 0, True, torch.float16),
+        (10, 2, 200, 1, False, torch.float32),
+        (43, 9, 1256, 1, True, torch.float16),  # op-plugin: 430 rows
+        (43, 5, 1256, 0, False, torch.float32),  # op-plugin: 430 rows
+        (52, 4, 5120, 1, True, torch.float32),  # op-plugin: 520 rows
+    ],
+    ids=["fp16 renorm0 softmax", "fp32 renorm1", "fp16 renorm1", "fp32 renorm0", "fp32 renorm1 5120"],
+)
+def test_moe_gating_top_k_softmax_v2_cases(rows, k, experts, renorm, output_softmax, dtype):
+    """A sample of op-plugin's product (rows 10/430/520, k 2/4/5/9, experts 200/1256/5120, renorm 0/1, the softmax
+    output asked or not, float16/float32), with its random finished rows: y, the int32 ids and the third output."""
+    g = torch.Generator().manual_seed(rows + k)
+    x = (torch.rand(rows, experts, generator=g) * 2 - 1).to(dtype)  # op-plugin: numpy.random.uniform(-1, 1, ...)
+    finished = torch.rand(rows, generator=g) < 0.5  # op-plugin: uniform(-1, 1).astype(bool): nonzero is True
+    got = torch_npu.npu_moe_gating_top_k_softmax_v2(
+        x.to("npu"), k=k, finished=finished.to("npu"), renorm=renorm, output_softmax=output_softmax
+    )
+    (y, idx, written), (want_y, want_idx, want_written) = (
+        [t.cpu() for t in got],
+        softmax_v2_golden(x, k, finished, renorm, output_softmax),
+    )
+    assert y.dtype == dtype and idx.dtype == torch.int32 and y.shape == idx.shape == (rows, k)
+    assert torch.equal(idx, want_idx)
+    close(y.float(), want_y.float(), RTOL.get(dtype, 1e-4))
+    assert written.dtype == torch.float32 and written.shape == want_written.shape
+    close(written, want_written, 1e-4)
 
 
 @pytest.mark.parametrize("group_select_mode", [0, 1])

@@ -27,7 +27,13 @@ from npu_hub_kernels import (
     unregister_npu_kernels,
 )
 from npu_hub_kernels.testing import emulation
-from npu_hub_kernels.testing.tiny_models import TINY_CONFIGS, gating_op_routers, norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import (
+    TINY_CONFIGS,
+    gating_op_routers,
+    norm_module_count,
+    renormalised_op_routers,
+    token_ids,
+)
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 
@@ -60,7 +66,7 @@ EXPECTED = {
         rope=("RotaryPosEmb", "RotaryPosEmbDeinterleave"), moe=True, router=True, decoder="DecoderLayer"
     ),  # + shared experts
     "qwen2_moe": Expected(moe=True, router=True, decoder="DecoderLayer"),  # + shared expert (npu-swiglu)
-    "mixtral": Expected(moe=True),  # router always renormalises softmax: not fused
+    "mixtral": Expected(moe=True, router=True),  # renormalised softmax: npu_moe_gating_top_k_softmax_v2 without grad
     "olmoe": Expected(moe=True, router=True, decoder="DecoderLayer"),
     "granite": Expected(),
     "cohere": Expected(norm=None, rope=("RotaryPosEmbPairsFloat32",)),
@@ -103,7 +109,8 @@ def expected_calls(model_type: str, model, backward: bool = False, recording: bo
     permute, two grouped matmuls (four more in backward: dx and dW of each), one swiglu, one unpermute; per dense
     gated MLP one npu_swiglu, or one npu_geglu for a GELU-tanh one (GeGLUMLP); per router
     that calls the op (`gating_op_routers`: not a softmax router while autograd records) one npu_moe_gating_top_k
-    (its backward is the op's derivative, no call of its own); per fused decoder
+    (its backward is the op's derivative, no call of its own), per renormalised softmax router where autograd does not
+    record one npu_moe_gating_top_k_softmax_v2 (`renormalised_op_routers`); per fused decoder
     layer one npu_add_rms_norm in place of its post_attention_layernorm's npu_rms_norm, and one
     npu_rms_norm_backward in backward; per attention layer one npu_fusion_attention where the card is the model's
     attention. Where autograd records nothing (`recording`, by default `backward`), zero-centred norms run as
@@ -125,6 +132,7 @@ def expected_calls(model_type: str, model, backward: bool = False, recording: bo
         "npu_grouped_matmul": (6 if backward else 2) * experts,
         "npu_moe_token_unpermute": experts,
         "npu_moe_gating_top_k": gating_op_routers(model, training=backward) if expected.router else 0,
+        "npu_moe_gating_top_k_softmax_v2": renormalised_op_routers(model, training=backward) if expected.router else 0,
         "npu_fusion_attention": attention_calls(model),
     }
     return {op: n for op, n in calls.items() if n}

@@ -25,6 +25,7 @@ from npu_hub_kernels.testing import emulation
 
 RULES = MODEL_CLASSES["npu_fused_moe_router"]
 OP = "npu_moe_gating_top_k"
+RENORMALISED_OP = "npu_moe_gating_top_k_softmax_v2"
 
 
 def bare_router(rule: ClassRule, *, experts: int, hidden: int, top_k: int, renormalize: bool, seed: int = 0):
@@ -80,9 +81,15 @@ FUSING = {
     "RenormalisedFloat32SoftmaxTopKRouter": True,
     "SigmoidGroupTopKRouter": True,
 }
-"""The norm_topk_prob under which each layer's class is what it fuses (the op, or for the renormalised softmax
-layers the top-k logits' softmax)."""
+"""The norm_topk_prob under which each layer's class is what it fuses (an op, or for the renormalised softmax
+layers where no op can, the top-k logits' softmax)."""
 TOP_LOGITS_LAYERS = ("RenormalisedSoftmaxTopKRouter", "RenormalisedFloat32SoftmaxTopKRouter")
+
+
+def runs_the_renormalised_op(layer: str, dtype: torch.dtype) -> bool:
+    """Whether a layer runs npu_moe_gating_top_k_softmax_v2 without grad: its weights are in the logits' dtype
+    (always, or float32 weights from float32 logits)."""
+    return layer == "RenormalisedSoftmaxTopKRouter" or (layer in TOP_LOGITS_LAYERS and dtype == torch.float32)
 
 
 def aten_ops(fn) -> list[tuple[str, tuple[int, ...]]]:
@@ -113,16 +120,23 @@ def assert_top_logits_form(ops: list[tuple[str, tuple[int, ...]]], tokens: int, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rule", proof.proven_rules(RULES), ids=lambda rule: rule.path.rpartition(".")[2])
 def test_swapped_router_gives_its_class_result_fused(npu_kernels, rule, dtype):
-    """One op (softmax without renormalisation, sigmoid), or the two-op softmax of the top-k logits."""
+    """One op (softmax without renormalisation, sigmoid; renormalised softmax with weights in the logits' dtype), or
+    the two-op softmax of the top-k logits (bf16 logits with float32 weights; any renormalised softmax with grad)."""
     with proof.checking(rule.path):
         holder, expected, got, calls = run_both(rule, dtype, FUSING[rule.layer])
         assert [s.layer for s in swapped_modules(holder)] == [rule.layer]
+        renormalised_op = runs_the_renormalised_op(rule.layer, dtype)
         assert calls[OP] == (0 if rule.layer in TOP_LOGITS_LAYERS else 1)
+        assert calls[RENORMALISED_OP] == int(renormalised_op)
         assert_same_routing(expected, got)
         if rule.layer in TOP_LOGITS_LAYERS:
             x = torch.randn(24, 16).to(dtype).to("npu")
-            with torch.no_grad():
-                assert_top_logits_form(aten_ops(lambda: holder[0](x)), tokens=24, experts=32, top_k=4)
+            if not renormalised_op:
+                with torch.no_grad():
+                    assert_top_logits_form(aten_ops(lambda: holder[0](x)), tokens=24, experts=32, top_k=4)
+            with emulation.count_op_calls() as recorded:  # autograd records: the op has no backward
+                assert_top_logits_form(aten_ops(lambda: holder[0](x.requires_grad_())), tokens=24, experts=32, top_k=4)
+            assert recorded[RENORMALISED_OP] == 0
 
 
 @pytest.mark.model_tables
@@ -199,7 +213,7 @@ def test_gradients_through_the_fused_router(npu_kernels, layer):
         (in_id_order(weights, ids)[0] * SCALE.to(leaf.device)).sum().backward()
 
     router, x, grads, calls = trained_both(layer, 256, differentiate)
-    assert calls[OP] == (0 if layer in TOP_LOGITS_LAYERS else 1)
+    assert calls[OP] == (0 if layer in TOP_LOGITS_LAYERS else 1) and calls[RENORMALISED_OP] == 0
     if layer not in TOP_LOGITS_LAYERS:
         for got, want in zip(grads["npu"], grads["eager"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -248,6 +262,31 @@ def test_tied_probabilities_pick_the_larger_logit_with_eager_weights(card):
     assert torch.equal(weights.cpu(), eager_weights)
 
 
+def test_renormalised_softmax_runs_the_op_only_where_it_gives_what_the_class_returns(card):
+    """npu_moe_gating_top_k_softmax_v2 (renorm 1): one call without grad, eager's ids and weights; not while autograd
+    records (the op has no backward) nor for float32 weights of bf16 logits (it writes the logits' dtype), where the
+    top-k logits' softmax runs and the reason says why."""
+    logits = torch.randn(16, 32, generator=torch.Generator().manual_seed(6))
+    settings = {"scoring": "softmax", "renormalize": True}
+    for dtype, cast in ((torch.float32, True), (torch.bfloat16, True), (torch.float32, False)):
+        on_device = logits.to(dtype).to("npu")
+        assert card.moe_router_top_k_unavailable_reason(on_device, 4, **settings, cast_weights=cast) is None
+        with emulation.count_op_calls() as calls:
+            weights, ids = card.moe_router_top_k(on_device, 4, **settings, cast_weights=cast)
+        assert calls[RENORMALISED_OP] == 1 and ids.dtype == torch.int64
+        want = card.moe_router_top_k_eager(logits.to(dtype), 4, **settings, cast_weights=cast)
+        assert_same_routing((logits.to(dtype), *want), (logits.to(dtype), weights.cpu(), ids.cpu()))
+    refusals = {
+        "has no backward": (logits.to("npu").requires_grad_(), True),
+        "writes them in the logits' dtype": (logits.bfloat16().to("npu"), False),
+    }
+    for reason, (on_device, cast) in refusals.items():
+        assert reason in card.moe_router_top_k_unavailable_reason(on_device, 4, **settings, cast_weights=cast)
+        with emulation.count_op_calls() as calls:
+            card.moe_router_top_k(on_device, 4, **settings, cast_weights=cast)
+        assert calls[RENORMALISED_OP] == 0
+
+
 def test_renormalised_softmax_weights_within_the_idiom_of_a_float64_reference(card):
     """The top-k logits' softmax is no farther from float64 than eager's renormalised top-k (bf16 and fp32)."""
     for dtype in (torch.float32, torch.bfloat16):
@@ -280,7 +319,7 @@ def test_bfloat16_softmax_weights_within_the_idiom_of_a_float64_reference(card):
     ("change", "reason"),
     [
         ({"device": "cpu"}, "not on an npu device"),
-        ({"renormalize": True}, "softmax mode does not renormalise"),
+        ({"renormalize": True, "top_k": 40}, "outside [1, min(experts, 1024)]"),
         ({"experts": 2, "top_k": 1}, "more than 2 per group (one group too)"),
         ({"scoring": "sigmoid", "renormalize": False}, "sigmoid mode always renormalises"),
         ({"experts": 2050}, "at most 2048"),
@@ -290,7 +329,7 @@ def test_bfloat16_softmax_weights_within_the_idiom_of_a_float64_reference(card):
     ],
     ids=[
         "host",
-        "softmax renormalised",
+        "softmax renormalised, k above",
         "two experts",
         "sigmoid plain",
         "2050 experts",
@@ -307,8 +346,8 @@ def test_fallback_reasons_and_the_eager_result(card, change, reason):
     kwargs = {k: settings[k] for k in ("scoring", "renormalize")} | {"num_groups": settings.get("num_groups", 1)}
     on_device = logits.to(settings["device"])
     assert reason in card.moe_router_top_k_unavailable_reason(on_device, settings["top_k"], **kwargs)
-    if settings["top_k"] > settings["experts"] or change == {"renormalize": True}:
-        return  # renormalised softmax: the top-k logits' softmax runs (its own tests above)
+    if settings["top_k"] > settings["experts"]:
+        return  # no routing of more experts than there are
     with emulation.count_op_calls() as calls:
         got = card.moe_router_top_k(on_device, settings["top_k"], **kwargs)
     want = card.moe_router_top_k_eager(logits, settings["top_k"], **kwargs)

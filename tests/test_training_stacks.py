@@ -30,7 +30,13 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from npu_hub_kernels import kept_forwards, swapped_modules
 from npu_hub_kernels.testing import emulation
-from npu_hub_kernels.testing.tiny_models import VOCAB, gating_op_routers, norm_module_count, token_ids
+from npu_hub_kernels.testing.tiny_models import (
+    VOCAB,
+    gating_op_routers,
+    norm_module_count,
+    renormalised_op_routers,
+    token_ids,
+)
 from npu_hub_kernels.testing.tiny_models import tiny_causal_lm as tiny_model
 
 
@@ -418,6 +424,7 @@ def forward_calls(model, *, backward: bool = False, mlps: bool = True) -> dict[s
         "npu_grouped_matmul": (6 if backward else 2) * experts,
         "npu_moe_token_unpermute": experts,
         "npu_moe_gating_top_k": gating_op_routers(model, training=backward),
+        "npu_moe_gating_top_k_softmax_v2": renormalised_op_routers(model, training=backward),
         "npu_fusion_attention": layer_count(model) * (model.config._attn_implementation == NAME),
     }
     return {op: n for op, n in calls.items() if n}

@@ -1,22 +1,25 @@
-"""MoE routing (scores, top-k experts, weights) in one `torch_npu.npu_moe_gating_top_k` call.
+"""MoE routing (scores, top-k experts, weights) in one torch_npu gating op call.
 
 transformers' routers compute, from the router logits `[T, E]`, the k experts of each token and their
-weights in about ten small ops. npu_moe_gating_top_k does the same in one op for two styles:
-- softmax: `probs = softmax(logits in float32)`, top-k of probs, weights cast to the logits' dtype,
-  NOT renormalised (the op's softmax mode never divides by the top-k sum: docs/torch-npu-ops.md). Its backward
-  takes the sigmoid mode only (`npu_moe_gating_top_k_backward`: norm_type 1), so the op runs a softmax router only
-  where autograd does not record (inference, evaluation);
-- sigmoid: `scores = sigmoid(logits)`, experts chosen on `scores + bias` within the `topk_groups` best
-  of `num_groups` groups (scored by the sum of their two best), weights `scores[idx] / (sum + eps)`
+weights in about ten small ops. Two torch_npu ops do the same in one call for three styles:
+- softmax (`npu_moe_gating_top_k`): `probs = softmax(logits in float32)`, top-k of probs, weights cast to the
+  logits' dtype, NOT renormalised (the op's softmax mode never divides by the top-k sum: docs/torch-npu-ops.md). Its
+  backward takes the sigmoid mode only (`npu_moe_gating_top_k_backward`: norm_type 1), so the op runs a softmax
+  router only where autograd does not record (inference, evaluation);
+- renormalised softmax (`npu_moe_gating_top_k_softmax_v2`, renorm 1): softmax is monotone, so the top-k of the
+  probabilities is the top-k of the logits, and the probabilities renormalised over the k are the softmax of the k
+  logits: the op takes the top k of the logits, then their float32 softmax, cast to the logits' dtype. It has no
+  backward (an inference op, its docstring says), so it runs where autograd does not record and the weights are
+  wanted in the logits' dtype (Qwen3-MoE's routers, not Mixtral's float32 weights). Elsewhere `top_logits_softmax`
+  computes the same in two ops (topk, softmax) where eager runs five, with autograd's own backward. Where eager's
+  float32 probabilities of two experts tie while their logits differ (logits a few float32 ulps apart), both pick the
+  expert of the larger logit, eager whichever torch.topk returns; the weights are the same;
+- sigmoid (`npu_moe_gating_top_k`): `scores = sigmoid(logits)`, experts chosen on `scores + bias` within the
+  `topk_groups` best of `num_groups` groups (scored by the sum of their two best), weights `scores[idx] / (sum + eps)`
   times `routed_scaling_factor` (the op's sigmoid mode always renormalises), with its backward (which has no
   derivative: a backward autograd records differentiates the eager weights of the op's experts instead).
-The op gives int32 ids; transformers' experts index with int64 (`one_hot`), so the ids are widened.
-A renormalised softmax router (Qwen3-MoE, Mixtral) needs no op: softmax is monotone, so the top-k of the
-probabilities is the top-k of the logits, and the probabilities renormalised over the k are the softmax of the k
-logits: `top_logits_softmax`, two ops (topk, softmax) where eager runs five, with autograd's own backward. Where
-eager's float32 probabilities of two experts tie while their logits differ (logits a few float32 ulps apart), it
-picks the expert of the larger logit, eager whichever torch.topk returns; the weights are the same.
-Anything else, or inputs outside the op's limits, runs `moe_router_top_k_eager`: transformers' math.
+Both ops give int32 ids; transformers' experts index with int64 (`one_hot`), so the ids are widened.
+Anything else, or inputs outside the ops' limits, runs `moe_router_top_k_eager`: transformers' math.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from ._fallbacks import ran_eager
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 MAX_EXPERTS = 2048
+MAX_TOP_K_RENORMALISED = 1024
+"""npu_moe_gating_top_k_softmax_v2's largest k (its docstring: k <= 1024)."""
 SCORINGS = ("softmax", "sigmoid")
 
 
@@ -44,15 +49,18 @@ def moe_router_top_k_unavailable_reason(
     bias: torch.Tensor | None = None,
     num_groups: int = 1,
     topk_groups: int = 1,
+    eps: float = 0.0,
+    routed_scaling_factor: float = 1.0,
+    cast_weights: bool = True,
 ) -> str | None:
-    """Why npu_moe_gating_top_k will not compute this routing, or None when it will."""
+    """Why no torch_npu gating op will compute this routing, or None when one will (the module's docstring)."""
     if scoring not in SCORINGS:
         return f"scoring {scoring!r} is not one of {SCORINGS}"
     if scoring == "softmax" and renormalize:
-        return (
-            "renormalised softmax weights: npu_moe_gating_top_k's softmax mode does not renormalise "
-            "(top_logits_softmax runs: the softmax of the top-k logits)"
-        )
+        return _renormalised_softmax_unavailable_reason(
+            router_logits, top_k, bias=bias, num_groups=num_groups, eps=eps,
+            routed_scaling_factor=routed_scaling_factor, cast_weights=cast_weights,
+        )  # fmt: skip
     if scoring == "softmax" and torch.is_grad_enabled() and router_logits.requires_grad:
         return (
             "softmax routing while autograd records: npu_moe_gating_top_k_backward takes the sigmoid mode only "
@@ -83,6 +91,35 @@ def moe_router_top_k_unavailable_reason(
     return None
 
 
+def _renormalised_softmax_unavailable_reason(
+    router_logits: torch.Tensor, top_k: int, *, bias: torch.Tensor | None, num_groups: int, eps: float,
+    routed_scaling_factor: float, cast_weights: bool,
+) -> str | None:  # fmt: skip
+    """Why npu_moe_gating_top_k_softmax_v2 (renorm 1) will not compute this renormalised softmax routing, or None."""
+    if bias is not None or num_groups != 1 or eps or routed_scaling_factor != 1.0:
+        return "renormalised softmax with a correction bias, groups, an eps or a scaling factor: no op computes it"
+    if torch.is_grad_enabled() and router_logits.requires_grad:
+        return (
+            "renormalised softmax routing while autograd records: npu_moe_gating_top_k_softmax_v2 has no backward "
+            "(top_logits_softmax runs: the softmax of the top-k logits)"
+        )
+    if not cast_weights and router_logits.dtype is not torch.float32:
+        return (
+            f"float32 weights from {router_logits.dtype} logits: npu_moe_gating_top_k_softmax_v2 writes them in the "
+            "logits' dtype (top_logits_softmax runs: the softmax of the top-k logits)"
+        )
+    reason = npu_unavailable_reason(router_logits)
+    if reason is not None:
+        return reason
+    if router_logits.dtype not in FUSED_DTYPES:
+        return f"dtype {router_logits.dtype} is not supported (float16, bfloat16, float32)"
+    if router_logits.dim() != 2 or router_logits.shape[0] == 0:
+        return f"router logits of shape {tuple(router_logits.shape)}: [tokens > 0, experts] needed"
+    if not 1 <= top_k <= min(router_logits.shape[1], MAX_TOP_K_RENORMALISED):
+        return f"top-k {top_k} outside [1, min(experts, {MAX_TOP_K_RENORMALISED})]"
+    return None
+
+
 def moe_router_top_k(
     router_logits: torch.Tensor,
     top_k: int,
@@ -99,23 +136,28 @@ def moe_router_top_k(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k], int64 expert ids [T, k]) of transformers' router math, fused on the NPU when it can be.
 
-    It runs one npu_moe_gating_top_k, `top_logits_softmax` (renormalised softmax), or eager, as
-    `moe_router_top_k_unavailable_reason` decides, recorded for `module` (the router, when its layer calls it).
-    Weights in the logits' dtype, or float32 with `cast_weights=False` (Mixtral's routers return the float32
-    softmax).
+    It runs one npu_moe_gating_top_k, one npu_moe_gating_top_k_softmax_v2 or `top_logits_softmax` (renormalised
+    softmax), or eager, as `moe_router_top_k_unavailable_reason` decides, recorded for `module` (the router, when its
+    layer calls it). Weights in the logits' dtype, or float32 with `cast_weights=False` (Mixtral's routers return the
+    float32 softmax).
     """
     groups = {"num_groups": num_groups, "topk_groups": topk_groups}
     reason = moe_router_top_k_unavailable_reason(
-        router_logits, top_k, scoring=scoring, renormalize=renormalize, bias=bias, **groups
-    )
+        router_logits, top_k, scoring=scoring, renormalize=renormalize, bias=bias, eps=eps,
+        routed_scaling_factor=routed_scaling_factor, cast_weights=cast_weights, **groups,
+    )  # fmt: skip
     if ran_eager(module, reason):
-        if scoring == "softmax" and renormalize and bias is None and num_groups == 1 and routed_scaling_factor == 1.0:
+        plain_groups = bias is None and num_groups == 1 and not eps and routed_scaling_factor == 1.0
+        if scoring == "softmax" and renormalize and plain_groups:
             weights, ids = top_logits_softmax(router_logits, top_k)
             return (weights.to(router_logits.dtype) if cast_weights else weights), ids
         return moe_router_top_k_eager(
             router_logits, top_k, scoring=scoring, renormalize=renormalize, eps=eps, bias=bias,
             routed_scaling_factor=routed_scaling_factor, cast_weights=cast_weights, **groups,
         )  # fmt: skip
+    if scoring == "softmax" and renormalize:
+        weights, ids, _ = torch_npu.npu_moe_gating_top_k_softmax_v2(router_logits, k=top_k, renorm=1)
+        return weights, ids.long()
     weights, ids, _ = torch_npu.npu_moe_gating_top_k(
         router_logits,
         top_k,

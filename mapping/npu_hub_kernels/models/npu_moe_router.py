@@ -55,10 +55,11 @@ SWAPPED: dict[str, tuple[str, ...]] = {
     "RenormalisedFloat32SoftmaxTopKRouter": _RENORMALISED_FLOAT32,
     "SigmoidGroupTopKRouter": _SIGMOID_GROUPS,
 }
-"""Layer -> the router classes it replaces. Per call, the fused op runs only where it is exact and the device has
+"""Layer -> the router classes it replaces. Per call, a fused op runs only where it is exact and the device has
 its backward: softmax routers with norm_topk_prob False where autograd does not record, sigmoid routers with
-norm_topk_prob True; renormalised softmax routers run the softmax of their top-k logits (two ops); the others keep
-the class's math."""
+norm_topk_prob True; renormalised softmax routers run npu_moe_gating_top_k_softmax_v2 where autograd does not record
+(and the weights are in the logits' dtype), else the softmax of their top-k logits (two ops); the others keep the
+class's math."""
 
 _SOFTMAX_OF_TOP_LOGITS = "top-k on the logits, softmax over the k chosen: the op's softmax is over all experts"
 _NO_RENORM_SIGMOID = (

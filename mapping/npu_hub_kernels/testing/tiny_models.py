@@ -140,8 +140,8 @@ def gating_op_routers(model: torch.nn.Module, *, training: bool) -> int:
     """Router modules of a kernelized model that call npu_moe_gating_top_k in one forward.
 
     Those are sigmoid routers that renormalise, and, where autograd does not record (`training` False), softmax
-    routers that do not (the op's backward takes the sigmoid mode only; renormalised softmax routers run the softmax
-    of their top-k logits).
+    routers that do not (the op's backward takes the sigmoid mode only; renormalised softmax routers run
+    npu_moe_gating_top_k_softmax_v2 or the softmax of their top-k logits: `renormalised_op_routers`).
     """
     from npu_hub_kernels.report import swapped_modules
 
@@ -153,4 +153,27 @@ def gating_op_routers(model: torch.nn.Module, *, training: bool) -> int:
             count += bool(renormalise)
         elif swap.layer == "SoftmaxTopKRouter":
             count += not renormalise and not training
+    return count
+
+
+def renormalised_op_routers(model: torch.nn.Module, *, training: bool) -> int:
+    """Router modules of a kernelized model that call npu_moe_gating_top_k_softmax_v2 in one forward.
+
+    Those are renormalised softmax routers whose weights are in the logits' dtype (or float32 logits), where autograd
+    does not record (`training` False): the op has no backward.
+    """
+    from npu_hub_kernels.report import swapped_modules
+
+    if training:
+        return 0
+    modules = dict(model.named_modules())
+    count = 0
+    for swap in swapped_modules(model, card="npu-moe-router"):
+        router = modules[swap.module]
+        if swap.layer == "SoftmaxTopKRouter":
+            count += bool(getattr(router, "norm_topk_prob", None))
+        elif swap.layer == "RenormalisedSoftmaxTopKRouter":
+            count += 1
+        elif swap.layer == "RenormalisedFloat32SoftmaxTopKRouter":
+            count += router.weight.dtype == torch.float32  # float32 weights of float32 logits only
     return count

@@ -9,10 +9,21 @@ needs keeping), the sum of that and the logits' own gradient (the router returns
 loss, which gets a gradient too), and the matmul's dx and dW. Kept for backward: the logits and the ids (the
 routing's backward reads them); x and W are the region's input and parameter.
 
-What the card runs beyond it: npu_moe_gating_top_k writes int32 ids, so the card widens them (one more op, forward),
-and with autograd recording it writes its float32 scores `norm_out` [T, E], which its backward reads
-(docs/torch-npu-ops.md, "npu_moe_gating_top_k"). Routers whose logits are float32 from bf16 inputs
-(DeepSeek-V3) run two casts before the matmul, in eager and kernelized alike.
+What the card runs beyond it, and why no documented op reaches the floor:
+- ids: both gating ops write int32 ids (npu_moe_gating_top_k, npu_moe_gating_top_k_softmax_v2: expert_idx "INT32"
+  only, docs/torch-npu-ops.md), and transformers' experts index with int64, so the card widens them: one op more
+  forward than the floor, whatever the router (3 against 2 where an op routes in inference);
+- softmax routers with autograd recording: npu_moe_gating_top_k_backward takes the sigmoid mode only (norm_type 1)
+  and npu_moe_gating_top_k_softmax_v2 has no backward, so no op routes them in training: Qwen2-MoE style routers
+  (not renormalised) run transformers' softmax and top-k, renormalised ones (Qwen3-MoE, Mixtral) the softmax of
+  their top-k logits (`top_logits_softmax`), each with autograd's backward;
+- in inference, renormalised softmax routers run npu_moe_gating_top_k_softmax_v2 (renorm 1) where the weights are
+  wanted in the logits' dtype; Mixtral's float32 weights of bf16 logits run the top-k logits' softmax (the op writes
+  the logits' dtype);
+- with autograd recording, the sigmoid op writes its float32 scores `norm_out` [T, E], which its backward reads
+  (docs/torch-npu-ops.md, "npu_moe_gating_top_k").
+Routers whose logits are float32 from bf16 inputs (DeepSeek-V3) run two casts before the matmul, in eager and
+kernelized alike.
 """
 
 from __future__ import annotations
@@ -70,9 +81,18 @@ def _gating_outputs(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torc
     )
 
 
+def _softmax_v2_outputs(a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, k = a["x"], a["k"]
+    picked = (*x.shape[:-1], k)
+    softmax_shape = x.shape if a["renorm"] == 0 and a["output_softmax"] else (0,)  # written only then
+    return empty_of(x, picked), empty_of(x, picked, torch.int32), empty_of(x, softmax_shape, torch.float32)
+
+
 FUSED_OPS = {
     "npu_moe_gating_top_k": FusedOp(_gating_outputs, ("x",), lambda a, out: [out[2], out[1]]),
     "npu_moe_gating_top_k_backward": FusedOp(lambda a: empty_of(a["x_norm"], dtype=a["grad_y"].dtype)),
+    # No backward (an inference op): the card calls it only where autograd records nothing.
+    "npu_moe_gating_top_k_softmax_v2": FusedOp(_softmax_v2_outputs),
 }
 
 # Host cost only, on a Qwen3-MoE layer: the per-call overhead and fallback rows time the dense Llama layer's cards.

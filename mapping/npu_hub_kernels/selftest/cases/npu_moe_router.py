@@ -1,4 +1,4 @@
-"""Ledger cases of npu_moe_gating_top_k and its backward, and the router card's limits."""
+"""Ledger cases of npu_moe_gating_top_k, its backward and npu_moe_gating_top_k_softmax_v2, and the card's limits."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ from . import made_at_first_use, npu, npu_int, torch_npu
 
 gating = torch_npu.npu_moe_gating_top_k
 backward = torch_npu.npu_moe_gating_top_k_backward
+softmax_v2 = torch_npu.npu_moe_gating_top_k_softmax_v2
 
 
 def _gate(experts: int = 8, k: int = 2, dtype=torch.float32, rows: int = 4, **kwargs):
     return lambda: gating(npu(rows, experts, dtype=dtype), k, **kwargs)
+
+
+def _v2(shape: tuple[int, ...] = (4, 8), k: int = 2, dtype=torch.float32, **kwargs):
+    return lambda: softmax_v2(npu(*shape, dtype=dtype), k=k, **kwargs)
 
 
 def _sigmoid_backward(norm_type: int = 1, renorm: int = 0, experts: int = 8, k: int = 2, **change):
@@ -83,6 +88,15 @@ def _cases() -> dict:
         "npu_moe_gating_top_k_backward/expert-idx": (
             _sigmoid_backward(), _sigmoid_backward(expert_idx=npu_int(8, 4, 2)),
         ),
+        "npu_moe_gating_top_k_softmax_v2/x-rank": (_v2((2, 4, 8), renorm=1), _v2((2, 2, 4, 8))),
+        "npu_moe_gating_top_k_softmax_v2/x-dtype": (_v2(dtype=torch.bfloat16), _v2(dtype=torch.float64)),
+        "npu_moe_gating_top_k_softmax_v2/k-range": (
+            _v2((2, 1024), k=1024, renorm=1), _v2((2, 1100), k=1025, renorm=1),
+        ),
+        "npu_moe_gating_top_k_softmax_v2/renorm": (_v2(renorm=1), _v2(renorm=2)),
+        "npu_moe_gating_top_k_softmax_v2/finished": (
+            _v2(finished=npu(4).gt(0)), _v2(finished=npu(4, 1).gt(0)),
+        ),
     }  # fmt: skip
 
 
@@ -110,6 +124,7 @@ def _route(experts: int, top_k: int, *, scoring: str, renormalize: bool, grad: b
 
 SOFTMAX = {"scoring": "softmax", "renormalize": False}
 SIGMOID = {"scoring": "sigmoid", "renormalize": True}
+RENORMALISED = {"scoring": "softmax", "renormalize": True}
 LIMITS = {
     "softmax, 3 experts (more than 2 per group: at the limit)": _route(3, 1, **SOFTMAX),
     "softmax, 2 experts (past it)": _route(2, 1, **SOFTMAX),
@@ -117,7 +132,10 @@ LIMITS = {
     "softmax, 2049 experts": _route(2049, 4, **SOFTMAX),
     "softmax without grad (the op)": _route(16, 4, **SOFTMAX),
     "softmax with grad (its backward takes sigmoid only)": _route(16, 4, **SOFTMAX, grad=True),
-    "renormalised softmax with grad": _route(16, 4, scoring="softmax", renormalize=True, grad=True),
+    "renormalised softmax without grad (npu_moe_gating_top_k_softmax_v2)": _route(16, 4, **RENORMALISED),
+    "renormalised softmax, top-k 1024 (at the limit)": _route(1100, 1024, **RENORMALISED),
+    "renormalised softmax, top-k 1025 (past it)": _route(1100, 1025, **RENORMALISED),
+    "renormalised softmax with grad": _route(16, 4, **RENORMALISED, grad=True),
     "sigmoid with grad": _route(16, 4, **SIGMOID, grad=True),
     "sigmoid, 4 groups of 3 (at the limit)": _route(12, 2, **SIGMOID, num_groups=4, topk_groups=2),
     "sigmoid, 4 groups of 2 (past it)": _route(8, 2, **SIGMOID, num_groups=4, topk_groups=2),

@@ -1,6 +1,7 @@
-"""Emulated `torch_npu.npu_moe_gating_top_k` and its backward, as docs/torch-npu-ops.md states them.
+"""Emulated `torch_npu.npu_moe_gating_top_k` and its backward, and `npu_moe_gating_top_k_softmax_v2`.
 
-The contract is in docs/torch-npu-ops.md, section "npu_moe_gating_top_k"; the limits of both are in `LEDGER`.
+The contracts are in docs/torch-npu-ops.md, sections "npu_moe_gating_top_k" and "npu_moe_gating_top_k_softmax_v2";
+the limits of all three are in `LEDGER`.
 
 Per row, in float32: `norm = softmax(x)` or `sigmoid(x)`; experts are chosen on `norm + bias`, after
 masking to -inf all but the `k_group` best of `group_count` groups (scored by their maximum or the sum
@@ -10,17 +11,23 @@ norm_out is written only with `out_flag=True` (NaN here otherwise: unwritten on 
 backward is the op's `npu_moe_gating_top_k_backward` from the norm_out and expert_idx it keeps, with what
 derivatives.yaml passes it (the forward's renorm and norm_type): it takes the sigmoid mode only, so a softmax
 forward that autograd recorded raises at backward, as on the device.
+
+npu_moe_gating_top_k_softmax_v2, per row of the last dim: with renorm 0, `softmax(x)` in float32, then its top k;
+with renorm 1, the top k of x, then their softmax in float32. Ties go to the lower index (op-plugin's golden: a stable
+argsort); y is cast once to x's dtype, the ids are int32, and rows that `finished` marks get the id `experts`. The
+float32 softmax is the third output only with renorm 0 and output_softmax (an empty [0] tensor otherwise, as the
+adapter allocates it). It has no derivative: torch_npu's generic autograd fallback.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backward import device_backward
+from ..backward import device_backward, without_derivative
 from ..checks import FLOAT_DTYPES, require_npu
-from ..ledger import derivatives, enforce, op_doc, rules
+from ..ledger import OP_PLUGIN, derivatives, enforce, op_doc, rules
 
-__all__ = ["npu_moe_gating_top_k", "npu_moe_gating_top_k_backward"]
+__all__ = ["npu_moe_gating_top_k", "npu_moe_gating_top_k_backward", "npu_moe_gating_top_k_softmax_v2"]
 
 MAX_EXPERTS = 2048
 SOFTMAX, SIGMOID = 0, 1
@@ -77,8 +84,22 @@ BACKWARD_RULES = rules(
      lambda c: c.expert_idx.dtype == torch.int32 and c.expert_idx.shape == c.grad_y.shape
      and c.expert_idx.is_contiguous()),
 )  # fmt: skip
-LEDGER = FORWARD_RULES + BACKWARD_RULES
-"""The documented limits of the gating op and its backward (ledger.py). Hash routing (input_ids, tid2eid) is
+SOFTMAX_V2_MAX_K = 1024
+_SOFTMAX_V2_ADAPTER = f"{OP_PLUGIN}:op_plugin/ops/opapi/MoeGatingTopKSoftmaxV2KernelNpuOpApi.cpp"
+SOFTMAX_V2_RULES = rules(
+    "npu_moe_gating_top_k_softmax_v2",
+    ("x-rank", "x is 2-D or 3-D, experts last", op_doc(10766), lambda c: c.x.dim() in (2, 3)),
+    ("x-dtype", "x is float16, bfloat16 or float32", op_doc(10766), lambda c: c.x.dtype in FLOAT_DTYPES),
+    ("k-range", f"1 <= k <= experts (x's last dim) and k <= {SOFTMAX_V2_MAX_K}", op_doc(10768),
+     lambda c: 1 <= c.k <= min(_experts(c), SOFTMAX_V2_MAX_K),
+     "the adapter (line 43) takes k = 0 and returns without running the kernel; the docstring's 0 < k holds"),
+    ("renorm", "renorm is 0 (softmax, then top-k) or 1 (top-k, then softmax)", f"{_SOFTMAX_V2_ADAPTER}:52",
+     lambda c: c.renorm in (0, 1)),
+    ("finished", "finished is None or bool, of x's shape but its last dim", op_doc(10767),
+     lambda c: c.finished is None or (c.finished.dtype == torch.bool and c.finished.shape == c.x.shape[:-1])),
+)  # fmt: skip
+LEDGER = FORWARD_RULES + BACKWARD_RULES + SOFTMAX_V2_RULES
+"""The documented limits of the gating ops and the backward (ledger.py). Hash routing (input_ids, tid2eid) is
 documented but not emulated: it raises NotImplementedError."""
 
 
@@ -121,6 +142,35 @@ def npu_moe_gating_top_k_backward(
 ) -> torch.Tensor:
     require_npu("npu_moe_gating_top_k_backward", x_norm=x_norm, grad_y=grad_y, expert_idx=expert_idx)
     return _gating_backward(x_norm, grad_y, expert_idx, renorm, norm_type, routed_scaling_factor, eps)
+
+
+def npu_moe_gating_top_k_softmax_v2(
+    x: torch.Tensor,
+    *,
+    k: int = 1,
+    finished: torch.Tensor | None = None,
+    renorm: int = 0,
+    output_softmax: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    require_npu("npu_moe_gating_top_k_softmax_v2", x=x, **({} if finished is None else {"finished": finished}))
+    enforce(SOFTMAX_V2_RULES, x=x, k=k, finished=finished, renorm=renorm)
+    experts = x.shape[-1]
+    with torch.no_grad():
+        rows = x.reshape(-1, experts)
+        if renorm == 1:
+            idx = _stable_top(rows, k)
+            y = torch.softmax(rows.gather(1, idx).float(), dim=-1)
+        else:
+            probs = torch.softmax(rows.float(), dim=-1)
+            idx = _stable_top(probs, k)
+            y = probs.gather(1, idx)
+        if finished is not None:
+            idx = idx.masked_fill(finished.reshape(-1, 1), experts)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], k)
+        expert_idx = idx.to(torch.int32).reshape(*x.shape[:-1], k)
+        written = renorm == 0 and output_softmax
+        softmax = probs.reshape(x.shape) if written else x.new_empty((0,), dtype=torch.float32)
+    return tuple(without_derivative("npu_moe_gating_top_k_softmax_v2", t, x) for t in (y, expert_idx, softmax))
 
 
 class _GatingTopK(torch.autograd.Function):
