@@ -145,8 +145,14 @@ def test_the_targets_read_the_longest_rows():
 def test_the_section_renders_each_setup_and_its_bound():
     row = lc.LongestRow("Llama-3-8B", lc.OURS.name, 8, 112_640, 6.3e10, lc.CHECKPOINTS, 114_688, 6.41e10, "x 1 GB")
     assert lc.LongestRow.of(row.csv_row()) == row
-    text = "\n".join(long_context_section([row.csv_row(), _summary_row("Llama-3-8B", 29_696, 1_048_576)]))
+    curve = [
+        Row("counted", "Llama-3-8B", lc.OURS.name, "x", 1, seq, kernelized=4e10 + 2e5 * seq, unit="peak bytes",
+            study=lc.CURVE_STUDY, variant=lc.OURS.name, path="8", model="Llama-3-8B")
+        for seq in lc.FIT_LENGTHS
+    ]  # fmt: skip
+    text = "\n".join(long_context_section([row.csv_row(), *curve, _summary_row("Llama-3-8B", 29_696, 1_048_576)]))
     assert "| Llama-3-8B | ours | 8 | 113k |" in text and "35.3 x" in text
+    assert text.split("\n")[-1].endswith("| 120k |")  # memory alone: (64e9 - 4e10) / 2e5 tokens
 
 
 def test_the_bound_is_the_part_that_grows_most_to_the_next_length():

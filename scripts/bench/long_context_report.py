@@ -5,11 +5,15 @@ from __future__ import annotations
 from .long_context import (
     CURVE_STUDY,
     DEVICE_BYTES,
+    FIT_LENGTHS,
+    GRANULE,
     SETUP_STUDY,
     SETUPS,
+    SP_SETUPS,
     SP_STEP_SEQ,
     SP_STEP_STUDY,
     LongestRow,
+    fit_length,
 )
 from .markdown import human_bytes, table
 from .rows import LONGEST_STUDY, Row
@@ -52,17 +56,36 @@ def long_context_section(rows: list[Row]) -> list[str]:
     lines += table(header, body)
     body = [
         [r.model, r.setup, str(r.devices), _tokens(r.seq), human_bytes(r.peak) if r.seq else "-", r.bound, r.parts,
-         f"{_tokens(r.exceeds_seq)}: {human_bytes(r.exceeds_peak)}" if r.exceeds_seq else "-"]
+         f"{_tokens(r.exceeds_seq)}: {human_bytes(r.exceeds_peak)}" if r.exceeds_seq else "-",
+         _tokens(memory_alone(r, rows)) if r.seq else "-"]
         for r in setups
     ]  # fmt: skip
+    header = ["model", "setup", "devices", "longest", "peak", "bound", "at the peak", "next counted", "memory alone"]
     lines += [
         "",
-        "Every setup: the longest length, its peak, what bounds it (the largest part of the peak) and the parts, and "
-        "the next length counted, which does not fit:",
+        "Every setup: the longest length, its peak, what bounds it (the part of the peak that grows most to the next "
+        "length counted, which does not fit) and the parts at the peak; memory alone: the length at which the line "
+        "(or curve) through the counts at 8k, 32k and 128k tokens reaches the device's memory, a fit, not a count "
+        "(it differs from the longest where something else binds, as the attention op's 2^20 tokens per call):",
         "",
-        *table(["model", "setup", "devices", "longest", "peak", "bound", "at the peak", "next counted"], body),
+        *table(header, body),
     ]
     return lines + _sp_step_table(rows)
+
+
+def memory_alone(row: LongestRow, rows: list[Row]) -> int | None:
+    """The length the fit through the setup's counts at `FIT_LENGTHS` solves for (the memory alone), if counted."""
+    sp = any(s.name == row.setup for s in SP_SETUPS)
+    granule = GRANULE * (row.devices if sp else 1)
+    lengths = {max(granule, s // granule * granule) for s in FIT_LENGTHS}
+    points = {
+        r.seq: r.kernelized
+        for r in rows
+        if r.study == CURVE_STUDY and (r.model, r.variant, r.path) == (row.model, row.setup, str(row.devices))
+    }
+    if not lengths <= set(points):
+        return None
+    return fit_length([(s, points[s]) for s in sorted(lengths)], DEVICE_BYTES)
 
 
 def _sp_step_table(rows: list[Row]) -> list[str]:
