@@ -18,6 +18,7 @@ What lives where:
 - `zero3`: split MLPs as DeepSpeed ZeRO-3 leaf modules, so that they fuse under ZeRO-3;
 - `sequence_parallel`: DeepSpeed Ulysses sequence parallelism with the attention card:
   `set_sequence_parallel_attention` names the card where accelerate's constructor will not;
+- `tiling`: `tile_mlp`, DeepSpeed's sequence-tiled MLP (TiledMLP) around the MLP card's layer, fused per tile;
 - `integrity`: the digest check of a build variant before it is imported (loader and doctor);
 - `_kernels_compat`: every private `kernels` API the project uses, in one place;
 - `doctor`, `offline`: `python -m npu_hub_kernels doctor`, the offline Hub cache;
@@ -43,6 +44,7 @@ from .registry import (
 )
 from .report import KeptForward, LeftOut, Swap, kept_forwards, left_out_modules, swapped_modules
 from .sequence_parallel import set_sequence_parallel_attention
+from .tiling import tile_mlp
 
 _npu_hub_kernels_llamafactory.install()
 
@@ -64,5 +66,6 @@ __all__ = [
     "select_kernels",
     "set_sequence_parallel_attention",
     "swapped_modules",
+    "tile_mlp",
     "unregister_npu_kernels",
 ]

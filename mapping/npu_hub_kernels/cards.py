@@ -30,7 +30,7 @@ ORG_ENV = "NPU_HUB_KERNELS_ORG"
 REQUIRED_KEYS = frozenset(
     {"name", "kernel_id", "version", "license", "description", "layers", "region", "fused_ops", "tags"}
 )
-OPTIONAL_KEYS = frozenset({"shared", "zero3_leaf_layers"})
+OPTIONAL_KEYS = frozenset({"shared", "zero3_leaf_layers", "sequence_tiled_layers"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class Card:
     description: str
     tags: tuple[str, ...]
     zero3_leaf_layers: tuple[str, ...]
+    sequence_tiled_layers: tuple[str, ...]
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "card.toml") -> Card:
@@ -58,9 +59,10 @@ class Card:
         unknown = set(config) - REQUIRED_KEYS - OPTIONAL_KEYS
         if unknown:
             raise ValueError(f"{source} has unknown keys {', '.join(sorted(unknown))} (misspelt?)")
-        stray = set(config.get("zero3_leaf_layers", ())) - set(config["layers"])
-        if stray:
-            raise ValueError(f"{source}: zero3_leaf_layers names {', '.join(sorted(stray))}, not among its layers")
+        for key in ("zero3_leaf_layers", "sequence_tiled_layers"):
+            stray = set(config.get(key, ())) - set(config["layers"])
+            if stray:
+                raise ValueError(f"{source}: {key} names {', '.join(sorted(stray))}, not among its layers")
         return cls(
             kernel_id=config["kernel_id"],
             repo_name=config["name"],
@@ -73,6 +75,7 @@ class Card:
             description=config["description"],
             tags=tuple(config["tags"]),
             zero3_leaf_layers=tuple(config.get("zero3_leaf_layers", ())),
+            sequence_tiled_layers=tuple(config.get("sequence_tiled_layers", ())),
         )
 
     @classmethod

@@ -1,0 +1,99 @@
+"""Sequence tiling of the cards' MLPs: DeepSpeed's `TiledMLP` around the fused layer (`tile_mlp`).
+
+At long sequences an MLP's intermediate activations ([tokens, intermediate] for gate, up and their product, in forward
+and backward) are the largest of a decoder layer. DeepSpeed's `TiledMLP` (`deepspeed.runtime.sequence_parallel.
+ulysses_sp`, the sequence-tiled MLP of Arctic Long Sequence Training) runs a function of the MLP on tiles of the
+sequence without autograd, then in backward runs it again tile by tile with autograd, so that one tile's activations
+are alive at a time. `tile_mlp` hands it the card's layer that kernelize bound on each MLP (the layers a card.toml
+names in `sequence_tiled_layers`), so each tile runs the fused op, forward and backward. The loss card needs no tiling
+of its own: it already works in chunks of tokens.
+
+The wrapper is set on each module as its forward, around the layer's (`__wrapped__`, as `functools.wraps` sets it):
+`swapped_modules` still lists the module as running the card's layer, and kernelize (the cards registered by
+npu_hub_kernels) keeps it, as it keeps any forward another library set on a module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import _kernels_compat as compat
+from .cards import CARDS
+from .report import card_layer_of
+
+TILED_LAYERS = frozenset((card.repo_name, layer) for card in CARDS.values() for layer in card.sequence_tiled_layers)
+"""(card, layer) of the layers that work token by token on [..., sequence, hidden] (card.toml)."""
+
+
+def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
+    """Run every module of `model` that runs a card's sequence-tiled layer in tiles of the sequence; return `model`.
+
+    Apply it after the cards (`apply_npu_kernels` or kernelize), before or after PEFT, before the trainer wraps the
+    model (docs/long-context.md, "Sequence-tiled MLP and loss").
+
+    Args:
+        model: a model the cards were applied to, PEFT-wrapped or not.
+        shards: tiles per call; None: ceil(sequence / hidden size) per call (DeepSpeed's recipe), the largest over the
+            ranks of a started process group (ZeRO-3 gathers the MLP's weights per tile: every rank runs as many).
+
+    Raises:
+        RuntimeError: no module of `model` runs such a layer (the cards are not applied yet, or their MLP card is not
+            selected: nothing would run fused in tiles), or one of them is tiled already.
+        ValueError: `shards` is not a positive integer.
+    """
+    if shards is not None and (not isinstance(shards, int) or shards < 1):
+        raise ValueError(f"shards must be a positive integer or None, not {shards!r}")
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # imported only when asked for
+
+    found = []
+    for name, module in model.named_modules():
+        forward = compat.instance_forward(module)
+        if isinstance(forward, TiledForward):
+            raise RuntimeError(f"{name} is tiled already: call tile_mlp once")
+        build, layer = card_layer_of(module) or (None, None)
+        if build is not None and (build.CARD, layer) in TILED_LAYERS:
+            found.append((module, forward))
+    if not found:
+        layers = ", ".join(sorted(f"{card}:{layer}" for card, layer in TILED_LAYERS))
+        raise RuntimeError(
+            f"no module of this {type(model).__name__} runs a card's sequence-tiled layer ({layers}): apply the cards "
+            "first (apply_npu_kernels(model) or kernelize, with the MLP card selected), then tile_mlp(model); "
+            "tiling the class's own forward would run its eager math in every tile"
+        )
+    for module, forward in found:
+        module.forward = TiledForward(module, forward, shards, TiledMLP.apply)
+    return model
+
+
+class TiledForward:
+    """A module's forward that runs the card layer's forward it wraps in tiles of the sequence (DeepSpeed's TiledMLP).
+
+    `__wrapped__` is the wrapped forward (`swapped_modules` and kernelize follow it)."""
+
+    def __init__(self, module: nn.Module, layer_forward: Callable, shards: int | None, tiled_apply: Callable):
+        self.__wrapped__, self.shards, self._apply = layer_forward, shards, tiled_apply
+        self._parameters = module.parameters  # TiledMLP's compute_params, read per call (ZeRO-3 may swap them)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shards = self.shards or _agreed_shards(x)
+        params = [p for p in self._parameters() if p.requires_grad]
+        return self._apply(_run_layer, self, x, shards, params)
+
+
+def _run_layer(tiled: TiledForward, x: torch.Tensor) -> torch.Tensor:
+    """One tile: the card layer's forward on `x` (TiledMLP calls it as fn(self, x))."""
+    return tiled.__wrapped__(x)
+
+
+def _agreed_shards(x: torch.Tensor) -> int:
+    """ceil(sequence / hidden size) for `x` [..., sequence, hidden], the largest over the ranks of a started group."""
+    shards = max(1, math.ceil(x.shape[-2] / x.shape[-1]))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        agreed = torch.tensor(shards, device=x.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        shards = int(agreed.item())
+    return shards

@@ -1,0 +1,191 @@
+"""Sequence-tiled MLP with the cards (issue 44): `npu_hub_kernels.tile_mlp` puts DeepSpeed's TiledMLP around the MLP
+card's layer, so that every tile runs the fused op, forward and backward.
+
+Each run is a training step of a tiny family on the emulated npu, its loss and every gradient against the same step of
+the untiled model without cards on the host (float32: rtol 1e-4 / atol 1e-5), the fused MLP op counted: one per layer
+untiled (the negative control), layers x tiles x 2 tiled (TiledMLP runs each tile without autograd in forward, then
+again with it in backward). The orders a user applies things in (load, the cards, tiling, LoRA, the cards again) each
+fuse per tile or raise naming what to do; none runs eager silently. The loss card is the tiled loss: tiling leaves it
+as it is (its chunks counted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+from peft import LoraConfig, get_peft_model
+
+from npu_hub_kernels import apply_npu_kernels, swapped_modules
+from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
+from npu_hub_kernels.tiling import TiledForward, tile_mlp
+
+TILES = 4
+LAYERS = 2  # tiny_causal_lm's
+MLP_OP = {"llama": "npu_swiglu", "gemma2": "npu_geglu", "phi3": "npu_swiglu"}
+"""The fused op of each family's MLP: split SwiGLU, GeGLU, and SwiGLU of one gate_up projection."""
+LOSS_CHUNKS = 2  # 128 tokens of a tiny model: the loss card's chunked form, 2 chunks of 64
+IDS = token_ids(2, 64)
+
+
+def _lora(model):
+    torch.manual_seed(0)  # the same adapters for the runs compared
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def _step(model, device: str):
+    """The loss and every trainable parameter's gradient (host, float32) of one training step on IDS."""
+    ids = IDS.to(device)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach().cpu(), grads
+
+
+def _assert_eagers(got, want) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    assert got[1].keys() == want[1].keys()
+    for name, grad in got[1].items():
+        torch.testing.assert_close(grad, want[1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _cards(model, built_cards, **kwargs):
+    return apply_npu_kernels(model, local_dir=built_cards, **kwargs)
+
+
+def _counted_step(model):
+    with emulation.count_op_calls() as calls:
+        result = _step(model, "npu")
+    return result, calls
+
+
+@pytest.mark.parametrize("family", sorted(MLP_OP))
+def test_each_tile_runs_the_fused_mlp_op_with_eagers_loss_and_gradients(built_cards, family):
+    want = _step(tiny_causal_lm(family).train(), "cpu")
+    untiled = _cards(tiny_causal_lm(family).train().to("npu"), built_cards)
+    got, untiled_calls = _counted_step(untiled)
+    _assert_eagers(got, want)
+    assert untiled_calls[MLP_OP[family]] == LAYERS  # the negative control: one fused call per layer
+    tiled = tile_mlp(_cards(tiny_causal_lm(family).train().to("npu"), built_cards), shards=TILES)
+    got, calls = _counted_step(tiled)
+    _assert_eagers(got, want)
+    assert calls[MLP_OP[family]] == LAYERS * TILES * 2
+    # the loss as untiled: its card's chunks (Gemma 2's soft-capped logits: its class's loss), no second tiling
+    assert calls["npu_cross_entropy_loss"] == untiled_calls["npu_cross_entropy_loss"]
+    swaps = swapped_modules(tiled, card="npu-swiglu")
+    assert len(swaps) == LAYERS and all(s.eager_reason is None for s in swaps), swaps
+
+
+def _cards_tiling(model, built_cards):
+    return tile_mlp(_cards(model, built_cards), shards=TILES)
+
+
+def _cards_tiling_cards_again(model, built_cards):
+    return _cards(_cards_tiling(model, built_cards), built_cards)  # as transformers' use_kernels at train()/eval()
+
+
+def _cards_lora_tiling(model, built_cards):
+    return tile_mlp(_lora(_cards(model, built_cards)), shards=TILES)
+
+
+def _cards_tiling_lora(model, built_cards):
+    return _lora(_cards_tiling(model, built_cards))
+
+
+def _lora_cards_tiling(model, built_cards):
+    return tile_mlp(_cards(_lora(model), built_cards), shards=TILES)
+
+
+FUSING_ORDERS = {
+    "cards, tiling": (_cards_tiling, False),
+    "cards, tiling, cards again": (_cards_tiling_cards_again, False),
+    "cards, LoRA, tiling": (_cards_lora_tiling, True),
+    "cards, tiling, LoRA": (_cards_tiling_lora, True),
+    "LoRA, cards, tiling": (_lora_cards_tiling, True),
+}
+"""Orders that fuse per tile: (how the model is made from the loaded one, whether it has LoRA adapters)."""
+
+
+@pytest.mark.parametrize("order", list(FUSING_ORDERS))
+def test_every_order_with_the_cards_before_tiling_fuses_per_tile(built_cards, order):
+    make, lora = FUSING_ORDERS[order]
+    reference = tiny_causal_lm("llama").train()
+    want = _step(_lora(reference) if lora else reference, "cpu")
+    model = make(tiny_causal_lm("llama").train().to("npu"), built_cards)
+    got, calls = _counted_step(model)
+    _assert_eagers(got, want)
+    assert calls["npu_swiglu"] == LAYERS * TILES * 2, order
+    assert calls["npu_cross_entropy_loss"] == LOSS_CHUNKS, order
+    tiled = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), TiledForward)]
+    assert len(tiled) == LAYERS
+
+
+@pytest.mark.parametrize(
+    ("order", "words"),
+    [
+        ("tiling before the cards", "apply the cards first"),
+        ("tiling without the MLP card", "apply the cards first"),
+        ("tiling twice", "tiled already"),
+    ],
+)
+def test_an_order_that_cannot_tile_a_fused_mlp_raises_what_to_do(built_cards, order, words):
+    model = tiny_causal_lm("llama").train().to("npu")
+    if order == "tiling without the MLP card":
+        _cards(model, built_cards, kernels=["npu_fused_rmsnorm"])
+    elif order == "tiling twice":
+        _cards_tiling(model, built_cards)
+    with pytest.raises(RuntimeError, match=words):
+        tile_mlp(model, shards=TILES)
+
+
+def test_shards_must_be_a_positive_integer(built_cards):
+    model = _cards(tiny_causal_lm("llama").train().to("npu"), built_cards)
+    for shards in (0, 2.0):
+        with pytest.raises(ValueError, match="positive integer"):
+            tile_mlp(model, shards=shards)
+
+
+def test_default_tiles_are_sequence_over_hidden_size(built_cards):
+    """No shards given: ceil(sequence / hidden size) per call, DeepSpeed's recipe (64 tokens of a hidden size of 64:
+    one tile; 130: three)."""
+    model = tile_mlp(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards))
+    for seq, tiles in ((64, 1), (130, 3)):
+        ids = token_ids(1, seq).to("npu")
+        with emulation.count_op_calls() as calls:
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert calls["npu_swiglu"] == LAYERS * tiles * 2, seq
+
+
+def _deepspeed_recipe_forward(self, x):
+    """TiledMLP's own example (its docstring): the class's forward patched with the MLP's math, tiled."""
+
+    def mlp_forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+    return TiledMLP.apply(mlp_forward, self, x, TILES, params)
+
+
+@pytest.mark.parametrize("when", ["before the cards", "after the cards"])
+def test_deepspeeds_class_patch_is_eager_and_said_or_fused_untiled(built_cards, monkeypatch, when):
+    """DeepSpeed's recipe patches the MLP class's forward with the MLP's own math. Patched before the cards, that math
+    runs (eager in every tile) and swapped_modules says why; patched after, the card's layer kernelize bound on each
+    module runs instead (fused, in one piece: the class's forward is never called). Neither is a silent eager;
+    `tile_mlp` is what tiles the fused layer."""
+    from transformers.models.llama import modeling_llama
+
+    want = _step(tiny_causal_lm("llama").train(), "cpu")
+    if when == "before the cards":
+        monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", _deepspeed_recipe_forward)
+    model = _cards(tiny_causal_lm("llama").train().to("npu"), built_cards)
+    if when == "after the cards":
+        monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", _deepspeed_recipe_forward)
+    got, calls = _counted_step(model)
+    _assert_eagers(got, want)
+    reasons = [swap.eager_reason for swap in swapped_modules(model, card="npu-swiglu")]
+    if when == "before the cards":
+        assert calls["npu_swiglu"] == 0 and all("_deepspeed_recipe_forward" in r for r in reasons), reasons
+    else:
+        assert calls["npu_swiglu"] == LAYERS and reasons == [None] * LAYERS
