@@ -5,11 +5,8 @@ from __future__ import annotations
 from .long_context import (
     CURVE_STUDY,
     DEVICE_BYTES,
-    FIT_LENGTHS,
-    GRANULE,
     SETUP_STUDY,
     SETUPS,
-    SP_SETUPS,
     SP_STEP_SEQ,
     SP_STEP_STUDY,
     LongestRow,
@@ -65,8 +62,8 @@ def long_context_section(rows: list[Row]) -> list[str]:
         "",
         "Every setup: the longest length, its peak, what bounds it (the part of the peak that grows most to the next "
         "length counted, which does not fit) and the parts at the peak; memory alone: the length at which the line "
-        "(or curve) through the counts at 8k, 32k and 128k tokens reaches the device's memory, a fit, not a count "
-        "(it differs from the longest where something else binds, as the attention op's 2^20 tokens per call):",
+        "through the two longest counted lengths that fit reaches the device's memory, a fit, not a count (it "
+        "differs from the longest where something else binds, as the attention op's 2^20 tokens per call):",
         "",
         *table(header, body),
     ]
@@ -74,18 +71,21 @@ def long_context_section(rows: list[Row]) -> list[str]:
 
 
 def memory_alone(row: LongestRow, rows: list[Row]) -> int | None:
-    """The length the fit through the setup's counts at `FIT_LENGTHS` solves for (the memory alone), if counted."""
-    sp = any(s.name == row.setup for s in SP_SETUPS)
-    granule = GRANULE * (row.devices if sp else 1)
-    lengths = {max(granule, s // granule * granule) for s in FIT_LENGTHS}
-    points = {
-        r.seq: r.kernelized
+    """What memory alone would allow the setup: a fit, for where something else bounds it (None: too few counts).
+
+    The length at which the line through the setup's two longest counted lengths that fit reaches the device's
+    memory."""
+    points = sorted(
+        (r.seq, r.kernelized)
         for r in rows
-        if r.study == CURVE_STUDY and (r.model, r.variant, r.path) == (row.model, row.setup, str(row.devices))
-    }
-    if not lengths <= set(points):
+        if r.study == CURVE_STUDY
+        and (r.model, r.variant, r.path) == (row.model, row.setup, str(row.devices))
+        and r.kernelized <= DEVICE_BYTES
+    )
+    if len(points) < 2:
         return None
-    return fit_length([(s, points[s]) for s in sorted(lengths)], DEVICE_BYTES)
+    (x0, y0), (x1, y1) = points[-2:]
+    return fit_length([(x0, y0), ((x0 + x1) / 2, (y0 + y1) / 2), (x1, y1)], DEVICE_BYTES)
 
 
 def _sp_step_table(rows: list[Row]) -> list[str]:
