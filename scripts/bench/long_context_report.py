@@ -133,13 +133,15 @@ def write_long_context_chart(rows: list[Row], path) -> str | None:
     models = list(dict.fromkeys(r.model for r in curve))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        for setup in SETUPS:
+        for setup, style in zip(SETUPS, ("-", ":", "-", "-", "-"), strict=True):
             points = sorted((r.seq, r.kernelized) for r in curve if r.model == model and r.variant == setup.name)
             if points:
-                ax.plot([p[0] for p in points], [p[1] / 1e9 for p in points], marker="o", label=setup.name)
+                xs, ys = [p[0] for p in points], [p[1] / 1e9 for p in points]
+                ax.plot(xs, ys, marker="o", linestyle=style, label=setup.name)
         ax.axhline(DEVICE_BYTES / 1e9, color="black", linestyle="--", label=f"{DEVICE_BYTES / 1e9:.0f} GB device")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_ylim(top=4 * DEVICE_BYTES / 1e9)  # beyond: lengths far past what fits (S x S scores), off the chart
         ax.set_xlabel("sequence length, tokens (over the SP group)")
         ax.set_ylabel("peak per device, GB (counted)")
         ax.set_title(f"{model} on 8 devices, ZeRO-3, checkpointed", fontsize=10)
