@@ -473,25 +473,36 @@ def test_the_doctor_shows_each_attention_modules_form_and_eager_reason(registere
     assert "ran eager" in format_report(diagnose(offline_hub, model=model))
 
 
-def _packed_rows(rows: list[tuple[int, ...]]) -> dict:
-    """Rows of packed sequences of one length each (a micro-batch of several packed rows)."""
+def _packed_rows(rows: list[tuple[int, ...]], cu_seq_lens: bool = False) -> dict:
+    """Rows of packed sequences of one length each (a micro-batch of several packed rows), with the cu_seq_lens of
+    every sequence of the micro-batch laid end to end when asked (what a custom collator may pass with several rows)."""
     positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
-    return {"input_ids": token_ids(len(rows), positions.shape[1]), "position_ids": positions, "use_cache": False}
+    inputs = {"input_ids": token_ids(len(rows), positions.shape[1]), "position_ids": positions, "use_cache": False}
+    if cu_seq_lens:
+        ends = torch.tensor([0, *(n for lengths in rows for n in lengths)]).cumsum(0).to(torch.int32)
+        inputs.update(cu_seq_lens_q=ends, cu_seq_lens_k=ends, max_length_q=max(map(max, rows)))
+        inputs["max_length_k"] = inputs["max_length_q"]
+    return inputs
 
 
-@pytest.mark.parametrize("rows", [[(5, 6, 1)], [(5, 6, 1), (12,), (3, 9)]], ids=["one row", "three rows"])
+@pytest.mark.parametrize(
+    "rows, cu_seq_lens",
+    [([(5, 6, 1)], False), ([(5, 6, 1), (12,), (3, 9)], False), ([(4, 8), (3, 9), (12,)], True)],
+    ids=["one row", "three rows", "three rows with cu_seq_lens"],
+)
 @pytest.mark.parametrize("family", ["llama", "mistral, window 4"])
-def test_a_wrapper_that_drops_the_mask_packs_by_the_position_ids(registered, family, rows):
+def test_a_wrapper_that_drops_the_mask_packs_by_the_position_ids(registered, family, rows, cu_seq_lens):
     """DeepSpeed's Ulysses wrapper calls the attention with no mask and the (gathered) position ids: restarting
     position ids are packed sequences, row by row in a micro-batch of several rows, as transformers' masks read them;
-    eager with the model's own packed mask is the reference."""
+    eager with the model's own packed mask is the reference. cu_seq_lens describe one row: with several rows, the
+    position ids decide (reading the cu_seq_lens there attended across documents)."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     card = ALL_ATTENTION_FUNCTIONS[NAME]
     AttentionInterface.register("npu_fused_attention_no_mask", lambda *args, **kwargs: card(*args[:4], None, **kwargs))
     model = build(family)
-    inputs = _packed_rows(rows)
+    inputs = _packed_rows(rows, cu_seq_lens)
     model.set_attn_implementation("eager")
     eager = model(**_on_npu(inputs)).logits.cpu()
     model.config._attn_implementation_internal = "npu_fused_attention_no_mask"  # the mask function stays the card's

@@ -21,8 +21,9 @@ arguments. The forms it fuses:
 Any other form runs the model's eager attention with the mask transformers' eager would have built, and says why.
 The host lists cost one device-to-host copy per forward, which every layer shares: the masks of every layer type
 (full and sliding) are read together (`host_reads`), and each plan is kept on its mask's description, so it lives
-exactly as long as this forward's mask. Unpadded, unpacked batches make no host sync at all. `cu_seq_lens` given
-without a mask are read at each call (never kept on the tensors, which a collator may rewrite in place).
+exactly as long as this forward's mask. Under a mask, unpadded and unpacked batches make no host sync at all.
+Where no mask came, the position ids (or `cu_seq_lens`, for one row) are read to the host at each call, never kept
+on the tensors, which a collator may rewrite in place.
 
 Dropout is the op's `keep_prob` (its own random mask, so a training step's numbers differ from eager's as any two
 dropout draws do); the explicit `scale` is the module's (the op's default is 1). The backward is torch_npu's own
@@ -271,8 +272,9 @@ def attention_form(
     cu_seq_lens are what eager and sdpa ignore under a mask). With no mask (a model that builds none, or a wrapper
     that dropped it, as DeepSpeed's Ulysses wrapper does): causal when the module is, bottom-right (the queries are
     the last keys, as a cache aligns them; with one query every key), with the module's window, packed by
-    cu_seq_lens when given, else by position ids that restart (queries and keys alike, row by row). Any other mask is
-    one the card did not build: eager, saying so."""
+    cu_seq_lens when given for one row (cu_seq_lens describe one packed row; with more rows the position ids decide),
+    else by position ids that restart (queries and keys alike, row by row). Any other mask is one the card did not
+    build: eager, saying so."""
     batch, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     description = description_of(attention_mask)
@@ -302,9 +304,7 @@ def attention_form(
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     positions = kwargs.get("position_ids")
     plan = None
-    if cu_q is not None and cu_k is not None:
-        if batch != 1:
-            return f"cu_seq_lens with a batch of {batch} rows: packed sequences come as one row"
+    if cu_q is not None and cu_k is not None and batch == 1:
         plan = _plan_of_cu_seq_lens(cu_q, cu_k)
     elif q_len == kv_len > 1 and (rows := _row_positions(positions, batch, q_len)) is not None:
         plan = _plan_of_position_ids(rows)
@@ -627,9 +627,7 @@ def _packed_sequence_numbers(
 ) -> torch.Tensor | None:
     """[B, Skv] each key's packed sequence number where no mask came (as `attention_form` reads them), or None."""
     cu, positions = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
-    if cu is not None:
-        if batch != 1:
-            return None
+    if cu is not None and batch == 1:
         ends = cu[1:].to(device=device, dtype=torch.long)
         return torch.searchsorted(ends, torch.arange(kv_len, device=device), right=True)[None]
     rows = _row_positions(positions, batch, q_len) if q_len == kv_len > 1 else None
