@@ -1,11 +1,11 @@
 """The longest trainable sequence: per-device peak memory of a long-sequence training step, counted, and the search.
 
-One training step of Llama-3-8B and Qwen3-8B (`LONG_MODELS`) at batch 1 x a long sequence, bfloat16, each decoder
-layer checkpointed, on fake tensors under the torch_npu emulation, its memory counted as `memory` counts it (the
-storages ops allocate, live until their last reference dies, checked after every op). The setups (`SETUPS`): eager
-transformers (sdpa), the peer (LLaMA-Factory's NPU kernels), ours (kernelize), ours with DeepSpeed Ulysses sequence
-parallelism over every device and DeepSpeed's `TiledMLP` around each MLP (the loss card is the tiled loss: it already
-computes the logits chunk by chunk), and that with the checkpointed hidden states and the optimizer on the host.
+One training step of Llama-3-8B and Qwen3-8B (`LONG_MODELS`) at batch 1 x a long sequence, bfloat16, each decoder layer
+checkpointed, on fake tensors under the torch_npu emulation, its memory counted as `memory` counts it (the storages ops
+allocate, live until their last reference dies, checked after every op). The setups (`SETUPS`): eager transformers
+(sdpa), the peer (LLaMA-Factory's NPU kernels), ours (kernelize), ours with DeepSpeed Ulysses sequence parallelism over
+every device and DeepSpeed's `TiledMLP` around each MLP (`npu_hub_kernels.tile_mlp`; the loss card is the tiled loss: it
+already computes the logits chunk by chunk), and that with the checkpointed hidden states and the optimizer on the host.
 
 What is counted, on one rank: the forward with labels and the backward of the model at 2 and 3 decoder layers, carried
 to L layers as the step bench carries it (`Figures.scaled`; exact while the peak falls at the same point of the step,
@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves
+
+from npu_hub_kernels import tile_mlp
 
 from .accounting import count_device_ops, fake_module
 from .attention import card_implementation, unpacked_batches
@@ -213,19 +215,6 @@ def ulysses_attention(ranks: int, sent: list[int]) -> Iterator[str]:
         del AttentionMaskInterface._global_mapping[ULYSSES]
 
 
-def _tiled(mlp: nn.Module) -> None:
-    """Run the MLP (its forward as it stands: the card's) through DeepSpeed's TiledMLP, ceil(S / hidden) tiles."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
-    forward, params = mlp.forward, list(mlp.parameters())
-
-    def tiled(x: torch.Tensor) -> torch.Tensor:
-        shards = max(1, math.ceil(x.shape[-2] / x.shape[-1]))
-        return TiledMLP.apply(lambda _, tile: forward(tile), mlp, x, shards, params)
-
-    mlp.forward = tiled
-
-
 def _checkpointed(layer: nn.Module, keep: Callable) -> None:
     forward = layer.forward
 
@@ -271,9 +260,9 @@ def measure_long_step(model: StepModel, layers: int, seq: int, setup: Setup, ran
         tracker.tag(hidden, CHECKPOINTS)
         return hidden
 
+    if setup.tiled_mlp:
+        tile_mlp(net)  # as users tile: DeepSpeed's TiledMLP around each MLP card's layer, ceil(S / hidden) tiles
     for layer in net.model.layers:
-        if setup.tiled_mlp:
-            _tiled(layer.mlp)
         _checkpointed(layer, keep)
     hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in net.parameters()]
     ulysses = ulysses_attention(sp, sent) if sp > 1 else contextlib.nullcontext()
