@@ -287,6 +287,27 @@ def test_renormalised_softmax_runs_the_op_only_where_it_gives_what_the_class_ret
         assert calls[RENORMALISED_OP] == 0
 
 
+@pytest.mark.parametrize("soc", ["Ascend310P3", "Ascend910ProB", "Ascend950PR", "Ascend910B3", "Ascend910_9391"])
+def test_the_gating_ops_run_on_the_socs_their_docs_list_only(card, monkeypatch, soc):
+    """npu_moe_gating_top_k and npu_moe_gating_top_k_softmax_v2 are documented on Atlas A2/A3 only (产品支持情况):
+    elsewhere each routing form says so and runs eager's math, with no gating op called."""
+    monkeypatch.setattr(torch.npu, "get_device_name", lambda device=None: soc)
+    listed = soc.startswith(("Ascend910B", "Ascend910_93"))
+    logits = torch.randn(8, 32, generator=torch.Generator().manual_seed(8))
+    forms = {
+        RENORMALISED_OP: {"scoring": "softmax", "renormalize": True},
+        OP: {"scoring": "sigmoid", "renormalize": True},
+    }
+    for op, settings in forms.items():
+        reason = card.moe_router_top_k_unavailable_reason(logits.to("npu"), 4, **settings)
+        assert (reason is None) if listed else (f"{op} runs on Atlas A2/A3 only" in reason and soc in reason), soc
+        with torch.no_grad(), emulation.count_op_calls() as calls:
+            weights, ids = card.moe_router_top_k(logits.to("npu"), 4, **settings)
+        assert calls[op] == listed, (soc, op)
+        want = card.moe_router_top_k_eager(logits, 4, **settings)
+        assert_same_routing((logits, *want), (logits, weights.cpu(), ids.cpu()))
+
+
 def test_renormalised_softmax_weights_within_the_idiom_of_a_float64_reference(card):
     """The top-k logits' softmax is no farther from float64 than eager's renormalised top-k (bf16 and fp32)."""
     for dtype in (torch.float32, torch.bfloat16):

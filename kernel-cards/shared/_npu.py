@@ -47,6 +47,20 @@ def _soc_name_of(reader: Callable[..., str], device: torch.device | None) -> str
     return reader(device)
 
 
+ATLAS_A2_A3_SOCS = ("Ascend910B", "Ascend910_93")
+"""The SoC name prefixes (`soc_name`) of Atlas A2 (Ascend910B*) and Atlas A3 (Ascend910_93*): the products the docs of
+npu_gemma_rms_norm, npu_moe_gating_top_k and npu_moe_gating_top_k_softmax_v2 list (支持的型号 / 产品支持情况); the
+Atlas training and inference series (Ascend910A/ProB, Ascend310P) and Ascend 950 are not listed."""
+
+
+def atlas_a2_a3_unavailable_reason(op: str, device: torch.device) -> str | None:
+    """Why `op`, documented on Atlas A2/A3 only, cannot run on this device's SoC, or None when it can."""
+    soc = soc_name(device)
+    if soc.startswith(ATLAS_A2_A3_SOCS):
+        return None
+    return f"{op} runs on Atlas A2/A3 only (SoC Ascend910B*, Ascend910_93*), this device is {soc}"
+
+
 _DTENSOR_MODULE = "torch.distributed.tensor"
 
 

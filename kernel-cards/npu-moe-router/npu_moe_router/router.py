@@ -32,7 +32,7 @@ from torch import nn
 
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
-from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+from ._npu import FUSED_DTYPES, atlas_a2_a3_unavailable_reason, npu_unavailable_reason, torch_npu
 
 MAX_EXPERTS = 2048
 MAX_TOP_K_RENORMALISED = 1024
@@ -68,7 +68,9 @@ def moe_router_top_k_unavailable_reason(
         )
     if scoring == "sigmoid" and not renormalize:
         return "sigmoid weights without renormalisation: npu_moe_gating_top_k's sigmoid mode always renormalises"
-    reason = npu_unavailable_reason(router_logits, *(() if bias is None else (bias,)))
+    reason = npu_unavailable_reason(router_logits, *(() if bias is None else (bias,))) or (
+        atlas_a2_a3_unavailable_reason("npu_moe_gating_top_k", router_logits.device)
+    )
     if reason is not None:
         return reason
     if router_logits.dtype not in FUSED_DTYPES:
@@ -108,7 +110,9 @@ def _renormalised_softmax_unavailable_reason(
             f"float32 weights from {router_logits.dtype} logits: npu_moe_gating_top_k_softmax_v2 writes them in the "
             "logits' dtype (top_logits_softmax runs: the softmax of the top-k logits)"
         )
-    reason = npu_unavailable_reason(router_logits)
+    reason = npu_unavailable_reason(router_logits) or atlas_a2_a3_unavailable_reason(
+        "npu_moe_gating_top_k_softmax_v2", router_logits.device
+    )
     if reason is not None:
         return reason
     if router_logits.dtype not in FUSED_DTYPES:

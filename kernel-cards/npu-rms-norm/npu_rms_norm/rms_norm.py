@@ -31,7 +31,7 @@ from torch import nn
 
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
-from ._npu import FUSED_DTYPES, npu_unavailable_reason, soc_name, torch_npu
+from ._npu import FUSED_DTYPES, atlas_a2_a3_unavailable_reason, npu_unavailable_reason, torch_npu
 from ._rms_norm_forms import SCALINGS, Scaling, check_scaling, rms_norm_math
 
 
@@ -78,11 +78,6 @@ def _fused_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Sc
     return None
 
 
-GEMMA_RMS_NORM_SOCS = ("Ascend910B", "Ascend910_93")
-"""The SoC names (`soc_name`) of the products npu_gemma_rms_norm's docstring lists (支持的型号:
-Atlas A2 training / 800I A2 inference, Atlas A3); aclnnGemmaRmsNorm excludes Ascend 950 and the older series."""
-
-
 def _one_kernel_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Scaling) -> str | None:
     """Why inputs npu_rms_norm takes do not run as one `npu_gemma_rms_norm`, or None when they do."""
     if scaling != "zero_centered":
@@ -91,9 +86,9 @@ def _one_kernel_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scalin
         return "autograd records this call: npu_gemma_rms_norm has no backward"
     if not hasattr(torch_npu, "npu_gemma_rms_norm"):
         return "this torch_npu has no npu_gemma_rms_norm (op-plugin's release branches 7.0.0 and later have it)"
-    soc = soc_name(x.device)
-    if not soc.startswith(GEMMA_RMS_NORM_SOCS):
-        return f"npu_gemma_rms_norm runs on Atlas A2/A3 only (SoC Ascend910B*, Ascend910_93*), this device is {soc}"
+    reason = atlas_a2_a3_unavailable_reason("npu_gemma_rms_norm", x.device)
+    if reason is not None:
+        return reason
     if weight.dtype is not x.dtype:
         return f"weight dtype {weight.dtype} differs from x's {x.dtype}: npu_gemma_rms_norm takes gamma in x's dtype"
     if not (x.is_contiguous() or _dense_order(x) is not None) or not weight.is_contiguous():
