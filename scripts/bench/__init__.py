@@ -47,7 +47,9 @@ layer, counted from the declaration its spec gives: the loss head, its chunk swe
 fused LM head), `timed`, `peer` (LLaMA-Factory's kernels), `step` (a whole training step measured, its ops by
 category), `step_study` (the step studies' rows), `step_validation` (the time model, `device_model`, against published
 figures), `step_report` (the step's tables, step.png), `rows` (a measurement, bench.csv), `markdown` (cells and tables,
-for `report` and `step_report`), `report` (summary, README section, card sections), `chart` (bench.png), `__main__`
+for `report` and `step_report`), `report` (summary, README section, card sections), `chart` (bench.png),
+`long_context` (the longest trainable sequence per device: counted peaks at long sequence, Ulysses SP, the search),
+`long_context_report` (its section, long_context.png), `__main__`
 (the command). The modules other than the specs name
 no card and no region: they iterate over `npu_hub_kernels.CARDS` and the specs; the specs declare, and import from the
 bench only the declaration types and helpers of `cards.SPEC_IMPORTS`.
