@@ -350,8 +350,9 @@ class Peak:
         return max(self.parts, key=self.parts.get)
 
     def bound(self, longer: Peak | None) -> str:
-        """What keeps a longer length from fitting: the part that grows most from this peak to `longer`'s (a longer
-        length's); none longer: the largest part."""
+        """What keeps a longer length from fitting.
+
+        The part that grows most from this peak to `longer`'s (a longer length's); none longer: the largest part."""
         if longer is None:
             return self.largest()
         return max(longer.parts, key=lambda what: longer.parts[what] - self.parts.get(what, 0))
