@@ -79,10 +79,10 @@ test: setup lint
 test-forms: setup
 	NPU_HUB_KERNELS_ALL_FORMS=1 $(PY) -m pytest -n 2 tests/test_attention_forms.py
 
-# DeepSpeed Ulysses sequence parallelism with the cards, every case at SP 2 and 4 (`make test` runs a sample):
-# tests/test_ulysses_sp.py.
+# DeepSpeed Ulysses sequence parallelism with the cards, every case at SP 2 and 4, and the Trainer's own order end to
+# end (`make test` runs a sample): tests/test_ulysses_sp.py, tests/test_ulysses_sp_smoke.py.
 test-long-context: setup
-	NPU_HUB_KERNELS_ALL_SP=1 $(PY) -m pytest tests/test_ulysses_sp.py
+	NPU_HUB_KERNELS_ALL_SP=1 $(PY) -m pytest tests/test_ulysses_sp.py tests/test_ulysses_sp_smoke.py
 
 clean:
 	rm -rf build .cache .venv-transformers-*
