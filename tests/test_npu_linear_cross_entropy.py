@@ -536,6 +536,34 @@ def test_bfloat16_hidden_gradient_rounded_once_and_both_at_most_eagers_error(car
         assert errors["dh"][0] < relative_error(twice_rounded, reference[0]), errors
 
 
+@pytest.mark.parametrize("cann", [None, "9.0.0"], ids=["addmm out_dtype", "CANN 9.0: no addmm out_dtype"])
+@pytest.mark.parametrize("items", [None, 2**17, 2**18], ids=["counted tokens", "2^17 items", "2^18 items"])
+@pytest.mark.parametrize("scale", [1.0, 2.0**16, 1 / 3], ids=["loss", "loss x 2^16", "loss / 3"])
+def test_float16_gradients_within_twice_eagers_error_at_any_loss_scale(card, cann_version, scale, items, cann):
+    """float16 with fp16's loss scale (DeepSpeed's and AMP's 2^16) over many items (num_items_in_batch of a large
+    accumulated batch): dL/dh kept over the items in float16 would underflow (a counted token's share, ~3e-7 here,
+    below float16's smallest normal 6.1e-5) before the scale brings it back. Every gradient within twice eager's error
+    against float64, at every scale and item count, with and without the float32 out of addmm."""
+    if cann is not None:
+        cann_version(cann)
+    lm_head, h, labels = _problem(tokens=256, hidden=160, vocab=1000, seed=3)
+    kwargs = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
+
+    def gradients(fn, dtype, device, **chunking):
+        head, leaf = _copy(lm_head.to(dtype), device), h.to(dtype).to(device).requires_grad_()
+        loss, _ = fn(leaf, head, labels.to(device), lm_head.out_features, **kwargs, **chunking)
+        (loss * scale).backward()
+        return leaf.grad.cpu(), head.weight.grad.cpu()
+
+    reference = gradients(card.linear_cross_entropy_eager, torch.float64, "cpu")
+    eager = gradients(card.linear_cross_entropy_eager, torch.float16, "cpu")
+    with emulation.count_op_calls() as calls:
+        fused = gradients(card.linear_cross_entropy, torch.float16, "npu", chunk_tokens=64)
+    assert calls[OPS[1]] == 4 and calls[FLOAT32_OUT_ADDMM] == (0 if cann else 2 * 4)
+    for name, f, e, r in zip(("dh", "dW"), fused, eager, reference, strict=True):
+        assert_within_twice_eagers_error(f, e, r, name, error=relative_error)
+
+
 @pytest.mark.parametrize("cann", ["9.0.0", "9.1.0-beta.3"])
 def test_without_the_float32_out_addmm_the_model_sums_float32_products_and_says_why(npu_kernels, cann_version, cann):
     """Before CANN 9.1 the weight gradient sums float32 products (no addmm out_dtype call; the loss still fuses),

@@ -400,11 +400,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """The sum over counted tokens of CE(h W^T + b) over `divisor`; the gradients made in forward, chunk by chunk.
 
     dL/dW and dL/db are float32 sums of the tokens' softmax - onehot products, scaled in backward (by the incoming
-    gradient over `divisor`) and rounded once to the parameters' dtypes. dL/dh is kept in the hidden states' dtype
-    already over `divisor`, each chunk's product rounded once (`_chunk`), so that a backward of 1 (`loss.backward()`)
-    or of a power of two leaves it as it is; another incoming gradient (a loss divided by 3 accumulation steps) rounds
-    it again. `autocast`: the dtype the chunks compute in, the operands cast to it once here (autocast's linear casts
-    them per call), their gradients made in their own dtypes (float32 weights' dL/dW never rounded to 16 bits)."""
+    gradient over `divisor`) and rounded once to the parameters' dtypes. dL/dh is kept in the hidden states' dtype,
+    each chunk's product rounded once (`_chunk`): in bfloat16 and float32 already over `divisor`, so that a backward
+    of 1 (`loss.backward()`) or of a power of two leaves it as it is; in float16 not over it
+    (`_divides_without_underflow`), scaled by the incoming gradient over `divisor` in backward, which leaves it as it
+    is where that scale is a power of two. Another scale rounds it again. `autocast`: the dtype the chunks compute in,
+    the operands cast to it once here (autocast's linear casts them per call), their gradients made in their own
+    dtypes (float32 weights' dL/dW never rounded to 16 bits)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, counted, divisor, chunk: int, float32_out: bool, autocast):
@@ -419,9 +421,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # a counted token's share of the loss; 0 with no counted token (every gradient 0 then, as eager's)
         any_counted = counted.any()
         share = torch.where(any_counted, 1 / divisor, 0.0)
+        ctx.hidden_over_divisor = grad_hidden is not None and _divides_without_underflow(grad_hidden.dtype)
+        hidden_share = share if ctx.hidden_over_divisor else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            total += _chunk(hidden, weight, bias, targets, counted, rows, grads, float32_out, share)
+            total += _chunk(hidden, weight, bias, targets, counted, rows, grads, float32_out, hidden_share)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, share, any_counted)
         return total / divisor
 
@@ -430,10 +434,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight, grad_bias, share, any_counted = ctx.saved_tensors
         # no counted token: every gradient is 0, as eager's, whatever the incoming one (1 / 0 when its loss is 0 / 0)
         scale = torch.where(any_counted, grad_loss.float(), 0.0)
-        # new tensors (the saved ones stay for a second backward), rounded to the parameters' dtype: once for the
-        # float32 sums, not again for dL/dh when the scale is 1
-        hidden_grad = None if grad_hidden is None else grad_hidden * scale
         sum_scale = scale * share
+        # new tensors (the saved ones stay for a second backward), rounded to the parameters' dtype: once for the
+        # float32 sums, not again for dL/dh when its scale is a power of two
+        hidden_scale = scale if ctx.hidden_over_divisor else sum_scale
+        hidden_grad = None if grad_hidden is None else grad_hidden * hidden_scale
         sums = [None if grad is None else (grad * sum_scale).to(dtype) for grad, dtype in zip(
             (grad_weight, grad_bias), ctx.dtypes[1:], strict=True)]  # fmt: skip
         return hidden_grad, *sums, None, None, None, None, None, None
@@ -452,11 +457,12 @@ def _chunk(
 ) -> torch.Tensor:
     """Return the chunk `rows`' summed loss over its counted rows; add its share into the gradients that are not None.
 
-    dL/dW and dL/db get the chunk's float32 sums; dL/dh its rows, times `share` (a counted token's share of the loss).
-    `float32_out`: the gradients' products from the 16-bit grad_logits (the model's dtype, as eager's) and hidden
-    states or weight, summed in float32 (`half_weight_grad_unavailable_reason`), dL/dh's then rounded once, scaled;
-    else the weight gradient's from float32 ones and dL/dh's rounded by their matmul, then scaled. (A function, so
-    that every [chunk, V] buffer is freed when it returns.)"""
+    dL/dW and dL/db get the chunk's float32 sums; dL/dh its rows, times `share` (a counted token's share of the loss)
+    unless it is None (float16's dL/dh, scaled in backward). `float32_out`: the gradients' products from the 16-bit
+    grad_logits (the model's dtype, as eager's) and hidden states or weight, summed in float32
+    (`half_weight_grad_unavailable_reason`), dL/dh's then rounded once (scaled or not); else the weight gradient's from
+    float32 ones and dL/dh's rounded by their matmul (then scaled: rounded again). (A function, so that every [chunk, V]
+    buffer is freed when it returns.)"""
     h, target, mask, (grad_hidden, grad_weight, grad_bias) = hidden[rows], targets[rows], counted[rows], grads
     logits = F.linear(h, weight, bias).float()
     per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
@@ -475,10 +481,23 @@ def _chunk(
         grad_weight.addmm_(grad_logits.t(), h.float())
     if grad_bias is not None:
         grad_bias += grad_logits.sum(dim=0)
-    if grad_hidden is not None and float32_out:  # the same into the chunk's float32 [chunk, H], rounded once scaled
+    if grad_hidden is None:
+        return chunk_loss
+    if float32_out:  # the same into the chunk's float32 [chunk, H], rounded once (scaled)
         product = torch.zeros(low.shape[0], weight.shape[1], dtype=torch.float32, device=low.device)
         torch.addmm(product, low, weight, out_dtype=torch.float32, out=product)
+    else:  # in the model dtype: rounded by the matmul (then again scaled; float32: exact)
+        product = low @ weight
+    if share is None:
+        grad_hidden[rows] = product
+    else:
         torch.mul(product, share, out=grad_hidden[rows])
-    elif grad_hidden is not None:  # in the model dtype: rounded by the matmul, then again scaled (float32: exact)
-        torch.mul(low @ weight, share, out=grad_hidden[rows])
     return chunk_loss
+
+
+def _divides_without_underflow(dtype: torch.dtype) -> bool:
+    """Whether dL/dh in `dtype` can be kept over the counted tokens: float32's exponent range (bfloat16, float32).
+
+    float16's smallest normal is 6.1e-5: a product of about 1e-2 over 2^18 items underflows there before fp16's loss
+    scale (2^16, DeepSpeed's and AMP's) brings it back in backward (README "Numerics")."""
+    return torch.finfo(dtype).tiny <= torch.finfo(torch.float32).tiny
