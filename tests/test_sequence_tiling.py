@@ -189,3 +189,33 @@ def test_deepspeeds_class_patch_is_eager_and_said_or_fused_untiled(built_cards, 
         assert calls["npu_swiglu"] == 0 and all("_deepspeed_recipe_forward" in r for r in reasons), reasons
     else:
         assert calls["npu_swiglu"] == LAYERS and reasons == [None] * LAYERS
+
+
+def _mlps_only(model):
+    """Only the MLPs and the final norm trained: the MLP's input needs no gradient, its weights do."""
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(".mlp." in name or name == "model.norm.weight")
+    return model
+
+
+def _lora_mlp_only(model):
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], modules_to_save=["lm_head"],
+        init_lora_weights=False,
+    )  # fmt: skip
+    return get_peft_model(model, config)
+
+
+@pytest.mark.parametrize(("trained", "fused_calls"), [("MLPs only", LAYERS * TILES * 2), ("LoRA on the MLP only", 0)])
+def test_mlp_weights_get_eagers_gradients_when_its_input_needs_none(built_cards, trained, fused_calls):
+    """Nothing before the MLP trains: the tiled output needs a gradient through the MLP's weights alone (TiledMLP
+    takes them in a list, which autograd does not see). Every trainable parameter gets eager's gradient; LoRA on
+    gate_proj/up_proj runs the MLP's eager math in each tile, as untiled (the card reads those weights itself)."""
+    make = _mlps_only if trained == "MLPs only" else _lora_mlp_only
+    want = _step(make(tiny_causal_lm("llama").train()), "cpu")
+    model = tile_mlp(_cards(make(tiny_causal_lm("llama").train().to("npu")), built_cards), shards=TILES)
+    got, calls = _counted_step(model)
+    assert any(".mlp." in name for name in want[1])
+    _assert_eagers(got, want)
+    assert calls["npu_swiglu"] == fused_calls

@@ -5,8 +5,9 @@ and backward) are the largest of a decoder layer. DeepSpeed's `TiledMLP` (`deeps
 ulysses_sp`, the sequence-tiled MLP of Arctic Long Sequence Training) runs a function of the MLP on tiles of the
 sequence without autograd, then in backward runs it again tile by tile with autograd, so that one tile's activations
 are alive at a time. `tile_mlp` hands it the card's layer that kernelize bound on each MLP (the layers a card.toml
-names in `sequence_tiled_layers`), so each tile runs the fused op, forward and backward. The loss card needs no tiling
-of its own: it already works in chunks of tokens.
+names in `sequence_tiled_layers`), so each tile runs the fused op, forward and backward; the MLP's parameters go in as
+inputs autograd sees (`_tiled_function`). The loss card needs no tiling of its own: it already works in chunks of
+tokens.
 
 The wrapper is set on each module as its forward, around the layer's (`__wrapped__`, as `functools.wraps` sets it):
 `swapped_modules` still lists the module as running the card's layer, and kernelize (the cards registered by
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import cache
 
 import torch
 from torch import nn
@@ -47,8 +49,7 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
     """
     if shards is not None and (not isinstance(shards, int) or shards < 1):
         raise ValueError(f"shards must be a positive integer or None, not {shards!r}")
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # imported only when asked for
-
+    _tiled_function()  # DeepSpeed imported now: without it this call fails, not the first training step
     found = []
     for name, module in model.named_modules():
         forward = compat.instance_forward(module)
@@ -65,7 +66,7 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
             "tiling the class's own forward would run its eager math in every tile"
         )
     for module, forward in found:
-        module.forward = TiledForward(module, forward, shards, TiledMLP.apply)
+        module.forward = TiledForward(module, forward, shards)
     return model
 
 
@@ -74,14 +75,14 @@ class TiledForward:
 
     `__wrapped__` is the wrapped forward (`swapped_modules` and kernelize follow it)."""
 
-    def __init__(self, module: nn.Module, layer_forward: Callable, shards: int | None, tiled_apply: Callable):
-        self.__wrapped__, self.shards, self._apply = layer_forward, shards, tiled_apply
+    def __init__(self, module: nn.Module, layer_forward: Callable, shards: int | None):
+        self.__wrapped__, self.shards = layer_forward, shards
         self._parameters = module.parameters  # TiledMLP's compute_params, read per call (ZeRO-3 may swap them)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shards = self.shards or _agreed_shards(x)
         params = [p for p in self._parameters() if p.requires_grad]
-        return self._apply(_run_layer, self, x, shards, params)
+        tiles = self.shards or _agreed_shards(x)
+        return _tiled_function().apply(_run_layer, self, x, tiles, params, *params)
 
 
 def _run_layer(tiled: TiledForward, x: torch.Tensor) -> torch.Tensor:
@@ -97,3 +98,28 @@ def _agreed_shards(x: torch.Tensor) -> int:
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
         shards = int(agreed.item())
     return shards
+
+
+@cache
+def _tiled_function() -> type[torch.autograd.Function]:
+    """DeepSpeed's TiledMLP with the MLP's parameters as inputs of the autograd function.
+
+    TiledMLP takes the parameters in a list, which autograd does not see: its output would need a gradient only when
+    `x` does, and an MLP whose input needs none (the MLPs trained alone, LoRA on the MLP only) would get no gradient.
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # imported only when asked for
+
+    class CardTiledMLP(TiledMLP):
+        """TiledMLP.apply(fn, self, x, shards, compute_params, *compute_params)."""
+
+        @staticmethod
+        def forward(ctx, fn, module, x, shards, compute_params, *parameters):
+            ctx.parameter_count = len(parameters)
+            return TiledMLP.forward(ctx, fn, module, x, shards, compute_params)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            grads = TiledMLP.backward(ctx, *grads)
+            return (*grads, *[None] * ctx.parameter_count)  # TiledMLP's backward accumulated theirs
+
+    return CardTiledMLP
