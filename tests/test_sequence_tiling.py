@@ -11,10 +11,13 @@ as it is (its chunks counted).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from npu_hub_kernels import apply_npu_kernels, swapped_modules
 from npu_hub_kernels.testing import emulation
@@ -219,3 +222,34 @@ def test_mlp_weights_get_eagers_gradients_when_its_input_needs_none(built_cards,
     assert any(".mlp." in name for name in want[1])
     _assert_eagers(got, want)
     assert calls["npu_swiglu"] == fused_calls
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Counts the matrix products dispatched inside it by dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: Counter[torch.dtype] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.dtypes[args[-1].dtype] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_backwards_recompute_runs_under_the_forwards_autocast(built_cards):
+    """Under bf16 autocast on float32 weights each tile's recompute in backward multiplies in bfloat16, as the untiled
+    model's backward does, not in the weights' float32 (TiledMLP's backward runs where the autocast is off). The
+    control: without autocast the counter sees the recompute's float32 products."""
+    ids = IDS.to("npu")
+    for autocast, dtypes in ((True, {torch.bfloat16}), (False, {torch.float32})):
+        for tiled in (False, True):
+            model = _cards(tiny_causal_lm("llama").train().to("npu"), built_cards)
+            if tiled:
+                tile_mlp(model, shards=TILES)
+            with torch.autocast("npu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss
+            with emulation.count_op_calls() as calls, _MatmulDtypes() as products:
+                loss.backward()
+            assert set(products.dtypes) == dtypes, (autocast, tiled, products.dtypes)
+            assert calls["npu_swiglu"] == (LAYERS * TILES if tiled else 0)  # the recompute: one fused call per tile

@@ -6,8 +6,8 @@ ulysses_sp`, the sequence-tiled MLP of Arctic Long Sequence Training) runs a fun
 sequence without autograd, then in backward runs it again tile by tile with autograd, so that one tile's activations
 are alive at a time. `tile_mlp` hands it the card's layer that kernelize bound on each MLP (the layers a card.toml
 names in `sequence_tiled_layers`), so each tile runs the fused op, forward and backward; the MLP's parameters go in as
-inputs autograd sees (`_tiled_function`). The loss card needs no tiling of its own: it already works in chunks of
-tokens.
+inputs autograd sees, and the backward's recompute runs under the forward's autocast (`_tiled_function`). The loss
+card needs no tiling of its own: it already works in chunks of tokens.
 
 The wrapper is set on each module as its forward, around the layer's (`__wrapped__`, as `functools.wraps` sets it):
 `swapped_modules` still lists the module as running the card's layer, and kernelize (the cards registered by
@@ -16,6 +16,7 @@ npu_hub_kernels) keeps it, as it keeps any forward another library set on a modu
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from functools import cache
@@ -102,24 +103,36 @@ def _agreed_shards(x: torch.Tensor) -> int:
 
 @cache
 def _tiled_function() -> type[torch.autograd.Function]:
-    """DeepSpeed's TiledMLP with the MLP's parameters as inputs of the autograd function.
+    """DeepSpeed's TiledMLP with the parameters as inputs and the forward's autocast in the backward's recompute.
 
     TiledMLP takes the parameters in a list, which autograd does not see: its output would need a gradient only when
     `x` does, and an MLP whose input needs none (the MLPs trained alone, LoRA on the MLP only) would get no gradient.
+    Its backward recomputes each tile where the forward's autocast is no longer on: under bf16 autocast the recompute
+    would run in the weights' float32.
     """
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # imported only when asked for
 
     class CardTiledMLP(TiledMLP):
-        """TiledMLP.apply(fn, self, x, shards, compute_params, *compute_params)."""
+        """TiledMLP.apply(fn, self, x, shards, compute_params, *compute_params), the forward's autocast kept."""
 
         @staticmethod
         def forward(ctx, fn, module, x, shards, compute_params, *parameters):
             ctx.parameter_count = len(parameters)
+            ctx.autocast = [
+                (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                for device in dict.fromkeys((x.device.type, "cpu"))
+            ]
+            ctx.autocast_cache = torch.is_autocast_cache_enabled()
             return TiledMLP.forward(ctx, fn, module, x, shards, compute_params)
 
         @staticmethod
         def backward(ctx, *grads):
-            grads = TiledMLP.backward(ctx, *grads)
+            with contextlib.ExitStack() as stack:
+                for device, enabled, dtype in ctx.autocast:
+                    stack.enter_context(
+                        torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=ctx.autocast_cache)
+                    )
+                grads = TiledMLP.backward(ctx, *grads)
             return (*grads, *[None] * ctx.parameter_count)  # TiledMLP's backward accumulated theirs
 
     return CardTiledMLP
