@@ -253,3 +253,27 @@ def test_the_backwards_recompute_runs_under_the_forwards_autocast(built_cards):
                 loss.backward()
             assert set(products.dtypes) == dtypes, (autocast, tiled, products.dtypes)
             assert calls["npu_swiglu"] == (LAYERS * TILES if tiled else 0)  # the recompute: one fused call per tile
+
+
+def test_only_training_calls_make_the_ranks_agree_on_the_tiles(built_cards, monkeypatch):
+    """Under a process group the ranks agree on the tiles in grad mode: one all_gather per MLP call. Without grad (eval,
+    generate: ranks stop at different lengths) each tiles its own sequence, with no collective."""
+    collectives = []
+
+    def all_gather(outputs, tensor):
+        collectives.append(tensor.tolist())
+        outputs[0].copy_(tensor)
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: collectives.append("all_reduce"))
+    model = tile_mlp(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards))
+    ids = token_ids(1, 130).to("npu")
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        logits = model(input_ids=ids).logits
+    assert calls["npu_swiglu"] == LAYERS * 3 and collectives == []
+    with emulation.count_op_calls() as calls:
+        tiled_logits = model(input_ids=ids).logits
+    assert calls["npu_swiglu"] == LAYERS * 3 and collectives == ["all_reduce"] * LAYERS
+    torch.testing.assert_close(tiled_logits.detach(), logits)

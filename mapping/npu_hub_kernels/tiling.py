@@ -40,8 +40,10 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
 
     Args:
         model: a model the cards were applied to, PEFT-wrapped or not.
-        shards: tiles per call; None: ceil(sequence / hidden size) per call (DeepSpeed's recipe), the largest over the
-            ranks of a started process group (ZeRO-3 gathers the MLP's weights per tile: every rank runs as many).
+        shards: tiles per call; None: ceil(sequence / hidden size) per call (DeepSpeed's recipe), in grad mode the
+            largest over the ranks of a started process group (one all_reduce and a host sync per MLP call, ZeRO-3
+            gathers the MLP's weights per tile: every rank runs as many); without grad (eval, generate) each rank's
+            own, with no collective.
 
     Raises:
         RuntimeError: no module of `model` runs such a layer (the cards are not applied yet, or their MLP card is not
@@ -82,7 +84,7 @@ class TiledForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         params = [p for p in self._parameters() if p.requires_grad]
-        tiles = self.shards or _agreed_shards(x)
+        tiles = self.shards or _agreed_shards(x, agreed=torch.is_grad_enabled())
         return _tiled_function().apply(_run_layer, self, x, tiles, params, *params)
 
 
@@ -91,13 +93,19 @@ def _run_layer(tiled: TiledForward, x: torch.Tensor) -> torch.Tensor:
     return tiled.__wrapped__(x)
 
 
-def _agreed_shards(x: torch.Tensor) -> int:
-    """ceil(sequence / hidden size) for `x` [..., sequence, hidden], the largest over the ranks of a started group."""
+def _agreed_shards(x: torch.Tensor, agreed: bool) -> int:
+    """ceil(sequence / hidden size) for `x` [..., sequence, hidden]; if `agreed`, the largest over the ranks of a
+    started group.
+
+    `agreed` (grad mode: training) under a started process group: one all_reduce and a host sync per call (ZeRO-3
+    gathers the MLP's weights per tile: every rank must run as many). Without grad (eval, generate: ranks may stop at
+    different lengths) each rank tiles its own, with no collective.
+    """
     shards = max(1, math.ceil(x.shape[-2] / x.shape[-1]))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        agreed = torch.tensor(shards, device=x.device)
-        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-        shards = int(agreed.item())
+    if agreed and torch.distributed.is_available() and torch.distributed.is_initialized():
+        agreed_shards = torch.tensor(shards, device=x.device)
+        torch.distributed.all_reduce(agreed_shards, op=torch.distributed.ReduceOp.MAX)
+        shards = int(agreed_shards.item())
     return shards
 
 
