@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+from distributed import run_distributed
 from peft import LoraConfig, get_peft_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -255,6 +256,17 @@ def test_the_backwards_recompute_runs_under_the_forwards_autocast(built_cards):
             assert calls["npu_swiglu"] == (LAYERS * TILES if tiled else 0)  # the recompute: one fused call per tile
 
 
+def test_tiles_are_never_more_than_the_sequence_makes(built_cards):
+    """torch.chunk makes 3 tiles of 6 tokens asked for 4: 3 tiles run (TiledMLP marks the gradients ready for ZeRO-3
+    at tile number `shards` only); 7 tokens make 4."""
+    model = tile_mlp(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards), shards=4)
+    for tokens, tiles in ((6, 3), (7, 4), (2, 2)):
+        ids = token_ids(2, tokens).to("npu")
+        with emulation.count_op_calls() as calls:
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert calls["npu_swiglu"] == LAYERS * tiles * 2, tokens
+
+
 def test_only_training_calls_make_the_ranks_agree_on_the_tiles(built_cards, monkeypatch):
     """Under a process group the ranks agree on the tiles in grad mode: one all_gather per MLP call. Without grad (eval,
     generate: ranks stop at different lengths) each tiles its own sequence, with no collective."""
@@ -275,5 +287,67 @@ def test_only_training_calls_make_the_ranks_agree_on_the_tiles(built_cards, monk
     assert calls["npu_swiglu"] == LAYERS * 3 and collectives == []
     with emulation.count_op_calls() as calls:
         tiled_logits = model(input_ids=ids).logits
-    assert calls["npu_swiglu"] == LAYERS * 3 and collectives == ["all_reduce"] * LAYERS
+    assert calls["npu_swiglu"] == LAYERS * 3 and collectives == [[3, 130]] * LAYERS
     torch.testing.assert_close(tiled_logits.detach(), logits)
+
+
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_allow_untested_optimizer": True,
+}
+"""ZeRO-3, every weight partitioned and gathered by hooks."""
+ZERO3_TOKENS = {"eager": (6, 8), "tiled": (6, 8), "tiles unclamped": (6, 6)}
+"""Each run's tokens on ranks 0 and 1: 4 tiles asked make 3 of 6 tokens, 4 of 8 (3 agreed); the control with 6 on both
+ranks (unequal tile counts would leave the ranks waiting on each other's gathers)."""
+
+
+def _zero3_rank(built_cards: str) -> dict:
+    """One rank: one ZeRO-3 SGD step per run of ZERO3_TOKENS; each run's update of every parameter, npu_swiglu calls."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from npu_hub_kernels import tiling
+
+    deepspeed.init_distributed(dist_backend="hccl")
+    rank = torch.distributed.get_rank()
+    results = {}
+    for run, tokens in ZERO3_TOKENS.items():
+        torch.manual_seed(0)
+        model = tiny_causal_lm("llama").train().to("npu")
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        if run != "eager":
+            tile_mlp(_cards(model, built_cards), shards=TILES)
+        asked_for = tiling._chunks
+        if run == "tiles unclamped":  # as TiledMLP is handed `shards` unchecked
+            tiling._chunks = lambda tokens, chunks: chunks
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ZERO3
+        )
+        ids = token_ids(1, tokens[rank], seed=rank).to("npu")
+        with emulation.count_op_calls() as calls:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        tiling._chunks = asked_for
+        updates = {name: safe_get_full_fp32_param(p).cpu() - before[name].cpu() for name, p in model.named_parameters()}
+        results[run] = {"updates": updates, "npu_swiglu": calls["npu_swiglu"]}
+        engine.destroy()
+    return results
+
+
+@pytest.mark.slow
+def test_zero3_updates_the_tiled_mlp_with_fewer_tokens_than_tiles(built_cards, tmp_path):
+    """ZeRO-3 on 2 ranks, 4 tiles asked of 6 and 8 tokens: 3 tiles on each rank, every update as eager's. The control:
+    4 tiles handed to TiledMLP on 6 tokens (torch.chunk makes 3) never mark the MLP's gradients ready, and ZeRO-3 never
+    reduces them: the MLP is not updated."""
+    env = {"DS_ACCELERATOR": "npu", "ASCEND_HOME_PATH": str(tmp_path), "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1"}
+    for rank, result in enumerate(run_distributed(_zero3_rank, str(built_cards), world_size=2, timeout=300, env=env)):
+        eager, tiled, control = result["eager"], result["tiled"], result["tiles unclamped"]
+        mlp = [name for name in eager["updates"] if ".mlp." in name]
+        assert mlp and all(eager["updates"][name].abs().max() > 0 for name in mlp)
+        for name, update in tiled["updates"].items():
+            torch.testing.assert_close(update, eager["updates"][name], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
+        assert tiled["npu_swiglu"] == LAYERS * 3 * 2, rank
+        assert all(control["updates"][name].abs().max() == 0 for name in mlp), rank
+        assert control["npu_swiglu"] == LAYERS * 3 * 2, rank

@@ -40,10 +40,10 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
 
     Args:
         model: a model the cards were applied to, PEFT-wrapped or not.
-        shards: tiles per call; None: ceil(sequence / hidden size) per call (DeepSpeed's recipe), in grad mode the
-            largest over the ranks of a started process group (one all_reduce and a host sync per MLP call, ZeRO-3
-            gathers the MLP's weights per tile: every rank runs as many); without grad (eval, generate) each rank's
-            own, with no collective.
+        shards: tiles asked per call; None: ceil(sequence / hidden size) per call (DeepSpeed's recipe). Cut per call
+            to the tiles torch.chunk makes of the sequence; under a started process group the ranks agree on the
+            count in grad mode (one all_gather and a host sync per MLP call, `_tiles`); without grad (eval, generate)
+            each rank tiles its own sequence, with no collective.
 
     Raises:
         RuntimeError: no module of `model` runs such a layer (the cards are not applied yet, or their MLP card is not
@@ -84,7 +84,7 @@ class TiledForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         params = [p for p in self._parameters() if p.requires_grad]
-        tiles = self.shards or _agreed_shards(x, agreed=torch.is_grad_enabled())
+        tiles = _tiles(x, self.shards, agreed=torch.is_grad_enabled())
         return _tiled_function().apply(_run_layer, self, x, tiles, params, *params)
 
 
@@ -93,20 +93,31 @@ def _run_layer(tiled: TiledForward, x: torch.Tensor) -> torch.Tensor:
     return tiled.__wrapped__(x)
 
 
-def _agreed_shards(x: torch.Tensor, agreed: bool) -> int:
-    """ceil(sequence / hidden size) for `x` [..., sequence, hidden]; if `agreed`, the largest over the ranks of a
-    started group.
+def _tiles(x: torch.Tensor, shards: int | None, agreed: bool) -> int:
+    """The tiles of this call for `x` [..., sequence, hidden]: `shards`, or ceil(sequence / hidden size) if None.
 
-    `agreed` (grad mode: training) under a started process group: one all_reduce and a host sync per call (ZeRO-3
-    gathers the MLP's weights per tile: every rank must run as many). Without grad (eval, generate: ranks may stop at
-    different lengths) each rank tiles its own, with no collective.
+    Never more than torch.chunk makes of the sequence (6 tokens in 4 chunks make 3): TiledMLP's backward marks the
+    MLP's gradients ready for ZeRO-3 at its tile number `shards` only, and `x`'s [batch x sequence] rows in as many
+    chunks make as many tiles. `agreed` (grad mode: training) under a started process group: the ranks agree (ZeRO-3
+    gathers the MLP's weights per tile and reduces its gradients after the last: every rank must run as many), one
+    all_gather of two integers and a host sync per call, the largest count that tiles every rank's sequence exactly.
+    Without grad (eval, generate: ranks may stop at different lengths) each rank tiles its own, with no collective.
     """
-    shards = max(1, math.ceil(x.shape[-2] / x.shape[-1]))
+    tokens = x.shape[-2]
+    wanted = shards or max(1, math.ceil(tokens / x.shape[-1]))
+    every_tokens = [tokens]
     if agreed and torch.distributed.is_available() and torch.distributed.is_initialized():
-        agreed_shards = torch.tensor(shards, device=x.device)
-        torch.distributed.all_reduce(agreed_shards, op=torch.distributed.ReduceOp.MAX)
-        shards = int(agreed_shards.item())
-    return shards
+        mine = torch.tensor([wanted, tokens], device=x.device)
+        gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(gathered, mine)
+        ranks = torch.stack(gathered).tolist()
+        wanted, every_tokens = max(rank_wanted for rank_wanted, _ in ranks), [rank_tokens for _, rank_tokens in ranks]
+    return next(n for n in range(wanted, 0, -1) if all(_chunks(t, n) == n for t in every_tokens))
+
+
+def _chunks(tokens: int, chunks: int) -> int:
+    """How many pieces torch.chunk makes of `tokens` rows asked for `chunks` (pieces of ceil(tokens / chunks))."""
+    return math.ceil(tokens / math.ceil(tokens / chunks)) if tokens else 1
 
 
 @cache
