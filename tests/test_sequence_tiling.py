@@ -129,8 +129,8 @@ def test_every_order_with_the_cards_before_tiling_fuses_per_tile(built_cards, or
 @pytest.mark.parametrize(
     ("order", "words"),
     [
-        ("tiling before the cards", "apply the cards first"),
-        ("tiling without the MLP card", "apply the cards first"),
+        ("tiling before the cards", "no card is applied .* apply the cards first"),
+        ("tiling without the MLP card", "the cards are applied .* or the MLP card was not selected"),
         ("tiling twice", "tiled already"),
     ],
 )
@@ -289,6 +289,13 @@ def test_only_training_calls_make_the_ranks_agree_on_the_tiles(built_cards, monk
         tiled_logits = model(input_ids=ids).logits
     assert calls["npu_swiglu"] == LAYERS * 3 and collectives == [[3, 130]] * LAYERS
     torch.testing.assert_close(tiled_logits.detach(), logits)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_model_without_a_dense_mlp_says_so(built_cards, family):
+    model = _cards(tiny_causal_lm(family).train().to("npu"), built_cards)
+    with pytest.raises(RuntimeError, match=r"the cards are applied .* no dense MLP the MLP card swapped"):
+        tile_mlp(model, shards=TILES)
 
 
 ZERO3 = {

@@ -46,8 +46,9 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
             each rank tiles its own sequence, with no collective.
 
     Raises:
-        RuntimeError: no module of `model` runs such a layer (the cards are not applied yet, or their MLP card is not
-            selected: nothing would run fused in tiles), or one of them is tiled already.
+        RuntimeError: no module of `model` runs such a layer (the cards are not applied yet, their MLP card is not
+            selected, or the model has no dense MLP the card swapped, as a mixture of experts: nothing would run fused
+            in tiles), or one of them is tiled already.
         ValueError: `shards` is not a positive integer.
     """
     if shards is not None and (not isinstance(shards, int) or shards < 1):
@@ -62,15 +63,28 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
         if build is not None and (build.CARD, layer) in TILED_LAYERS:
             found.append((module, forward))
     if not found:
-        layers = ", ".join(sorted(f"{card}:{layer}" for card, layer in TILED_LAYERS))
-        raise RuntimeError(
-            f"no module of this {type(model).__name__} runs a card's sequence-tiled layer ({layers}): apply the cards "
-            "first (apply_npu_kernels(model) or kernelize, with the MLP card selected), then tile_mlp(model); "
-            "tiling the class's own forward would run its eager math in every tile"
-        )
+        raise RuntimeError(_nothing_to_tile(model))
     for module, forward in found:
         module.forward = TiledForward(module, forward, shards)
     return model
+
+
+def _nothing_to_tile(model: nn.Module) -> str:
+    """Why no module of `model` can be tiled: the cards are not applied, or none of them swapped a dense MLP."""
+    tiled = ", ".join(sorted(f"{card}:{layer}" for card, layer in TILED_LAYERS))
+    bound = sorted({f"{build.CARD}:{layer}" for build, layer in filter(None, map(card_layer_of, model.modules()))})
+    what = type(model).__name__
+    if not bound:
+        return (
+            f"no card is applied to this {what}: apply the cards first (apply_npu_kernels(model) or kernelize, with "
+            f"the MLP card selected), then tile_mlp(model); tiling the class's own forward would run its eager math "
+            "in every tile"
+        )
+    return (
+        f"the cards are applied to this {what} ({', '.join(bound)}), but none of its modules runs a sequence-tiled "
+        f"layer ({tiled}): it has no dense MLP the MLP card swapped (a mixture of experts such as Mixtral or "
+        "Qwen3-MoE: tile_mlp does not tile experts), or the MLP card was not selected; nothing would run fused in tiles"
+    )
 
 
 class TiledForward:
