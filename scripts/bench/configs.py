@@ -154,3 +154,9 @@ shapes, so that the code path runs (and cannot rot) off an Ascend host; host-sid
 def experts_key(spec: ModelSpec) -> str:
     """The config key of the model's number of experts."""
     return "num_local_experts" if spec.model_type == "mixtral" else "num_experts"
+
+
+def activation_bytes(model: str, batch: int, seq: int) -> int:
+    """Bytes of one activation of a bench model's decoder layer: batch x seq x hidden, in `DTYPE` (its name `model`)."""
+    spec = next(spec for spec in CONFIGS.values() if spec.name == model)
+    return batch * seq * spec.config["hidden_size"] * DTYPE.itemsize

@@ -26,7 +26,7 @@ from .accounting import Memory, Tally, count_device_ops, fake_module
 from .cards import LAYER, NO_CARD, BeforeCardTarget, kinds
 from .configs import CONFIGS, DTYPE, PHASES, ModelSpec, experts_key
 from .device_model import device_seconds
-from .floors import floor_of, floor_peak, floor_saved_of
+from .floors import documented_of, floor_of, floor_peak, floor_saved_of
 from .memory import tracking_memory
 from .peer import Patches, Peer
 from .regions import (
@@ -57,6 +57,7 @@ class Measured:
     peer: Tally | None = None  # None: no peer column
     peer_patched: bool | None = None  # False: the peer leaves the region to transformers
     floor_memory: Memory | None = None  # None: not measured (forward alone)
+    documented: tuple[int, int] | None = None  # (ops, bytes) at the documented minimum; None: its spec states none
 
 
 PEER_LAYER = "model.layers.0."
@@ -188,6 +189,7 @@ def _combine(
     (they run one after the other); floors as `floors` says."""
     out = {}
     floors = {r.name: floor_of(r, resolve(layer, r.name), phase) for r in regions}
+    documented = {r.name: documented_of(r, resolve(layer, r.name), phase) for r in regions}
     with_grad = phase != "fwd"  # memory is measured with the backward only
     floor_memory = _region_floor_memory(regions, layer, tallies) if with_grad else {}
     for kind in (k for k in kinds() if any(r.kind == k for r in regions)):
@@ -199,6 +201,7 @@ def _combine(
             peer=_sum([tallies.get((n, "peer")) for n in names]),
             peer_patched=any(patched[n] for n in names) if patched else None,
             floor_memory=_kind_memory([floor_memory[n] for n in names]) if with_grad else None,
+            documented=_sum_pairs([documented[n] for n in names]),
         )
     rests = []  # what runs outside the regions, per variant with every region measured
     for variant in ("eager", "kernelized"):
@@ -215,6 +218,13 @@ def _combine(
         floor_memory=_layer_floor_memory(regions, tallies, floor_memory) if with_grad else None,
     )
     return out
+
+
+def _sum_pairs(pairs: list[tuple[int, int] | None]) -> tuple[int, int] | None:
+    """The (ops, bytes) pairs summed; None when any is None."""
+    if any(p is None for p in pairs):
+        return None
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
 def _measured_variants(tallies: dict, names: list[str]) -> list[list[Memory]]:
@@ -303,11 +313,17 @@ def counted_rows(spec: ModelSpec, shapes: Iterable[tuple[int, int]], peer: Peer 
                     eager=unit_value(m.eager, unit), kernelized=unit_value(m.kernelized, unit), floor=floor,
                     peer=unit_value(m.peer, unit), unit=unit, note=_note(m.kernelized, m.peer_patched),
                     study="layer", kind=kind, model=spec.name, experts=spec.experts, peer_patched=m.peer_patched,
+                    documented=_documented_value(m.documented, unit),
                 )  # fmt: skip
                 row.target = counted_target(row)
                 rows.append(row)
         log(f"  counted {spec.name}, batch {batch}, seq {seq}: {time.perf_counter() - started:.1f} s")
     return rows
+
+
+def _documented_value(documented: tuple[int, int] | None, unit: str) -> int | None:
+    """The documented minimum's figure in a counted unit (ops or bytes); None for other units or none stated."""
+    return None if documented is None else {"ops": documented[0], "bytes": documented[1]}.get(unit)
 
 
 def before_card_rows(

@@ -50,3 +50,14 @@ def floor_of(region: Region, module: nn.Module, phase: str) -> tuple[int, int]:
     """(ops, bytes) of a region at its floor, for the phase: the floor of the card that fuses its kind."""
     fwd, bwd = spec(card_of_kind(region.kind)).floor(module, *region.args, *region.kwargs.values())
     return fwd if phase == "fwd" else (fwd[0] + bwd[0], fwd[1] + bwd[1])
+
+
+def documented_of(region: Region, module: nn.Module, phase: str) -> tuple[int, int] | None:
+    """(ops, bytes) of a region at its documented minimum for the phase, or None where its spec states none.
+
+    The minimum is the `documented_minimum` of the card that fuses the region's kind."""
+    documented_minimum = getattr(spec(card_of_kind(region.kind)), "documented_minimum", None)
+    if documented_minimum is None:
+        return None
+    forward, with_backward = documented_minimum(module, *region.args, *region.kwargs.values())
+    return forward if phase == "fwd" else with_backward

@@ -417,10 +417,27 @@ def readme_summary(results: list[Result], tables: str, chart: str | None = None)
     met = f"**{len(results) - len(missed)} of {len(results)} targets met**"
     lines = [f"The last `make bench`: {met}" + ("; missed:" if missed else "."), ""]
     lines += [f"- {r.target}: {r.measured}" for r in missed] + ([""] if missed else [])
+    lines += documented_reach_note()
     if chart:
         lines += [f"![The training step's estimated device time per model, eager against the cards]({chart})", ""]
     lines.append(f"Every target, table and chart: [{Path(tables).name}]({tables}).")
     return "\n".join(lines) + "\n"
+
+
+def documented_reach_note() -> list[str]:
+    """Render the bench's note on the targets set where torch_npu's documented ops cannot reach the floor.
+
+    Why, per card (its spec's `OUT_OF_DOCUMENTED_REACH`, and its `BEFORE_CARD_TARGET`'s `why`), with the sources."""
+    reasons = [reason for _, reason in with_piece("OUT_OF_DOCUMENTED_REACH")]
+    reasons += [target.why for _, target in with_piece("BEFORE_CARD_TARGET")]
+    if not reasons:
+        return []
+    head = (
+        "Where no op torch_npu documents reaches a region's floor, the target is the documented minimum (the fewest "
+        "documented calls computing the region, their bytes as their contracts state them; the floor wherever those "
+        "reach it: `documented` in bench.csv), or as stated:"
+    )
+    return [head, "", *(f"- {reason}" for reason in reasons), ""]
 
 
 def card_summary(card: str, rows: list[Row]) -> str:

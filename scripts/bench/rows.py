@@ -92,6 +92,9 @@ class Row:
     figure, on the same region as the eager and kernelized ones; the row's study names the column's variant. Also
     written by the typed rows of `attention.AttentionRow` (flash_attention_2) and `padding_free.PaddingFreeRow`
     (packed through sdpa). None: not measured."""
+    documented: float | None = None
+    """Counted ops or bytes of a region whose card's spec defines `documented_minimum`: the region as the fewest
+    torch_npu calls the device documents that compute it (the floor where those reach it); None: not stated."""
 
     @property
     def ratio(self) -> float | None:
@@ -103,7 +106,7 @@ class Row:
 CSV_COLUMNS = ["machine", "versions", "mode", "config", "op", "phase", "batch", "seq"]
 CSV_COLUMNS += ["eager", "kernelized", "floor", "peer", "ratio", "unit", "target", "note"]
 CSV_COLUMNS += ["study", "kind", "variant", "path", "model", "experts", "emulated", "peer_patched", "outcome"]
-CSV_COLUMNS += ["chunk", "extra"]
+CSV_COLUMNS += ["chunk", "extra", "documented"]
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,14 @@ and may define:
   to COUNTED_TARGETS and shown in the counted and memory tables; CHUNK_STUDY; the extra column's studies) and the
   report renders its tables.
 - `BEFORE_CARD_TARGET: BeforeCardTarget`: for a card with `layer_region`, what the whole decoder layer with the
-  card is held to against the layer's floor without it (`BeforeCardTarget`); the bench counts that
-  layer for the models it names.
+  card is held to against the layer without it (`BeforeCardTarget`); the bench counts that layer for the models it
+  names.
+- `documented_minimum(module, *call) -> DocumentedMinimum`: the region as the fewest torch_npu calls the device
+  documents that compute it for this module and call (the ledger's rules, docs/torch-npu-ops.md), each call moving
+  what its contract says it reads and writes: (ops, bytes) forward without autograd, and forward+backward with it.
+  It equals the floor wherever the documented ops reach the floor, and is what a target `against="documented"`
+  holds the kernelized column to; the spec then also defines `OUT_OF_DOCUMENTED_REACH: str`, why the floor is out
+  of the documented ops' reach and where, with its sources (the bench's note prints it).
 
 `missing_pieces(card)` names what a card's spec lacks; tests/test_card_pieces.py holds every card to it.
 """
@@ -77,7 +83,7 @@ REQUIRED = ("floor", "floor_saved", "COUNTED_TARGETS", "FUSED_OPS", "HOST_TIMING
 SPEC_IMPORTS = {
     "bench.cards": frozenset(
         {"HostTiming", "LayerRegion", "ExpertsSweep", "OutsideRegion", "ExtraColumn", "RegionCall", "Run"}
-        | {"CountedTarget", "BeforeCardTarget", "BYTES_TOLERANCE"}
+        | {"CountedTarget", "BeforeCardTarget", "BYTES_TOLERANCE", "DocumentedMinimum"}
     ),
     "bench.floors": frozenset({"Floor", "dense_bytes"}),
     "bench.accounting": frozenset({"FusedOp", "empty_of", "tensor_bytes"}),
@@ -224,14 +230,20 @@ class OutsideRegion:
 BYTES_TOLERANCE = 1.05
 """A region's kernelized bytes within 5% of the floor (the cards' specs hold some regions to less)."""
 
+DocumentedMinimum = tuple[tuple[int, int], tuple[int, int]]
+"""A region at its documented minimum (`documented_minimum`): ((ops, bytes) forward without autograd, (ops, bytes)
+forward+backward with it)."""
+
 
 @dataclass(frozen=True)
 class CountedTarget:
     """A target for the kernelized column of a region's counted rows.
 
-    It requires kernelized <= bound x floor (bound 1: = floor), or <= bound x eager when `against` is "eager", in these
-    phases, and only at `shape` when given (then one target per model). `kind`: the rows' region kind, or "decoder
-    layer"; a card's spec leaves it empty, and `targets.counted_targets` sets it to the card's region."""
+    It requires kernelized <= bound x floor (bound 1: = floor), or <= bound x eager when `against` is "eager", or
+    <= bound x the row's documented minimum (bound 1: = it) when `against` is "documented" (`Row.documented`: the
+    floor where torch_npu's documented ops reach it), in these phases, and only at `shape` when given (then one
+    target per model). `kind`: the rows' region kind, or "decoder layer"; a card's spec leaves it empty, and
+    `targets.counted_targets` sets it to the card's region."""
 
     unit: str
     phases: tuple[str, ...]
@@ -246,7 +258,8 @@ class CountedTarget:
         if self.against == "eager":
             limit = "eager" if self.bound == 1 else f"{self.bound:g} x eager"
             return f"kernelized {what} <= {limit}" + (" (every size)" if self.shape is None else "")
-        limit = "= floor" if self.bound == 1 else f"<= {self.bound:g} x floor"
+        base = "documented minimum" if self.against == "documented" else "floor"
+        limit = f"= {base}" if self.bound == 1 else f"<= {self.bound:g} x {base}"
         return f"kernelized {what} {limit}"
 
     def applies(self, row: Row) -> bool:
@@ -261,24 +274,29 @@ class CountedTarget:
     def met(self, row: Row) -> bool:
         if self.against == "eager":
             return row.kernelized <= self.bound * row.eager
-        return row.kernelized == row.floor if self.bound == 1 else row.kernelized <= self.bound * row.floor
+        base = row.documented if self.against == "documented" else row.floor
+        if base is None:
+            raise ValueError(f"{row.model} {row.kind}: a row held to its documented minimum has none")
+        return row.kernelized == base if self.bound == 1 else row.kernelized <= self.bound * base
 
 
 @dataclass(frozen=True)
 class BeforeCardTarget:
-    """A card that swaps the decoder layer itself, held to the layer's floor before it.
+    """A card that swaps the decoder layer itself, held to the layer without it.
 
-    Forward+backward, per model of `models` (`configs.CONFIGS` keys), the kernelized layer (the default path, the card
-    included) at most `bytes_bound` x the floor of the layer without the card, and `fewer_ops` fewer ops than that
-    floor.
+    Forward+backward, per model of `models` (`configs.CONFIGS` names), the kernelized layer (the default path, the card
+    included) at least `fewer_ops` ops and `fewer_activations` activations' bytes (batch x seq x hidden in the model's
+    dtype) below the kernelized layer without the card, counted at the shapes of the rows of
+    `targets.BEFORE_CARD_STUDY`.
 
-    The floor without the card is the layer's floor where the card's layer is left out (`regions.WITHOUT_LAYER_CARD`:
-    every other card's layer, the decoder layer's own forward), counted at the shapes of the rows of
-    `targets.BEFORE_CARD_STUDY`."""
+    The layer without the card is the default path where the card's layer is left out (`regions.WITHOUT_LAYER_CARD`:
+    every other card's layer, the decoder layer's own forward). `why` says why the target is what it is (the bench's
+    note prints it)."""
 
-    bytes_bound: float
     fewer_ops: int
+    fewer_activations: int
     models: tuple[str, ...]
+    why: str
 
 
 def spec_name(card: Card) -> str:
@@ -338,11 +356,16 @@ def missing_pieces(card: Card) -> list[str]:
         if hasattr(module, name) and not callable(getattr(module, name))
     ]
     targets = getattr(module, "COUNTED_TARGETS", None)
+    documented = callable(getattr(module, "documented_minimum", None))
     if targets is not None:
         if not targets or not all(isinstance(t, CountedTarget) for t in targets):
             missing.append(f"{card.repo_name}: {where}: COUNTED_TARGETS is not a non-empty tuple of CountedTarget")
         elif any(t.kind for t in targets):
             missing.append(f"{card.repo_name}: {where}: a counted target sets its kind (card.toml's region is it)")
+        elif any(t.against == "documented" for t in targets) and not documented:
+            missing.append(f"{card.repo_name}: {where}: a target against the documented minimum, no documented_minimum")
+    if documented and not getattr(module, "OUT_OF_DOCUMENTED_REACH", ""):
+        missing.append(f"{card.repo_name}: {where}: documented_minimum without OUT_OF_DOCUMENTED_REACH (why)")
     rules = getattr(module, "FUSED_OPS", None)
     if rules is not None:
         ops = set(emulated_ops_of(card))
