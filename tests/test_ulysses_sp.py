@@ -28,7 +28,9 @@ What each case must show, on every rank:
 - fusion: each card that swapped a module of the family ran one of its fused ops in the step, or says why not (op
   counters; the loss card with each rank's shift_labels), the attention op on the gathered sequence with each
   rank's share of the heads (its query shape), packed sequences as layout TND with every row's documents' ends; the
-  run without kernels calls no fused op (the negative control).
+  run without kernels calls no fused op (the negative control). A dense model's MLP card: one fused call per layer
+  and forward; with `tile_mlp` (the recipe's order: after the cards, before SP's name), one per tile, layer and
+  direction (TiledMLP's forward and its backward's recompute), its untiled twin the control.
 - what cannot fuse says why and runs eager, exactly: more packed sequences in one gathered call than the op's
   varlen form takes (1024). bfloat16's loss, one scalar, gets the floor tests/test_distributed_training.py gives.
 """
@@ -80,6 +82,8 @@ class Case:
     """Whose training loop: transformers' Trainer, or "accelerate" (accelerate's prepare and a loop of one's own)."""
     eager_reason: str | None = None
     """What the attention card says where it cannot fuse (None: every attention call fuses)."""
+    tiles: int | None = None
+    """`tile_mlp(model, shards=tiles)` after the cards, in the recipe's order (None: the MLPs untiled)."""
 
 
 CASES = {
@@ -98,6 +102,11 @@ CASES = {
     "mistral, packed, window 4, checkpointing": Case(
         "mistral", {"sliding_window": 4}, packed=((9, 7), (2, 6, 8)), checkpointing=True
     ),
+    "llama, tiled MLP": Case("llama", tiles=4),
+    "mistral, packed, window 4, tiled MLP": Case("mistral", {"sliding_window": 4}, packed=((9, 7), (2, 6, 8)), tiles=4),
+    "mistral, packed, window 4, checkpointing, tiled MLP": Case(
+        "mistral", {"sliding_window": 4}, packed=((9, 7), (2, 6, 8)), checkpointing=True, tiles=4
+    ),
     "llama, 1026 packed documents": Case(
         "llama",
         packed=((1,) * 1025 + (3,),),
@@ -107,6 +116,10 @@ CASES = {
 }
 SAMPLE = ("llama, 2 packed rows", "llama, no kernels")
 """The cases `make test` runs (SP 2): two packed rows per micro-batch, and the control."""
+TILED = tuple(name for name, case in CASES.items() if case.tiles)
+"""The sequence-tiled MLP cases (`make test-long-context`, a launch of their own: `pytest -k tiled` runs them alone);
+their untiled twins ("llama", "mistral, packed, window 4" with and without checkpointing) are the control, in the
+other cases' launch."""
 
 
 def _data(case: Case, count: int) -> list[dict]:
@@ -158,6 +171,7 @@ def _train(case: Case, built_cards: str, sp_size: int, output_dir: str) -> dict:
         attention_modules,
         set_sequence_parallel_attention,
         swapped_modules,
+        tile_mlp,
         unregister_npu_kernels,
     )
     from npu_hub_kernels.testing import emulation
@@ -175,6 +189,8 @@ def _train(case: Case, built_cards: str, sp_size: int, output_dir: str) -> dict:
         model.to("npu")
     if case.kernels:
         apply_npu_kernels(model, mode=Mode.TRAINING, local_dir=built_cards)
+    if case.tiles:
+        tile_mlp(model, shards=case.tiles)  # after the cards, before SP's name and the Trainer: the recipe's order
     set_sequence_parallel_attention(parallelism, model)  # the card's name, which accelerate's constructor refuses
     attention = model.config._attn_implementation
     seen, grads, losses, op_inputs = [], [], [], []
@@ -388,6 +404,7 @@ def _check_fusion(case: Case, result: dict, sp_size: int, inputs: dict, where: s
         return
     forwards = 2 if case.checkpointing else 1  # checkpointing runs each layer's forward again in backward
     assert calls.get("npu_fusion_attention") == forwards * LAYERS, (where, calls)
+    _check_mlp_calls(case, calls, swaps, forwards, where)
     assert [reason for _, _, reason in runs] == [None] * LAYERS, (where, runs)
     heads = 4 // sp_size
     rows, seq = inputs["input_ids"].shape
@@ -400,6 +417,20 @@ def _check_fusion(case: Case, result: dict, sp_size: int, inputs: dict, where: s
             starts[:, 1:] = inputs["position_ids"][:, 1:] != inputs["position_ids"][:, :-1] + 1
             ends = [*starts.reshape(-1).nonzero().squeeze(1)[1:].tolist(), rows * seq]
             assert (layout, query_shape, query_ends) == ("TND", (rows * seq, heads, 16), ends), (where, query_ends)
+
+
+def _check_mlp_calls(case: Case, calls: dict, swaps: list, forwards: int, where: str) -> None:
+    """A dense model's MLP card: its fused op once per layer and forward untiled (the control); tiled, once per tile
+    in TiledMLP's forward (no autograd) and again in its backward's recompute, per layer (and per forward)."""
+    cards = {card for card, _, _ in swaps}
+    if "npu-swiglu" not in cards or "npu-moe" in cards:  # the experts card calls npu_swiglu too
+        assert not case.tiles, (where, swaps)
+        return
+    assert [reason for card, _, reason in swaps if card == "npu-swiglu"] == [None] * LAYERS, (where, swaps)
+    # the tiles a rank runs: `tiles` of its SEQ / sp_size tokens (4 of 8 at SP 2, 4 of 4 at SP 4)
+    per_layer = case.tiles * (forwards + 1) if case.tiles else forwards
+    mlp_calls = calls.get("npu_swiglu", 0) + calls.get("npu_geglu", 0)
+    assert mlp_calls == per_layer * LAYERS, (where, mlp_calls, per_layer * LAYERS)
 
 
 @pytest.mark.slow
@@ -415,7 +446,19 @@ def test_ulysses_sp_2_trains_as_one_process_of_eager(built_cards, tmp_path):
 @pytest.mark.skipif(not ALL_CASES, reason="every case at SP 2 and 4: make test-long-context")
 @pytest.mark.parametrize("sp_size", [2, 4])
 def test_ulysses_sp_every_case_trains_as_one_process_of_eager(built_cards, tmp_path, sp_size):
-    """Every case of CASES at SP 2 and 4 (4 processes on the machine's cores): see the module docstring."""
-    ranks = _run(built_cards, sp_size, tuple(CASES), tmp_path)
-    for name in CASES:
+    """Every case of CASES but TILED at SP 2 and 4 (4 processes on the machine's cores): see the module docstring."""
+    names = tuple(name for name in CASES if name not in TILED)
+    ranks = _run(built_cards, sp_size, names, tmp_path)
+    for name in names:
+        check_case(ranks, name, sp_size)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ALL_CASES, reason="every case at SP 2 and 4: make test-long-context")
+@pytest.mark.parametrize("sp_size", [2, 4])
+def test_ulysses_sp_with_tiled_mlp_trains_as_one_process_of_eager(built_cards, tmp_path, sp_size):
+    """The recipe with the sequence-tiled MLP (load, cards, tile_mlp, SP's name, Trainer) at SP 2 and 4, ZeRO-3: eager's
+    loss and gradients, the fused SwiGLU once per tile, layer and direction (its untiled twins are the control)."""
+    ranks = _run(built_cards, sp_size, TILED, tmp_path)
+    for name in TILED:
         check_case(ranks, name, sp_size)
