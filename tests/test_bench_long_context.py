@@ -4,6 +4,9 @@
   setup: what lets the bench call the full-size peaks counted.
 - Checkpointing keeps one hidden state per layer on the device, offload none; Ulysses sends q, k, v and the output
   each way; tiling shrinks the MLP's part of the peak (each with its negative control).
+- ZeRO-3's states are DeepSpeed 0.19's under bf16: bf16 parameter and gradient, float32 master and two float32
+  moments a parameter over the devices (16 bytes, not the 8 of all-bfloat16 states), the bf16 partition alone with
+  ZeRO-Offload, 8 bytes with DeepSpeed's bf16 master and optimizer states; sub-groups as DeepSpeed forms them.
 - The search returns a length that fits and a next counted length, at most 1% (or one granule) longer, that does
   not; the targets read the rows.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from bench import long_context as lc
 from bench.configs import ModelSpec
 from bench.long_context_report import long_context_section
@@ -84,6 +88,41 @@ def test_tiling_and_sequence_parallel_shrink_what_grows_with_the_sequence(npu_ke
     assert tiled["at peak: MLP activations"] < ours["at peak: MLP activations"]
     sp = lc.measure_long_step(TINY, 2, seq, lc.OURS_SP, 2)
     assert sp[f"at peak: {lc.CHECKPOINTS}"] * 2 == ours[f"at peak: {lc.CHECKPOINTS}"]
+
+
+def test_the_states_are_deepspeeds_mixed_precision_bytes_over_the_devices():
+    """Each device keeps 1/N of a bf16 parameter and gradient, a float32 master and AdamW's two float32 moments.
+
+    The bytes a parameter built from the dtypes, not from the layout's fields; the old all-bfloat16 figure (8 bytes)
+    fails; ZeRO-Offload leaves the bf16 parameter on the device; the gathered parameters and the bucket come on top."""
+    bf16, fp32 = torch.bfloat16.itemsize, torch.float32.itemsize
+    total, largest, layer = lc.parameter_counts(TINY)
+    mixed = bf16 + bf16 + fp32 + 2 * fp32
+    assert mixed == 16 and lc.STATES_MIXED.per_parameter(False) == mixed
+    devices = 8
+    extra = 2 * (largest + layer) + lc.REDUCE_BUCKET_BYTES
+    assert lc.states_bytes(TINY, devices, lc.OURS_SP) == mixed * math.ceil(total / devices) + extra
+    assert lc.states_bytes(TINY, devices, lc.OURS_SP) != 8 * math.ceil(total / devices) + extra
+    offloaded = lc.states_bytes(TINY, devices, lc.OURS_SP_OFFLOAD)
+    assert offloaded == bf16 * math.ceil(total / devices) + extra
+    lean = lc.states_bytes(TINY, devices, lc.OURS_SP_BF16_STATES)
+    assert lean == (bf16 + bf16 + 2 * bf16) * math.ceil(total / devices) + extra
+    assert lc.states_bytes(TINY, 1, lc.OURS) == mixed * total + lc.REDUCE_BUCKET_BYTES
+
+
+def test_the_optimizer_steps_float32_sub_groups_with_a_float32_gradient(npu_kernels, monkeypatch):
+    """DeepSpeed's sub-groups (closed at sub_group_size) cover the shard; a sub-group's step holds its float32 gradient.
+
+    The counted step's peak beyond the states is at least the float32 gradient of the largest sub-group, and 4 bytes
+    an element above the bfloat16 layout's (control: its gradient and AdamW's temporary in bfloat16)."""
+    monkeypatch.setattr(lc, "SUB_GROUP_ELEMENTS", 10_000)
+    groups = lc.sub_groups(TINY, 2)
+    sizes = lc._parameters(TINY)[3]
+    assert sum(groups) == sum(math.ceil(n / 2) for n in sizes) and len(groups) > 1
+    assert all(n >= 10_000 for n in groups[:-1])
+    mixed = lc.measure_optimizer_step(max(groups), lc.STATES_MIXED)["optimizer peak bytes"]
+    lean = lc.measure_optimizer_step(max(groups), lc.STATES_BF16)["optimizer peak bytes"]
+    assert mixed >= torch.float32.itemsize * max(groups) and mixed - lean == 4 * max(groups)
 
 
 def test_fit_length_solves_the_quadratic_and_the_line():

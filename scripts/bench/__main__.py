@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="batch 1 x sequence 512 only, fewer repeats")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
-    parser.add_argument("--only", choices=("counted", "timed"), help="run one mode only")
+    parser.add_argument(
+        "--only",
+        choices=("counted", "timed", "long-context"),
+        help="run one mode only; long-context: the longest-trainable-sequence study alone (counted, minutes)",
+    )
     parser.add_argument(
         "--peer",
         choices=("auto", "off"),
@@ -160,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                     rows += parity_rows(peer, QUICK_PARITY if quick else TINY_CONFIGS)
             else:
                 log("counted: skipped; it runs on the torch_npu emulation (the counts do not depend on the host)")
+        if args.only == "long-context" and emulated:
+            if args.peer == "auto":
+                peer, peer_absent = load_peer()
+            rows += longest_rows(peer, tuple(k for k in LONG_MODELS if k not in CONFIGS or CONFIGS[k] in specs))
         if args.only in (None, "timed"):
             log("timed: host side")
             rows += kernelize_rows(5 if quick else 21)

@@ -15,17 +15,33 @@ What is modelled, each stated in the rows' notes and docs/bench.md:
 - **Checkpointing**: each decoder layer keeps only its input and runs its forward again in the backward (`_Checkpoint`,
   what transformers' gradient checkpointing does per layer). Offloaded: that input is copied to the host in the
   forward and back in the backward (ALST's checkpoint offload); host tensors are not device memory.
-- **ZeRO-3 over the devices** (DeepSpeed stage 3, bf16 as the step bench: parameters, gradients and AdamW's two
-  moments in bfloat16, 8 bytes a parameter): each device keeps 1/N of them; a module's parameters are gathered whole
-  for its forward and backward, modelled as the largest module's plus one decoder layer prefetched (none on 1 device,
-  which holds them all); a parameter's gradient is counted whole when the backward makes it and freed right after
-  (the reduce-scatter keeps 1/N, in the states). Offloaded, the moments and the gradient shard live on the host
-  (ZeRO-Offload) and the optimizer runs there.
+- **ZeRO-3 over the devices**, as DeepSpeed 0.19 allocates it under `bf16: {enabled: true}` (what Trainer's
+  `bf16=True` with a ZeRO-3 config gives; `STATES_MIXED`), per parameter, each device keeping 1/N of every term
+  (deepspeed/runtime/zero/stage3.py in the pinned 0.19.8): the bfloat16 parameter partition (2 bytes, `lp_param_buffer`,
+  :972), the gradient partition in `gradient_accumulation_dtype` (2 bytes: the model's dtype unless
+  `data_types.grad_accum_dtype` says otherwise, engine.py:1806-1807; `grad_partitions_flat_buffer`, :791-793), the
+  float32 master copy (4 bytes, `fp32_partitioned_groups_flat`, :1170-1172, in `master_weights_and_grads_dtype`,
+  float32 unless bf16/fp16 master weights are asked for, base_optimizer.py:525-530) and AdamW's two moments, made on
+  that float32 master (8 bytes: the optimizer steps `fp32_partitioned_groups_flat`, :1235-1237): 16 bytes a parameter
+  (ALST, arXiv 2506.13996, counts 18 with a float32 gradient). In the optimizer's step one sub-group
+  (`sub_group_size`, 10^9 elements by default, zero/config.py:182; formed as :1210-1233) at a time gets its gradient
+  flattened and cast to float32 (:2686-2693), counted with AdamW's temporaries (`measure_optimizer_step`). The
+  reduce-scatter's contiguous bucket (`reduce_bucket_size`, 5 x 10^8 elements by default, zero/config.py:113; bf16,
+  :780-784) lives on the device throughout. `STATES_BF16` is DeepSpeed's documented leaner layout,
+  `bf16: {bf16_master_weights_and_grads: true, bf16_optimizer_states: true}` (precision_config.py:63-70): the bf16
+  partition is the master (:1162-1167) and the moments are bfloat16, 8 bytes a parameter. A module's parameters are
+  gathered whole for its forward and backward, modelled as the largest module's plus one decoder layer prefetched (none
+  on 1 device, which holds them all); a parameter's gradient is counted whole when the backward makes it and freed
+  right after (the reduce-scatter keeps 1/N, in the states). Optimizer offload (ZeRO-Offload,
+  `offload_optimizer: {device: cpu}`): `self.device` is the host (:333), so the gradient partition, the float32 master,
+  the moments and the step live there (DeepSpeedCPUAdam); the device keeps the bf16 partition and the bucket.
 - **Ulysses SP over N devices**: each rank runs the model on S/N tokens; inside attention an all-to-all gives each rank
   all S tokens of heads/N (query, key, value), and one back gives its S/N tokens of every head (DeepSpeed's
   `UlyssesSPAttentionHF`). The all-to-all is modelled (`_AllToAll`: a new tensor of the other layout, as its output
   buffer), its bytes sent per rank tallied; the attention between runs as counted, with the card's function.
 - The data-parallel setups (no SP) on N devices: every device trains its own sequence; only the states shrink.
+- **Checkpoint offload** (ALST's): the checkpointed inputs go to the host; it is its own setup, with the optimizer on
+  the device or with ZeRO-Offload too.
 
 The longest sequence (`longest`): the counted peak is fitted through three lengths as a + b S + c S^2 and solved for
 the device's memory (`DEVICE_BYTES`), then checked by counting: the answer fits, and the next length at least 1% longer
@@ -79,25 +95,72 @@ ALL_TO_ALL = "all-to-all bytes"
 
 
 @dataclass(frozen=True)
+class StatesLayout:
+    """Where ZeRO-3 keeps a parameter's training state: bytes a parameter on the device, summed over all devices.
+
+    Named by the DeepSpeed setting that gives it; each device keeps 1/N of every term (see the module doc)."""
+
+    setting: str
+    parameter: int  # the bf16 parameter partition
+    gradient: int  # the gradient partition (gradient_accumulation_dtype)
+    master: int  # the master copy the optimizer steps (0: the bf16 partition is the master)
+    moments: int  # AdamW's exp_avg and exp_avg_sq, in the master's dtype
+    master_dtype: torch.dtype
+
+    def per_parameter(self, optimizer_offload: bool) -> int:
+        """Bytes a parameter on the devices: the bf16 partition alone when the optimizer is on the host."""
+        if optimizer_offload:
+            return self.parameter
+        return self.parameter + self.gradient + self.master + self.moments
+
+
+STATES_MIXED = StatesLayout("bf16 enabled (DeepSpeed's default mixed precision)", 2, 2, 4, 2 * 4, torch.float32)
+STATES_BF16 = StatesLayout("bf16_master_weights_and_grads + bf16_optimizer_states", 2, 2, 0, 2 * 2, torch.bfloat16)
+SUB_GROUP_ELEMENTS = 1_000_000_000
+"""DeepSpeed's default `sub_group_size` (zero/config.py:182): the optimizer steps the shard this many elements at a
+time, each sub-group's gradient cast to the master's dtype for its step."""
+REDUCE_BUCKET_BYTES = 500_000_000 * 2
+"""DeepSpeed's default `reduce_bucket_size` (5 x 10^8 elements, zero/config.py:113) in bfloat16: the contiguous
+gradient bucket ZeRO-3 keeps on the device (stage3.py:780-784, `contiguous_gradients` on by default)."""
+
+
+@dataclass(frozen=True)
 class Setup:
-    """A way to train at long sequence: the variant's forwards, Ulysses SP over every device, tiled MLP, offload."""
+    """A way to train at long sequence: the variant's forwards, Ulysses SP over every device, tiled MLP, offload.
+
+    `offload`: the checkpointed hidden states on the host; `optimizer_offload`: ZeRO-Offload; `states`: ZeRO-3's
+    layout of the parameters' training state."""
 
     name: str
     variant: str  # eager | kernelized | peer (as the step bench's VARIANTS)
     sequence_parallel: bool = False
     tiled_mlp: bool = False
     offload: bool = False
+    optimizer_offload: bool = False
+    states: StatesLayout = STATES_MIXED
+
+    def counted_as(self) -> tuple:
+        """What the forward and backward's count depends on (not the states' layout or where the optimizer runs)."""
+        return self.variant, self.sequence_parallel, self.tiled_mlp, self.offload
 
 
 EAGER = Setup("eager HF (sdpa)", "eager")
 PEER = Setup("peer", "peer")
 OURS = Setup("ours", "kernelized")
-OURS_SP = Setup("ours + Ulysses SP + tiled MLP", "kernelized", sequence_parallel=True, tiled_mlp=True)
+_SP_TILED = dict(variant="kernelized", sequence_parallel=True, tiled_mlp=True)
+OURS_SP = Setup("ours + Ulysses SP + tiled MLP", **_SP_TILED)
+OURS_SP_CHECKPOINT_OFFLOAD = Setup("ours + Ulysses SP + tiled MLP + checkpoint offload", **_SP_TILED, offload=True)
 OURS_SP_OFFLOAD = Setup(
-    "ours + Ulysses SP + tiled MLP + offload", "kernelized", sequence_parallel=True, tiled_mlp=True, offload=True
-)
-SETUPS = (EAGER, PEER, OURS, OURS_SP, OURS_SP_OFFLOAD)
-SP_SETUPS = (OURS_SP, OURS_SP_OFFLOAD)
+    "ours + Ulysses SP + tiled MLP + checkpoint and optimizer offload", **_SP_TILED, offload=True,
+    optimizer_offload=True,
+)  # fmt: skip
+OURS_SP_BF16_STATES = Setup(
+    "ours + Ulysses SP + tiled MLP + checkpoint offload, bf16 master and moments", **_SP_TILED, offload=True,
+    states=STATES_BF16,
+)  # fmt: skip
+SETUPS = (EAGER, PEER, OURS, OURS_SP, OURS_SP_CHECKPOINT_OFFLOAD, OURS_SP_OFFLOAD, OURS_SP_BF16_STATES)
+SP_SETUPS = (OURS_SP, OURS_SP_CHECKPOINT_OFFLOAD, OURS_SP_OFFLOAD)
+"""The SP setups the targets read: DeepSpeed's default mixed precision (the bf16-state one is shown, not counted)."""
 
 
 class DeviceMemory(MemoryTracker):
@@ -289,25 +352,27 @@ def measure_long_step(model: StepModel, layers: int, seq: int, setup: Setup, ran
     return figures
 
 
-def measure_optimizer_step(model: StepModel, layers: int, ranks: int) -> Figures:
-    """Count AdamW(foreach)'s step over one rank's ZeRO-3 shard of every parameter of the model with `layers` layers.
+def measure_optimizer_step(elements: int, layout: StatesLayout) -> Figures:
+    """Count AdamW(foreach)'s step over one optimizer sub-group of `elements` on a device, as ZeRO-3 steps it.
 
-    A shard is ceil(numel / ranks) elements. Figures: its ops and time (`figures_of`) and its peak of live bytes
-    ("optimizer peak bytes"), its moments made beforehand (a step after the first); step counters on the device
-    (`capturable`)."""
-    net = build_step_model(model.spec, layers, model.vocab)
+    The sub-group's bf16 gradient flattened and cast to the master's dtype (stage3.py:2686-2693), then AdamW on the
+    flat master (its moments made beforehand: a step after the first; step counters on the device, `capturable`).
+    Figures: its ops and time (`figures_of`) and its peak of live bytes beyond the states ("optimizer peak bytes")."""
     fake_mode = FakeTensorMode()
-    fake_module(net, fake_mode, "npu")
     with fake_mode:
-        shards = [nn.Parameter(p.new_empty(math.ceil(p.numel() / ranks))) for p in net.parameters()]
-        optimizer = torch.optim.AdamW(shards, lr=1e-5, foreach=True, capturable=True)
-        for shard in shards:
-            shard.grad = torch.empty_like(shard)
+        master = nn.Parameter(torch.empty(elements, dtype=layout.master_dtype, device="npu"))
+        optimizer = torch.optim.AdamW([master], lr=1e-5, foreach=True, capturable=True)
+        master.grad = torch.empty_like(master)
         optimizer.step()
+        master.grad = None
         tracker = DeviceMemory({}, set())
         try:
             with tracker, count_device_ops() as tally:
+                flat = torch.empty(elements, dtype=torch.bfloat16, device="npu")  # the flattened gradient partition
+                master.grad = flat.to(layout.master_dtype)
+                del flat
                 optimizer.step()
+                master.grad = None
         finally:
             tracker.close()
     figures = figures_of([], tally.records, 0, 0, 0)
@@ -315,26 +380,50 @@ def measure_optimizer_step(model: StepModel, layers: int, ranks: int) -> Figures
     return figures
 
 
-_PARAMS: dict[str, tuple[int, int, int]] = {}
+_PARAMS: dict[str, tuple[int, int, int, tuple[int, ...]]] = {}
 
 
 def parameter_counts(model: StepModel) -> tuple[int, int, int]:
     """The model's parameter count, the largest module's outside the decoder layers, and one decoder layer's."""
+    return _parameters(model)[:3]
+
+
+def _parameters(model: StepModel) -> tuple[int, int, int, tuple[int, ...]]:
+    """`parameter_counts` and every parameter's size in the model's order (the layers' repeated)."""
     if model.spec.name not in _PARAMS:
         net = build_step_model(model.spec, 1, model.vocab)
-        layer = sum(p.numel() for p in net.model.layers[0].parameters())
-        largest = max(p.numel() for name, p in net.named_parameters() if ".layers." not in name)
-        total = sum(p.numel() for p in net.parameters()) + (model.layers - 1) * layer
-        _PARAMS[model.spec.name] = total, largest, layer
+        named = [(name, p.numel()) for name, p in net.named_parameters()]
+        layer = [n for name, n in named if ".layers." in name]
+        before = [n for name, n in named[: next(i for i, (name, _) in enumerate(named) if ".layers." in name)]]
+        after = [n for name, n in named[len(before) + len(layer) :]]
+        sizes = (*before, *layer * model.layers, *after)
+        largest = max(n for name, n in named if ".layers." not in name)
+        _PARAMS[model.spec.name] = sum(sizes), largest, sum(layer), sizes
     return _PARAMS[model.spec.name]
 
 
-def states_bytes(model: StepModel, devices: int, offload: bool) -> int:
-    """The bytes of ZeRO-3's states on one device during the forward and backward (see the module doc)."""
+def sub_groups(model: StepModel, devices: int) -> list[int]:
+    """The elements of each optimizer sub-group on one device, as ZeRO-3 forms them (stage3.py:1210-1233).
+
+    Each parameter's partition (ceil(numel / N)) in the model's order, a sub-group closed once it reaches
+    `SUB_GROUP_ELEMENTS` (one parameter group: Trainer's second, the few norms without weight decay, is left out)."""
+    groups, current = [], 0
+    for size in _parameters(model)[3]:
+        current += math.ceil(size / devices)
+        if current >= SUB_GROUP_ELEMENTS:
+            groups.append(current)
+            current = 0
+    return [*groups, current] if current else groups
+
+
+def states_bytes(model: StepModel, devices: int, setup: Setup) -> int:
+    """The bytes of ZeRO-3's states on one device during the forward and backward (see the module doc).
+
+    The setup's layout's bytes a parameter over the devices, the gathered parameters and the gradient bucket."""
     total, largest, layer = parameter_counts(model)
-    per_parameter = 2 if offload else 8  # bf16 parameters; + bf16 gradients and AdamW's two bf16 moments
+    per_parameter = setup.states.per_parameter(setup.optimizer_offload)
     gathered = 0 if devices == 1 else 2 * (largest + layer)
-    return per_parameter * math.ceil(total / devices) + gathered
+    return per_parameter * math.ceil(total / devices) + gathered + REDUCE_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -368,36 +457,42 @@ class LongStep:
     def figures(self, setup: Setup, devices: int, seq: int) -> Figures:
         """One rank's forward and backward, derived to the model's layers (`Figures.scaled` from 2 and 3 layers)."""
         ranks = devices if setup.sequence_parallel else 1
-        key = (setup, ranks, seq)
+        key = (setup.counted_as(), ranks, seq)
         if key not in self.cache:
             two, three = (measure_long_step(self.model, n, seq, setup, ranks, self.peer) for n in (2, 3))
             self.cache[key] = two.scaled(three, self.model.layers - 2)
         return self.cache[key]
 
-    def optimizer(self, devices: int) -> Figures:
-        """AdamW's step over one device's shard, derived to the model's layers."""
-        if devices not in self.cache:
-            two, three = (measure_optimizer_step(self.model, n, devices) for n in (2, 3))
-            self.cache[devices] = two.scaled(three, self.model.layers - 2)
-        return self.cache[devices]
+    def optimizer(self, devices: int, layout: StatesLayout) -> Figures:
+        """AdamW's step over one device's shard, sub-group by sub-group: ops summed, the largest sub-group's peak."""
+        key = (devices, layout)
+        if key not in self.cache:
+            counts = Counter(sub_groups(self.model, devices))
+            steps = {n: measure_optimizer_step(n, layout) for n in counts}
+            total = Counter()
+            for n, f in steps.items():
+                total.update({what: value * counts[n] for what, value in f.values.items()})
+            total["optimizer peak bytes"] = max(f["optimizer peak bytes"] for f in steps.values())
+            self.cache[key] = Figures(total)
+        return self.cache[key]
 
     def step(self, setup: Setup, devices: int, seq: int) -> Figures:
         """One device's whole step: forward, backward and (unless offloaded to the host) AdamW's step on its shard."""
         f = self.figures(setup, devices, seq)
-        if setup.offload:
+        if setup.optimizer_offload:
             return f
-        return Figures(f.values + self.optimizer(devices).values)
+        return Figures(f.values + self.optimizer(devices, setup.states).values)
 
     def peak(self, setup: Setup, devices: int, seq: int) -> Peak:
         """One device's peak over the step at `seq` tokens.
 
-        The larger of the forward and backward's with the states (`states_bytes`) and the optimizer step's with the
-        shards (8 bytes a parameter over the devices)."""
+        The larger of the forward and backward's with the states (`states_bytes`) and the optimizer step's: the
+        states (the gathered parameters released) and the largest sub-group's step (`measure_optimizer_step`)."""
         f = self.figures(setup, devices, seq)
-        states = states_bytes(self.model, devices, setup.offload)
-        if not setup.offload:
-            shards = 8 * math.ceil(parameter_counts(self.model)[0] / devices)
-            optimizer = self.optimizer(devices)["optimizer peak bytes"] + shards
+        states = states_bytes(self.model, devices, setup)
+        if not setup.optimizer_offload:
+            resident = setup.states.per_parameter(False) * math.ceil(parameter_counts(self.model)[0] / devices)
+            optimizer = self.optimizer(devices, setup.states)["optimizer peak bytes"] + resident + REDUCE_BUCKET_BYTES
             if optimizer > f["peak bytes"] + states:
                 return Peak(seq, int(optimizer), {STATES: int(optimizer)})
         parts = {n.removeprefix("at peak: "): int(v) for n, v in f.values.items() if n.startswith("at peak: ")}
@@ -530,8 +625,8 @@ def longest_rows(peer: Peer | None, keys: tuple[str, ...] = LONG_MODELS) -> list
             for setup, (row, curve) in found.items():
                 rows += [row.csv_row(), *curve]
                 log(f"  longest sequence {row.model}, {setup.name}, {devices} device(s): {row.seq} ({row.bound})")
-            best = max((s for s in found if s.sequence_parallel), key=lambda s: found[s][0].seq)
-            seqs = {s.variant if not s.sequence_parallel else "sp": found[s][0].seq for s in found}
+            best = max((s for s in found if s in SP_SETUPS), key=lambda s: found[s][0].seq)
+            seqs = {s.variant: found[s][0].seq for s in found if not s.sequence_parallel}
             rows.append(
                 Row(
                     "counted", step.model.spec.name, "longest trainable sequence", "fwd+bwd+AdamW", 1,

@@ -9,6 +9,7 @@ from .long_context import (
     SETUPS,
     SP_STEP_SEQ,
     SP_STEP_STUDY,
+    STATES_MIXED,
     LongestRow,
     fit_length,
 )
@@ -18,12 +19,16 @@ from .rows import LONGEST_STUDY, Row
 INTRO = (
     "Longest trainable sequence (**counted**, `scripts/bench/long_context.py`; how: `docs/bench.md`): one device's "
     "peak memory over a training step at batch 1, bfloat16, every decoder layer checkpointed, ZeRO-3 over the devices "
-    "(parameters, gradients and AdamW's moments in bfloat16, 1/N each), counted on fake tensors at 2 and 3 layers and "
-    "carried to the model's; the all-to-all of Ulysses SP and ZeRO-3's gathers are modelled. The longest length is "
+    "as DeepSpeed 0.19 keeps it under bf16 (bf16 parameters and gradients, float32 master weights and AdamW moments: "
+    "16 bytes a parameter, 1/N each; its 1 GB gradient bucket; the optimizer's float32 gradient one sub-group at a "
+    "time), counted on fake tensors at 2 and 3 layers and carried to the model's; the all-to-all of Ulysses SP and "
+    "ZeRO-3's gathers are modelled. The longest length is "
     "the longest counted at most {limit} (an Atlas A2 device, no allowance for the runtime or the allocator); the "
     "next length counted (at least 1% longer) does not fit. Without SP each device trains a sequence of its own; with "
-    "SP the devices share one. Offload: the checkpointed hidden states and the optimizer (moments, gradient shards, "
-    "its step) on the host."
+    "SP the devices share one. Checkpoint offload: the checkpointed hidden states on the host; optimizer offload: "
+    "ZeRO-Offload (float32 master, moments, gradient partition and the step on the host, bf16 parameters on the "
+    "device); bf16 master and moments: DeepSpeed's `bf16_master_weights_and_grads` and `bf16_optimizer_states` (8 "
+    "bytes a parameter), shown beside, not read by the targets."
 )
 
 
@@ -131,9 +136,10 @@ def write_long_context_chart(rows: list[Row], path) -> str | None:
     if not curve:
         return None
     models = list(dict.fromkeys(r.model for r in curve))
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 6.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        for setup, style in zip(SETUPS, ("-", ":", "-", "-", "-"), strict=True):
+        for setup in SETUPS:
+            style = ":" if setup.variant == "peer" else "-." if setup.states is not STATES_MIXED else "-"
             points = sorted((r.seq, r.kernelized) for r in curve if r.model == model and r.variant == setup.name)
             if points:
                 xs, ys = [p[0] for p in points], [p[1] / 1e9 for p in points]
@@ -145,7 +151,7 @@ def write_long_context_chart(rows: list[Row], path) -> str | None:
         ax.set_xlabel("sequence length, tokens (over the SP group)")
         ax.set_ylabel("peak per device, GB (counted)")
         ax.set_title(f"{model} on 8 devices, ZeRO-3, checkpointed", fontsize=10)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
