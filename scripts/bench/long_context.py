@@ -23,7 +23,7 @@ What is modelled, each stated in the rows' notes and docs/bench.md:
   float32 master copy (4 bytes, `fp32_partitioned_groups_flat`, :1170-1172, in `master_weights_and_grads_dtype`,
   float32 unless bf16/fp16 master weights are asked for, base_optimizer.py:525-530) and AdamW's two moments, made on
   that float32 master (8 bytes: the optimizer steps `fp32_partitioned_groups_flat`, :1235-1237): 16 bytes a parameter
-  (ALST, arXiv 2506.13996, counts 18 with a float32 gradient). In the optimizer's step one sub-group
+  (ALST, arXiv 2506.13996, counts 18; the gradient partition here stays bf16). In the optimizer's step one sub-group
   (`sub_group_size`, 10^9 elements by default, zero/config.py:182; formed as :1210-1233) at a time gets its gradient
   flattened and cast to float32 (:2686-2693), counted with AdamW's temporaries (`measure_optimizer_step`). The
   reduce-scatter's contiguous bucket (`reduce_bucket_size`, 5 x 10^8 elements by default, zero/config.py:113; bf16,
