@@ -178,13 +178,22 @@ def _sp_collectives() -> dict:
 def _train_zero(stage: int) -> dict:
     """STEPS SGD steps of a tiny Llama under ZeRO-`stage` on this rank's batches; losses and final parameters."""
     import deepspeed
-    import torch.distributed as dist
 
     from npu_hub_kernels.testing.tiny_models import tiny_causal_lm
 
     model = tiny_causal_lm("llama").to("npu").train()
     config = {**ZERO, "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config)
+    losses = _train_steps(engine)
+    params = {name: p.detach().cpu().clone() for name, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "params": params}
+
+
+def _train_steps(engine) -> list[float]:
+    """STEPS DeepSpeed steps on this rank's batches; the loss of each."""
+    import torch.distributed as dist
+
     losses = []
     for step in range(STEPS):
         ids = rank_batch(dist.get_rank(), step).to("npu")
@@ -192,9 +201,7 @@ def _train_zero(stage: int) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    params = {name: p.detach().cpu().clone() for name, p in engine.module.named_parameters()}
-    engine.destroy()
-    return {"losses": losses, "params": params}
+    return losses
 
 
 def _train_built_under_zero_init(output_dir: str) -> dict:
@@ -223,13 +230,7 @@ def _train_built_under_zero_init(output_dir: str) -> dict:
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=arguments.hf_deepspeed_config.config
     )
-    losses = []
-    for step in range(STEPS):
-        ids = rank_batch(dist.get_rank(), step).to("npu")
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = _train_steps(engine)
     params = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
     engine.destroy()
     return {**built, "losses": losses, "params": params}

@@ -68,15 +68,9 @@ def moe_router_top_k_unavailable_reason(
         )
     if scoring == "sigmoid" and not renormalize:
         return "sigmoid weights without renormalisation: npu_moe_gating_top_k's sigmoid mode always renormalises"
-    reason = npu_unavailable_reason(router_logits, *(() if bias is None else (bias,))) or (
-        atlas_a2_a3_unavailable_reason("npu_moe_gating_top_k", router_logits.device)
-    )
+    reason = _logits_unavailable_reason("npu_moe_gating_top_k", router_logits, bias)
     if reason is not None:
         return reason
-    if router_logits.dtype not in FUSED_DTYPES:
-        return f"dtype {router_logits.dtype} is not supported (float16, bfloat16, float32)"
-    if router_logits.dim() != 2 or router_logits.shape[0] == 0:
-        return f"router logits of shape {tuple(router_logits.shape)}: [tokens > 0, experts] needed"
     experts = router_logits.shape[1]
     if experts > MAX_EXPERTS:
         return f"{experts} experts: npu_moe_gating_top_k takes at most {MAX_EXPERTS}"
@@ -90,6 +84,19 @@ def moe_router_top_k_unavailable_reason(
         )
     if not 1 <= top_k <= per_group * topk_groups:
         return f"top-k {top_k} outside [1, {per_group * topk_groups}]"
+    return None
+
+
+def _logits_unavailable_reason(op: str, router_logits: torch.Tensor, *others: torch.Tensor | None) -> str | None:
+    """Why the gating op `op` cannot take these router logits (and other inputs) on this device, or None."""
+    reason = npu_unavailable_reason(router_logits, *(t for t in others if t is not None))
+    reason = reason or atlas_a2_a3_unavailable_reason(op, router_logits.device)
+    if reason is not None:
+        return reason
+    if router_logits.dtype not in FUSED_DTYPES:
+        return f"dtype {router_logits.dtype} is not supported (float16, bfloat16, float32)"
+    if router_logits.dim() != 2 or router_logits.shape[0] == 0:
+        return f"router logits of shape {tuple(router_logits.shape)}: [tokens > 0, experts] needed"
     return None
 
 
@@ -110,15 +117,9 @@ def _renormalised_softmax_unavailable_reason(
             f"float32 weights from {router_logits.dtype} logits: npu_moe_gating_top_k_softmax_v2 writes them in the "
             "logits' dtype (top_logits_softmax runs: the softmax of the top-k logits)"
         )
-    reason = npu_unavailable_reason(router_logits) or atlas_a2_a3_unavailable_reason(
-        "npu_moe_gating_top_k_softmax_v2", router_logits.device
-    )
+    reason = _logits_unavailable_reason("npu_moe_gating_top_k_softmax_v2", router_logits)
     if reason is not None:
         return reason
-    if router_logits.dtype not in FUSED_DTYPES:
-        return f"dtype {router_logits.dtype} is not supported (float16, bfloat16, float32)"
-    if router_logits.dim() != 2 or router_logits.shape[0] == 0:
-        return f"router logits of shape {tuple(router_logits.shape)}: [tokens > 0, experts] needed"
     if not 1 <= top_k <= min(router_logits.shape[1], MAX_TOP_K_RENORMALISED):
         return f"top-k {top_k} outside [1, min(experts, {MAX_TOP_K_RENORMALISED})]"
     return None
