@@ -11,11 +11,15 @@ import dataclasses
 import pytest
 import torch
 from bench import cards, configs, counted, report, targets
-from bench.cards import npu_rms_norm, npu_rope
+from bench.cards import npu_moe_router, npu_rms_norm, npu_rope
 from bench.rows import Row
+from transformers import AutoConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 
 from npu_hub_kernels import CARDS
 from npu_hub_kernels.testing.tiny_models import tiny_config_values
@@ -81,6 +85,79 @@ def test_rms_norm_states_no_documented_minimum_for_a_form_it_does_not_model():
         npu_rms_norm.documented_minimum(Olmo2RMSNorm(8), torch.empty(2, 8))
 
 
+def _router(cls: type, model_type: str, experts: int, top_k: int, **config) -> torch.nn.Module:
+    """A router of `cls` with `experts` experts, top-k `top_k` and hidden 16, its weight bfloat16 on the meta device."""
+    values = dict(tiny_config_values(model_type), hidden_size=16, num_experts_per_tok=top_k, **config)
+    values["num_local_experts" if model_type == "mixtral" else "num_experts"] = experts
+    with torch.device("meta"):
+        return cls(AutoConfig.for_model(model_type, **values)).to(torch.bfloat16)
+
+
+def test_router_documented_minimum_counts_the_documented_calls_bytes():
+    """T tokens, E experts, top-k K, bfloat16 logits: in inference the gating op (int32 ids) and their widening, or,
+    for Mixtral's float32 weights, aten's top-k and float32 softmax of the k; with grad aten's top-k and softmax with
+    autograd's derivatives. Every call by hand, from its contract."""
+    T, H, E, K = 3, 16, 8, 2
+    x = torch.empty(T, H, dtype=torch.bfloat16)
+    L, P = T * E, T * K  # logits and picked elements
+    mm = (T * H * 2 + E * H * 2) + L * 2
+    backward = 3 * L * 2 + (L * 2 + E * H * 2 + T * H * 2) + (L * 2 + T * H * 2 + E * H * 2)  # add, dx, dW
+    gating = (L * 2 + P * 2 + P * 4) + (P * 4 + P * 8)  # bfloat16 weights and int32 ids, then the int64 ids
+    top = L * 2 + P * 2 + P * 8  # aten topk of the logits: bfloat16 values, int64 ids
+    renormalised = _router(Qwen2MoeTopKRouter, "qwen2_moe", E, K, norm_topk_prob=True)
+    inference, training = npu_moe_router.documented_minimum(renormalised, x)
+    assert inference == (3, mm + gating)
+    forward = top + (P * 2 + P * 4) + (P * 4 + P * 4) + (P * 4 + P * 2)  # topk, cast, _softmax, cast
+    routing_backward = (P * 2 + P * 4) + 3 * P * 4 + (P * 4 + P * 2) + (P * 2 + L * 2) + (2 * L * 2 + P * 8 + P * 2)
+    assert training == (13, mm + forward + routing_backward + backward)
+    mixtral = _router(MixtralTopKRouter, "mixtral", E, K)
+    inference, training = npu_moe_router.documented_minimum(mixtral, x)
+    forward = top + (P * 2 + P * 4) + (P * 4 + P * 4)  # topk, cast, _softmax: the float32 weights
+    assert inference == (4, mm + forward)
+    routing_backward = 3 * P * 4 + (P * 4 + P * 2) + (P * 2 + L * 2) + (2 * L * 2 + P * 8 + P * 2)
+    assert training == (11, mm + forward + routing_backward + backward)
+    plain = _router(Qwen2MoeTopKRouter, "qwen2_moe", E, K, norm_topk_prob=False)
+    inference, training = npu_moe_router.documented_minimum(plain, x)
+    assert inference == (3, mm + gating)
+    forward = (L * 2 + L * 4) + (L * 4 + L * 4) + (L * 4 + P * 4 + P * 8) + (P * 4 + P * 2)  # cast, _softmax, topk
+    routing_backward = (P * 2 + P * 4) + (P * 4 + L * 4) + (2 * L * 4 + P * 8 + P * 4) + 3 * L * 4 + (L * 4 + L * 2)
+    assert training == (13, mm + forward + routing_backward + backward)
+
+
+def test_router_documented_minimum_follows_the_gating_ops_ledger():
+    """Past both gating ops' limits (more than 2048 experts, top-k above 1024) inference runs aten's path: the float32
+    softmax of every expert, its top-k and the cast of the k (not renormalised), one op more than the gating op's 3;
+    a sigmoid router has no documented minimum stated: a clear error, not a guess."""
+    x = torch.empty(2, 16, dtype=torch.bfloat16)
+    plain = _router(Qwen2MoeTopKRouter, "qwen2_moe", 2056, 1025, norm_topk_prob=False)
+    inference, training = npu_moe_router.documented_minimum(plain, x)
+    assert inference[0] == 5 and training[0] == 13
+    with pytest.raises(ValueError, match=r"no documented minimum for deepseek_v3\.modeling_deepseek_v3\."):
+        npu_moe_router.documented_minimum(_router(DeepseekV3TopkRouter, "deepseek_v3", 8, 2), x)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "values", "fused"),
+    [
+        ("qwen3_moe", {"norm_topk_prob": True}, "npu_moe_gating_top_k_softmax_v2"),
+        ("qwen2_moe", {"norm_topk_prob": False}, "npu_moe_gating_top_k"),
+        ("mixtral", {}, None),
+    ],
+)
+def test_router_runs_at_its_documented_minimum_above_the_floor(npu_kernels, model_type, values, fused):
+    """Each softmax router family on a tiny layer: the card's counted ops and bytes are its documented minimum, forward
+    (the gating op ran, where one can) and forward+backward; the floor is out of reach (the floor's targets would
+    miss: the negative control)."""
+    spec = configs.ModelSpec(f"tiny {model_type}", model_type, dict(tiny_config_values(model_type), **values), 4)
+    results = counted.account(spec, 1, 8)
+    for phase in configs.PHASES:
+        measured = results[("MoE router", phase)]
+        assert (measured.kernelized.ops, measured.kernelized.bytes) == measured.documented, phase
+        assert measured.documented[0] > measured.floor[0] and measured.documented[1] > measured.floor[1], phase
+    inference = results[("MoE router", "fwd")].kernelized.by_op()
+    assert (fused in inference) if fused else not any(op.startswith("npu_") for op in inference)
+
+
 def _row(kernelized: float, documented: float | None, unit: str = "ops", phase: str = "fwd") -> Row:
     return Row(
         "counted", "A", "RoPE", phase, 1, 1, eager=10, kernelized=kernelized, floor=1, unit=unit, study="layer",
@@ -116,8 +193,8 @@ def test_a_spec_with_a_documented_minimum_says_why_the_floor_is_out_of_reach(mon
     """The bench's note prints each spec's reason and the layer card's; a spec stating a documented minimum without a
     reason is an incomplete spec."""
     note = "\n".join(report.documented_reach_note())
-    for reason in (npu_rope.OUT_OF_DOCUMENTED_REACH, npu_rms_norm.OUT_OF_DOCUMENTED_REACH):
-        assert reason in note
+    for spec in (npu_rope, npu_rms_norm, npu_moe_router):
+        assert spec.OUT_OF_DOCUMENTED_REACH in note
     assert cards.spec(CARDS["npu_fused_add_rmsnorm"]).BEFORE_CARD_TARGET.why in note
     assert "AutogradErrorFallback.cpp" in note and "npu_apply_rotary_pos_emb/head-dim" in note
     assert note in report.readme_summary([], "docs/benchmarks.md")
