@@ -62,16 +62,16 @@ from . import CountedTarget, DocumentedMinimum, HostTiming
 
 OUT_OF_DOCUMENTED_REACH = (
     "MoE router: the floor routes in one op writing the weights and int64 ids. Both gating ops write int32 ids "
-    "(expert_idx INT32: Ascend/op-plugin@517f2e7:codegen/templates/_op_plugin_docs.py:10823 and :10766, "
-    "docs/torch-npu-ops.md), which transformers' experts index as int64, so inference widens them: 3 ops against 2 "
-    "(Qwen-MoE routers). npu_moe_gating_top_k_softmax_v2 writes the weights in the logits' dtype, so Mixtral's float32 "
-    "weights take aten's top-k and float32 softmax, which is a cast and _softmax off CUDA "
+    "(expert_idx int32: docs/torch-npu-ops.md, the Outputs of npu_moe_gating_top_k and "
+    "npu_moe_gating_top_k_softmax_v2), which transformers' experts index as int64, so inference widens them: 3 ops "
+    "against 2 (Qwen-MoE routers). npu_moe_gating_top_k_softmax_v2 writes the weights in the logits' dtype, so "
+    "Mixtral's float32 weights take aten's top-k and float32 softmax, which is a cast and _softmax off CUDA "
     "(pytorch/pytorch:aten/src/ATen/native/SoftMax.cpp, softmax with dtype): 4 ops. With grad no gating op "
     "differentiates a softmax router (npu_moe_gating_top_k_backward takes norm_type 1 only: "
-    "Ascend/op-plugin@517f2e7:codegen/templates/_op_plugin_docs.py:10940; v2 has no derivatives.yaml entry), so aten's "
-    "top-k and float32 softmax run with autograd's derivatives (top-k's: zeros [T, E] and a scatter, "
-    "pytorch/pytorch:tools/autograd/derivatives.yaml, topk): 13 ops against 6 (11 for Mixtral's float32 weights), and "
-    "up to 1.19 x the floor's bytes where the softmax spans every expert (not renormalised: Qwen1.5-MoE)."
+    "Ascend/op-plugin@517f2e7:codegen/templates/_op_plugin_docs.py:10940; v2 has no derivatives.yaml entry), so "
+    "aten's top-k and float32 softmax run with autograd's derivatives (top-k's: zeros [T, E] and a scatter, "
+    "pytorch/pytorch:tools/autograd/derivatives.yaml, topk): 13 ops against 6 (11 for Mixtral's float32 weights), "
+    "and up to 1.19 x the floor's bytes where the softmax spans every expert (not renormalised: Qwen1.5-MoE)."
 )
 
 
