@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers
 from kernels import Mode, kernelize
-from numerics import assert_within_twice_eagers_error, train_steps
+from numerics import assert_within_twice_eagers_error, relative_error, train_steps
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.helium.modeling_helium import HeliumRMSNorm
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
@@ -219,25 +219,65 @@ def test_tensor_fallbacks(card, residual_shape, update_shape, update_dtype, phra
     assert all(torch.equal(g, w) for g, w in zip(got, card.add_rms_norm_eager(residual, update, norm), strict=True))
 
 
-@pytest.mark.parametrize("narrower", ["update", "residual"])
-def test_a_narrower_operand_is_added_as_eager_promotes_it(card, narrower):
-    """A bfloat16 attention output (a linear's, under autocast) added to the float32 residual: eager's sum is float32,
-    and the op adds in float32 the operand cast to it (exact): it fuses with eager's numbers and dtypes (issue 39)."""
+MIXED_PAIRS = {
+    "bfloat16 update": (torch.float32, torch.bfloat16),
+    "float16 update": (torch.float32, torch.float16),
+    "bfloat16 residual": (torch.bfloat16, torch.float32),
+}
+"""A float32 and a narrower operand: torch_npu adds them as one mixed-dtype Add kernel (aclnn_add.cpp,
+isAddMixDtypeSupport), so the card adds them as eager does and runs npu_rms_norm on the float32 sum."""
+
+
+@pytest.mark.parametrize("scaling", list(NORMS))
+@pytest.mark.parametrize("pair", list(MIXED_PAIRS))
+def test_a_mixed_pair_is_added_as_eager_and_normalised_by_npu_rms_norm(card, scaling, pair):
+    """A bfloat16 attention output (o_proj under autocast) and the float32 residual: eager's float32 sum exactly, the
+    norm's output as eager's (float32: exact), the gradients within float32 rounding of eager's, the narrow operand's
+    in its dtype; npu_rms_norm ran in place of npu_add_rms_norm (issue 46), eager ran neither (the negative control)."""
+    residual_dtype, update_dtype = MIXED_PAIRS[pair]
+    norm = make_norm(scaling, torch.float32).to("npu")
+    generator = torch.Generator().manual_seed(3)
+    residual, update = (
+        (torch.randn(2, 3, HIDDEN, generator=generator) * 2).to(dtype).to("npu").requires_grad_()
+        for dtype in (residual_dtype, update_dtype)
+    )
+    assert card.add_rms_norm_unavailable_reason(residual, update, norm, scaling, FAMILIES[scaling]) is None
+    results = {}
+    for name, function, extra in (
+        ("fused", card.add_rms_norm, (scaling, FAMILIES[scaling])),
+        ("eager", card.add_rms_norm_eager, ()),
+    ):
+        with emulation.count_op_calls() as calls:
+            y, summed = function(residual, update, norm, *extra)
+            grads = torch.autograd.grad((y * y).sum() + summed.sum(), (residual, update, norm.weight))
+        assert dict(calls) == ({"npu_rms_norm": 1} if name == "fused" else {})
+        results[name] = (y, summed, *grads)
+    fused, eager = results["fused"], results["eager"]
+    dtypes = [torch.float32, torch.float32, residual_dtype, update_dtype, torch.float32]
+    assert [t.dtype for t in fused] == [t.dtype for t in eager] == dtypes
+    assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])
+    for got, want in zip(fused[2:], eager[2:], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_and_float16_pair_is_cast_and_fused(card):
+    """bfloat16 + float16 (a float32 sum) is no mixed pair of the Add kernel (aclnnAdd casts both): the card casts both
+    to float32 (exact) and runs npu_add_rms_norm, with eager's dtypes and numbers (the gradients rounded once to each
+    operand's dtype, as eager's)."""
     norm = make_norm("plain", torch.float32).to("npu")
-    wide = torch.randn(2, 3, HIDDEN).to("npu").requires_grad_()
-    narrow = torch.randn(2, 3, HIDDEN).to(torch.bfloat16).to("npu").requires_grad_()
-    residual, update = (wide, narrow) if narrower == "update" else (narrow, wide)
-    assert card.add_rms_norm_unavailable_reason(residual, update, norm) is None
+    residual, update = (
+        torch.randn(2, 3, HIDDEN).to(dtype).to("npu").requires_grad_() for dtype in (torch.bfloat16, torch.float16)
+    )
     results = []
     for fused in (True, False):
         with emulation.count_op_calls() as calls:
             y, summed = (card.add_rms_norm if fused else card.add_rms_norm_eager)(residual, update, norm)
-        assert calls["npu_add_rms_norm"] == int(fused)
-        grads = torch.autograd.grad((y * y).sum() + summed.sum(), (residual, update, norm.weight))
+            grads = torch.autograd.grad((y * y).sum() + summed.sum(), (residual, update, norm.weight))
+        assert dict(calls) == ({"npu_add_rms_norm": 1, "npu_rms_norm_backward": 1} if fused else {})
         results.append((y, summed, *grads))
     for got, want in zip(*results, strict=True):
         assert got.dtype == want.dtype
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want)  # the narrow operands' gradients: within one rounding step of theirs
 
 
 def test_unknown_scaling_is_refused(card):
@@ -382,6 +422,50 @@ def test_training_follows_eager_loss_trajectory(npu_kernels, dtype):
         assert abs(got - want) <= tolerance * abs(want), (losses, eager_losses)
 
 
+def _layer_under_autocast(model, layer, hidden: torch.Tensor, probe: torch.Tensor, autocast: bool):
+    """The layer's output and the gradients of `(output * probe).sum()` for its input and every parameter, on the
+    host in float64, the forward under torch.autocast("npu", bfloat16) when `autocast` (Trainer's bf16=True)."""
+    device = next(layer.parameters()).device
+    hidden = hidden.to(device).requires_grad_()
+    position_ids = torch.arange(hidden.shape[1], device=device)[None]
+    position_embeddings = model.model.rotary_emb(hidden, position_ids)
+    with torch.autocast("npu", dtype=torch.bfloat16, enabled=autocast):
+        out = layer(hidden, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+    (out * probe.to(device, out.dtype)).sum().backward()
+    grads = {"hidden_states": hidden.grad} | {name: p.grad for name, p in layer.named_parameters()}
+    return out.detach().double().cpu(), {name: g.double().cpu() for name, g in grads.items()}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_decoder_layer_under_autocast_is_within_twice_eagers_error(npu_kernels, model_type):
+    """Trainer's bf16=True (float32 weights, a bfloat16 o_proj output meeting the float32 residual): the kernelized
+    layer's output and every gradient within twice eager autocast's error against the float64 layer; its mid norm ran
+    as npu_rms_norm of the mixed sum (the input norm is npu-rms-norm's), no npu_add_rms_norm. Negative controls: the
+    eager layer runs neither op, and the kernelized layer without autocast (one dtype) runs npu_add_rms_norm."""
+    model = tiny_causal_lm(model_type)
+    generator = torch.Generator().manual_seed(7)
+    hidden, probe = (torch.randn(2, 9, model.config.hidden_size, generator=generator) for _ in range(2))
+    reference = copy.deepcopy(model).double()
+    want, want_grads = _layer_under_autocast(reference, reference.model.layers[0], hidden.double(), probe, False)
+    eager = copy.deepcopy(model).to("npu")
+    with emulation.count_op_calls() as eager_calls:
+        eager_out, eager_grads = _layer_under_autocast(eager, eager.model.layers[0], hidden, probe, True)
+    assert not {"npu_rms_norm", "npu_add_rms_norm"} & set(eager_calls)
+    fused = kernelize(copy.deepcopy(model).to("npu"), mode=Mode.TRAINING, device="npu")
+    layer = fused.model.layers[0]
+    with emulation.count_op_calls() as calls:
+        out, grads = _layer_under_autocast(fused, layer, hidden, probe, True)
+    assert calls["npu_rms_norm"] == 2 and "npu_add_rms_norm" not in calls, dict(calls)  # input norm + mid
+    with emulation.count_op_calls() as one_dtype_calls:
+        _layer_under_autocast(fused, copy.deepcopy(layer), hidden, probe, False)
+    assert one_dtype_calls["npu_add_rms_norm"] == 1, dict(one_dtype_calls)
+    assert out.dtype == eager_out.dtype
+    assert_within_twice_eagers_error(out, eager_out, want, "output", error=relative_error)
+    assert set(grads) == set(eager_grads) == set(want_grads)
+    for name, grad in grads.items():
+        assert_within_twice_eagers_error(grad, eager_grads[name], want_grads[name], name, error=relative_error)
+
+
 def test_gradient_checkpointing_recomputes_the_fused_layer(npu_kernels):
     batches = [token_ids(batch=2, seq=8, seed=seed) for seed in range(2)]
 
@@ -435,6 +519,32 @@ def test_a_gradient_penalty_gives_eagers_second_order_gradients(card, scaling):
         assert not [w for w in caught if "second-order gradients are incomplete" in str(w.message)]
         results[name] = [t.detach().cpu() for t in (*first, r.grad, u.grad, n.weight.grad)]
     for got, want in zip(results["fused"], results["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scaling", list(NORMS))
+def test_a_gradient_penalty_on_a_mixed_pair_gives_eagers_second_order_gradients(card, scaling):
+    """The mixed pair's npu_rms_norm: a recorded backward differentiates eager's math (npu_rms_norm_backward has no
+    derivative), with no warning of incomplete second-order gradients."""
+    norm = make_norm(scaling, torch.float32)
+    residual, update = inputs(torch.float32)
+    results = {}
+    for name, function, extra in (
+        ("eager", card.add_rms_norm_eager, ()),
+        ("fused", card.add_rms_norm, (scaling, FAMILIES[scaling])),
+    ):
+        n, r, u = on_npu(norm, residual, update.to(torch.bfloat16))
+        with emulation.count_op_calls() as calls, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            normed, summed = function(r, u, n, *extra)
+            loss = normed.pow(3).sum() + (normed * summed).sum() + summed.pow(2).sum()
+            first = torch.autograd.grad(loss, (r, u, n.weight), create_graph=True)
+            sum(g.float().pow(2).sum() for g in first).backward()
+        assert dict(calls) == ({"npu_rms_norm": 1} if name == "fused" else {})
+        assert not [w for w in caught if "second-order gradients are incomplete" in str(w.message)]
+        results[name] = [t.detach().cpu() for t in (*first, r.grad, u.grad, n.weight.grad)]
+    for got, want in zip(results["fused"], results["eager"], strict=True):
+        assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 

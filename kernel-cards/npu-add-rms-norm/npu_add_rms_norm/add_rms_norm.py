@@ -17,6 +17,19 @@ The norm's weight enters the op in the form its class scales by:
 - "float32_scale" (HeliumRMSNorm, `(weight.float() * normalize(h)).to(dtype)`): gamma = weight, in the inputs' dtype
   (a float32 weight with float16/bfloat16 inputs runs the eager math). Exact.
 
+Mixed dtypes (Trainer's bf16=True: float32 weights and residual stream, a bfloat16 attention output from o_proj
+under autocast): npu_add_rms_norm takes x2 and gamma only in x1's dtype, so the update would have to be cast to
+float32 first (one more kernel, reading 2 and writing 4 bytes per element) and the op would read two float32 inputs.
+torch_npu adds a float16 or bfloat16 tensor and a float32 one as one aclnnAdd, a mixed-dtype Add kernel without a
+Cast (Ascend/op-plugin@0a873ce:op_plugin/ops/opapi/AddKernelNpuOpApi.cpp; hicann/ops-math@3b62132:
+math/add/op_host/op_api/aclnn_add.cpp, `isAddMixDtypeSupport`), so for such a pair the card adds them as eager does
+(`residual + update`, float32: eager's sum exactly, and the update's gradient cast to its dtype once, by the add's
+backward) and normalises the sum with `npu_rms_norm(sum, gamma)` (float32 x and gamma), whose own autograd node
+(npu_rms_norm_backward) gives the norm's gradients; autograd adds the sum's two gradients, as in eager. The forms'
+rules are those of the float32 sum: gamma = weight (plain, float32_scale) or 1 + weight (zero_centered), the weight
+in float32. A bfloat16 and float16 pair (float32 sum) is no such pair (aclnnAdd casts both): the card casts both and
+runs npu_add_rms_norm in float32.
+
 Backward: `dh = npu_rms_norm_backward(dy, h, gamma, rstd).dx + d(sum)`: the gradient the sum receives from the rest
 of the layer (the residual path to the final add) is added here, the one add eager's autograd makes when it
 accumulates the two uses of the sum; residual and update both get dh (the add's backward copies nothing).
@@ -33,9 +46,12 @@ layer calls the norm as transformers does.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
+from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
 from ._internals import global_module_hooks, module_hooks
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
@@ -126,14 +142,41 @@ def add_rms_norm(
     """
     if ran_eager(module, add_rms_norm_unavailable_reason(residual, update, norm, scaling, family)):
         return add_rms_norm_eager(residual, update, norm)
-    gamma = 1.0 + norm.weight if scaling == "zero_centered" else norm.weight
+    weight, eps = norm.weight, epsilon_of(norm)
+    gamma = 1.0 + weight if scaling == "zero_centered" else weight
+    if _one_mixed_add(residual, update):
+        return _rms_norm_of_mixed_sum(residual, update, weight, gamma, eps, scaling)
     dtype = _sum_dtype(residual, update)  # a cast to the wider dtype is exact: the sum is eager's
-    return _AddRmsNorm.apply(residual.to(dtype), update.to(dtype), gamma, epsilon_of(norm), scaling)
+    return _AddRmsNorm.apply(residual.to(dtype), update.to(dtype), gamma, eps, scaling)
 
 
 def _sum_dtype(residual: torch.Tensor, update: torch.Tensor) -> torch.dtype:
     """The dtype of eager's `residual + update` (a bfloat16 update under autocast, a float32 residual: float32)."""
     return torch.promote_types(residual.dtype, update.dtype)
+
+
+def _one_mixed_add(residual: torch.Tensor, update: torch.Tensor) -> bool:
+    """Whether torch_npu adds the two as one mixed-dtype Add kernel: a float32 and a float16 or bfloat16 tensor."""
+    return residual.dtype != update.dtype and torch.float32 in (residual.dtype, update.dtype)
+
+
+def _rms_norm_of_mixed_sum(
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    weight: torch.Tensor,
+    gamma: torch.Tensor,
+    eps: float,
+    scaling: Scaling,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(norm(residual + update), residual + update)` for a mixed pair: eager's add, then npu_rms_norm of the sum.
+
+    The gradients are autograd's through the add and npu_rms_norm's node; a recorded backward differentiates the
+    norm's eager math on the sum and the weight instead (npu_rms_norm_backward has no derivative)."""
+    summed = residual + update
+    normed = torch_npu.npu_rms_norm(summed, gamma, epsilon=eps)[0]
+    if torch.is_grad_enabled():  # else autograd records nothing: with_eager_double_backward would return normed
+        normed = with_eager_double_backward(normed, partial(rms_norm_math, eps=eps, scaling=scaling), summed, weight)
+    return normed, summed
 
 
 def add_rms_norm_eager(

@@ -12,6 +12,10 @@ npu_rms_norm_backward, casts dgamma (float32) to the weight's dtype and adds the
 activation-sized tensors more than the floor, so the card is held to the floor forward and to eager forward and
 backward.
 
+Mixed precision (the step's mixed row: a float32 residual, a bfloat16 attention output): the card adds the two as
+eager does (one mixed-dtype add) and runs npu_rms_norm on the float32 sum, its backward npu_rms_norm's own node, which
+npu-rms-norm's spec accounts (`FUSED_OPS` holds only the ops of this card's emulation module).
+
 Kept for backward: the sum (an output the backward reads; the backward recomputes rstd from it). The card's function
 keeps the sum, the weight and its float32 rstd, one value per row, as npu_rms_norm's node does.
 """
