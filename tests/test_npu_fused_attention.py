@@ -335,7 +335,7 @@ def test_families_give_eager_logits_gradients_and_tokens(registered, family):
 def test_training_after_a_first_call_in_inference_mode_fuses_and_gets_gradients(card, monkeypatch):
     """The first call on a device in inference mode (generate) makes the op's cached compressed mask; a training call
     after it saves that mask for backward, which PyTorch refuses for an inference tensor."""
-    monkeypatch.setattr(sys.modules[f"{card.__name__}.fused_attention"], "_COMPRESSED_MASKS", {})
+    monkeypatch.setattr(sys.modules[f"{card.__name__}._device_constants"], "_CONSTANTS", {})
     module = attention_module(kv_heads=2).to("npu")
     q, k, v = (torch.randn(1, heads, 8, 16).to("npu") for heads in (4, 2, 2))
     with torch.inference_mode():

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._device_constants import device_constant
 from ._fallbacks import ran_eager
 from ._internals import modeling_global
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, soc_name, torch_npu
@@ -54,7 +55,6 @@ MAX_SEQUENCES = 1024
 MAX_TOKENS = 1024 * 1024
 """S and T at most 1M (torch_npu's npu_fusion_attention docs)."""
 
-_COMPRESSED_MASKS: dict[torch.device, torch.Tensor] = {}
 _FORMS: weakref.WeakKeyDictionary[nn.Module, AttentionForm] = weakref.WeakKeyDictionary()
 
 
@@ -65,17 +65,14 @@ def last_form(module: nn.Module) -> str | None:
 
 
 def _compressed_causal_mask(query: torch.Tensor) -> torch.Tensor:
-    """The op's compressed causal mask on query's device, made once per device and kind of tensor.
+    """The op's compressed causal mask on query's device, made once per device (`device_constant`)."""
+    return device_constant("compressed causal mask", query, _make_compressed_causal_mask)
 
-    Made outside inference mode, even when the first call is inside it (generate): an inference tensor could not be
-    saved for a later training call's backward. A cached mask of another tensor type than the query's (a tracing
-    mode's tensors, which cannot mix with the device's) is made anew."""
-    mask = _COMPRESSED_MASKS.get(query.device)
-    if mask is None or type(mask) is not type(query):
-        with torch.inference_mode(False):
-            square = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=query.device)
-            mask = _COMPRESSED_MASKS[query.device] = square.triu(1)
-    return mask
+
+def _make_compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    """The op's compressed causal mask (True: masked) on `device`."""
+    square = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device)
+    return square.triu(1)
 
 
 @dataclass(frozen=True)
