@@ -8,6 +8,7 @@ call counter; every fallback case is proven to skip it and to equal the eager ma
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -223,3 +224,101 @@ def test_a_hessian_vector_product_is_eagers(card, scaling):
         results[name] = (x_npu.grad.cpu(), w_npu.grad.cpu())
     for got, want in zip(results["fused"], results["eager"], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _gemma3_norm(dtype: torch.dtype, hidden: int = 64) -> torch.nn.Module:
+    """transformers' Gemma3RMSNorm on the npu, its weight random around 0 (zero-centred), in `dtype`."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    norm = Gemma3RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(5)) * 0.5)
+    return norm.to(dtype).to("npu")
+
+
+def _norm_ops(card, norm: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """The device ops of the card's norm of x with the norm's weight, forward and backward (`count_device_ops`)."""
+    from bench.accounting import count_device_ops
+
+    x, grad_out = x.detach().requires_grad_(), torch.ones_like(x)
+    with count_device_ops() as tally:
+        out = card.rms_norm(x, norm.weight, norm.eps, "zero_centered")
+        torch.autograd.grad(out, (x, norm.weight), grad_out)
+    return tally.by_op()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_gemma3_norm_with_grad_runs_its_documented_minimum_of_four_ops(card, dtype, monkeypatch):
+    """Gemma3's norm with grad: `1 + weight.float()` as one add (a bfloat16 weight plus the card's float32 1, one
+    mixed-dtype aclnnAdd), npu_rms_norm, npu_rms_norm_backward and autograd's one cast of the float32 dweight: 4 ops
+    (a float32 weight: the add and the two norm ops, 3). The negative control, eager's cast-then-add, counts 5 with a
+    bfloat16 weight."""
+    norm, x = _gemma3_norm(dtype), (torch.randn(2, 5, 64) * 3).to(dtype).to("npu")
+    _norm_ops(card, norm, x)  # the first call on a device makes the kept float32 1 (once per process)
+    ops = _norm_ops(card, norm, x)
+    bf16 = dtype == torch.bfloat16
+    assert ops == {"add": 1, "npu_rms_norm": 1, "npu_rms_norm_backward": 1, **({"_to_copy": 1} if bf16 else {})}
+    assert sum(ops.values()) == (4 if bf16 else 3)
+    rms_norm_module = sys.modules[f"{card.__name__}.rms_norm"]
+    monkeypatch.setattr(rms_norm_module, "_one_plus", lambda weight: 1.0 + weight.float())  # eager's two kernels
+    assert sum(_norm_ops(card, norm, x).values()) == (5 if bf16 else 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_gemma3_norm_with_grad_gives_eagers_forward_and_gradients(card, dtype):
+    """Against transformers' Gemma3RMSNorm itself: the forward equals eager's exactly (float32 inside, `1 + w` in
+    float32 as eager adds it, one rounding at the end), both gradients within twice eager's error against float64."""
+    norm = _gemma3_norm(dtype)
+    x = (torch.randn(2, 5, 64) * 3).to(dtype)
+    grad_y = torch.randn(x.shape, dtype=torch.float64)
+    x64, w64 = x.double().requires_grad_(), norm.weight.detach().cpu().double().requires_grad_()
+    reference = reference_fp64(x64, w64, 1e-6, "zero_centered")
+    reference_grads = torch.autograd.grad(reference, (x64, w64), grad_y)
+    results = {}
+    for name, function in (
+        ("eager", norm),
+        ("fused", lambda h: card.rms_norm(h, norm.weight, norm.eps, "zero_centered")),
+    ):
+        x_npu = x.to("npu").requires_grad_()
+        with emulation.count_op_calls() as calls:
+            out = function(x_npu)
+            grads = torch.autograd.grad(out, (x_npu, norm.weight), grad_y.to(dtype).to("npu"))
+        assert calls["npu_rms_norm"] == (name == "fused")
+        assert grads[1].dtype == dtype
+        results[name] = [t.cpu() for t in (out, *grads)]
+    assert torch.equal(results["fused"][0], results["eager"][0])
+    for index, want in enumerate(reference_grads, start=1):
+        got, eager = (results[name][index].double() for name in ("fused", "eager"))
+        assert_within_twice_eagers_error(got, eager, want, index)
+
+
+def test_the_kept_float32_one_is_per_device_and_mode_and_no_state_of_the_module(card, monkeypatch):
+    """The float32 1 of `1 + weight` (`device_constant`): one per device, made outside inference mode even when the
+    first call is inside it (a training call after it may keep it), made anew for fake tensors of another fake mode
+    (the bench's fresh modes cannot mix), and no parameter or buffer of the norm."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    constants = sys.modules[f"{card.__name__}._device_constants"]
+    monkeypatch.setattr(constants, "_CONSTANTS", {})
+    one_plus = sys.modules[f"{card.__name__}.rms_norm"]._one_plus
+    norm = _gemma3_norm(torch.bfloat16)
+    x = (torch.randn(3, 64) * 3).half().to("npu")  # float16 x, bfloat16 weight: never one npu_gemma_rms_norm
+    with torch.inference_mode():
+        inference_out = card.rms_norm(x, norm.weight, norm.eps, "zero_centered")
+    ((_, device), one), *others = constants._CONSTANTS.items()
+    assert not others and device == x.device and not one.is_inference()
+    assert (one.dtype, one.shape, one.item()) == (torch.float32, (1,), 1.0)
+    out = card.rms_norm(x.requires_grad_(), norm.weight, norm.eps, "zero_centered")
+    out.sum().backward()
+    assert torch.equal(out.detach().cpu(), inference_out.cpu()) and norm.weight.grad.dtype == torch.bfloat16
+    assert [name for name, _ in norm.named_parameters()] == ["weight"] and not list(norm.named_buffers())
+    for device in ("cpu", "meta"):
+        weight = norm.weight.detach().to(device)
+        assert one_plus(weight).device == weight.device and one_plus(weight).dtype == torch.float32
+    modes = [FakeTensorMode(), FakeTensorMode()]
+    for mode in modes:
+        with mode:
+            weight = torch.empty(64, dtype=torch.bfloat16, device="npu")
+            assert one_plus(weight).fake_mode is mode
+    assert len(constants._CONSTANTS) == 3  # npu (the last fake mode's), cpu, meta
+    assert torch.equal(one_plus(norm.weight.detach()).cpu(), 1.0 + norm.weight.detach().cpu().float())

@@ -10,7 +10,14 @@ transformers' RMSNorm classes scale the normalised input in one of three ways; `
 
 Where autograd records nothing (inference, no_grad, weights and x without grad), a zero-centred norm whose weight has
 x's dtype runs as one `npu_gemma_rms_norm(x, weight)` instead, which adds 1 to the weight in float32 itself: no
-`1 + weight` kernels before it. That op has no backward, so with grad the npu_rms_norm form runs.
+`1 + weight` kernel before it. That op has no backward, so with grad the npu_rms_norm form runs, on
+`1 + weight.float()` computed as one call: a float16 or bfloat16 weight plus a float32 [1] tensor of 1 kept per device
+(`device_constant`, no parameter or buffer of the module), which torch_npu runs as one aclnnAdd, one mixed-dtype Add
+kernel without a Cast (docs/torch-npu-ops.md, npu_rms_norm). The sum is float32 [H], exactly eager's `1 + w` (a
+float16 or bfloat16 value is exact in float32), and autograd casts its float32 gradient to the weight's dtype once:
+fwd+bwd the add, npu_rms_norm, npu_rms_norm_backward and that cast, where eager's `1 + weight.float()` is a cast and
+an add. A float32 weight is added to 1 as eager adds it (one add); any other dtype is cast to float32 first, as eager
+casts it.
 `rms_norm_unavailable_reason(..., one_kernel=True)` says why a call does not take the one-kernel form.
 
 x is handed to the ops in the order of its dims its memory has (a [B, H, S, D] transpose of [B, S, H, D] memory, as
@@ -29,6 +36,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from ._device_constants import device_constant
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
 from ._npu import FUSED_DTYPES, atlas_a2_a3_unavailable_reason, npu_unavailable_reason, torch_npu
@@ -143,12 +151,28 @@ def rms_norm(
     if scaling == "zero_centered" and _one_kernel_unavailable_reason(x, weight, scaling) is None:
         fused = torch_npu.npu_gemma_rms_norm(x_op, weight, epsilon=eps)[0]
     else:
-        gamma = 1.0 + weight.float() if scaling == "zero_centered" else weight
+        gamma = _one_plus(weight) if scaling == "zero_centered" else weight
         fused = torch_npu.npu_rms_norm(x_op, gamma, epsilon=eps)[0]
         if torch.is_grad_enabled():  # else autograd records nothing: with_eager_double_backward would return fused
             eager = partial(rms_norm_math, eps=eps, scaling=scaling)
             fused = with_eager_double_backward(fused, eager, x_op, weight)
     return fused if order is None else fused.permute(_inverse(order))
+
+
+def _one_plus(weight: torch.Tensor) -> torch.Tensor:
+    """`1 + weight.float()` (eager's value, float32), in one call: a 16-bit weight plus a float32 1 kept per device."""
+    if weight.dtype in _MIXED_ADD_DTYPES:
+        return weight + device_constant("float32 one", weight, _float32_one)
+    return 1.0 + weight.float()
+
+
+_MIXED_ADD_DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes aclnnAdd adds to a float32 tensor in one mixed-dtype Add kernel (`isAddMixDtypeSupport`)."""
+
+
+def _float32_one(device: torch.device) -> torch.Tensor:
+    """A float32 [1] tensor of 1 on `device`: one dim, so that a [H] weight plus it is float32 [H]."""
+    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
