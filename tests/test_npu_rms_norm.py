@@ -322,3 +322,67 @@ def test_the_kept_float32_one_is_per_device_and_mode_and_no_state_of_the_module(
             assert one_plus(weight).fake_mode is mode
     assert len(constants._CONSTANTS) == 3  # npu (the last fake mode's), cpu, meta
     assert torch.equal(one_plus(norm.weight.detach()).cpu(), 1.0 + norm.weight.detach().cpu().float())
+
+
+def test_a_call_that_read_like_a_fused_one_skips_the_check_and_any_change_is_refused_as_before(card, monkeypatch):
+    """`rms_norm` remembers what its check read of the calls it let fuse (scaling, x's and the weight's class, device,
+    dtype and shape) and skips the check for a call that reads the same. Negative control: the same inputs again are
+    not checked. Each change of one of those, the weight changed in place included (same Parameter, `.data`
+    reassigned), is checked afresh and refused with the check's reason, eager's result; a torch.func transform is seen
+    on every call; requires_grad, which only the one-kernel form reads, still turns that form off."""
+    rms_norm_module = sys.modules[f"{card.__name__}.rms_norm"]
+    eager_record = sys.modules[f"{card.__name__}._fallbacks"].eager_record
+    check, checked = rms_norm_module._fused_unavailable_reason, []
+    monkeypatch.setattr(rms_norm_module, "_FUSING_INPUTS", set())
+    monkeypatch.setattr(
+        rms_norm_module, "_fused_unavailable_reason", lambda *args: checked.append(args) or check(*args)
+    )
+    owner = torch.nn.Module()
+
+    def run(x, weight, scaling="plain"):
+        with emulation.count_op_calls() as calls:
+            out = card.rms_norm(x, weight, 1e-6, scaling, module=owner)
+        fused = calls["npu_rms_norm"] + calls["npu_gemma_rms_norm"]
+        if not fused:
+            assert torch.equal(out.cpu(), card.rms_norm_eager(x.cpu(), weight.detach().cpu(), 1e-6, scaling))
+        return fused, eager_record(owner).last if eager_record(owner) else None
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16).to("npu")
+    weight = torch.nn.Parameter(torch.randn(16, dtype=torch.bfloat16).to("npu"), requires_grad=False)
+    assert run(x, weight) == (1, None) and len(checked) == 1
+    assert run(x.clone(), weight) == (1, None) and len(checked) == 1  # the negative control: remembered, not checked
+    changes = {
+        "x dtype": (lambda: (x.half(), weight), "differs from input dtype"),
+        "both on the host": (lambda: (x.cpu(), weight.data.cpu()), "not on an npu device"),
+        "x rank": (lambda: (x[0], weight), "2 to 8 dims"),
+        "x empty": (lambda: (x[:0], weight), "empty input"),
+        "x width": (lambda: (x[:, :1].contiguous(), weight), "does not match the last dim"),
+        "weight dtype in place": (lambda: (x, _reassigned(weight, weight.data.float())), "differs from input dtype"),
+        "weight shape in place": (lambda: (x, _reassigned(weight, weight.data.view(1, 16))), "does not match the last"),
+    }
+    for case, (change, reason) in changes.items():
+        original = weight.data
+        fused, last = run(*change())
+        assert fused == 0 and reason in last, case
+        weight.data = original
+        assert run(x, weight) == (1, None), case  # back to the remembered inputs: fused again, not checked
+    assert len(checked) == 1 + len(changes)
+    x16, w32 = x.clone(), weight.data.float()
+    assert run(x16, w32, "float32_scale") == (1, None)  # a float32 weight fuses at float32_scale ...
+    assert "differs from input dtype" in run(x16, w32, "plain")[1]  # ... the same tensors at another scaling do not
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        # x itself, not the batched rows: on the device a batched tensor is a torch.Tensor on the npu too
+        torch.func.vmap(lambda rows: rows + card.rms_norm(x, weight, 1e-6, "plain", module=owner))(torch.stack([x, x]))
+    assert calls["npu_rms_norm"] == 0 and "vmap transform is active" in eager_record(owner).last
+    gemma_weight = weight.data.clone()
+    with emulation.count_op_calls() as calls:
+        with torch.no_grad():
+            card.rms_norm(x, gemma_weight, 1e-6, "zero_centered")
+        card.rms_norm(x, gemma_weight.requires_grad_(), 1e-6, "zero_centered")  # read as the call before, but
+    assert (calls["npu_gemma_rms_norm"], calls["npu_rms_norm"]) == (1, 1)  # autograd records it: the other form
+
+
+def _reassigned(weight: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+    """The same Parameter with its data replaced in place (as `module.to(dtype)` does): its identity unchanged."""
+    weight.data = data
+    return weight

@@ -217,7 +217,11 @@ def device_has_kernel(overload: str) -> bool:
         return False
 
 
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
+"""Read on every fused call of most cards: bound once, not looked up through three modules per call."""
+
+
 def functorch_transform() -> str | None:
     """The innermost active torch.func transform ("grad", "vmap", "jvp", "functionalize"), or None outside them."""
-    interpreter = torch._C._functorch.peek_interpreter_stack()
+    interpreter = _peek_interpreter_stack()
     return None if interpreter is None else interpreter.key().name.lower()

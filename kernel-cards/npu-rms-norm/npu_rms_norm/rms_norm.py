@@ -31,6 +31,7 @@ eager's math on the same x and weight instead (`with_eager_double_backward`): th
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -39,6 +40,7 @@ from torch import nn
 from ._device_constants import device_constant
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
+from ._internals import functorch_transform
 from ._npu import FUSED_DTYPES, atlas_a2_a3_unavailable_reason, npu_unavailable_reason, torch_npu
 from ._rms_norm_forms import SCALINGS, Scaling, check_scaling, rms_norm_math
 
@@ -137,6 +139,25 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inverse)
 
 
+_FUSING_INPUTS: set[tuple] = set()
+"""What `_fused_unavailable_reason` read of the calls it let fuse: the scaling, then x's and the weight's class, device,
+dtype and shape (`rms_norm`'s `inputs`). `rms_norm` skips the check for a call whose inputs read the same (the
+torch.func state, which the check reads too, is read on every call): at decode size the check is most of the card's
+host cost (docs/bench.md). Inputs that differ in any of those are checked afresh, and refused with the check's reason:
+a weight changed in place (`weight.data = ...`, `module.to(dtype)`) reads another dtype, device or shape."""
+
+_FUSING_INPUTS_LIMIT = 1024
+"""At most this many entries in `_FUSING_INPUTS`, emptied when full: x's shape varies with the sequence length."""
+
+
+def _remember_fusing(inputs: tuple) -> None:
+    """Add what the check read of a call it let fuse to `_FUSING_INPUTS` (emptied first when it is full)."""
+    if len(_FUSING_INPUTS) >= _FUSING_INPUTS_LIMIT:
+        _FUSING_INPUTS.clear()
+    with contextlib.suppress(TypeError):  # a symbolic size (SymInt) under tracing is unhashable: not remembered
+        _FUSING_INPUTS.add(inputs)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain", *, module: nn.Module | None = None
 ) -> torch.Tensor:
@@ -145,9 +166,18 @@ def rms_norm(
     Fused on npu tensors (second-order gradients: eager's, see the module's docstring) as `rms_norm_unavailable_reason`
     decides, recorded for `module` (the layer's own, when a layer calls it).
     """
-    if ran_eager(module, _fused_unavailable_reason(x, weight, scaling)):
+    inputs = (scaling, type(x), x.device, x.dtype, x.shape, type(weight), weight.device, weight.dtype, weight.shape)
+    try:
+        remembered = inputs in _FUSING_INPUTS
+    except TypeError:  # a symbolic size (SymInt) under tracing is unhashable: checked every time
+        remembered = False
+    if remembered and functorch_transform() is None:
+        ran_eager(module, None)
+    elif ran_eager(module, _fused_unavailable_reason(x, weight, scaling)):
         return rms_norm_eager(x, weight, eps, scaling)
-    x_op, order = _as_dense(x)
+    else:
+        _remember_fusing(inputs)
+    x_op, order = (x, None) if x.is_contiguous() else _as_dense(x)
     if scaling == "zero_centered" and _one_kernel_unavailable_reason(x, weight, scaling) is None:
         fused = torch_npu.npu_gemma_rms_norm(x_op, weight, epsilon=eps)[0]
     else:
