@@ -126,13 +126,16 @@ INTERNALS: dict[str, Internal] = {
 
 HOOK_KINDS = ("forward_pre", "forward", "backward_pre", "backward")
 ENGINE_HOOK_PACKAGES = ("deepspeed.", "torch.distributed.fsdp._fully_shard.")
+_HOOK_DICTS = {kind: f"_{kind}_hooks" for kind in HOOK_KINDS}
+"""The attribute of each kind's hooks, named once: the hooks are looked at on every fused call of several cards."""
+_GLOBAL_HOOK_DICTS = tuple(f"_global{name}" for name in _HOOK_DICTS.values())
 
 
 def module_hooks(module: object, kinds: tuple[str, ...] = HOOK_KINDS) -> list:
     """The hooks registered on `module`'s own call, of the given kinds (none for a function)."""
     if not isinstance(module, nn.Module):
         return []
-    return [hook for kind in kinds for hook in getattr(module, f"_{kind}_hooks").values()]
+    return [hook for kind in kinds for hook in getattr(module, _HOOK_DICTS[kind]).values()]
 
 
 def engine_hook(hook: object) -> bool:
@@ -142,7 +145,7 @@ def engine_hook(hook: object) -> bool:
 
 def global_module_hooks() -> bool:
     """Whether hooks for every module's call are registered (torch.nn.modules.module.register_module_*_hook)."""
-    return any(getattr(torch_module, f"_global_{kind}_hooks") for kind in HOOK_KINDS)
+    return any(getattr(torch_module, name) for name in _GLOBAL_HOOK_DICTS)
 
 
 def instance_forward(module: object) -> object | None:

@@ -113,7 +113,7 @@ def _projection_unavailable_reason(name: str, proj: nn.Module) -> str | None:
             f"{name} is {type(proj).__name__}{' with hooks' if type(proj) is nn.Linear else ''}, not a plain "
             "nn.Linear (an adapter such as LoRA, a subclass or a hook computes something else): eager math"
         )
-    for tensor in (proj.weight, proj.bias):
+    for tensor in (weight, proj.bias):  # weight: proj.weight, read above
         if tensor is None:
             continue
         if is_dtensor(tensor):
@@ -229,7 +229,7 @@ def fused_split_mlp(
     # it would be marked dirty, whose backward copies the gradient
     eager = functools.partial(_gated_eager, gated.activation, gated_out.shape)
     gated_rows = with_eager_double_backward(gated_out, eager, *inputs)
-    return down_proj(gated_rows.reshape(*x.shape[:-1], gate_proj.weight.shape[0]))
+    return down_proj(gated_rows.reshape(*x.shape[:-1], inputs[1].shape[0]))  # gate_proj.weight, as autocast gives it
 
 
 def _gated_eager(activation, shape, x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:
