@@ -324,6 +324,47 @@ def test_the_kept_float32_one_is_per_device_and_mode_and_no_state_of_the_module(
     assert torch.equal(one_plus(norm.weight.detach()).cpu(), 1.0 + norm.weight.detach().cpu().float())
 
 
+def test_the_kept_float32_one_stays_float32_when_zero_init_wraps_torch_ones(card, monkeypatch):
+    """DeepSpeed's `zero.Init` wraps torch.ones to cast what it makes to the training dtype in place: a first call
+    inside it must still keep a float32 1, or every later `1 + weight` of the process is rounded to bfloat16. The
+    Gemma3 norm then gives eager's forward exactly, inside the wrapper and after it. Negative control: the wrapper
+    does make torch.ones bfloat16."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    constants = sys.modules[f"{card.__name__}._device_constants"]
+    monkeypatch.setattr(constants, "_CONSTANTS", {})
+    norm = _gemma3_norm(torch.bfloat16)
+    x = (torch.randn(2, 5, 64) * 3).bfloat16().to("npu").requires_grad_()
+    wrapped = partition_parameters.zero_wrapper_for_fp_tensor_constructor(torch.ones, torch.bfloat16, None)
+    assert wrapped(1, dtype=torch.float32, device="npu").dtype == torch.bfloat16  # the negative control
+    with monkeypatch.context() as inside_zero_init:
+        inside_zero_init.setattr(torch, "ones", wrapped)
+        with emulation.count_op_calls() as calls:
+            inside = card.rms_norm(x, norm.weight, norm.eps, "zero_centered")
+        assert calls["npu_rms_norm"] == 1
+    assert [one.dtype for one in constants._CONSTANTS.values()] == [torch.float32]
+    after = card.rms_norm(x, norm.weight, norm.eps, "zero_centered")
+    assert torch.equal(inside, norm(x)) and torch.equal(after, norm(x))
+
+
+def test_fake_tensors_used_outside_their_mode_get_the_kept_one_of_their_mode(card, monkeypatch):
+    """PyTorch runs a fake tensor's ops in its own fake mode outside `with mode:` too (eager's Gemma3 norm does): the
+    kept 1 is made in that mode, not as a real npu tensor the fake weight could not be added to."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    constants = sys.modules[f"{card.__name__}._device_constants"]
+    monkeypatch.setattr(constants, "_CONSTANTS", {})
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(2, 5, 64, dtype=torch.bfloat16, device="npu", requires_grad=True)
+        weight = torch.nn.Parameter(torch.empty(64, dtype=torch.bfloat16, device="npu"))
+    out = card.rms_norm(x, weight, 1e-6, "zero_centered")  # outside the mode
+    x_grad, weight_grad = torch.autograd.grad(out.float().sum(), (x, weight))
+    assert out.fake_mode is mode and (out.shape, out.dtype) == (x.shape, x.dtype)
+    assert (x_grad.dtype, weight_grad.dtype) == (torch.bfloat16, torch.bfloat16)
+    assert [one.fake_mode for one in constants._CONSTANTS.values()] == [mode]
+
+
 def test_a_call_that_read_like_a_fused_one_skips_the_check_and_any_change_is_refused_as_before(card, monkeypatch):
     """`rms_norm` remembers what its check read of the calls it let fuse (scaling, x's and the weight's class, device,
     dtype and shape) and skips the check for a call that reads the same. Negative control: the same inputs again are

@@ -8,6 +8,7 @@ kernel on the device).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -20,11 +21,14 @@ def device_constant(name: str, like: torch.Tensor, make: Callable[[torch.device]
 
     Made outside inference mode, even when the first call is inside it (generate): an inference tensor could not be
     saved for a later training call's backward. A kept constant of another tensor type than like's (a tracing mode's
-    tensors, which cannot mix with the device's), or a fake tensor of another fake mode, is made anew."""
+    tensors, which cannot mix with the device's), or a fake tensor of another fake mode, is made anew. For a fake
+    `like` it is made in like's fake mode, also where that mode is not entered: PyTorch runs a fake tensor's ops in
+    its own mode outside `with mode:` too, where a plain constant beside it would be refused."""
     key = (name, like.device)
     constant = _CONSTANTS.get(key)
-    if constant is None or type(constant) is not type(like) or _fake_mode(constant) is not _fake_mode(like):
-        with torch.inference_mode(False):
+    mode = _fake_mode(like)
+    if constant is None or type(constant) is not type(like) or _fake_mode(constant) is not mode:
+        with torch.inference_mode(False), contextlib.nullcontext() if mode is None else mode:
             constant = _CONSTANTS[key] = make(like.device)
     return constant
 

@@ -201,8 +201,12 @@ _MIXED_ADD_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _float32_one(device: torch.device) -> torch.Tensor:
-    """A float32 [1] tensor of 1 on `device`: one dim, so that a [H] weight plus it is float32 [H]."""
-    return torch.ones(1, dtype=torch.float32, device=device)
+    """A float32 [1] tensor of 1 on `device`: one dim, so that a [H] weight plus it is float32 [H].
+
+    `.float()` after the factory: DeepSpeed's `zero.Init` wraps torch.ones to cast what it makes to the training dtype
+    in place (bfloat16, float16), and a 1 kept in that dtype would round every later 1 + weight to it; 1 is exact in
+    each, and `.float()` of a float32 tensor is that tensor (no kernel)."""
+    return torch.ones(1, dtype=torch.float32, device=device).float()
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:
