@@ -280,9 +280,10 @@ def measure_step(
         ids = torch.empty(batch, seq, dtype=torch.long, device="npu")
         batch_inputs = inputs() if inputs is not None else {"input_ids": ids, "labels": ids}
         first_reads = unpacked_batches() if inputs is None else UnpackedReads()
-        with torch.no_grad(), count_device_ops(experts=spec.experts), first_reads, _autocast(mixed):
-            # uncounted: what a first call makes once per process (the attention card's compressed mask), which a
-            # step after the first does not pay, whichever study ran before in this process
+        with count_device_ops(experts=spec.experts), first_reads, _autocast(mixed):
+            # uncounted: what a first call makes once per process (the attention card's compressed mask; with grad,
+            # the float32 one of a zero-centred norm), which a step after the first does not pay, whichever study ran
+            # before in this process; its graph is dropped unused
             model(**batch_inputs, use_cache=False)
         with tracking_memory() as tracker:
             autocast = _autocast(mixed)
