@@ -60,6 +60,9 @@ def test_each_class_and_reason_is_said_once_at_debug_and_the_last_reason_kept(bu
         on_npu(x.to("npu"))  # fused: the last reason is cleared, the counts stay
     assert calls["npu_rms_norm"] == 1 and records.eager_record(on_npu).last is None
     assert list(records.eager_record(on_npu).counts.values()) == [1]
+    on_npu(x.double().to("npu"))  # eager again; then inputs the card already let fuse, which skip the check
+    on_npu(x.to("npu"))
+    assert records.eager_record(on_npu).last is None
 
 
 def test_a_module_that_always_fused_has_no_record(built_cards):

@@ -68,6 +68,12 @@ INTERNALS: dict[str, Internal] = {
         "a kernelize after that replaces the wrapper: the loss card runs the call as the wrapper did",
         "none: accelerate keeps no public record of the wrapper",
     ),
+    "weight_of": Internal(
+        "torch: nn.Module._parameters, read with dict.get, as `parameter` reads it",
+        "an RMSNorm layer's weight on every call: one function, not `parameter` inside another (a norm's host cost at "
+        "decode size is a few of these calls)",
+        "`module.weight`, which triggers DeepSpeed's gathering under ZeRO-3 (see `parameter`)",
+    ),
     "parameter": Internal(
         "torch: nn.Module._parameters, read with dict.get, past DeepSpeed's ZeROOrderedDict.__getitem__",
         "DeepSpeed 0.19.8 gathers a partitioned parameter read through the module's attribute outside its call and "
@@ -166,6 +172,16 @@ def accelerate_wrapped_forward(module: nn.Module) -> bool:
 def parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     """`module`'s parameter `name` as the module holds it, without DeepSpeed's gathering read (see INTERNALS)."""
     return dict.get(module._parameters, name)
+
+
+def weight_of(norm: nn.Module) -> torch.Tensor:
+    """An RMSNorm's weight: its parameter, read as `parameter` reads it, else its `weight` attribute.
+
+    Reading it through the attribute (`nn.Module.__getattr__`, Python) is a third of a fused call's host cost at decode
+    size; a weight that is no parameter (a buffer, as Gemma3n's without scale) is read as the attribute.
+    """
+    weight = dict.get(norm._parameters, "weight")
+    return norm.weight if weight is None else weight
 
 
 def zero3_partitioned(tensor: torch.Tensor) -> bool:

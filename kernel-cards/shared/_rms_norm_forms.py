@@ -18,7 +18,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from ._internals import instance_forward, parameter
+from ._internals import instance_forward
 
 Scaling = Literal["plain", "zero_centered", "float32_scale"]
 SCALINGS: tuple[str, ...] = get_args(Scaling)
@@ -41,16 +41,6 @@ def epsilon_of(norm: nn.Module) -> float | None:
     """
     eps = getattr(norm, "variance_epsilon", None)
     return getattr(norm, "eps", None) if eps is None else eps
-
-
-def weight_of(norm: nn.Module) -> torch.Tensor:
-    """An RMSNorm's weight: its parameter, read from the module's parameters directly, else its `weight` attribute.
-
-    Reading it through the attribute (`nn.Module.__getattr__`, Python) is a third of a fused call's host cost at decode
-    size; a weight that is no parameter (a buffer, as Gemma3n's without scale) is read as the attribute.
-    """
-    weight = parameter(norm, "weight")
-    return norm.weight if weight is None else weight
 
 
 def rms_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:

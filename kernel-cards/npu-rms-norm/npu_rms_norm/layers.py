@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._rms_norm_forms import computes_the_norm_forward, epsilon_of, weight_of
+from ._internals import weight_of
+from ._rms_norm_forms import computes_the_norm_forward, epsilon_of
 from .rms_norm import rms_norm
 
 

@@ -39,8 +39,8 @@ from torch import nn
 
 from ._device_constants import device_constant
 from ._double_backward import with_eager_double_backward
-from ._fallbacks import ran_eager
-from ._internals import functorch_transform
+from ._fallbacks import _LAST_EAGER, ran_eager
+from ._internals import _peek_interpreter_stack
 from ._npu import FUSED_DTYPES, atlas_a2_a3_unavailable_reason, npu_unavailable_reason, torch_npu
 from ._rms_norm_forms import SCALINGS, Scaling, check_scaling, rms_norm_math
 
@@ -171,8 +171,9 @@ def rms_norm(
         remembered = inputs in _FUSING_INPUTS
     except TypeError:  # a symbolic size (SymInt) under tracing is unhashable: checked every time
         remembered = False
-    if remembered and functorch_transform() is None:
-        ran_eager(module, None)
+    if remembered and _peek_interpreter_stack() is None:  # no torch.func transform (`functorch_transform`)
+        if _LAST_EAGER:  # else no module's last call ran eager: `ran_eager(module, None)` would find nothing to clear
+            ran_eager(module, None)
     elif ran_eager(module, _fused_unavailable_reason(x, weight, scaling)):
         return rms_norm_eager(x, weight, eps, scaling)
     else:
