@@ -71,7 +71,10 @@ OUT_OF_DOCUMENTED_REACH = (
     "Ascend/op-plugin@517f2e7:codegen/templates/_op_plugin_docs.py:10940; v2 has no derivatives.yaml entry), so "
     "aten's top-k and float32 softmax run with autograd's derivatives (top-k's: zeros [T, E] and a scatter, "
     "pytorch/pytorch:tools/autograd/derivatives.yaml, topk): 13 ops against 6 (11 for Mixtral's float32 weights), "
-    "and up to 1.19 x the floor's bytes where the softmax spans every expert (not renormalised: Qwen1.5-MoE)."
+    "and up to 1.19 x the floor's bytes where the softmax spans every expert (not renormalised: Qwen1.5-MoE). The "
+    "minimum counts autograd's derivatives, and the sum of the logits' two gradients as its own op, as the floor "
+    "does; a hand-written backward folding top-k's zeros and scatter and that sum into one scatter_add (2 ops fewer "
+    "where the router's logits get a gradient of their own) is no op's derivative and is not counted."
 )
 
 
