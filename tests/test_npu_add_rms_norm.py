@@ -497,50 +497,29 @@ def test_backward_keeps_the_sum_gamma_and_rstd_only(card):
 # Issue 30: eager's answer in every autograd form, and the hooks users attach to the norm the fused op bypasses.
 
 
+@pytest.mark.parametrize("update_dtype", [torch.float32, torch.bfloat16], ids=["same dtype", "mixed pair"])
 @pytest.mark.parametrize("scaling", list(NORMS))
-def test_a_gradient_penalty_gives_eagers_second_order_gradients(card, scaling):
-    """A recorded backward (create_graph) differentiates eager's math: the function's backward raised
-    (once_differentiable), and npu_rms_norm_backward has no derivative on the device."""
+def test_a_gradient_penalty_gives_eagers_second_order_gradients(card, scaling, update_dtype):
+    """A recorded backward (create_graph) differentiates eager's math, with no warning of incomplete second-order
+    gradients: npu_add_rms_norm's function raised (once_differentiable), and npu_rms_norm_backward (also what the
+    mixed pair's npu_rms_norm runs) has no derivative on the device."""
     norm = make_norm(scaling, torch.float32)
     residual, update = inputs(torch.float32)
+    same = {"npu_add_rms_norm": 1, "npu_rms_norm_backward": 1}  # its first-order backward, eager's second order
+    fused_calls = same if update_dtype == torch.float32 else {"npu_rms_norm": 1}
     results = {}
     for name, function, extra in (
         ("eager", card.add_rms_norm_eager, ()),
         ("fused", card.add_rms_norm, (scaling, FAMILIES[scaling])),
     ):
-        n, r, u = on_npu(norm, residual, update)
-        with emulation.count_op_calls() as calls, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            normed, summed = function(r, u, n, *extra)
-            loss = normed.pow(3).sum() + (normed * summed).sum() + summed.pow(2).sum()
-            first = torch.autograd.grad(loss, (r, u, n.weight), create_graph=True)
-            sum(g.pow(2).sum() for g in first).backward()
-        assert calls["npu_add_rms_norm"] == (name == "fused")
-        assert not [w for w in caught if "second-order gradients are incomplete" in str(w.message)]
-        results[name] = [t.detach().cpu() for t in (*first, r.grad, u.grad, n.weight.grad)]
-    for got, want in zip(results["fused"], results["eager"], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("scaling", list(NORMS))
-def test_a_gradient_penalty_on_a_mixed_pair_gives_eagers_second_order_gradients(card, scaling):
-    """The mixed pair's npu_rms_norm: a recorded backward differentiates eager's math (npu_rms_norm_backward has no
-    derivative), with no warning of incomplete second-order gradients."""
-    norm = make_norm(scaling, torch.float32)
-    residual, update = inputs(torch.float32)
-    results = {}
-    for name, function, extra in (
-        ("eager", card.add_rms_norm_eager, ()),
-        ("fused", card.add_rms_norm, (scaling, FAMILIES[scaling])),
-    ):
-        n, r, u = on_npu(norm, residual, update.to(torch.bfloat16))
+        n, r, u = on_npu(norm, residual, update.to(update_dtype))
         with emulation.count_op_calls() as calls, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             normed, summed = function(r, u, n, *extra)
             loss = normed.pow(3).sum() + (normed * summed).sum() + summed.pow(2).sum()
             first = torch.autograd.grad(loss, (r, u, n.weight), create_graph=True)
             sum(g.float().pow(2).sum() for g in first).backward()
-        assert dict(calls) == ({"npu_rms_norm": 1} if name == "fused" else {})
+        assert dict(calls) == (fused_calls if name == "fused" else {})
         assert not [w for w in caught if "second-order gradients are incomplete" in str(w.message)]
         results[name] = [t.detach().cpu() for t in (*first, r.grad, u.grad, n.weight.grad)]
     for got, want in zip(results["fused"], results["eager"], strict=True):
