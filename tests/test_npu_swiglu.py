@@ -595,3 +595,16 @@ def test_a_double_backward_gives_eagers_second_order_gradients(card, shape, toke
     assert calls[fused_op(shape)] == 1
     for name, g, w in zip(["x", *(n for n, _ in mlp.named_parameters())], got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+class Linear(nn.Linear):
+    """A subclass with nn.Linear's own name, as peft's LoRA layer (peft.tuners.lora.layer.Linear) is."""
+
+
+def test_a_projection_of_a_class_named_linear_is_named_by_its_module(card):
+    """The reason names the class with its module: "gate_proj is Linear, not a plain nn.Linear" names neither."""
+    mlp = make("split", 16, 24, torch.float32).to("npu")
+    mlp.gate_proj.__class__ = Linear
+    x = torch.randn(3, 16).to("npu")
+    reason = card.swiglu_mlp_unavailable_reason(x, mlp.gate_proj, mlp.up_proj, mlp.act_fn)
+    assert f"gate_proj is {__name__}.Linear, not a plain nn.Linear" in reason, reason
