@@ -631,6 +631,11 @@ def _fallbacks():
         ("custom loss", lambda p: {**p, "loss_function": _custom_loss}, "_custom_loss"),
         ("logits_to_keep", lambda p: {**p, "logits_to_keep": 3, "labels": p["labels"][:, -3:]}, "logits_to_keep"),
         ("wrapped lm_head", lambda p: {**p, "lm_head": _retyped(p["lm_head"])}, "plain nn.Linear"),
+        (
+            "lm_head of a class named Linear (peft's LoRA layer)",
+            lambda p: {**p, "lm_head": _retyped(p["lm_head"], Linear)},
+            f"{__name__}.Linear, not a plain nn.Linear",
+        ),
         ("hooked lm_head", lambda p: {**p, "lm_head": _hooked(p["lm_head"])}, "forward hooks of its own"),
         ("backward hook", lambda p: {**p, "lm_head": _backward_hooked(p["lm_head"])}, "backward hooks"),
         ("accelerate hook", lambda p: {**p, "lm_head": _accelerate_hooked(p["lm_head"])}, "_hf_hook"),
@@ -646,8 +651,12 @@ def _custom_loss(logits, labels, vocab_size, **kwargs):
     return logits.float().logsumexp(-1).mean()
 
 
-def _retyped(head: nn.Linear) -> nn.Linear:
-    return _copy(head, head.weight.device, _Subclassed)
+class Linear(nn.Linear):
+    """A subclass with nn.Linear's own name, as peft's LoRA layer (peft.tuners.lora.layer.Linear) is."""
+
+
+def _retyped(head: nn.Linear, cls: type[nn.Linear] = _Subclassed) -> nn.Linear:
+    return _copy(head, head.weight.device, cls)
 
 
 def _hooked(head: nn.Linear) -> nn.Linear:
