@@ -38,6 +38,14 @@ the fused call's cost at a set lookup; an id a dead module left behind only cost
 _SAID: set[tuple[type | None, str]] = set()
 
 
+def class_name(module: nn.Module) -> str:
+    """The module's class as a reason names it: qualified by its module, except torch's own nn.Linear.
+
+    peft's LoRA layer is a class named Linear too: "gate_proj is Linear, not a plain nn.Linear" would name neither."""
+    cls = type(module)
+    return "nn.Linear" if cls is nn.Linear else f"{cls.__module__}.{cls.__qualname__}"
+
+
 def ran_eager(module: nn.Module | None, reason: str | None) -> bool:
     """Return whether this call runs eager, recording it for `module` and logging it once.
 

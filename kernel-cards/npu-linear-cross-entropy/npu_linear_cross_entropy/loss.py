@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._double_backward import with_eager_double_backward
-from ._fallbacks import ran_eager
+from ._fallbacks import class_name, ran_eager
 from ._internals import (
     accelerate_hook,
     device_has_kernel,
@@ -97,9 +97,7 @@ def call_unavailable_reason(
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         return "logits_to_keep is set: the loss of a slice of the positions keeps the eager path"
     if fsdp2_original_class(lm_head) is not nn.Linear:
-        # qualified: peft's LoRA layer is a class named Linear too, which "a Linear, not a plain nn.Linear" would hide
-        cls = type(lm_head)
-        return f"lm_head is a {cls.__module__}.{cls.__qualname__}, not a plain nn.Linear (LoRA, quantised, wrapped)"
+        return f"lm_head is a {class_name(lm_head)}, not a plain nn.Linear (LoRA, quantised, wrapped)"
     if accelerate_hook(lm_head):
         return "lm_head carries accelerate's hook (_hf_hook: offload, device placement), which replaces its forward"
     forward = instance_forward(lm_head)

@@ -42,7 +42,7 @@ from torch import nn
 
 from ._activations import is_silu
 from ._double_backward import with_eager_double_backward
-from ._fallbacks import ran_eager
+from ._fallbacks import class_name, ran_eager
 from ._internals import engine_hook, global_module_hooks, instance_forward, module_hooks, zero3_gathered
 from ._npu import FUSED_DTYPES, is_dtensor, npu_unavailable_reason, torch_npu
 
@@ -98,14 +98,6 @@ def _fused_op_unavailable_reason(x: torch.Tensor, act_fn: Callable | None, gated
     return None
 
 
-def _class_name(module: nn.Module) -> str:
-    """The module's class as a reason names it: qualified by its module, except torch's own nn.Linear.
-
-    peft's LoRA layer is a class named Linear too: "gate_proj is Linear, not a plain nn.Linear" would name neither."""
-    cls = type(module)
-    return "nn.Linear" if cls is nn.Linear else f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _projection_unavailable_reason(name: str, proj: nn.Module) -> str | None:
     """Why the card cannot read this projection's weight and bias directly, or None."""
     weight = getattr(proj, "weight", None)
@@ -118,7 +110,7 @@ def _projection_unavailable_reason(name: str, proj: nn.Module) -> str | None:
         )
     if not is_plain_linear(proj):
         return (
-            f"{name} is {_class_name(proj)}{' with hooks' if type(proj) is nn.Linear else ''}, not a plain "
+            f"{name} is {class_name(proj)}{' with hooks' if type(proj) is nn.Linear else ''}, not a plain "
             "nn.Linear (an adapter such as LoRA, a subclass or a hook computes something else): eager math"
         )
     for tensor in (weight, proj.bias):  # weight: proj.weight, read above
