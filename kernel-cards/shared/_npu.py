@@ -32,6 +32,10 @@ torch_npu = _import_torch_npu()
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The floating-point dtypes the fused torch_npu ops of the cards take."""
 
+MIXED_ADD_DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes torch_npu adds to a float32 tensor as one aclnnAdd, one mixed-dtype Add kernel without a Cast
+(hicann/ops-math@3b62132:math/add/op_host/op_api/aclnn_add.cpp, `isAddMixDtypeSupport`; docs/torch-npu-ops.md)."""
+
 
 def soc_name(device: torch.device | None = None) -> str:
     """The SoC name of an npu device (`torch.npu.get_device_name`: CANN's `aclrtGetSocName`, e.g. "Ascend910B3").

@@ -54,7 +54,7 @@ from torch import nn
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
 from ._internals import global_module_hooks, module_hooks
-from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+from ._npu import FUSED_DTYPES, MIXED_ADD_DTYPES, npu_unavailable_reason, torch_npu
 from ._rms_norm_forms import Scaling, check_scaling, epsilon_of, norm_forward_replaced, rms_norm_math
 
 
@@ -157,7 +157,7 @@ def _sum_dtype(residual: torch.Tensor, update: torch.Tensor) -> torch.dtype:
 
 def _one_mixed_add(residual: torch.Tensor, update: torch.Tensor) -> bool:
     """Whether torch_npu adds the two as one mixed-dtype Add kernel: a float32 and a float16 or bfloat16 tensor."""
-    return residual.dtype != update.dtype and torch.float32 in (residual.dtype, update.dtype)
+    return {residual.dtype, update.dtype} in ({torch.float32, dtype} for dtype in MIXED_ADD_DTYPES)
 
 
 def _rms_norm_of_mixed_sum(

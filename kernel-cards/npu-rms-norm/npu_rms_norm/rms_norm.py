@@ -41,7 +41,13 @@ from ._device_constants import device_constant
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import _LAST_EAGER, ran_eager
 from ._internals import _peek_interpreter_stack
-from ._npu import FUSED_DTYPES, atlas_a2_a3_unavailable_reason, npu_unavailable_reason, torch_npu
+from ._npu import (
+    FUSED_DTYPES,
+    MIXED_ADD_DTYPES,
+    atlas_a2_a3_unavailable_reason,
+    npu_unavailable_reason,
+    torch_npu,
+)
 from ._rms_norm_forms import SCALINGS, Scaling, check_scaling, rms_norm_math
 
 
@@ -192,13 +198,9 @@ def rms_norm(
 
 def _one_plus(weight: torch.Tensor) -> torch.Tensor:
     """`1 + weight.float()` (eager's value, float32), in one call: a 16-bit weight plus a float32 1 kept per device."""
-    if weight.dtype in _MIXED_ADD_DTYPES:
+    if weight.dtype in MIXED_ADD_DTYPES:
         return weight + device_constant("float32 one", weight, _float32_one)
     return 1.0 + weight.float()
-
-
-_MIXED_ADD_DTYPES = (torch.float16, torch.bfloat16)
-"""The dtypes aclnnAdd adds to a float32 tensor in one mixed-dtype Add kernel (`isAddMixDtypeSupport`)."""
 
 
 def _float32_one(device: torch.device) -> torch.Tensor:
