@@ -125,3 +125,36 @@ def test_inference_mode_rotates_q_and_k_of_a_layer_in_one_call(npu_kernels, tmp_
     with torch.inference_mode(), emulation.count_op_calls() as calls:
         model(ids.to("npu")).logits.cpu()  # positions [1, S]: cos shared by the batch, which the op cannot take
     assert calls["npu_apply_rotary_pos_emb"] == 0 and calls["npu_rotary_mul"] == 2 * layers
+
+
+def test_a_vision_language_model_fed_images_trains_as_eager(npu_kernels, tmp_path):
+    """Qwen2.5-VL with an image in each of two sequences, one left-padded: its RMSNorms and SwiGLU MLPs fuse, and the
+    loss and every gradient are eager's. Its vision tower indexes npu tensors with
+    a window index built on the host, which torch_npu moves to the device (docs/emulation.md)."""
+    image, start, end = 90, 92, 93  # token ids inside the tiny vocabulary
+    source = tiny_model("qwen2_5_vl", image_token_id=image, vision_start_token_id=start, vision_end_token_id=end)
+    source.save_pretrained(tmp_path / "vl")
+    model = type(source).from_pretrained(tmp_path / "vl", device_map="npu", use_kernels=True).train()
+    eager = source.to("npu").train()
+    ids = torch.tensor([[1, 2, start, *[image] * 4, end, 5, 6, 7, 8], [0, 0, 5, 6, start, *[image] * 4, end, 9, 10]])
+    mask = (torch.arange(12) >= torch.tensor([[0], [2]])).long()
+    vision = source.config.vision_config
+    patch = 3 * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(32, patch, generator=torch.Generator().manual_seed(1))  # 2 images of 4 x 4 patches
+    batch = {
+        "input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100),
+        "pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]]),
+    }  # fmt: skip
+    batch = {name: value.to("npu") for name, value in batch.items()}
+    losses = []
+    for net in (eager, model):
+        with emulation.count_op_calls() as calls:
+            loss = net(**batch).loss
+            loss.backward()
+        losses.append(loss.detach().cpu())
+        fused = calls["npu_rms_norm"] + calls["npu_swiglu"]
+        assert fused == 0 if net is eager else calls["npu_rms_norm"] > 0 and calls["npu_swiglu"] > 0
+    torch.testing.assert_close(losses[1], losses[0])
+    grads = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), grads[name].grad.cpu(), msg=name)

@@ -121,6 +121,19 @@ def test_device_behaves_like_a_device():
     assert torch.npu.is_available() and torch.npu.device_count() == 1
 
 
+def test_advanced_indexing_takes_host_indices_as_torch_npu_moves_them_to_the_device():
+    """torch_npu moves host index tensors of index/index_put to the indexed tensor's device (AdvancedIndex.cpp)."""
+    x = torch.arange(12.0).view(4, 3)
+    on_npu, rows, mask = x.to("npu"), torch.tensor([0, 2]), torch.tensor([True, False, True, False])
+    assert torch.equal(on_npu[rows].cpu(), x[rows]) and on_npu[rows].device.type == "npu"
+    assert torch.equal(on_npu[mask].cpu(), x[mask])
+    written = on_npu.clone()
+    written[rows] = torch.zeros(2, 3, device="npu")
+    assert torch.equal(written.cpu(), x.index_put((rows,), torch.zeros(2, 3)))
+    with pytest.raises(RuntimeError, match="same device"):  # only the indices: the indexed tensor is checked
+        x[rows.to("npu")]
+
+
 @pytest.mark.parametrize("device", [None, 0, "npu", "npu:0", torch.device("npu", 0)], ids=str)
 def test_the_device_names_itself_as_torch_npu_does(device):
     """torch_npu answers CANN's SoC name (an Atlas A2's); TRL's trainers ask it at construction."""

@@ -36,6 +36,17 @@ _CROSS_DEVICE_OPS = {
     torch.ops.aten._copy_from_and_resize.default,
 }
 
+# Advanced indexing, whose index tensors may be on the host: torch_npu moves each one to the indexed tensor's device
+# before the kernel runs (Ascend/op-plugin@0a873ce op_plugin/utils/AdvancedIndex.cpp, `npu_expand_tensors` and
+# `make_info`, which op_plugin/ops/opapi/IndexKernelNpuOpApi.cpp and IndexPutKernelNpuOpApi.cpp call), as CUDA does.
+# transformers' Qwen2.5-VL vision tower indexes its hidden states with a window index it builds on the host.
+_HOST_INDICES_OPS = {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+}
+
 
 def _histc(x, bins=100, min=0, max=0):
     """histc of any dtype, counted in float64 and returned in `x`'s dtype.
@@ -165,7 +176,9 @@ class NpuTensor(torch.Tensor):
             # what a device's dispatcher runs for an op with no kernel of its own: the op's device-generic kernel,
             # on the npu tensors themselves (DeepSpeed's Ulysses all-to-all calls its collective from there).
             return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
-        if func not in _CROSS_DEVICE_OPS:
+        if func in _HOST_INDICES_OPS:  # the indices (args[1]) may be host tensors; the rest is checked
+            _check_same_device(func, (args[0], *args[2:]), kwargs)
+        elif func not in _CROSS_DEVICE_OPS:
             _check_same_device(func, args, kwargs)
         target = kwargs.get("device")
         _count_host_sync(func, args, target)
