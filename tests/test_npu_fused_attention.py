@@ -775,3 +775,14 @@ def test_a_model_whose_attention_code_is_not_proven_keeps_its_attention_and_says
     assert apply_npu_kernels(model, kernels=NAME, local_dir=built_cards).config._attn_implementation == "sdpa"
     monkeypatch.undo()
     assert apply_npu_kernels(model, kernels=NAME, local_dir=built_cards).config._attn_implementation == NAME
+
+
+def test_a_mask_built_for_other_lengths_is_refused_naming_both(card):
+    """A model that changes its queries or keys after building the mask (RecurrentGemma in decoding): the described
+    mask no longer says which keys each query sees, and the reason names the call's lengths and the mask's."""
+    module, q, k, v, *_ = case_inputs("causal", torch.bfloat16)
+    q, k, v = (t.to("npu") for t in (q, k, v))
+    mask = card_mask(card, torch.ones(2, 24, dtype=torch.bool), 24, 24, None, "npu")
+    assert card.fused_attention_unavailable_reason(module, q, k, v, mask) is None  # negative control
+    reason = card.fused_attention_unavailable_reason(module, q[..., -1:, :], k, v, mask)
+    assert reason.startswith("the model attends 1 queries to 24 keys in batch 2, but its mask was built for 24 queries")

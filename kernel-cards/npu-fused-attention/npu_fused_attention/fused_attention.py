@@ -278,8 +278,10 @@ def attention_form(
     if description is not None:
         if (description.batch, description.q_length, description.kv_length) != (batch, q_len, kv_len):
             return (
-                f"the mask was built for batch {description.batch}, {description.q_length} queries and "
-                f"{description.kv_length} keys, the call has {batch}, {q_len} and {kv_len}"
+                f"the model attends {q_len} queries to {kv_len} keys in batch {batch}, but its mask was built for "
+                f"{description.q_length} queries, {description.kv_length} keys and batch {description.batch} (the "
+                "model changed its queries or keys after building the mask, as RecurrentGemma does in decoding): "
+                "the mask does not say which keys each query sees"
             )
         plan = _described_plan(description, query.device)
         return AttentionForm(description.causal, description.window, plan)
