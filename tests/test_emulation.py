@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -119,6 +120,17 @@ def test_device_behaves_like_a_device():
     with pytest.raises(RuntimeError, match="same device"):
         on_npu + x
     assert torch.npu.is_available() and torch.npu.device_count() == 1
+
+
+def test_to_moves_and_casts_in_inference_mode_as_outside_it():
+    """In inference mode `Tensor.to` reaches the device undecomposed (aten.to.device, .other, .dtype_layout): its
+    device argument decides where the result lives, as outside inference mode."""
+    for mode in (torch.inference_mode(), contextlib.nullcontext()):
+        with mode:
+            x, host = torch.arange(3.0).to("npu"), torch.zeros(1, dtype=torch.float64)
+            for moved in (x.to("cpu", torch.float64), x.to(host), x.to(device="cpu", dtype=torch.float64)):
+                assert type(moved) is torch.Tensor and moved.dtype == torch.float64 and moved.tolist() == [0, 1, 2]
+            assert x.to(torch.float16).device.type == "npu" and host.to("npu", torch.float32).device.type == "npu"
 
 
 def test_advanced_indexing_takes_host_indices_as_torch_npu_moves_them_to_the_device():

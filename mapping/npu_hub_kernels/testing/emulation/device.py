@@ -34,6 +34,11 @@ _CROSS_DEVICE_OPS = {
     torch.ops.aten._to_copy.default,
     torch.ops.aten._copy_from.default,
     torch.ops.aten._copy_from_and_resize.default,
+    # `Tensor.to` itself reaches the device, not decomposed, where autograd is off (inference mode)
+    torch.ops.aten.to.device,
+    torch.ops.aten.to.other,
+    torch.ops.aten.to.dtype_layout,
+    torch.ops.aten.to.prim_Device,
 }
 
 # Advanced indexing, whose index tensors may be on the host: torch_npu moves each one to the indexed tensor's device
@@ -180,7 +185,7 @@ class NpuTensor(torch.Tensor):
             _check_same_device(func, (args[0], *args[2:]), kwargs)
         elif func not in _CROSS_DEVICE_OPS:
             _check_same_device(func, args, kwargs)
-        target = kwargs.get("device")
+        target = _target_device(func, args, kwargs)
         _count_host_sync(func, args, target)
         cpu_args = tree_map(_to_inner, args)
         cpu_kwargs = tree_map(_to_inner, kwargs)
@@ -194,6 +199,15 @@ class NpuTensor(torch.Tensor):
             with torch.inference_mode(False):
                 return tree_map(_wrap, out)
         return tree_map(_wrap, out)
+
+
+def _target_device(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    """The device a copy or `Tensor.to` call writes to (its `device` argument, or `other`'s), or None for none given."""
+    if func in (torch.ops.aten.to.device, torch.ops.aten.to.prim_Device):
+        return args[1] if len(args) > 1 else kwargs.get("device")
+    if func is torch.ops.aten.to.other:
+        return args[1].device
+    return kwargs.get("device")
 
 
 def _runs_device_generic_kernel(func: torch._ops.OpOverload) -> bool:
