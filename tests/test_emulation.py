@@ -122,6 +122,18 @@ def test_device_behaves_like_a_device():
     assert torch.npu.is_available() and torch.npu.device_count() == 1
 
 
+def test_views_keep_the_kind_of_tensor_they_view_as_torch_does():
+    """A view of an inference tensor is one, in or out of inference mode; a view of a normal tensor is normal, in or
+    out of it (torch's rules, which the host tensor beside them shows)."""
+    with torch.inference_mode():
+        inference, host_inference = torch.randn(2, 3).to("npu"), torch.randn(2, 3)
+    normal = torch.randn(2, 3).to("npu")
+    assert host_inference.t().is_inference() and inference.t().is_inference() and inference[0].is_inference()
+    assert not (inference + 1).is_inference() and not normal.t().is_inference()
+    with torch.inference_mode():
+        assert inference.t().is_inference() and not normal.t().is_inference()
+
+
 def test_to_moves_and_casts_in_inference_mode_as_outside_it():
     """In inference mode `Tensor.to` reaches the device undecomposed (aten.to.device, .other, .dtype_layout): its
     device argument decides where the result lives, as outside inference mode."""

@@ -193,10 +193,16 @@ class NpuTensor(torch.Tensor):
         _follow_written_host_tensors(func, args, kwargs)
         if target is not None and torch.device(target).type != "npu":
             return out
-        if torch.is_inference_mode_enabled() and _is_view_of_normal_tensor(func, args):
+        view_of = _view_base_kind(func, args)
+        if torch.is_inference_mode_enabled() and view_of == "normal":
             # A view of a normal tensor stays a normal tensor in inference mode (it shares the base's
             # version counter); only a wrapper made outside inference mode can.
             with torch.inference_mode(False):
+                return tree_map(_wrap, out)
+        if not torch.is_inference_mode_enabled() and view_of == "inference":
+            # A view of an inference tensor is an inference tensor, in or out of inference mode; only a wrapper made
+            # inside inference mode is.
+            with torch.inference_mode():
                 return tree_map(_wrap, out)
         return tree_map(_wrap, out)
 
@@ -296,10 +302,14 @@ def _follow_host_metadata(wrapper: NpuTensor) -> None:
             torch._C._set_meta_in_tls_dispatch_include(meta_included)
 
 
-def _is_view_of_normal_tensor(func, args) -> bool:
+def _view_base_kind(func, args) -> str | None:
+    """For an op returning views of its first argument: "inference" or "normal", what kind of tensor it views; else
+    None."""
     returns = func._schema.returns
     is_view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-    return is_view and isinstance(args[0], torch.Tensor) and not args[0].is_inference()
+    if not is_view or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    return "inference" if args[0].is_inference() else "normal"
 
 
 def _to_inner(value):
