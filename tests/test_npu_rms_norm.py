@@ -74,6 +74,27 @@ def test_backward_matches_eager(card, scaling):
     torch.testing.assert_close(w_npu.grad.cpu(), weight.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_an_inference_tensor_input_trains_the_weight_as_eager_does(card, scaling, layout):
+    """inputs_embeds made under torch.inference_mode (a frozen encoder's features) reach the first norm as an
+    inference tensor, which torch refuses to keep for backward: the op is given a copy, and the weight's gradient is
+    eager's (eager keeps only tensors it made)."""
+    with torch.inference_mode():
+        x = torch.randn(2, 6, 4, 32).to("npu")
+    x = x if layout == "contiguous" else x.transpose(1, 2)
+    weight = torch.randn(32)
+    w_eager = weight.clone().requires_grad_()
+    card.rms_norm_eager(x.cpu(), w_eager, 1e-6, scaling).pow(2).sum().backward()
+    w_npu = weight.to("npu").requires_grad_()
+    with emulation.count_op_calls() as calls:
+        out = card.rms_norm(x, w_npu, 1e-6, scaling)
+        out.pow(2).sum().backward()
+    assert calls["npu_rms_norm"] == 1 and out.shape == x.shape
+    torch.testing.assert_close(out.detach().cpu(), card.rms_norm_eager(x.cpu(), weight, 1e-6, scaling))
+    torch.testing.assert_close(w_npu.grad.cpu(), w_eager.grad, rtol=1e-4, atol=1e-5)
+
+
 GEMMA3_NORM_INPUTS = {
     "hidden states [B, S, H]": lambda: torch.randn(2, 5, 96) * 3,
     "q/k norm input [B, N, S, D], a transpose of [B, S, N, D] memory": lambda: (torch.randn(2, 5, 4, 64) * 3).transpose(

@@ -185,12 +185,17 @@ def rms_norm(
     else:
         _remember_fusing(inputs)
     x_op, order = (x, None) if x.is_contiguous() else _as_dense(x)
+    grad = torch.is_grad_enabled()
+    if grad and weight.requires_grad and x_op.is_inference():
+        # npu_rms_norm keeps x for backward, which torch refuses for an inference tensor (inputs_embeds made under
+        # torch.inference_mode, as a frozen encoder's features are): the op gets a copy, as eager keeps only its own
+        x_op = x_op.clone()
     if scaling == "zero_centered" and _one_kernel_unavailable_reason(x, weight, scaling) is None:
         fused = torch_npu.npu_gemma_rms_norm(x_op, weight, epsilon=eps)[0]
     else:
         gamma = _one_plus(weight) if scaling == "zero_centered" else weight
         fused = torch_npu.npu_rms_norm(x_op, gamma, epsilon=eps)[0]
-        if torch.is_grad_enabled():  # else autograd records nothing: with_eager_double_backward would return fused
+        if grad:  # else autograd records nothing: with_eager_double_backward would return fused
             eager = partial(rms_norm_math, eps=eps, scaling=scaling)
             fused = with_eager_double_backward(fused, eager, x_op, weight)
     return fused if order is None else fused.permute(_inverse(order))
