@@ -158,3 +158,25 @@ def test_a_vision_language_model_fed_images_trains_as_eager(npu_kernels, tmp_pat
     grads = dict(eager.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.cpu(), grads[name].grad.cpu(), msg=name)
+
+
+def test_inputs_embeds_made_under_inference_mode_train_as_eager(npu_kernels, tmp_path):
+    """A frozen encoder's features, made under torch.inference_mode, fed as inputs_embeds to a model that trains:
+    every fused op sees them or what they become, and the loss and gradients are eager's."""
+    source, model = load(tmp_path, "llama")
+    eager = source.to("npu")
+    ids = token_ids().to("npu")
+    results = []
+    for net in (eager, model.train()):
+        with torch.inference_mode():
+            embeds = net.get_input_embeddings()(ids)
+        with emulation.count_op_calls() as calls:
+            loss = net.train()(inputs_embeds=embeds, labels=ids).loss
+            loss.backward()
+        assert (calls["npu_rms_norm"] > 0) is (net is model)
+        grads = {name: p.grad.cpu() for name, p in net.named_parameters() if p.grad is not None}
+        results.append((loss.detach().cpu(), grads))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    assert results[1][1].keys() == results[0][1].keys() and len(results[0][1]) > 1
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, msg=name)
