@@ -61,7 +61,8 @@ def rank_batch(rank: int, step: int) -> torch.Tensor:
 def test_a_librarys_device_generic_op_runs_on_the_npu_tensors():
     """A `torch.library.custom_op` with no device type runs its body on the npu tensors themselves, as a device's
     dispatcher runs its CompositeExplicitAutograd kernel (DeepSpeed's all-to-all calls its collective there); the
-    control: an op with a CPU kernel only still runs on the host data, as before."""
+    control: an op with a host kernel only is refused on them, as a device's dispatcher has no kernel to run, and runs
+    on host tensors."""
     seen = {}
 
     @torch.library.custom_op("npu_hub_kernels_test::device_generic", mutates_args=())
@@ -71,15 +72,15 @@ def test_a_librarys_device_generic_op_runs_on_the_npu_tensors():
 
     @torch.library.custom_op("npu_hub_kernels_test::host_only", mutates_args=(), device_types="cpu")
     def host_only(x: torch.Tensor) -> torch.Tensor:
-        seen["host"] = (type(x).__name__, x.device.type)
         return x + 1
 
     x = torch.arange(3.0).to("npu")
-    doubled, incremented = device_generic(x), host_only(x)
+    doubled = device_generic(x)
     assert seen["generic"] == ("NpuTensor", "npu"), seen
-    assert seen["host"] == ("Tensor", "cpu"), seen
-    assert doubled.device.type == incremented.device.type == "npu"
-    assert doubled.cpu().tolist() == [0.0, 2.0, 4.0] and incremented.cpu().tolist() == [1.0, 2.0, 3.0]
+    assert doubled.device.type == "npu" and doubled.cpu().tolist() == [0.0, 2.0, 4.0]
+    with pytest.raises(NotImplementedError, match="host_only' with arguments from the 'PrivateUse1' backend"):
+        host_only(x)
+    assert host_only(x.cpu()).tolist() == [1.0, 2.0, 3.0]
 
 
 def test_get_device_properties_answers_as_torch_npu_on_an_atlas_a2():

@@ -181,6 +181,11 @@ class NpuTensor(torch.Tensor):
             # what a device's dispatcher runs for an op with no kernel of its own: the op's device-generic kernel,
             # on the npu tensors themselves (DeepSpeed's Ulysses all-to-all calls its collective from there).
             return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+        if _has_host_kernel_only(func):
+            raise NotImplementedError(
+                f"Could not run '{func.name()}' with arguments from the 'PrivateUse1' backend (emulated npu): the "
+                "operator has a kernel for the host and none for the npu, so a device's dispatcher refuses it"
+            )
         if func in _HOST_INDICES_OPS:  # the indices (args[1]) may be host tensors; the rest is checked
             _check_same_device(func, (args[0], *args[2:]), kwargs)
         elif func not in _CROSS_DEVICE_OPS:
@@ -228,6 +233,21 @@ def _runs_device_generic_kernel(func: torch._ops.OpOverload) -> bool:
     if not isinstance(func, torch._ops.OpOverload) or func in _DEVICE_KERNELS or is_builtin(func):
         return False
     return _has_only_device_generic_kernel(func.name())
+
+
+def _has_host_kernel_only(func: torch._ops.OpOverload) -> bool:
+    """Whether `func` is a library's operator with a host (CPU) kernel and none an npu tensor can run."""
+    if not isinstance(func, torch._ops.OpOverload) or func in _DEVICE_KERNELS or is_builtin(func):
+        return False
+    return _has_cpu_kernel_only(func.name())
+
+
+@functools.cache
+def _has_cpu_kernel_only(name: str) -> bool:
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    return has_kernel(name, "CPU") and not any(
+        has_kernel(name, key) for key in ("PrivateUse1", "CompositeExplicitAutograd", "CompositeImplicitAutograd")
+    )
 
 
 @functools.cache
