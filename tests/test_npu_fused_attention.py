@@ -10,6 +10,7 @@ left out of the comparison: the card writes 0 there, eager a value no later laye
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import logging
 import re
@@ -24,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from npu_hub_kernels import _kernels_compat as compat
-from npu_hub_kernels import apply_npu_kernels, register_npu_kernels
+from npu_hub_kernels import apply_npu_kernels, attention_modules, register_npu_kernels
 from npu_hub_kernels.cards import CARDS
 from npu_hub_kernels.doctor import diagnose, format_report
 from npu_hub_kernels.models import FUSED_CLASSES, fingerprints
@@ -786,3 +787,41 @@ def test_a_mask_built_for_other_lengths_is_refused_naming_both(card):
     assert card.fused_attention_unavailable_reason(module, q, k, v, mask) is None  # negative control
     reason = card.fused_attention_unavailable_reason(module, q[..., -1:, :], k, v, mask)
     assert reason.startswith("the model attends 1 queries to 24 keys in batch 2, but its mask was built for 24 queries")
+
+
+class _Logits(torch.nn.Module):
+    """A model's logits from (ids, attention mask): what torch.jit.trace takes."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+@pytest.mark.parametrize("tracer", ["torch.compile", "torch.jit.trace"])
+def test_a_traced_model_runs_its_eager_attention_for_any_batchs_padding(built_cards, tracer):
+    """The fused form reads the batch's padding on the host: a traced graph would freeze the traced batch's. Under
+    torch.compile and torch.jit.trace the model runs its own eager attention, so a batch padded otherwise than the
+    traced one gets eager's logits (negative control: the untraced model calls the op)."""
+    plain = tiny_causal_lm("llama").to("npu").eval()
+    model = apply_npu_kernels(copy.deepcopy(plain), kernels=NAME, local_dir=built_cards)
+    ids = token_ids(seq=8).to("npu")
+    traced_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8], device="npu")
+    other_mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1]], device="npu")
+    with torch.no_grad():
+        with emulation.count_op_calls() as calls:
+            _Logits(model)(ids, other_mask)
+        assert calls[OP] > 0
+        if tracer == "torch.compile":
+            traced = torch.compile(_Logits(model), backend="eager")
+        else:
+            traced = torch.jit.trace(_Logits(model), (ids, traced_mask), check_trace=False)
+        with emulation.count_op_calls() as calls:
+            got = traced(ids, other_mask)
+        want = _Logits(plain)(ids, other_mask)
+    assert calls[OP] == 0
+    kept = other_mask.bool()
+    torch.testing.assert_close(got[kept].cpu(), want[kept].cpu(), rtol=1e-5, atol=1e-5)
+    assert any(tracer in (row.eager_reason or "") for row in attention_modules(model)), attention_modules(model)

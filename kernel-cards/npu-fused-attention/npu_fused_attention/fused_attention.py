@@ -44,7 +44,7 @@ from ._fallbacks import ran_eager
 from ._internals import modeling_global
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, soc_name, torch_npu
 from .host_reads import host_copy
-from .masks import EAGER_REASON_ATTRIBUTE, KEPT, QUERY, MaskDescription, description_of
+from .masks import EAGER_REASON_ATTRIBUTE, KEPT, QUERY, MaskDescription, description_of, tracing_reason
 
 COMPRESSED_MASK_SIZE = 2048
 """Sparse modes 2 to 4 take this compressed triu(1) mask (True: masked), whatever the sequence length."""
@@ -433,8 +433,9 @@ def _decide(
         reason = sink_unavailable_reason(query, sinks)
         if reason is not None:
             return reason
-    if torch.compiler.is_compiling():
-        return "torch.compile: the op's sequence lists are host integers read from the batch"
+    reason = tracing_reason()
+    if reason is not None:
+        return reason
     _, heads, q_len, head_dim = query.shape
     kv_heads, kv_len, value_dim = key.shape[1], key.shape[2], value.shape[3]
     if key.shape[3] != head_dim or not 1 <= value_dim <= head_dim <= MAX_HEAD_DIM:

@@ -82,6 +82,18 @@ def transformers_eager_mask(arguments: dict[str, Any]) -> torch.Tensor | None:
     return eager_mask(**{name: value for name, value in arguments.items() if name != "allow_is_causal_skip"})
 
 
+def tracing_reason() -> str | None:
+    """Why a graph being traced cannot take the fused form (torch.compile, torch.export, torch.jit.trace), or None.
+
+    The fused form reads the batch's mask on the host (padding, packing) into the op's sequence lists: a traced graph
+    would keep the traced batch's as constants, and give another batch's queries the wrong keys."""
+    if torch.compiler.is_compiling():
+        return "torch.compile or torch.export: the op's sequence lists are host integers read from the batch"
+    if torch.jit.is_tracing():
+        return "torch.jit.trace: the op's sequence lists are host integers read from the batch, which a trace freezes"
+    return None
+
+
 def description_of(mask: torch.Tensor | None) -> MaskDescription | None:
     """The description a carrier returned by `fused_attention_mask` holds, or None for any other mask."""
     return None if mask is None else getattr(mask, DESCRIPTION_ATTRIBUTE, None)
@@ -108,10 +120,10 @@ def fused_attention_mask(
         attention_mask=attention_mask,
         **kwargs,
     )
-    terms = mask_terms(mask_function)
-    reason = terms if isinstance(terms, str) else None
-    if reason is None and torch.compiler.is_compiling():
-        reason = "torch.compile: the op's sequence lists are host integers read from the batch"
+    reason = tracing_reason()  # first: reading the mask function's closure is itself no graph a tracer can take
+    terms = mask_terms(mask_function) if reason is None else reason
+    if reason is None and isinstance(terms, str):
+        reason = terms
     description = reason or _describe(terms, arguments, kwargs.get("device", "cpu"))
     if isinstance(description, str):
         mask = transformers_eager_mask({**arguments, "allow_is_bidirectional_skip": False})
