@@ -825,3 +825,26 @@ def test_a_traced_model_runs_its_eager_attention_for_any_batchs_padding(built_ca
     kept = other_mask.bool()
     torch.testing.assert_close(got[kept].cpu(), want[kept].cpu(), rtol=1e-5, atol=1e-5)
     assert any(tracer in (row.eager_reason or "") for row in attention_modules(model)), attention_modules(model)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_a_recorded_backward_through_the_op_raises_saying_what_to_do(built_cards, padded):
+    """The op's backward has no derivative: a gradient penalty (create_graph) raises instead of being silently wrong,
+    and what the message says to do works; a plain backward is the op's (control)."""
+    model = apply_npu_kernels(tiny_causal_lm("llama").to("npu"), kernels=NAME, local_dir=built_cards).train()
+    ids = token_ids(seq=8).to("npu")
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8], device="npu") if padded else torch.ones_like(ids)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def penalty():
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        return sum(g.pow(2).sum() for g in grads)
+
+    with emulation.count_op_calls() as calls:
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    assert calls[OP] == 2 and all(p.grad is not None for p in params)
+    with pytest.raises(RuntimeError, match=r"backward has no derivative.*set_attn_implementation"):
+        penalty()
+    model.set_attn_implementation("sdpa")
+    penalty().backward()

@@ -488,7 +488,8 @@ def fused_attention(
 
     Returns (output [B, Sq, Nq, Dv], None). Fused as `fused_attention_unavailable_reason` decides, else the module's
     eager math (`fused_attention_eager`), recorded for `module` with the form each call ran (`last_form`). Under
-    autocast the op gets q, k and v in autocast's dtype, as sdpa does (`_autocast_dtype`).
+    autocast the op gets q, k and v in autocast's dtype, as sdpa does (`_autocast_dtype`). A backward autograd records
+    (create_graph) raises, saying what to do (`_FirstOrderOnly`).
     """
     form = _decide(module, query, key, value, attention_mask, dropout, sliding_window, softcap, kwargs)
     if ran_eager(module, form if isinstance(form, str) else None):
@@ -499,6 +500,45 @@ def fused_attention(
     autocast_dtype = _autocast_dtype(query, key, value)
     if autocast_dtype is not None:
         query, key, value = (t.to(autocast_dtype) for t in (query, key, value))
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        query, key, value = _FirstOrderOnly.apply(query, key, value)
+    return _fused_output(module, form, query, key, value, dropout, scaling, kwargs.get("s_aux")), None
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """The identity on the op's q, k and v (views of them), whose backward raises when autograd records it.
+
+    npu_fusion_attention's backward (npu_fusion_attention_grad) has no derivative: torch_npu's autograd fallback passes
+    none, so second-order gradients (gradient penalties, Hessian-vector products) would be silently wrong. The eager
+    math's second order would need q, k and v kept beside the op's own copies (a decoder layer's q, k and v again), so a
+    recorded backward (create_graph) raises, saying what to do; every plain backward is the op's."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        return query.view_as(query), key.view_as(key), value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "second-order gradients (a backward with create_graph=True) through npu_fused_attention: "
+                "npu_fusion_attention's backward has no derivative. Run this model with attn_implementation='sdpa' "
+                "for it (model.set_attn_implementation('sdpa')), or apply the cards without npu_fused_attention"
+            )
+        return grads
+
+
+def _fused_output(
+    module: nn.Module,
+    form: AttentionForm,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """The op's attention output [B, Sq, Nq, Dv] for a call `form` says it computes."""
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     keep_prob = 1.0 - (dropout if module.training else 0.0)
     if form.causal:
@@ -507,13 +547,12 @@ def fused_attention(
     else:
         band = {"sparse_mode": 0}
     common = dict(scale=scale, keep_prob=keep_prob, **band)
-    sinks = kwargs.get("s_aux")
     if sinks is not None:
         common["sink"] = sinks.float()
     heads = query.shape[1]
     plan = form.plan
     if plan is None:
-        output = torch_npu.npu_fusion_attention(
+        return torch_npu.npu_fusion_attention(
             query.transpose(1, 2).contiguous(),
             key.transpose(1, 2).contiguous(),
             value.transpose(1, 2).contiguous(),
@@ -521,14 +560,13 @@ def fused_attention(
             "BSND",
             **common,
         )[0]
-        return output, None
     batch, _, q_len, _ = query.shape
     if plan.query_ends[-1] == 0:  # no query kept: a padding query that sees no key gets 0, as sdpa's
         output = query.new_zeros(batch * q_len, heads, value.shape[3])
         if plan.padding_queries is None:
             # zeros that still depend on q, k and v, so that every projection gets its (zero) gradient, as under
             # sdpa (AdamW's decay, DDP's reduction)
-            return output.view(batch, q_len, heads, -1) + 0 * (query.sum() + key.sum() + value.sum()), None
+            return output.view(batch, q_len, heads, -1) + 0 * (query.sum() + key.sum() + value.sum())
     else:
         output = torch_npu.npu_fusion_attention(
             _tokens(query, plan.query_index),
@@ -544,7 +582,7 @@ def fused_attention(
             output = output.new_zeros(batch * q_len, *output.shape[1:]).index_copy(0, plan.query_index, output)
     if plan.padding_queries is not None:
         output = _attend_padding_queries(output, query, key, value, plan, scale, sinks)
-    return output.view(batch, q_len, *output.shape[1:]), None
+    return output.view(batch, q_len, *output.shape[1:])
 
 
 def _tokens(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
