@@ -358,3 +358,154 @@ def test_zero3_updates_the_tiled_mlp_with_fewer_tokens_than_tiles(built_cards, t
         assert tiled["npu_swiglu"] == LAYERS * 3 * 2, rank
         assert all(control["updates"][name].abs().max() == 0 for name in mlp), rank
         assert control["npu_swiglu"] == LAYERS * 3 * 2, rank
+
+
+def _shard_leaves(model) -> None:
+    """LLaMA-Factory v1's FSDP2Engine.prepare_model: every leaf with trainable parameters a unit of its own."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if next(module.children(), None) is None and any(p.requires_grad for p in module.parameters(False)):
+            fully_shard(module)
+
+
+def _shard_layers(model, mlp_units: bool = False) -> None:
+    """FSDP2 per decoder layer (each MLP a unit of its own first, if `mlp_units`), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        if mlp_units:
+            fully_shard(layer.mlp)
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def _error_of(call) -> str | None:
+    try:
+        call()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def _miscounting_engines_rank(built_cards: str) -> dict:
+    """One rank: the error of each engine that would take the tiles' gradients wrong (where it is raised), and one
+    DDP step of a model whose MLP is frozen (LoRA on q/v), tiled and untiled: its gradients and npu_swiglu calls."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("hccl", timeout=datetime.timedelta(seconds=60))
+    ids = token_ids(2, 12, seed=dist.get_rank()).to("npu")
+    errors = {}
+
+    def new_tiled():
+        return tile_mlp(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards), shards=TILES)
+
+    model = new_tiled()  # FSDP2 leaves after tile_mlp: the first forward raises, before any gradient
+    _shard_leaves(model)
+    _shard_layers(model)
+    errors["FSDP2 leaves, after tile_mlp"] = _error_of(lambda: model(input_ids=ids, labels=ids))
+    model = _cards(tiny_causal_lm("llama").train().to("npu"), built_cards)
+    _shard_leaves(model)
+    errors["FSDP2 leaves, before tile_mlp"] = _error_of(lambda: tile_mlp(model, shards=TILES))
+    ddp = DistributedDataParallel(new_tiled())
+    errors["DDP, after tile_mlp"] = _error_of(lambda: ddp(input_ids=ids, labels=ids))
+    ddp = DistributedDataParallel(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards))
+    errors["DDP, before tile_mlp"] = _error_of(lambda: tile_mlp(ddp, shards=TILES))
+    frozen_mlp = {}
+    for tiled in (False, True):
+        model = _lora(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards))
+        if tiled:
+            tile_mlp(model, shards=TILES)
+        ddp = DistributedDataParallel(model)
+        with emulation.count_op_calls() as calls:
+            ddp(input_ids=ids, labels=ids).loss.backward()
+        grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad}
+        frozen_mlp[tiled] = {"grads": grads, "npu_swiglu": calls["npu_swiglu"]}
+    return {"errors": errors, "frozen MLP": frozen_mlp}
+
+
+def test_engines_that_would_miscount_the_tiles_raise_what_to_do(built_cards):
+    """2 ranks. FSDP2 units inside the tiled MLP (LLaMA-Factory v1's leaf-wise sharding) would reduce the first tile's
+    gradients only, silently; DDP with a trainable MLP would fail in backward with an error that never names the
+    tiling. Each raises, naming tile_mlp and what to do: at the first forward if the engine wraps after tile_mlp, at
+    tile_mlp if before. DDP with the MLP frozen (LoRA on q/v) tiles, with the untiled step's gradients (the control:
+    fused once per layer untiled, per tile tiled)."""
+    for rank, result in enumerate(run_distributed(_miscounting_engines_rank, str(built_cards), timeout=150)):
+        errors = result["errors"]
+        for form in ("FSDP2 leaves, after tile_mlp", "FSDP2 leaves, before tile_mlp"):
+            assert errors[form] is not None, (rank, form)
+            assert "tile_mlp: model.layers.0.mlp." in errors[form] and "FSDP2 unit" in errors[form], errors[form]
+            assert "whole decoder layers, or to the MLP as one unit" in errors[form], errors[form]
+        for form in ("DDP, after tile_mlp", "DDP, before tile_mlp"):
+            assert errors[form] is not None, (rank, form)
+            assert "layers.0.mlp has trainable parameters" in errors[form] and "DistributedDataParallel" in errors[form]
+            assert "ZeRO-3" in errors[form] and "freeze the MLP" in errors[form], errors[form]
+        untiled, tiled = result["frozen MLP"][False], result["frozen MLP"][True]
+        assert untiled["npu_swiglu"] == LAYERS and tiled["npu_swiglu"] == LAYERS * TILES * 2, rank
+        assert tiled["grads"].keys() == untiled["grads"].keys()
+        for name, grad in tiled["grads"].items():
+            torch.testing.assert_close(grad, untiled["grads"][name], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+FSDP2_FORMS = {
+    "decoder layers, tile_mlp first": (False, False),
+    "decoder layers, fully_shard first": (False, True),
+    "MLP units, tile_mlp first": (True, False),
+    "MLP units, fully_shard first": (True, True),
+}
+"""FSDP2 forms that tile: (each MLP a unit of its own, fully_shard before tile_mlp)."""
+
+
+def _fsdp2_rank(built_cards: str) -> dict:
+    """One rank: 2 AdamW steps of the kernelized model per FSDP2 form, untiled then tiled (full fine-tuning); each
+    run's losses, npu_swiglu calls per step and final whole parameters."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    dist.init_process_group("hccl", timeout=datetime.timedelta(seconds=60))
+    results = {}
+    for form, (mlp_units, shard_first) in FSDP2_FORMS.items():
+        for tiled in (False, True):
+            model = _cards(tiny_causal_lm("llama").train().to("npu"), built_cards)
+            if tiled and not shard_first:
+                tile_mlp(model, shards=TILES)
+            _shard_layers(model, mlp_units)
+            if tiled and shard_first:
+                tile_mlp(model, shards=TILES)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            run = {"losses": [], "npu_swiglu": []}
+            for step in range(2):
+                ids = token_ids(2, 12, seed=100 * dist.get_rank() + step).to("npu")
+                with emulation.count_op_calls() as calls:
+                    loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                run["losses"].append(loss.item())
+                run["npu_swiglu"].append(calls["npu_swiglu"])
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            run["final"] = {name: value.detach().cpu() for name, value in state.items()}
+            results[form, tiled] = run
+    return results
+
+
+@pytest.mark.slow
+def test_fsdp2_on_decoder_layers_or_mlp_units_trains_tiled_as_untiled(built_cards):
+    """2 ranks, FSDP2 on whole decoder layers or on each MLP as one unit, fully_shard before or after tile_mlp: no
+    error, 2 training steps with the untiled run's losses and final parameters, fused per tile (once per layer
+    untiled, the control)."""
+    for rank, results in enumerate(run_distributed(_fsdp2_rank, str(built_cards), timeout=300)):
+        for form in FSDP2_FORMS:
+            untiled, tiled = results[form, False], results[form, True]
+            assert untiled["npu_swiglu"] == [LAYERS] * 2 and tiled["npu_swiglu"] == [LAYERS * TILES * 2] * 2
+            torch.testing.assert_close(tiled["losses"], untiled["losses"], rtol=1e-5, atol=1e-6)
+            mlp = [name for name in untiled["final"] if ".mlp." in name]
+            assert mlp and tiled["final"].keys() == untiled["final"].keys()
+            for name, value in tiled["final"].items():
+                error = (value - untiled["final"][name]).abs().max().item()
+                assert torch.allclose(value, untiled["final"][name], rtol=1e-5, atol=1e-5), (rank, form, name, error)

@@ -12,17 +12,25 @@ card needs no tiling of its own: it already works in chunks of tokens.
 The wrapper is set on each module as its forward, around the layer's (`__wrapped__`, as `functools.wraps` sets it):
 `swapped_modules` still lists the module as running the card's layer, and kernelize (the cards registered by
 npu_hub_kernels) keeps it, as it keeps any forward another library set on a module.
+
+Two engines would take the tiles' gradients wrong, and the wrapper refuses them (`refuse_miscounting_engine`): FSDP2
+units below the tiled module (fully_shard on the MLP's Linears or LoRA leaves: only the first tile's gradients would be
+reduced, silently), and DDP with trainable MLP parameters (its reducer takes one gradient per parameter per backward,
+the tiled backward gives one per tile). FSDP2 on whole decoder layers or on the MLP as one unit, and ZeRO-3, tile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import sys
 from collections.abc import Callable
 from functools import cache
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from . import _kernels_compat as compat
 from .cards import CARDS
@@ -48,7 +56,9 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
     Raises:
         RuntimeError: no module of `model` runs such a layer (the cards are not applied yet, their MLP card is not
             selected, or the model has no dense MLP the card swapped, as a mixture of experts: nothing would run fused
-            in tiles), or one of them is tiled already.
+            in tiles), or one of them is tiled already, or has an FSDP2 unit (fully_shard) below it, or `model` is
+            wrapped in DDP and one of them has trainable parameters. The tiled forward raises the last two at its
+            call as well (the engine may wrap the model after tile_mlp).
         ValueError: `shards` is not a positive integer.
     """
     if shards is not None and (not isinstance(shards, int) or shards < 1):
@@ -61,11 +71,15 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
             raise RuntimeError(f"{name} is tiled already: call tile_mlp once")
         build, layer = card_layer_of(module) or (None, None)
         if build is not None and (build.CARD, layer) in TILED_LAYERS:
-            found.append((module, forward))
+            found.append((name, module, forward))
     if not found:
         raise RuntimeError(_nothing_to_tile(model))
-    for module, forward in found:
-        module.forward = TiledForward(module, forward, shards)
+    in_ddp = any(isinstance(module, DistributedDataParallel) for module in model.modules())
+    tiled = [TiledForward(name, module, forward, shards) for name, module, forward in found]
+    for tiled_forward in tiled:
+        tiled_forward.refuse_miscounting_engine(in_ddp)
+    for (_, module, _), tiled_forward in zip(found, tiled, strict=True):
+        module.forward = tiled_forward
     return model
 
 
@@ -92,14 +106,49 @@ class TiledForward:
 
     `__wrapped__` is the wrapped forward (`swapped_modules` and kernelize follow it)."""
 
-    def __init__(self, module: nn.Module, layer_forward: Callable, shards: int | None):
-        self.__wrapped__, self.shards = layer_forward, shards
+    def __init__(self, name: str, module: nn.Module, layer_forward: Callable, shards: int | None):
+        self.__wrapped__, self.shards, self.name = layer_forward, shards, name
         self._parameters = module.parameters  # TiledMLP's compute_params, read per call (ZeRO-3 may swap them)
+        self._named_modules = module.named_modules  # read per call: fully_shard may come after tile_mlp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # no engine without a group
+            self.refuse_miscounting_engine(DistributedDataParallel._active_ddp_module is not None)
         params = [p for p in self._parameters() if p.requires_grad]
         tiles = _tiles(x, self.shards, agreed=torch.is_grad_enabled())
         return _tiled_function().apply(_run_layer, self, x, tiles, params, *params)
+
+    def refuse_miscounting_engine(self, in_ddp: bool) -> None:
+        """Raise if the engine around the module would take the tiles' gradients wrong: FSDP2 below it, or DDP.
+
+        FSDP2 units below the tiled module (fully_shard on its Linears or LoRA leaves, as LLaMA-Factory v1 shards
+        every trainable leaf): each tile calls them, and FSDP2 runs their pre- and post-backward and reduce-scatter
+        for the first tile of the backward only; the later tiles' gradients pile up on the unsharded parameters and
+        are never reduced (the MLP's gradients 0.4-0.9x eager's, no error). FSDP2 on the module itself or a unit above
+        it (a decoder layer) gathers and reduces around the whole tiled call, and is right. DDP (`in_ddp`: inside its
+        forward, or the model given to tile_mlp is wrapped) with trainable parameters here: its reducer takes one
+        gradient per parameter per backward, the tiled backward gives one per tile, and DDP fails in backward with
+        "marked as ready twice"; with the module frozen (LoRA on attention only) nothing here is reduced, and it tiles.
+        A walk of the module's few submodules per call, under a started process group only (no engine without one),
+        and only once FSDP2 is imported (no module is an FSDPModule before; importing it here would cost 0.6 s).
+        """
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        below = itertools.islice(self._named_modules(), 1, None)
+        sharded = next((name for name, module in below if isinstance(module, fsdp.FSDPModule)), None) if fsdp else None
+        if sharded is not None:
+            raise RuntimeError(
+                f"tile_mlp: {self.name}.{sharded} is an FSDP2 unit of its own (fully_shard) inside the tiled "
+                f"{self.name}: FSDP2 would reduce the gradients of the first tile only and leave the other tiles' "
+                "gradients unreduced (silently wrong). Apply fully_shard to whole decoder layers, or to the MLP as one "
+                "unit, not to its Linears or LoRA leaves (LLaMA-Factory v1's leaf-wise sharding), or do not tile_mlp"
+            )
+        if in_ddp and any(p.requires_grad for p in self._parameters()):
+            raise RuntimeError(
+                f"tile_mlp: {self.name} has trainable parameters and runs under DistributedDataParallel: DDP takes one "
+                "gradient per parameter per backward, and the tiled backward gives the MLP's one per tile (DDP would "
+                "fail with 'marked as ready twice'). Use FSDP2 (fully_shard per decoder layer) or DeepSpeed ZeRO-3 "
+                "with tile_mlp, freeze the MLP (LoRA on the attention only tiles under DDP), or do not tile_mlp"
+            )
 
 
 def _run_layer(tiled: TiledForward, x: torch.Tensor) -> torch.Tensor:
