@@ -127,6 +127,29 @@ def test_inference_mode_rotates_q_and_k_of_a_layer_in_one_call(npu_kernels, tmp_
     assert calls["npu_apply_rotary_pos_emb"] == 0 and calls["npu_rotary_mul"] == 2 * layers
 
 
+@pytest.mark.parametrize(("model_type", "kept"), [("llama", "q_proj"), ("qwen3", "k_norm")])
+def test_a_hook_that_keeps_q_or_k_sees_them_unrotated_as_under_eager(npu_kernels, tmp_path, model_type, kept):
+    """A forward hook that keeps a projection's or q/k norm's output (activation capture, steering) holds the memory
+    the in-place rotation would write: that layer rotates out of place, so the hook keeps eager's values; the layers
+    without a hook still take the one in-place call."""
+    source = tiny_model(model_type, head_dim=64)
+    source.save_pretrained(tmp_path / "hd64")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hd64", device_map="npu", use_kernels=True)
+    ids = token_ids()
+    positions = torch.arange(ids.shape[1]).expand_as(ids)  # [B, S]: the in-place op's form
+    seen = {}
+    for name, net in (("eager", source), ("fused", model)):
+        module = net.get_submodule(f"model.layers.0.self_attn.{kept}")
+        handle = module.register_forward_hook(lambda _module, _args, out, name=name: seen.setdefault(name, out))
+        device = next(net.parameters()).device
+        with torch.inference_mode(), emulation.count_op_calls() as calls:
+            net(ids.to(device), position_ids=positions.to(device))
+        handle.remove()
+    layers = model.config.num_hidden_layers
+    assert calls["npu_apply_rotary_pos_emb"] == layers - 1 and calls["npu_rotary_mul"] == 2
+    torch.testing.assert_close(seen["fused"].cpu(), seen["eager"], rtol=1e-5, atol=1e-5)
+
+
 def test_a_vision_language_model_fed_images_trains_as_eager(npu_kernels, tmp_path):
     """Qwen2.5-VL with an image in each of two sequences, one left-padded: its RMSNorms and SwiGLU MLPs fuse, and the
     loss and every gradient are eager's. Its vision tower indexes npu tensors with

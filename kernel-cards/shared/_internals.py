@@ -122,6 +122,12 @@ INTERNALS: dict[str, Internal] = {
         "none: calling the op and catching its error would cost a failed device call, and torch_npu's version does "
         "not say which op-plugin overloads a build carries",
     ),
+    "storage_holders": Internal(
+        "torch: torch._C._storage_Use_Count(<storage>._cdata), the number of holders of a tensor's storage",
+        "npu-rope rotates q and k in place in inference mode only when nothing else holds their memory: a forward hook "
+        "that kept q_proj's output (activation capture, steering) would see it rotated",
+        "none: torch has no public query of who shares a storage (in inference mode a view keeps no `_base`)",
+    ),
     "functorch_transform": Internal(
         "torch: torch._C._functorch.peek_interpreter_stack() and its key(), the innermost active torch.func transform",
         "the fused paths are custom autograd Functions around device ops that torch.func does not transform: under "
@@ -234,6 +240,12 @@ def device_has_kernel(overload: str) -> bool:
         return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{overload}", "PrivateUse1")
     except RuntimeError:  # a torch without that overload
         return False
+
+
+def storage_holders(tensor: torch.Tensor) -> int:
+    """How many tensors (views included) and storage objects hold `tensor`'s storage: 1 when `tensor` alone does."""
+    storage = tensor.untyped_storage()  # a holder while it lives: not counted
+    return torch._C._storage_Use_Count(storage._cdata) - 1
 
 
 _peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack

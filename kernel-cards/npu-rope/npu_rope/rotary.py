@@ -24,6 +24,7 @@ from torch import nn
 
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
+from ._internals import storage_holders
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
 
 Rotation = Literal["half", "interleave"]
@@ -330,6 +331,12 @@ def _in_place_unavailable_reason(
         return f"{heads} q and k heads in all do not fit npu_apply_rotary_pos_emb's on-chip memory in {q.dtype}"
     if _share_memory(q, k):  # as their transposes would: a transpose keeps the storage, offset and size
         return "q and k share memory (the in-place op would rotate it twice)"
+    shared = q.untyped_storage() is k.untyped_storage()  # side by side in one buffer: each holds it
+    if storage_holders(q) > 1 + shared or storage_holders(k) > 1 + shared:
+        return (
+            "another tensor holds q's or k's memory (a forward hook that kept a projection's output, a fused qkv "
+            "buffer): the in-place op would change what it sees"
+        )
     return None
 
 
