@@ -86,6 +86,24 @@ def test_fused_equals_eager_in_float32_forward_and_backward(card, scaling):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("scaling", list(NORMS))
+def test_the_sum_is_the_norms_input_in_the_graph_as_in_eagers(card, scaling):
+    """A hook or retain_grad on the returned sum sees its whole gradient, its own uses' and the norm's, as in eager's
+    graph, where the norm takes the sum as its input (one npu_add_rms_norm call writes both)."""
+    norm = make_norm(scaling, torch.float32)
+    residual, update = inputs(torch.float32)
+    sums = {}
+    for name, function, extra in (("eager", card.add_rms_norm_eager, ()), ("fused", card.add_rms_norm, (scaling,))):
+        fused_norm, r, u = on_npu(norm, residual, update)
+        with emulation.count_op_calls() as calls:
+            normed, summed = function(r, u, fused_norm, *extra)
+            summed.retain_grad()
+            (normed.pow(2).sum() + (summed * 0.5).sum()).backward()
+        assert (calls["npu_add_rms_norm"] == 1) is (name == "fused")
+        sums[name] = summed.grad.cpu()
+    torch.testing.assert_close(sums["fused"], sums["eager"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("scaling", ["plain", "float32_scale"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_error_at_most_twice_eager_error(card, scaling, dtype):

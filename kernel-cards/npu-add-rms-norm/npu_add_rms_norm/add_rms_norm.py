@@ -147,7 +147,9 @@ def add_rms_norm(
     if _one_mixed_add(residual, update):
         return _rms_norm_of_mixed_sum(residual, update, weight, gamma, eps, scaling)
     dtype = _sum_dtype(residual, update)  # a cast to the wider dtype is exact: the sum is eager's
-    return _AddRmsNorm.apply(residual.to(dtype), update.to(dtype), gamma, eps, scaling)
+    fused = _FusedOutputs()
+    summed = _AddOfFusedCall.apply(residual.to(dtype), update.to(dtype), gamma, eps, fused)
+    return _NormOfFusedSum.apply(summed, gamma, eps, scaling, fused), summed
 
 
 def _sum_dtype(residual: torch.Tensor, update: torch.Tensor) -> torch.dtype:
@@ -192,35 +194,53 @@ def add_rms_norm_eager(
     return norm(summed), summed
 
 
-class _AddRmsNorm(torch.autograd.Function):
-    """npu_add_rms_norm forward; npu_rms_norm_backward plus the sum's own gradient backward.
+class _FusedOutputs:
+    """What one npu_add_rms_norm call wrote beside the sum: the normed output and rstd, handed to the norm's node."""
 
-    A recorded backward differentiates eager's math instead. Keeps the sum (an output), gamma and rstd, as
-    npu_rms_norm's autograd node keeps its input, gamma and rstd.
+    normed: torch.Tensor
+    rstd: torch.Tensor
+
+
+class _AddOfFusedCall(torch.autograd.Function):
+    """`residual + update` from one npu_add_rms_norm call, which also writes the norm of the sum into `fused`.
+
+    A node of its own, so that the sum is the norm's input in the graph (`_NormOfFusedSum`): autograd then adds the
+    norm's gradient to the sum's other uses' on the sum itself, as eager's graph does (a hook or retain_grad on the
+    sum sees the whole gradient). Backward: the sum's gradient, to both addends."""
+
+    @staticmethod
+    def forward(ctx, residual, update, gamma, eps: float, fused: _FusedOutputs):
+        fused.normed, fused.rstd, summed = torch_npu.npu_add_rms_norm(residual, update, gamma, eps)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad_summed: torch.Tensor):
+        return grad_summed, grad_summed, None, None, None
+
+
+class _NormOfFusedSum(torch.autograd.Function):
+    """The norm of the sum, which npu_add_rms_norm already wrote (`fused`); npu_rms_norm_backward backward.
+
+    A recorded backward differentiates eager's math instead. Keeps the sum, gamma and rstd, as npu_rms_norm's autograd
+    node keeps its input, gamma and rstd.
     """
 
     @staticmethod
-    def forward(ctx, residual: torch.Tensor, update: torch.Tensor, gamma: torch.Tensor, eps: float, scaling: Scaling):
-        y, rstd, summed = torch_npu.npu_add_rms_norm(residual, update, gamma, eps)
-        ctx.save_for_backward(summed, gamma, rstd)
+    def forward(ctx, summed, gamma, eps: float, scaling: Scaling, fused: _FusedOutputs):
+        ctx.save_for_backward(summed, gamma, fused.rstd)
         ctx.eps, ctx.scaling = eps, scaling
-        ctx.set_materialize_grads(False)  # an output without a gradient costs nothing
-        return y, summed
+        return fused.normed
 
     @staticmethod
-    def backward(ctx, grad_y: torch.Tensor | None, grad_summed: torch.Tensor | None):
+    def backward(ctx, grad_y: torch.Tensor):
         summed, gamma, rstd = ctx.saved_tensors
-        wants_gamma = ctx.needs_input_grad[2]
-        if grad_y is None:  # only the sum's own gradient (e.g. the second order through the kept sum)
-            return grad_summed, grad_summed, None, None, None
+        wants_gamma = ctx.needs_input_grad[1]
         if torch.is_grad_enabled():  # recorded: eager's math, differentiable
             grad_x, grad_gamma = _eager_grads(summed, gamma, grad_y, ctx.eps, ctx.scaling, wants_gamma)
         else:
             grad_x, grad_gamma = torch_npu.npu_rms_norm_backward(grad_y.contiguous(), summed, gamma, rstd)
             grad_gamma = grad_gamma.to(gamma.dtype) if wants_gamma else None
-        if grad_summed is not None:
-            grad_x = grad_x + grad_summed
-        return grad_x, grad_x, grad_gamma, None, None
+        return grad_x, grad_gamma, None, None, None
 
 
 def _eager_grads(
@@ -228,7 +248,7 @@ def _eager_grads(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gradients of the norm's eager math at the kept sum and gamma, differentiable in both and in grad_y.
 
-    What flows back into the sum reaches residual and update through `_AddRmsNorm`'s node again.
+    What flows back into the sum reaches residual and update through `_AddOfFusedCall`'s node.
     """
     # In gamma's terms: a (1 + weight) norm is fused in float32 only, where (h * (1 + weight.float())).type_as(h) is
     # (gamma.float() * h).to(dtype), the float32-scale form.
