@@ -388,66 +388,91 @@ def _error_of(call) -> str | None:
     return None
 
 
-def _miscounting_engines_rank(built_cards: str) -> dict:
-    """One rank: the error of each engine that would take the tiles' gradients wrong (where it is raised), and one
-    DDP step of a model whose MLP is frozen (LoRA on q/v), tiled and untiled: its gradients and npu_swiglu calls."""
+DDP_FORMS = {
+    "full fine-tuning, tile_mlp then DDP": (False, False, "before"),
+    "full fine-tuning, DDP then tile_mlp": (False, False, "after"),
+    "full fine-tuning, reentrant checkpointing": (False, True, "before"),
+    "LoRA on q/v (the MLP frozen), tile_mlp then DDP": (True, False, "before"),
+}
+"""DDP forms, each trained tiled and untiled: (LoRA on q_proj/v_proj, reentrant gradient checkpointing (the tiles
+recomputed in backward, outside DDP's forward), tile_mlp before or after wrapping)."""
+
+
+def _ddp_run(built_cards: str, lora: bool, checkpointing: bool, tiling: str | None) -> dict:
+    """2 AdamW steps of the kernelized model under DDP, tiled before or after wrapping (`tiling`) or not: the losses,
+    npu_swiglu calls per step and final trainable parameters."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _cards(tiny_causal_lm("llama").train().to("npu"), built_cards)
+    model = _lora(model) if lora else model
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if tiling == "before":
+        tile_mlp(model, shards=TILES)
+    ddp = DistributedDataParallel(model)
+    if tiling == "after":
+        tile_mlp(ddp, shards=TILES)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    run = {"losses": [], "npu_swiglu": []}
+    for step in range(2):
+        ids = token_ids(2, 12, seed=100 * dist.get_rank() + step).to("npu")
+        with emulation.count_op_calls() as calls:
+            loss = ddp(input_ids=ids, labels=ids).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run["losses"].append(loss.item())
+        run["npu_swiglu"].append(calls["npu_swiglu"])
+    run["final"] = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    return run
+
+
+def _engines_rank(built_cards: str) -> dict:
+    """One rank: the error of FSDP2 units inside a tiled MLP, sharded after or before tile_mlp (where it is raised),
+    and each DDP form of DDP_FORMS trained untiled and tiled."""
     import datetime
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("hccl", timeout=datetime.timedelta(seconds=60))
     ids = token_ids(2, 12, seed=dist.get_rank()).to("npu")
     errors = {}
-
-    def new_tiled():
-        return tile_mlp(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards), shards=TILES)
-
-    model = new_tiled()  # FSDP2 leaves after tile_mlp: the first forward raises, before any gradient
+    model = tile_mlp(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards), shards=TILES)
     _shard_leaves(model)
     _shard_layers(model)
     errors["FSDP2 leaves, after tile_mlp"] = _error_of(lambda: model(input_ids=ids, labels=ids))
     model = _cards(tiny_causal_lm("llama").train().to("npu"), built_cards)
     _shard_leaves(model)
     errors["FSDP2 leaves, before tile_mlp"] = _error_of(lambda: tile_mlp(model, shards=TILES))
-    ddp = DistributedDataParallel(new_tiled())
-    errors["DDP, after tile_mlp"] = _error_of(lambda: ddp(input_ids=ids, labels=ids))
-    ddp = DistributedDataParallel(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards))
-    errors["DDP, before tile_mlp"] = _error_of(lambda: tile_mlp(ddp, shards=TILES))
-    frozen_mlp = {}
-    for tiled in (False, True):
-        model = _lora(_cards(tiny_causal_lm("llama").train().to("npu"), built_cards))
-        if tiled:
-            tile_mlp(model, shards=TILES)
-        ddp = DistributedDataParallel(model)
-        with emulation.count_op_calls() as calls:
-            ddp(input_ids=ids, labels=ids).loss.backward()
-        grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.requires_grad}
-        frozen_mlp[tiled] = {"grads": grads, "npu_swiglu": calls["npu_swiglu"]}
-    return {"errors": errors, "frozen MLP": frozen_mlp}
+    untiled = {kind: _ddp_run(built_cards, *kind, None) for kind in dict.fromkeys(f[:2] for f in DDP_FORMS.values())}
+    ddp = {name: (untiled[form[:2]], _ddp_run(built_cards, *form)) for name, form in DDP_FORMS.items()}
+    return {"errors": errors, "DDP": ddp}
 
 
-def test_engines_that_would_miscount_the_tiles_raise_what_to_do(built_cards):
+def test_fsdp2_inside_the_mlp_raises_and_ddp_trains_tiled_as_untiled(built_cards):
     """2 ranks. FSDP2 units inside the tiled MLP (LLaMA-Factory v1's leaf-wise sharding) would reduce the first tile's
-    gradients only, silently; DDP with a trainable MLP would fail in backward with an error that never names the
-    tiling. Each raises, naming tile_mlp and what to do: at the first forward if the engine wraps after tile_mlp, at
-    tile_mlp if before. DDP with the MLP frozen (LoRA on q/v) tiles, with the untiled step's gradients (the control:
-    fused once per layer untiled, per tile tiled)."""
-    for rank, result in enumerate(run_distributed(_miscounting_engines_rank, str(built_cards), timeout=150)):
+    gradients only, silently: they raise, naming tile_mlp and what to do, at the first forward if sharded after
+    tile_mlp, at tile_mlp if before. DDP, whose reducer takes one gradient per parameter per backward (the tiled
+    backward gave one per tile: "marked as ready twice"), trains tiled as untiled: 2 AdamW steps, the losses and final
+    parameters, with the MLP trained or frozen (LoRA on q/v), tiled before or after wrapping, under reentrant
+    checkpointing; fused per tile (once per layer and forward untiled, the control)."""
+    for rank, result in enumerate(run_distributed(_engines_rank, str(built_cards), timeout=150)):
         errors = result["errors"]
         for form in ("FSDP2 leaves, after tile_mlp", "FSDP2 leaves, before tile_mlp"):
             assert errors[form] is not None, (rank, form)
             assert "tile_mlp: model.layers.0.mlp." in errors[form] and "FSDP2 unit" in errors[form], errors[form]
             assert "whole decoder layers, or to the MLP as one unit" in errors[form], errors[form]
-        for form in ("DDP, after tile_mlp", "DDP, before tile_mlp"):
-            assert errors[form] is not None, (rank, form)
-            assert "layers.0.mlp has trainable parameters" in errors[form] and "DistributedDataParallel" in errors[form]
-            assert "ZeRO-3" in errors[form] and "freeze the MLP" in errors[form], errors[form]
-        untiled, tiled = result["frozen MLP"][False], result["frozen MLP"][True]
-        assert untiled["npu_swiglu"] == LAYERS and tiled["npu_swiglu"] == LAYERS * TILES * 2, rank
-        assert tiled["grads"].keys() == untiled["grads"].keys()
-        for name, grad in tiled["grads"].items():
-            torch.testing.assert_close(grad, untiled["grads"][name], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {name}")
+        for form, (untiled, tiled) in result["DDP"].items():
+            per_layer = (2, TILES * 3) if "checkpointing" in form else (1, TILES * 2)  # the checkpoint's recompute
+            assert untiled["npu_swiglu"] == [LAYERS * per_layer[0]] * 2, (form, untiled["npu_swiglu"])
+            assert tiled["npu_swiglu"] == [LAYERS * per_layer[1]] * 2, (form, tiled["npu_swiglu"])
+            torch.testing.assert_close(tiled["losses"], untiled["losses"], rtol=1e-5, atol=1e-6)
+            assert tiled["final"].keys() == untiled["final"].keys()
+            assert any(".mlp." in name for name in tiled["final"]) != ("LoRA" in form), form
+            for name, value in tiled["final"].items():
+                error = (value - untiled["final"][name]).abs().max().item()
+                assert torch.allclose(value, untiled["final"][name], rtol=1e-5, atol=1e-5), (rank, form, name, error)
 
 
 FSDP2_FORMS = {

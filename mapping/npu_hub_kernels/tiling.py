@@ -13,10 +13,11 @@ The wrapper is set on each module as its forward, around the layer's (`__wrapped
 `swapped_modules` still lists the module as running the card's layer, and kernelize (the cards registered by
 npu_hub_kernels) keeps it, as it keeps any forward another library set on a module.
 
-Two engines would take the tiles' gradients wrong, and the wrapper refuses them (`refuse_miscounting_engine`): FSDP2
-units below the tiled module (fully_shard on the MLP's Linears or LoRA leaves: only the first tile's gradients would be
-reduced, silently), and DDP with trainable MLP parameters (its reducer takes one gradient per parameter per backward,
-the tiled backward gives one per tile). FSDP2 on whole decoder layers or on the MLP as one unit, and ZeRO-3, tile.
+The tiled backward gives the MLP's parameters a gradient per tile. ZeRO-3 takes the last (TiledMLP marks them ready
+there), FSDP2 on a decoder layer or the MLP as one unit reduces after the whole call; DDP takes one gradient per
+parameter per backward, so under DDP the tiles' gradients are summed and handed to autograd once
+(`_backward_parameter_gradients_once`). FSDP2 units below the tiled module (fully_shard on the MLP's Linears or LoRA
+leaves) would reduce the first tile's only, silently: the wrapper refuses them (`refuse_fsdp2_units_inside`).
 """
 
 from __future__ import annotations
@@ -56,9 +57,8 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
     Raises:
         RuntimeError: no module of `model` runs such a layer (the cards are not applied yet, their MLP card is not
             selected, or the model has no dense MLP the card swapped, as a mixture of experts: nothing would run fused
-            in tiles), or one of them is tiled already, or has an FSDP2 unit (fully_shard) below it, or `model` is
-            wrapped in DDP and one of them has trainable parameters. The tiled forward raises the last two at its
-            call as well (the engine may wrap the model after tile_mlp).
+            in tiles), or one of them is tiled already, or has an FSDP2 unit (fully_shard) below it (raised at the tiled
+            forward's call as well: fully_shard may come after tile_mlp).
         ValueError: `shards` is not a positive integer.
     """
     if shards is not None and (not isinstance(shards, int) or shards < 1):
@@ -74,10 +74,9 @@ def tile_mlp(model: nn.Module, shards: int | None = None) -> nn.Module:
             found.append((name, module, forward))
     if not found:
         raise RuntimeError(_nothing_to_tile(model))
-    in_ddp = any(isinstance(module, DistributedDataParallel) for module in model.modules())
     tiled = [TiledForward(name, module, forward, shards) for name, module, forward in found]
     for tiled_forward in tiled:
-        tiled_forward.refuse_miscounting_engine(in_ddp)
+        tiled_forward.refuse_fsdp2_units_inside()
     for (_, module, _), tiled_forward in zip(found, tiled, strict=True):
         module.forward = tiled_forward
     return model
@@ -104,33 +103,34 @@ def _nothing_to_tile(model: nn.Module) -> str:
 class TiledForward:
     """A module's forward that runs the card layer's forward it wraps in tiles of the sequence (DeepSpeed's TiledMLP).
 
-    `__wrapped__` is the wrapped forward (`swapped_modules` and kernelize follow it)."""
+    `__wrapped__` is the wrapped forward (`swapped_modules` and kernelize follow it). `under_ddp`: called inside a
+    DistributedDataParallel's forward once (kept: a reentrant checkpoint recomputes it in backward, outside that
+    forward); from then on its backward hands autograd the parameters' gradients once, summed over the tiles."""
 
     def __init__(self, name: str, module: nn.Module, layer_forward: Callable, shards: int | None):
         self.__wrapped__, self.shards, self.name = layer_forward, shards, name
+        self.under_ddp = False
         self._parameters = module.parameters  # TiledMLP's compute_params, read per call (ZeRO-3 may swap them)
         self._named_modules = module.named_modules  # read per call: fully_shard may come after tile_mlp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.distributed.is_available() and torch.distributed.is_initialized():  # no engine without a group
-            self.refuse_miscounting_engine(DistributedDataParallel._active_ddp_module is not None)
+            self.refuse_fsdp2_units_inside()
+            self.under_ddp = self.under_ddp or DistributedDataParallel._active_ddp_module is not None
         params = [p for p in self._parameters() if p.requires_grad]
         tiles = _tiles(x, self.shards, agreed=torch.is_grad_enabled())
         return _tiled_function().apply(_run_layer, self, x, tiles, params, *params)
 
-    def refuse_miscounting_engine(self, in_ddp: bool) -> None:
-        """Raise if the engine around the module would take the tiles' gradients wrong: FSDP2 below it, or DDP.
+    def refuse_fsdp2_units_inside(self) -> None:
+        """Raise if an FSDP2 unit (fully_shard) is below the module: it would reduce the first tile's gradients only.
 
         FSDP2 units below the tiled module (fully_shard on its Linears or LoRA leaves, as LLaMA-Factory v1 shards
         every trainable leaf): each tile calls them, and FSDP2 runs their pre- and post-backward and reduce-scatter
         for the first tile of the backward only; the later tiles' gradients pile up on the unsharded parameters and
         are never reduced (the MLP's gradients 0.4-0.9x eager's, no error). FSDP2 on the module itself or a unit above
-        it (a decoder layer) gathers and reduces around the whole tiled call, and is right. DDP (`in_ddp`: inside its
-        forward, or the model given to tile_mlp is wrapped) with trainable parameters here: its reducer takes one
-        gradient per parameter per backward, the tiled backward gives one per tile, and DDP fails in backward with
-        "marked as ready twice"; with the module frozen (LoRA on attention only) nothing here is reduced, and it tiles.
-        A walk of the module's few submodules per call, under a started process group only (no engine without one),
-        and only once FSDP2 is imported (no module is an FSDPModule before; importing it here would cost 0.6 s).
+        it (a decoder layer) gathers and reduces around the whole tiled call, and is right. A walk of the module's few
+        submodules per call, under a started process group only (no engine without one), and only once FSDP2 is
+        imported (no module is an FSDPModule before; importing it here would cost 0.6 s).
         """
         fsdp = sys.modules.get("torch.distributed.fsdp")
         below = itertools.islice(self._named_modules(), 1, None)
@@ -141,13 +141,6 @@ class TiledForward:
                 f"{self.name}: FSDP2 would reduce the gradients of the first tile only and leave the other tiles' "
                 "gradients unreduced (silently wrong). Apply fully_shard to whole decoder layers, or to the MLP as one "
                 "unit, not to its Linears or LoRA leaves (LLaMA-Factory v1's leaf-wise sharding), or do not tile_mlp"
-            )
-        if in_ddp and any(p.requires_grad for p in self._parameters()):
-            raise RuntimeError(
-                f"tile_mlp: {self.name} has trainable parameters and runs under DistributedDataParallel: DDP takes one "
-                "gradient per parameter per backward, and the tiled backward gives the MLP's one per tile (DDP would "
-                "fail with 'marked as ready twice'). Use FSDP2 (fully_shard per decoder layer) or DeepSpeed ZeRO-3 "
-                "with tile_mlp, freeze the MLP (LoRA on the attention only tiles under DDP), or do not tile_mlp"
             )
 
 
@@ -190,7 +183,8 @@ def _tiled_function() -> type[torch.autograd.Function]:
     TiledMLP takes the parameters in a list, which autograd does not see: its output would need a gradient only when
     `x` does, and an MLP whose input needs none (the MLPs trained alone, LoRA on the MLP only) would get no gradient.
     Its backward recomputes each tile where the forward's autocast is no longer on: under bf16 autocast the recompute
-    would run in the weights' float32.
+    would run in the weights' float32. Under DDP its backward's per-tile gradients would each fire DDP's reducer
+    ("marked as ready twice"): there the backward is `_backward_parameter_gradients_once`.
     """
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP  # imported only when asked for
 
@@ -205,6 +199,7 @@ def _tiled_function() -> type[torch.autograd.Function]:
                 for device in dict.fromkeys((x.device.type, "cpu"))
             ]
             ctx.autocast_cache = torch.is_autocast_cache_enabled()
+            ctx.gradients_once = module.under_ddp
             return TiledMLP.forward(ctx, fn, module, x, shards, compute_params)
 
         @staticmethod
@@ -214,7 +209,35 @@ def _tiled_function() -> type[torch.autograd.Function]:
                     stack.enter_context(
                         torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=ctx.autocast_cache)
                     )
+                if ctx.gradients_once:
+                    return _backward_parameter_gradients_once(ctx, grads[0])
                 grads = TiledMLP.backward(ctx, *grads)
             return (*grads, *[None] * ctx.parameter_count)  # TiledMLP's backward accumulated theirs
 
     return CardTiledMLP
+
+
+def _backward_parameter_gradients_once(ctx, grad: torch.Tensor) -> tuple:
+    """The tiled backward under DDP: x's gradient, and each parameter's summed over the tiles, returned to autograd.
+
+    Each tile is recomputed with autograd, as TiledMLP's backward does (the rows of [batch x sequence] in `ctx.shards`
+    chunks), but its gradients are taken with torch.autograd.grad, which runs no parameter's AccumulateGrad (DDP's
+    reducer hooks there). The sums go back as the gradients of the CardTiledMLP inputs the parameters are, so autograd
+    accumulates each once and DDP's reducer sees each parameter ready once.
+    """
+    (x,) = ctx.saved_tensors
+    params, needs_x = ctx.compute_params, x.requires_grad
+    rows, grad_rows = x.detach().reshape(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1])
+    x_grads, param_grads = [], [None] * len(params)
+    for tile, grad_tile in zip(torch.chunk(rows, ctx.shards), torch.chunk(grad_rows, ctx.shards), strict=True):
+        tile = tile.detach().requires_grad_(needs_x)
+        with torch.enable_grad():
+            output = ctx.fn(ctx.self, tile)
+        got = torch.autograd.grad(output, [tile, *params] if needs_x else params, grad_tile, allow_unused=True)
+        if needs_x:
+            x_grads.append(got[0])
+        for index, tile_grad in enumerate(got[needs_x:]):
+            if tile_grad is not None:
+                param_grads[index] = tile_grad if param_grads[index] is None else param_grads[index].add_(tile_grad)
+    x_grad = torch.cat(x_grads).view(x.shape) if needs_x else None
+    return (None, None, x_grad, None, None, *param_grads)
