@@ -145,6 +145,17 @@ def test_to_moves_and_casts_in_inference_mode_as_outside_it():
             assert x.to(torch.float16).device.type == "npu" and host.to("npu", torch.float32).device.type == "npu"
 
 
+def test_a_move_to_the_host_is_a_copy_of_its_own():
+    """`.cpu()` copies device memory to the host: writing the copy leaves the device tensor as it was, and a copy made
+    outside inference mode is a normal tensor, even of an inference tensor (whose `.to` is reached undecomposed)."""
+    with torch.inference_mode():
+        inference = torch.zeros(3).to("npu")
+    for device_tensor in (inference, torch.zeros(3).to("npu")):
+        host = device_tensor.cpu()
+        host += 1
+        assert not host.is_inference() and device_tensor.cpu().tolist() == [0.0, 0.0, 0.0]
+
+
 def test_advanced_indexing_takes_host_indices_as_torch_npu_moves_them_to_the_device():
     """torch_npu moves host index tensors of index/index_put to the indexed tensor's device (AdvancedIndex.cpp)."""
     x = torch.arange(12.0).view(4, 3)

@@ -197,7 +197,9 @@ class NpuTensor(torch.Tensor):
         out = _DEVICE_KERNELS.get(func, func)(*cpu_args, **cpu_kwargs)
         _follow_written_host_tensors(func, args, kwargs)
         if target is not None and torch.device(target).type != "npu":
-            return out
+            # a move to the host is a copy: `Tensor.to` hands back its input when nothing changes, which here is the
+            # device tensor's own host data (an inference tensor's `.cpu()` reaches `to` undecomposed)
+            return out.clone() if out is cpu_args[0] else out
         view_of = _view_base_kind(func, args)
         if torch.is_inference_mode_enabled() and view_of == "normal":
             # A view of a normal tensor stays a normal tensor in inference mode (it shares the base's
