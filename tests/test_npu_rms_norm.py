@@ -95,6 +95,29 @@ def test_an_inference_tensor_input_trains_the_weight_as_eager_does(card, scaling
     torch.testing.assert_close(w_npu.grad.cpu(), w_eager.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_an_inference_tensor_weight_with_an_input_that_trains_answers_where_eager_does(card, scaling):
+    """A norm weight made under torch.inference_mode (a frozen model loaded there) with an input that trains. Eager's
+    zero-centred norm keeps only `1 + weight`, a tensor it made, and answers: the fused path, which keeps the weight
+    for eager's second order, keeps a copy and gives eager's gradient. The other two keep the weight itself, eager's
+    multiply as npu_rms_norm: both raise torch's error."""
+    with torch.inference_mode():
+        weight = torch.randn(32).to("npu")
+    x = torch.randn(2, 6, 32).to("npu")
+    results = {}
+    for name, norm in (("eager", card.rms_norm_eager), ("fused", card.rms_norm)):
+        x_grad = x.clone().requires_grad_()
+        try:
+            norm(x_grad, weight, 1e-6, scaling).pow(2).sum().backward()
+            results[name] = x_grad.grad.cpu()
+        except RuntimeError as error:
+            results[name] = str(error).splitlines()[0]
+    if scaling == "zero_centered":
+        torch.testing.assert_close(results["fused"], results["eager"], rtol=1e-4, atol=1e-5)
+    else:
+        assert results["fused"] == results["eager"] and "Inference tensors cannot be saved" in results["eager"]
+
+
 GEMMA3_NORM_INPUTS = {
     "hidden states [B, S, H]": lambda: torch.randn(2, 5, 96) * 3,
     "q/k norm input [B, N, S, D], a transpose of [B, S, N, D] memory": lambda: (torch.randn(2, 5, 4, 64) * 3).transpose(
