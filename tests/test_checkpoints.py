@@ -16,6 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from huggingface_hub import save_torch_state_dict
 from kernels import Mode, kernelize
 from numerics import train_steps
@@ -90,7 +91,10 @@ def test_save_pretrained_writes_eager_tensors_and_reloads_to_the_same_logits(pai
 
 def test_accelerate_save_model_save_state_and_load_state_keep_every_weight(pair, tmp_path):
     _, model, eager = pair
-    accelerator = Accelerator()
+    # accelerate keeps one state per process: a Trainer(bf16=True) earlier in this process would make this
+    # Accelerator's prepare() wrap the shared model's forward in bf16 autocast for the tests after this one
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(mixed_precision="no")
     accelerator.save_model(model, tmp_path / "model")
     saved = safetensors.torch.load_file(tmp_path / "model" / "model.safetensors")
     assert_written(saved, model, eager)
