@@ -325,8 +325,9 @@ def _follow_host_metadata(wrapper: NpuTensor) -> None:
 
 
 def _view_base_kind(func, args) -> str | None:
-    """For an op returning views of its first argument: "inference" or "normal", what kind of tensor it views; else
-    None."""
+    """The kind of tensor an op's views view ("inference" or "normal"), or None for an op that returns no views.
+
+    An op returns views when every output aliases its first argument without writing it (its schema says so)."""
     returns = func._schema.returns
     is_view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
     if not is_view or not args or not isinstance(args[0], torch.Tensor):
