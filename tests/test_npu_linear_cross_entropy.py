@@ -1106,6 +1106,77 @@ def test_without_labels_and_in_generate_the_model_is_eager(npu_kernels):
         assert torch.equal(tokens.cpu(), eager.generate(ids, max_new_tokens=4, do_sample=False))
 
 
+def _traced_training_step(model, trace: str | None, ids: torch.Tensor, labels: torch.Tensor):
+    """A training step of `model` (on the npu) on `ids` and `labels` as `trace` runs it: None (untraced), torch.compile
+    with the backend "eager" or "aot_eager", or "export" (torch.export's program of the forward, then its backward)."""
+    if trace == "export":
+
+        class Loss(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, ids, labels):
+                outputs = self.model(input_ids=ids, labels=labels, use_cache=False)
+                return outputs.loss, outputs.logits
+
+        forward = torch.export.export(Loss().train(), (ids, labels)).module()
+    else:
+
+        def forward(ids, labels):
+            outputs = model(input_ids=ids, labels=labels, use_cache=False)
+            return outputs.loss, outputs.logits
+
+        if trace is not None:
+            torch._dynamo.reset()
+            forward = torch.compile(forward, backend=trace)
+    loss, logits = forward(ids, labels)
+    loss.backward()
+    return loss, logits
+
+
+def _traced_step_is_eagers(built: Path, trace: str, dtype: torch.dtype) -> None:
+    """A one-layer tiny Llama with this card applied, its training step with labels traced by `trace`, runs the class's
+    own forward: the loss, logits and gradients of the model without the card traced the same way, no fused op, the
+    tracer named as the layer's last reason; the same model's next untraced step fuses (the control)."""
+    eager, fused = (tiny_causal_lm("llama", dtype=dtype, num_hidden_layers=1).train().to("npu") for _ in range(2))
+    apply_npu_kernels(fused, kernels=KERNEL_ID, local_dir=built)
+    ids = token_ids().to("npu")
+    labels = _labels(ids.cpu()).to("npu")
+    want_loss, want_logits = _traced_training_step(eager, trace, ids, labels)
+    with emulation.count_op_calls() as calls:
+        loss, logits = _traced_training_step(fused, trace, ids, labels)
+    assert calls[OPS[0]] == 0 and logits is not None
+    (swap,) = swapped_modules(fused, card="npu-linear-cross-entropy")
+    tracer = "torch.export" if trace == "export" else "torch.compile or torch.export"
+    assert swap.eager_reason.startswith(f"{tracer} traces the call: the fused loss reads the labels' range")
+    torch.testing.assert_close(loss.cpu(), want_loss.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(logits.cpu(), want_logits.cpu(), rtol=0, atol=0)
+    _assert_same_gradients(eager, fused)
+    with emulation.count_op_calls() as calls:
+        _traced_training_step(fused, None, ids, labels)
+    assert calls[OPS[0]] == 1 and swapped_modules(fused, card="npu-linear-cross-entropy")[0].eager_reason is None
+
+
+def test_an_exported_training_step_runs_the_class_forward_saying_why(npu_kernels):
+    """torch.export of a training step with labels: the fused loss reads the labels' range on the host (a
+    data-dependent guard export refuses) and sets lm_head's forward for the call, so under a tracer the layer runs the
+    class's own forward, logits included, saying why."""
+    _traced_step_is_eagers(npu_kernels, "export", torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("trace", "dtype"),
+    [(trace, dtype) for trace in ("eager", "aot_eager") for dtype in (torch.float32, torch.bfloat16)]
+    + [("export", torch.bfloat16)],
+)
+def test_traced_training_steps_run_the_class_forward_saying_why(npu_kernels, trace, dtype):
+    """torch.compile (backends eager and aot_eager; the attack's repro_compile_loss_card: a RecursionError inside
+    dynamo) and torch.export, float32 and bfloat16: the class's own forward, as the model without the card gives."""
+    _traced_step_is_eagers(npu_kernels, trace, dtype)
+
+
 @pytest.mark.parametrize(("model_type", "call"), [("qwen3", {}), ("qwen3_moe", {"output_router_logits": True})])
 def test_return_dict_false_in_a_training_step(npu_kernels, model_type, call):
     """The tuple holds what eager's does, the logits' slot None, so every field keeps eager's position: (loss, logits,

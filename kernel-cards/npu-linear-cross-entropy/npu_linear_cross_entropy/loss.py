@@ -30,6 +30,7 @@ from ._internals import (
     zero3_partitioned,
 )
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+from ._tracing import graph_tracer
 
 MAX_ROWS = 200_000  # npu_cross_entropy_loss takes at most 200,000 rows (its 约束说明: N in (0, 200000])
 CHUNKED_FORM_TOKENS_PER_HIDDEN = 2  # the chunked form's threshold, tokens per unit of hidden size (README)
@@ -83,7 +84,14 @@ def call_unavailable_reason(
 ) -> str | None:
     """Return why the loss cannot be lm_head's fused call, whatever its tensors, or None when it can.
 
-    The decision's first half, asked before the base model runs: the call's arguments, lm_head's class and hooks."""
+    The decision's first half, asked before the base model runs: a graph tracer, the call's arguments, lm_head's class
+    and hooks."""
+    tracer = graph_tracer()  # first: the checks below read torch's hook dicts, no graph a tracer can take either
+    if tracer is not None:
+        return (
+            f"{tracer} traces the call: the fused loss reads the labels' range on the host and sets lm_head's forward "
+            "for its call, which a graph cannot hold; the class's own forward runs, logits included"
+        )
     if labels is None:
         return "no labels (inference or generation): the logits are computed and returned as eager computes them"
     if not isinstance(labels, torch.Tensor) or labels.dtype is not torch.int64:
