@@ -3,7 +3,8 @@
 The reference is the experts formula written as a plain loop in float64:
 `out[t] = sum_j w[t, j] * down[e] @ (silu(gate[e] @ x_t) * (up[e] @ x_t))`, e = top_k_index[t, j].
 Parity follows flash-attention's idiom against transformers' own eager experts loop in the same
-dtype. The grouped path is proven by the emulated ops' call counters.
+dtype. The grouped path is proven by the emulated ops' call counters. Under torch.compile and torch.export the
+layer runs the module's own forward: the module and a tiny model give what they give without the card, traced alike.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from transformers.activations import ACT2FN
 from npu_hub_kernels.testing import emulation
 
 SILU = ACT2FN["silu"]
+FUSED_OPS = ("npu_moe_token_permute", "npu_grouped_matmul", "npu_swiglu", "npu_moe_token_unpermute")
+"""The torch_npu ops the card's grouped path calls (its card.toml's fused_ops)."""
 
 
 def routing(tokens: int, experts: int, top_k: int, rng: random.Random, *, skew: str = "random"):
@@ -395,3 +398,84 @@ def test_a_double_backward_gives_eagers_second_order_gradients(card):
     for name, g, w in zip(("x", "router", "gate_up_proj", "down_proj"), got, want, strict=True):
         scale = w.abs().max().item()  # float32 rounding of sums over experts: to 1e-4 of the largest entry
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _traced(module, trace: str | None, *inputs: torch.Tensor):
+    """`module(*inputs)` as `trace` runs it: None (untraced), torch.compile with the backend "eager" or "aot_eager", or
+    "export" (the module of torch.export's program)."""
+    if trace == "export":
+        return torch.export.export(module, inputs).module()(*inputs)
+    if trace is not None:
+        torch._dynamo.reset()
+        return torch.compile(module, backend=trace)(*inputs)
+    return module(*inputs)
+
+
+def _traced_experts_are_the_modules(card, trace: str, implementation: str) -> None:
+    """The kernelized experts module traced by `trace` runs the module's own forward: its output and gradients are the
+    module's traced the same way, no fused op runs, and the layer's last reason names the tracer; the same module's
+    next untraced call is grouped (the control)."""
+    module = experts_module(implementation)
+    fused = kernelized(card, module)
+    x, index, weights = routed(12, 6, seed=47)
+    results = []
+    for model in (module, fused):
+        model.zero_grad()
+        with emulation.count_op_calls() as calls:
+            out = _traced(model, trace, x, index, weights)
+            out.square().sum().backward()
+        results.append((out.detach().cpu(), model.gate_up_proj.grad.cpu(), model.down_proj.grad.cpu()))
+    assert not any(calls[op] for op in FUSED_OPS)
+    for got, want in zip(results[1], results[0], strict=True):
+        assert torch.equal(got, want)
+    tracer = "torch.export" if trace == "export" else "torch.compile or torch.export"
+    assert card._fallbacks.eager_record(fused).last.startswith(f"{tracer} traces the call: the grouped path reads")
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        fused(x, index, weights)
+    assert calls["npu_grouped_matmul"] == 2 and card._fallbacks.eager_record(fused).last is None
+
+
+def test_an_exported_experts_module_runs_its_own_forward_saying_why(card):
+    """torch.export of the kernelized experts (the attack's repro_export_moe: GuardOnDataDependentSymNode on the
+    per-expert counts' bincount): under a tracer the layer runs the module's own forward, which exports."""
+    _traced_experts_are_the_modules(card, "export", "grouped_mm")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("trace", ["eager", "aot_eager"])
+def test_compiled_experts_modules_run_their_own_forward_saying_why(card, trace, implementation):
+    """torch.compile (backends eager and aot_eager) of the kernelized experts, both experts implementations."""
+    _traced_experts_are_the_modules(card, trace, implementation)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_type", "trace"), [("mixtral", "export"), ("qwen3_moe", "export"), ("qwen3_moe", "eager")]
+)
+def test_traced_kernelized_moe_models_give_the_plain_models_answer(npu_kernels, model_type, trace):
+    """A tiny MoE model with this card applied, exported or compiled (backend eager): the logits of the model without
+    it traced the same way, each experts layer saying the tracer. Not Mixtral compiled: the model without the card
+    does not compile on the emulated npu either (dynamo's RecursionError in its router)."""
+    from npu_hub_kernels import apply_npu_kernels, swapped_modules
+    from npu_hub_kernels.testing.tiny_models import tiny_causal_lm, token_ids
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    plain = tiny_causal_lm(model_type).to("npu")
+    fused = apply_npu_kernels(copy.deepcopy(plain), kernels="npu_fused_moe", local_dir=npu_kernels)
+    ids = token_ids().to("npu")
+    with torch.no_grad():
+        want = _traced(Logits(plain).eval(), trace, ids)
+        with emulation.count_op_calls() as calls:
+            got = _traced(Logits(fused).eval(), trace, ids)
+    assert not any(calls[op] for op in FUSED_OPS) and torch.equal(got, want)
+    tracer = "torch.export" if trace == "export" else "torch.compile or torch.export"
+    reasons = {swap.eager_reason for swap in swapped_modules(fused, card="npu-moe")}
+    assert len(reasons) == 1 and reasons.pop().startswith(f"{tracer} traces the call: the grouped path reads")

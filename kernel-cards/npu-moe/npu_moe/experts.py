@@ -42,6 +42,7 @@ from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
 from ._internals import engine_hook, functorch_transform, global_module_hooks, instance_forward, module_hooks
 from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+from ._tracing import graph_tracer
 
 MAX_GROUPS = 1024
 """npu_grouped_matmul takes at most 1024 groups with a single 3-D weight."""
@@ -101,6 +102,12 @@ def swiglu_experts_unavailable_reason(
     the fused path's own per-expert counts show: a placeholder id E in top_k_index (expert parallelism) runs eager,
     saying so (`PLACEHOLDER_IDS`).
     """
+    tracer = graph_tracer()
+    if tracer is not None:  # swiglu_experts_eager reads the per-expert counts on the host too: the module's own runs
+        return _ModuleForwardIsEager(
+            f"{tracer} traces the call: the grouped path reads the per-expert token counts on the host (a "
+            "data-dependent size), which a graph cannot hold; the experts run the module's own forward"
+        )
     watched = _act_fn_call_unavailable_reason(act_fn)
     if not is_silu(act_fn):
         reason = f"activation {act_fn!r} is not SiLU"
