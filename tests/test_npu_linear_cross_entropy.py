@@ -1165,16 +1165,16 @@ def test_an_exported_training_step_runs_the_class_forward_saying_why(npu_kernels
     _traced_step_is_eagers(npu_kernels, "export", torch.float32)
 
 
+SLOW_TRACES = [(trace, dtype) for trace in ("eager", "aot_eager") for dtype in ("float32", "bfloat16")]
+"""The slow tracer forms: torch.compile's backends in both dtypes (and torch.export in bfloat16, added below)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("trace", "dtype"),
-    [(trace, dtype) for trace in ("eager", "aot_eager") for dtype in (torch.float32, torch.bfloat16)]
-    + [("export", torch.bfloat16)],
-)
+@pytest.mark.parametrize(("trace", "dtype"), [*SLOW_TRACES, ("export", "bfloat16")])
 def test_traced_training_steps_run_the_class_forward_saying_why(npu_kernels, trace, dtype):
     """torch.compile (backends eager and aot_eager; the attack's repro_compile_loss_card: a RecursionError inside
     dynamo) and torch.export, float32 and bfloat16: the class's own forward, as the model without the card gives."""
-    _traced_step_is_eagers(npu_kernels, trace, dtype)
+    _traced_step_is_eagers(npu_kernels, trace, getattr(torch, dtype))
 
 
 @pytest.mark.parametrize(("model_type", "call"), [("qwen3", {}), ("qwen3_moe", {"output_router_logits": True})])
