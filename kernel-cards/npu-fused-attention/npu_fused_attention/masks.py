@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ._internals import closure_values
+from ._tracing import graph_tracer
 from .host_reads import expect_host_read
 
 DESCRIPTION_ATTRIBUTE = "npu_fused_attention_description"
@@ -83,15 +84,14 @@ def transformers_eager_mask(arguments: dict[str, Any]) -> torch.Tensor | None:
 
 
 def tracing_reason() -> str | None:
-    """Why a graph being traced cannot take the fused form (torch.compile, torch.export, torch.jit.trace), or None.
-
-    The fused form reads the batch's mask on the host (padding, packing) into the op's sequence lists: a traced graph
-    would keep the traced batch's as constants, and give another batch's queries the wrong keys."""
-    if torch.compiler.is_compiling():
-        return "torch.compile or torch.export: the op's sequence lists are host integers read from the batch"
-    if torch.jit.is_tracing():
-        return "torch.jit.trace: the op's sequence lists are host integers read from the batch, which a trace freezes"
-    return None
+    """Why a graph being traced cannot take the fused form (`graph_tracer`), or None when no tracer records the call."""
+    tracer = graph_tracer()
+    if tracer is None:
+        return None
+    return (
+        f"{tracer} traces the call: the op's sequence lists are host integers read from the batch, which a traced "
+        "graph would keep as the traced batch's"
+    )
 
 
 def description_of(mask: torch.Tensor | None) -> MaskDescription | None:
