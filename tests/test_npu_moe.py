@@ -162,6 +162,31 @@ def test_backward_gives_input_weight_and_routing_gradients(card):
         torch.testing.assert_close(got.grad.cpu().double(), want.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("made_in_inference_mode", ["hidden states", "expert ids", "routing weights"])
+def test_routing_made_in_inference_mode_trains_the_experts_as_eager(card, made_in_inference_mode):
+    """An input made under torch.inference_mode (a frozen router or encoder run there) cannot be kept for backward;
+    the grouped path keeps copies where an op or eager's second order keeps it, and the experts' gradients are
+    eager's (eager keeps only tensors it made from them)."""
+    rng = random.Random(7)
+    index, weights = routing(10, 6, 2, rng)
+    gate_up, down = expert_weights(6, 16, 12, seed=7)
+    inputs = {"hidden states": torch.randn(10, 16), "expert ids": index, "routing weights": weights}
+    on_npu = {name: t.to("npu") for name, t in inputs.items()}
+    with torch.inference_mode():
+        on_npu[made_in_inference_mode] = inputs[made_in_inference_mode].to("npu")
+    grads = {}
+    for name, experts in (("eager", card.swiglu_experts_eager), ("fused", card.swiglu_experts)):
+        weights_npu = [t.clone().to("npu").requires_grad_() for t in (gate_up, down)]
+        with emulation.count_op_calls() as calls:
+            experts(on_npu["hidden states"], on_npu["expert ids"], on_npu["routing weights"], *weights_npu, SILU).pow(
+                2
+            ).sum().backward()
+        assert (calls["npu_grouped_matmul"] > 0) is (name == "fused")
+        grads[name] = [t.grad.cpu() for t in weights_npu]
+    for got, want in zip(grads["fused"], grads["eager"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_one_expert_trains_on_the_grouped_path(card):
     """One expert: its count goes to npu_grouped_matmul as a cumsum (group_list_type 0), since the op refuses a
     counts list of length 1 (rule npu_grouped_matmul/group-list-length); forward and backward stay fused."""
