@@ -375,3 +375,17 @@ def test_fallback_reasons_and_the_eager_result(card, change, reason):
     assert calls[OP] == 0
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.cpu(), w)
+
+
+def test_router_logits_a_transpose_of_their_memory_train_as_eager(card):
+    """Logits that are a transposed view (non-contiguous) requiring grad: the gating op writes new contiguous outputs,
+    as the device does, so its backward takes its own expert ids; the gradient is eager's."""
+    torch.manual_seed(0)
+    base, cotangent = torch.randn(8, 6), torch.randn(6, 2)
+    grads = {}
+    for name, router in (("eager", card.moe_router_top_k_eager), ("fused", card.moe_router_top_k)):
+        leaf = base.to("npu").requires_grad_()
+        weights, _ = router(leaf.t(), 2, scoring="sigmoid", renormalize=True, eps=1e-20, routed_scaling_factor=2.5)
+        (weights * cotangent.to("npu")).sum().backward()
+        grads[name] = leaf.grad.cpu()
+    torch.testing.assert_close(grads["fused"], grads["eager"], rtol=1e-4, atol=1e-6)

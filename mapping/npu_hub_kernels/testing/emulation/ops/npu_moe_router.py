@@ -194,9 +194,14 @@ class _GatingTopK(torch.autograd.Function):
         y = norm.gather(1, idx)
         if norm_type == SIGMOID:
             y = y / (y.sum(dim=-1, keepdim=True) + eps)
-        y = (y * scale).to(x.dtype)
-        norm_out = norm if out_flag else torch.full_like(norm, float("nan"))
-        expert_idx = idx.to(torch.int32)
+        # the device writes new contiguous outputs whatever x's strides (a transposed x makes strided ones here)
+        y = (y * scale).to(x.dtype).contiguous()
+        norm_out = (
+            norm.contiguous()
+            if out_flag
+            else torch.full_like(norm, float("nan"), memory_format=torch.contiguous_format)
+        )
+        expert_idx = idx.to(torch.int32).contiguous()
         ctx.settings = (renorm, norm_type, scale, eps)
         ctx.save_for_backward(norm_out, expert_idx)
         ctx.mark_non_differentiable(expert_idx, norm_out)
