@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ._internals import functorch_transform
+from ._npu import keepable
 
 
 def with_eager_double_backward(
@@ -39,8 +40,7 @@ def with_eager_double_backward(
             return out
         return (out,) if isinstance(out, torch.Tensor) else tuple(out)
     outputs = (fused,) if isinstance(fused, torch.Tensor) else tuple(fused)
-    # an inference tensor (made under torch.inference_mode) cannot be kept for backward: eager's math gets a copy
-    inputs = tuple(t.clone() if t is not None and t.is_inference() else t for t in inputs)
+    inputs = tuple(t if t is None else keepable(t) for t in inputs)
     result = _EagerWhenRecorded.apply(eager, len(outputs), *outputs, *inputs)
     if isinstance(fused, torch.Tensor):
         return result

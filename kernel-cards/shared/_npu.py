@@ -65,6 +65,14 @@ def atlas_a2_a3_unavailable_reason(op: str, device: torch.device) -> str | None:
     return f"{op} runs on Atlas A2/A3 only (SoC Ascend910B*, Ascend910_93*), this device is {soc}"
 
 
+def keepable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy of it when it is an inference tensor, which autograd refuses to keep for backward.
+
+    An input made under torch.inference_mode (inputs_embeds of a frozen encoder, a router run there) reaches a fused
+    op that keeps its inputs for backward; eager keeps only tensors it made from it, and answers."""
+    return tensor.clone() if tensor.is_inference() else tensor
+
+
 _DTENSOR_MODULE = "torch.distributed.tensor"
 
 

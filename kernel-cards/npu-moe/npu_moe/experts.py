@@ -41,7 +41,7 @@ from ._activations import is_silu
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import ran_eager
 from ._internals import engine_hook, functorch_transform, global_module_hooks, instance_forward, module_hooks
-from ._npu import FUSED_DTYPES, npu_unavailable_reason, torch_npu
+from ._npu import FUSED_DTYPES, keepable, npu_unavailable_reason, torch_npu
 from ._tracing import graph_tracer
 
 MAX_GROUPS = 1024
@@ -234,8 +234,8 @@ def _following(
     permuted, sorted_indices = torch_npu.npu_moe_token_permute(hidden_states, top_k_index)
     gate_up = _GroupedLinear.apply(permuted, gate_up_proj, counts)
     expert_out = _GroupedLinear.apply(torch_npu.npu_swiglu(gate_up), down_proj, counts)
-    if torch.is_grad_enabled() and top_k_weights.is_inference():  # the op keeps its probs, which torch refuses then
-        top_k_weights = top_k_weights.clone()
+    if torch.is_grad_enabled():  # the op keeps its probs for backward
+        top_k_weights = keepable(top_k_weights)
     out = torch_npu.npu_moe_token_unpermute(expert_out, sorted_indices, probs=top_k_weights)
     # A recorded backward differentiates the eager math (act_fn is SiLU: checked above): the device ops' backwards
     # have no derivative. The router computed top_k_weights from hidden_states: the eager math is handed an alias of

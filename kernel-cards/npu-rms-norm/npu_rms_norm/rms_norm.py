@@ -45,6 +45,7 @@ from ._npu import (
     FUSED_DTYPES,
     MIXED_ADD_DTYPES,
     atlas_a2_a3_unavailable_reason,
+    keepable,
     npu_unavailable_reason,
     torch_npu,
 )
@@ -186,10 +187,8 @@ def rms_norm(
         _remember_fusing(inputs)
     x_op, order = (x, None) if x.is_contiguous() else _as_dense(x)
     grad = torch.is_grad_enabled()
-    if grad and weight.requires_grad and x_op.is_inference():
-        # npu_rms_norm keeps x for backward, which torch refuses for an inference tensor (inputs_embeds made under
-        # torch.inference_mode, as a frozen encoder's features are): the op gets a copy, as eager keeps only its own
-        x_op = x_op.clone()
+    if grad and weight.requires_grad:  # npu_rms_norm keeps x for backward
+        x_op = keepable(x_op)
     if scaling == "zero_centered" and _one_kernel_unavailable_reason(x, weight, scaling) is None:
         fused = torch_npu.npu_gemma_rms_norm(x_op, weight, epsilon=eps)[0]
     else:
