@@ -130,6 +130,10 @@ def test_views_keep_the_kind_of_tensor_they_view_as_torch_does():
     normal = torch.randn(2, 3).to("npu")
     assert host_inference.t().is_inference() and inference.t().is_inference() and inference[0].is_inference()
     assert not (inference + 1).is_inference() and not normal.t().is_inference()
+    # ops that may alias copy a strided tensor instead (contiguous, reshape): a copy made here is normal, as on the host
+    assert inference.reshape(-1).is_inference() and host_inference.reshape(-1).is_inference()
+    assert not inference.t().contiguous().is_inference() and not host_inference.t().contiguous().is_inference()
+    assert not inference.t().reshape(-1).is_inference()
     with torch.inference_mode():
         assert inference.t().is_inference() and not normal.t().is_inference()
 

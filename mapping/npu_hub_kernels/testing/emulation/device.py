@@ -200,7 +200,7 @@ class NpuTensor(torch.Tensor):
             # a move to the host is a copy: `Tensor.to` hands back its input when nothing changes, which here is the
             # device tensor's own host data (an inference tensor's `.cpu()` reaches `to` undecomposed)
             return out.clone() if out is cpu_args[0] else out
-        view_of = _view_base_kind(func, args)
+        view_of = _view_base_kind(func, args, out)
         if torch.is_inference_mode_enabled() and view_of == "normal":
             # A view of a normal tensor stays a normal tensor in inference mode (it shares the base's
             # version counter); only a wrapper made outside inference mode can.
@@ -324,13 +324,18 @@ def _follow_host_metadata(wrapper: NpuTensor) -> None:
             torch._C._set_meta_in_tls_dispatch_include(meta_included)
 
 
-def _view_base_kind(func, args) -> str | None:
-    """The kind of tensor an op's views view ("inference" or "normal"), or None for an op that returns no views.
+def _view_base_kind(func, args, out) -> str | None:
+    """The kind of tensor an op's views view ("inference" or "normal"), or None for an op that returned no views.
 
-    An op returns views when every output aliases its first argument without writing it (its schema says so)."""
+    Its outputs (`out`, on the host data) are views when the schema says they may alias the first argument (`Tensor(a)`)
+    and each shares that argument's memory: `contiguous()` or `reshape` of a strided tensor copies instead."""
     returns = func._schema.returns
-    is_view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-    if not is_view or not args or not isinstance(args[0], torch.Tensor):
+    may_alias = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    if not may_alias or not args or not isinstance(args[0], NpuTensor):
+        return None
+    base = args[0]._cpu.untyped_storage().data_ptr()
+    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    if not all(isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == base for o in outputs):
         return None
     return "inference" if args[0].is_inference() else "normal"
 
