@@ -401,7 +401,6 @@ recomputed in backward, outside DDP's forward), tile_mlp before or after wrappin
 def _ddp_run(built_cards: str, lora: bool, checkpointing: bool, tiling: str | None) -> dict:
     """2 AdamW steps of the kernelized model under DDP, tiled before or after wrapping (`tiling`) or not: the losses,
     npu_swiglu calls per step and final trainable parameters."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     model = _cards(tiny_causal_lm("llama").train().to("npu"), built_cards)
@@ -413,18 +412,26 @@ def _ddp_run(built_cards: str, lora: bool, checkpointing: bool, tiling: str | No
     ddp = DistributedDataParallel(model)
     if tiling == "after":
         tile_mlp(ddp, shards=TILES)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    run = _two_steps(ddp, [p for p in model.parameters() if p.requires_grad])
+    run["final"] = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    return run
+
+
+def _two_steps(model, params) -> dict:
+    """Two AdamW steps of `model` on this rank's own batches: each step's loss and npu_swiglu calls."""
+    import torch.distributed as dist
+
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
     run = {"losses": [], "npu_swiglu": []}
     for step in range(2):
         ids = token_ids(2, 12, seed=100 * dist.get_rank() + step).to("npu")
         with emulation.count_op_calls() as calls:
-            loss = ddp(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         run["losses"].append(loss.item())
         run["npu_swiglu"].append(calls["npu_swiglu"])
-    run["final"] = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
     return run
 
 
@@ -502,17 +509,7 @@ def _fsdp2_rank(built_cards: str) -> dict:
             _shard_layers(model, mlp_units)
             if tiled and shard_first:
                 tile_mlp(model, shards=TILES)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            run = {"losses": [], "npu_swiglu": []}
-            for step in range(2):
-                ids = token_ids(2, 12, seed=100 * dist.get_rank() + step).to("npu")
-                with emulation.count_op_calls() as calls:
-                    loss = model(input_ids=ids, labels=ids).loss
-                    loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                run["losses"].append(loss.item())
-                run["npu_swiglu"].append(calls["npu_swiglu"])
+            run = _two_steps(model, model.parameters())
             state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
             run["final"] = {name: value.detach().cpu() for name, value in state.items()}
             results[form, tiled] = run
