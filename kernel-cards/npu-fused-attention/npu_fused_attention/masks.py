@@ -121,8 +121,8 @@ def fused_attention_mask(
         **kwargs,
     )
     reason = tracing_reason()  # first: reading the mask function's closure is itself no graph a tracer can take
-    terms = mask_terms(mask_function) if reason is None else reason
-    if reason is None and isinstance(terms, str):
+    terms = None if reason is not None else mask_terms(mask_function)
+    if isinstance(terms, str):
         reason = terms
     description = reason or _describe(terms, arguments, kwargs.get("device", "cpu"))
     if isinstance(description, str):
