@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import faulthandler
 import gc
 import importlib
 import logging
@@ -380,6 +381,45 @@ def test_two_threads_first_call_of_fresh_models(npu_kernels, interleaved):
             results = run_together(*(inference(model, ids) for ids in batches))
         assert dict(calls) == times(one_forward, 2 * REPEATS)
         assert all(torch.equal(out, want) for outs, want in zip(results, expected, strict=True) for out in outs)
+
+
+SHARED_FORWARDS = 300
+DEADLOCK_DEADLINE = 150
+
+
+@pytest.mark.slow
+def test_two_threads_training_one_model_never_deadlock(built_cards):
+    """Regression: two threads running training forwards of one model, which create the parameters' gradient
+    accumulators afresh on each forward, deadlocked in two runs of three of 200 forwards each. torch holds a tensor's
+    autograd mutex while it asks the device guard for a stream; the emulation's guard was torch's Python one, which
+    could hand the GIL there to a thread that then waited for the mutex holding the GIL (emulation.device's
+    `_NpuDeviceGuard`). CI's run stopped at its limit on it. In a fresh interpreter with a deadline: a deadlock ends
+    it with every thread's stack."""
+    out = run_python(
+        f"import sys; sys.path.insert(0, 'tests')\n"
+        f"from test_load_and_threads import train_one_model_from_two_threads\n"
+        f"train_one_model_from_two_threads({str(built_cards)!r}); print('ok')",
+        emulate=True,
+        timeout=2 * DEADLOCK_DEADLINE,
+    )
+    assert out.splitlines()[-1] == "ok"
+
+
+def train_one_model_from_two_threads(built_cards: str) -> None:
+    """The deadlock test's body: SHARED_FORWARDS training forwards from each of two threads, switching threads as
+    often as the interpreter can; a stuck run exits with every thread's stack (faulthandler needs no GIL to)."""
+    faulthandler.dump_traceback_later(DEADLOCK_DEADLINE, exit=True)
+    register_npu_kernels(local_dir=built_cards)
+    model = kernelize(tiny_model("llama").to("npu"), mode=Mode.TRAINING, device="npu").train()
+    ids = token_ids().to("npu")
+    sys.setswitchinterval(1e-6)
+
+    def job():
+        return [model(ids, labels=ids).loss.item() for _ in range(SHARED_FORWARDS)]
+
+    first, second = run_together(job, job, timeout=DEADLOCK_DEADLINE)
+    faulthandler.cancel_dump_traceback_later()
+    assert first == second
 
 
 def training_losses(model, ids):

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import operator
 import os
 import sys
 import threading
@@ -682,6 +683,21 @@ def _crosses_npu(module: torch.nn.Module, target_of, args, kwargs) -> bool:
     return any((tensor.device.type == "npu") != to_npu for tensor in tensors)
 
 
+class _NpuDeviceGuard(torch._C._acc.DeviceGuard):
+    """The device guard torch calls for npu tensors: it answers its one question without running Python bytecode.
+
+    A device guard registered from Python answers through `type_`, which torch calls with the GIL. torch calls it
+    under locks of its own: creating a leaf tensor's gradient accumulator holds the tensor's autograd mutex while
+    it asks the guard for the device's stream. A Python `type_` (torch's default guard has one) may hand the GIL to
+    another thread at any bytecode, and a thread that then reaches the same tensor's accumulator from
+    `Function.apply` waits for the mutex holding the GIL: both wait forever. Two threads running 300 training
+    forwards of one model each deadlocked so in 2 runs of 2, and in none of 11 with this guard
+    (tests/test_load_and_threads.py). A real device's guard is C++ and needs no GIL. Here `type_` is a C callable
+    (a partial of itemgetter), which the interpreter runs without giving up the GIL."""
+
+    type_ = functools.partial(operator.itemgetter(0), (torch._C._autograd.DeviceType.PrivateUse1,))
+
+
 _LIBRARY: torch.library.Library | None = None
 
 
@@ -696,7 +712,9 @@ def install_device() -> None:
             f"torch's PrivateUse1 backend is already named {current!r}: a real or another emulated device owns it. "
             "The npu emulation must be installed before anything else registers a device."
         )
-    _setup_privateuseone_for_python_backend(rename="npu", backend_module=EmulatedNpuModule())
+    _setup_privateuseone_for_python_backend(
+        rename="npu", backend_module=EmulatedNpuModule(), device_guard=_NpuDeviceGuard()
+    )
     _swap_module_params_between_host_and_npu()
     # The emulated device computes on the host: backward runs on the calling thread. With autograd's
     # worker thread for the PrivateUse1 device, processes intermittently abort at exit ("terminate
