@@ -9,10 +9,12 @@ subprocess (see `run_python`).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import pkgutil
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,9 @@ from hub_env import use_offline_hub
 
 _HUB_CACHE = tempfile.mkdtemp(prefix="npu-hub-kernels-test-hub-")
 use_offline_hub(_HUB_CACHE)
+# The process's own Hub cache (up to 28 MB: cards seeded for offline loading) goes with it: every test process
+# (each xdist worker, each pytest run a test starts) left its folder in /tmp, and 1,286 of them had built up here.
+atexit.register(shutil.rmtree, _HUB_CACHE, ignore_errors=True)
 
 import pytest  # noqa: E402
 
