@@ -44,8 +44,7 @@ ledger: setup
 	$(PY) scripts/write_ledger_docs.py
 
 # The older transformers releases the package admits (pyproject.toml: transformers>=5.18,<5.23), each proven in an
-# environment of its own: the pinned stack with that transformers, and pytest with its plugins (the model-table tests
-# need no more).
+# environment of its own: the pinned stack with that transformers, and pytest (the model-table tests need no more).
 TRANSFORMERS_RELEASES := 5.18.0 5.20.2
 
 .venv-transformers-%/.installed: pyproject.toml setup.py requirements-dev.txt
@@ -54,7 +53,7 @@ TRANSFORMERS_RELEASES := 5.18.0 5.20.2
 	.venv-transformers-$*/bin/python -m pip install --quiet --upgrade pip
 	.venv-transformers-$*/bin/python -m pip install --quiet "$$(grep '^torch==' requirements-dev.txt)"
 	grep -v '^transformers==' requirements-dev.txt > .venv-transformers-$*/constraints.txt
-	.venv-transformers-$*/bin/python -m pip install --quiet -c .venv-transformers-$*/constraints.txt -e . transformers==$* pytest pytest-timeout pytest-xdist
+	.venv-transformers-$*/bin/python -m pip install --quiet -c .venv-transformers-$*/constraints.txt -e . transformers==$* pytest pytest-xdist
 	touch $@
 
 # The model tables on every older admitted release, as users get them: proven classes swapped, the others eager.

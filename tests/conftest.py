@@ -28,6 +28,7 @@ from types import ModuleType
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from hub_env import use_offline_hub
+from stuck_tests import pytest_configure, pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401 (hooks)
 
 _HUB_CACHE = tempfile.mkdtemp(prefix="npu-hub-kernels-test-hub-")
 use_offline_hub(_HUB_CACHE)

@@ -257,7 +257,8 @@ def run_together(*jobs, timeout: float = JOIN_TIMEOUT):
     """Run the jobs in threads released at once; return their results (re-raising a thread's exception).
 
     A thread still running after `timeout` seconds fails the test with every stuck thread's stack (the threads are
-    daemons: a stuck one does not keep the process from ending)."""
+    daemons: a stuck one does not keep the process from ending). A thread stuck holding the GIL stops this check
+    too: tests/stuck_tests.py ends such a process."""
     barrier = threading.Barrier(len(jobs), timeout=timeout)
     results, errors = [None] * len(jobs), []
 
