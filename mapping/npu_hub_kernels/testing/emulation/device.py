@@ -686,14 +686,19 @@ def _crosses_npu(module: torch.nn.Module, target_of, args, kwargs) -> bool:
 class _NpuDeviceGuard(torch._C._acc.DeviceGuard):
     """The device guard torch calls for npu tensors: it answers its one question without running Python bytecode.
 
-    A device guard registered from Python answers through `type_`, which torch calls with the GIL. torch calls it
-    under locks of its own: creating a leaf tensor's gradient accumulator holds the tensor's autograd mutex while
-    it asks the guard for the device's stream. A Python `type_` (torch's default guard has one) may hand the GIL to
-    another thread at any bytecode, and a thread that then reaches the same tensor's accumulator from
-    `Function.apply` waits for the mutex holding the GIL: both wait forever. Two threads running 300 training
-    forwards of one model each deadlocked so in 2 runs of 2, and in none of 11 with this guard
-    (tests/test_load_and_threads.py). A real device's guard is C++ and needs no GIL. Here `type_` is a C callable
-    (a partial of itemgetter), which the interpreter runs without giving up the GIL."""
+    torch asks a guard registered from Python through `type_`, taking the GIL for it, and asks it under locks of its
+    own: building a leaf tensor's gradient accumulator holds the tensor's autograd mutex while it asks the guard for
+    the device's stream. A Python `type_` (torch's default guard has one) may hand the GIL to another thread at any
+    bytecode; a thread that then reaches the same tensor's accumulator from `Function.apply` waits for the mutex
+    holding the GIL, and both wait forever. Two threads running 300 training forwards of one model each deadlocked
+    so in 2 runs of 2, and in none of 11 with this guard (tests/test_load_and_threads.py). Here `type_` is a C
+    callable (a partial of itemgetter), which the interpreter runs without giving up the GIL.
+
+    What no Python guard can avoid: a thread that reaches the accumulator from a plain op has released the GIL (torch's
+    bindings do) and must take it back for the guard while holding the mutex. If another thread is in
+    `Function.apply` on the same leaf at that moment, they deadlock. Probes that hammer one leaf from both kinds of
+    call do; the models' forms, whose leaves each go through one kind, did not in the runs tried. A real device's
+    guard is C++ and takes no GIL; tests/stuck_tests.py ends a test stuck so."""
 
     type_ = functools.partial(operator.itemgetter(0), (torch._C._autograd.DeviceType.PrivateUse1,))
 
