@@ -241,6 +241,26 @@ def test_addmm_sums_16bit_products_into_a_float32_out_in_place_on_the_device(bui
     assert error < 1e-5, error  # a 16-bit rounding of the sum or the products would be about 1e-3
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_addmm_writes_16bit_products_and_a_row_bias_into_a_new_float32_out_on_the_device(built_cards, bias_dtype):
+    """The loss card's logits and dL/dh form: `torch.addmm(row, h, w_t, out_dtype=torch.float32, out=new)`, a 1-D
+    self aclnnAddmm folds into the matmul as its bias, dispatches and writes new in float32, its error against
+    float64 float32 accumulation's (one 16-bit rounding of the result would be about 1e-3)."""
+    reason = _float32_out_addmm_reason(built_cards)
+    if reason is not None:
+        pytest.skip(reason)
+    generator = torch.Generator().manual_seed(0)
+    h = torch.randn(1024, 512, generator=generator).to(torch.bfloat16)
+    w = (torch.randn(4096, 512, generator=generator) / 32).to(torch.bfloat16)
+    row = torch.randn(4096, generator=generator).to(bias_dtype)
+    want = row.double() + h.double() @ w.double().t()
+    out = torch.empty(1024, 4096, dtype=torch.float32, device="npu")
+    got = torch.addmm(row.npu(), h.npu(), w.npu().t(), out_dtype=torch.float32, out=out)
+    assert got.dtype == torch.float32 and got.data_ptr() == out.data_ptr()
+    error = ((got.cpu().double() - want).norm() / want.norm()).item()
+    assert error < 1e-5, error
+
+
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_loss_weight_gradient_from_bfloat16_products_within_twice_eagers_error_on_the_device(built_cards, chunks):
     """The loss card's chunked dW on the device (bf16 operands, float32 sum): counted nowhere here, so its error is

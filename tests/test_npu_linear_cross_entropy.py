@@ -458,7 +458,8 @@ def test_low_precision_forms_within_twice_eagers_error(card, dtype, chunk):
 
 
 FLOAT32_OUT_ADDMM = "addmm.dtype_out"
-"""The weight gradient's call, `torch.addmm(sum, grad_logits.t(), h, out_dtype=torch.float32, out=sum)`, as counted."""
+"""The float32-out call, as counted: three per chunk (its logits `h @ W^T`, its dL/dW sum
+`torch.addmm(sum, grad_logits.t(), h, out_dtype=torch.float32, out=sum)` and its dL/dh product)."""
 
 
 def _eager_logits_grad(lm_head: nn.Linear, h: torch.Tensor, labels: torch.Tensor):
@@ -472,15 +473,15 @@ def _eager_logits_grad(lm_head: nn.Linear, h: torch.Tensor, labels: torch.Tensor
 
 @pytest.mark.parametrize("chunks", [1, 2, 4, 16])
 def test_bfloat16_weight_gradient_sums_bfloat16_products_in_float32_within_twice_eagers_error(card, chunks):
-    """dW from bfloat16 operands, one float32 sum over the chunks (addmm out_dtype, counted: dW's and dL/dh's per
-    chunk): its error against float64
-    at most twice eager's (one bfloat16 GEMM of the whole logits gradient) at every chunk count, and below the negative
-    control's: each chunk's product rounded to bfloat16, then summed in float32 (from eager's own logits gradient)."""
+    """dW from bfloat16 operands, one float32 sum over the chunks (addmm out_dtype, counted: the logits', dW's and
+    dL/dh's per chunk): its error against float64 at most twice eager's (one bfloat16 GEMM of the whole logits
+    gradient) at every chunk count, and below the negative control's: each chunk's product rounded to bfloat16, then
+    summed in float32 (from eager's own logits gradient)."""
     tokens, chunk = 512, 512 // chunks
     lm_head, h, labels = _problem(tokens=tokens, hidden=64, vocab=2000, seed=chunks)
     *results, calls = _idiom_runs(card, lm_head, h, labels, torch.bfloat16, chunk_tokens=chunk)
     fused, eager, reference = (result[2] for result in results)
-    assert calls[FLOAT32_OUT_ADDMM] == 2 * chunks
+    assert calls[FLOAT32_OUT_ADDMM] == 3 * chunks
     grad_logits, hidden = _eager_logits_grad(lm_head.to(torch.bfloat16), h.to(torch.bfloat16), labels)
     products = (grad_logits[r : r + chunk].t() @ hidden[r : r + chunk] for r in range(0, tokens, chunk))
     rounded_per_chunk = sum(p.float() for p in products).to(torch.bfloat16)
@@ -507,12 +508,12 @@ def _twice_rounded_hidden_grad(lm_head: nn.Linear, h: torch.Tensor, labels: torc
     [(512, 256, 8000), pytest.param(2048, 1024, 32000, marks=pytest.mark.slow, id="medium")],
 )
 def test_bfloat16_hidden_gradient_rounded_once_and_both_at_most_eagers_error(card, tokens, hidden, vocab, scale):
-    """Issue 46: dL/dh's chunk products summed in float32 (addmm out_dtype, counted: dW's and dL/dh's per chunk) and
-    rounded once, already over the counted tokens; dL/dW a float32 sum rounded once after the backward's scale. Both
-    within twice eager's error against float64 (the suite's rule) at any incoming gradient. For `loss.backward()`
-    (Trainer's, whose loss is over num_items_in_batch), each at most eager's error, and dL/dh below the negative
-    control's: rounded by its bfloat16 matmul, then again when scaled (the card before the fix). A loss divided by 3
-    rounds dL/dh a second time (README), within the rule."""
+    """Issue 46: dL/dh's chunk products summed in float32 (addmm out_dtype, counted: per chunk the logits', dW's and
+    dL/dh's) and rounded once, already over the counted tokens; dL/dW a float32 sum rounded once after the backward's
+    scale. Both within twice eager's error against float64 (the suite's rule) at any incoming gradient. For
+    `loss.backward()` (Trainer's, whose loss is over num_items_in_batch), each at most eager's error, and dL/dh below
+    the negative control's: rounded by its bfloat16 matmul, then again when scaled (the card before the fix). A loss
+    divided by 3 rounds dL/dh a second time (README), within the rule."""
     lm_head, h, labels = _problem(tokens=tokens, hidden=hidden, vocab=vocab, seed=4)
 
     def gradients(fn, dtype, device, **kwargs):
@@ -525,7 +526,7 @@ def test_bfloat16_hidden_gradient_rounded_once_and_both_at_most_eagers_error(car
     eager = gradients(card.linear_cross_entropy_eager, torch.bfloat16, "cpu")
     with emulation.count_op_calls() as calls:
         fused = gradients(card.linear_cross_entropy, torch.bfloat16, "npu", chunk_tokens=tokens // 4)
-    assert calls[FLOAT32_OUT_ADDMM] == 2 * 4
+    assert calls[FLOAT32_OUT_ADDMM] == 3 * 4
     errors = {}
     for name, f, e, r in zip(("dh", "dW"), fused, eager, reference, strict=True):
         assert_within_twice_eagers_error(f, e, r, name, error=relative_error)
@@ -559,7 +560,7 @@ def test_float16_gradients_within_twice_eagers_error_at_any_loss_scale(card, can
     eager = gradients(card.linear_cross_entropy_eager, torch.float16, "cpu")
     with emulation.count_op_calls() as calls:
         fused = gradients(card.linear_cross_entropy, torch.float16, "npu", chunk_tokens=64)
-    assert calls[OPS[1]] == 4 and calls[FLOAT32_OUT_ADDMM] == (0 if cann else 2 * 4)
+    assert calls[OPS[1]] == 4 and calls[FLOAT32_OUT_ADDMM] == (0 if cann else 3 * 4)
     for name, f, e, r in zip(("dh", "dW"), fused, eager, reference, strict=True):
         assert_within_twice_eagers_error(f, e, r, name, error=relative_error)
 
@@ -579,7 +580,7 @@ def test_without_the_float32_out_addmm_the_model_sums_float32_products_and_says_
         cann_version(version)  # after kernelize; conftest's fixture restores the default
         calls, said = _counted_step_and_reason(model, ids)
         grads[version] = model.lm_head.weight.grad.cpu()
-        assert calls[OPS[1]] == 2 and calls[FLOAT32_OUT_ADDMM] == (0 if version == cann else 4)  # 2 chunks of 64
+        assert calls[OPS[1]] == 2 and calls[FLOAT32_OUT_ADDMM] == (0 if version == cann else 6)  # 2 chunks of 64
         assert (said is None) == (version != cann) and (version != cann or f"CANN {cann}" in said), said
     want = reference.lm_head.weight.grad
     eager_error = relative_error(eager.lm_head.weight.grad, want)
@@ -736,7 +737,8 @@ def test_module_hooks_for_every_module_keep_the_eager_path(card):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_on_float32_weights_error_at_most_twice_eagers_against_float64(card, dtype, bias):
     """Trainer's bf16/fp16: float32 lm_head and hidden states under torch.autocast("npu", dtype). The fused loss runs
-    its chunks in dtype as eager's autocast lm_head does, and returns float32 gradients, within eager's idiom."""
+    its chunks' matmuls on operands in dtype as eager's autocast lm_head does (their logits summed in float32, not
+    rounded to dtype as eager's are), and returns float32 gradients, within eager's idiom."""
     lm_head, h, labels = _problem(tokens=256, hidden=64, vocab=1000, bias=bias)
     eager = _run(card.linear_cross_entropy_eager, lm_head, h, labels, "npu", autocast=dtype)
     with emulation.count_op_calls() as calls:
@@ -744,9 +746,23 @@ def test_autocast_on_float32_weights_error_at_most_twice_eagers_against_float64(
     reference = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")  # double() in place
     assert [calls[op] for op in OPS] == [4, 4]  # 256 tokens in chunks of 64
     assert relative_error(eager[2], reference[2]) > 1e-4  # eager's lm_head did run in dtype
-    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=0)  # the same logits, in dtype, as eager's
     assert all(f.dtype == e.dtype == torch.float32 for f, e in zip(fused, eager, strict=True) if f is not None)
     _assert_within_twice_eagers_error(fused, eager, reference)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_16bit_chunks_take_their_logits_unrounded_from_the_float32_out(card, bias):
+    """With the float32 out (CANN 9.1), a chunk's logits are its 16-bit operands' products summed in float32 and never
+    rounded to 16 bits (the addmm counted three times a chunk: logits, dW, dL/dh): the loss is float64's loss of those
+    same operands to float32's precision, where eager's (logits rounded to bfloat16, its negative control) is not."""
+    lm_head, h, labels = _problem(tokens=256, hidden=64, vocab=1000, bias=bias, dtype=torch.bfloat16)
+    with emulation.count_op_calls() as calls:
+        fused = _run(card.linear_cross_entropy, lm_head, h, labels, "npu", chunk_tokens=64)
+    eager = _run(card.linear_cross_entropy_eager, lm_head, h, labels, "cpu")
+    same_operands = _run(card.linear_cross_entropy_eager, lm_head.double(), h.double(), labels, "cpu")
+    assert calls[FLOAT32_OUT_ADDMM] == 3 * 4
+    fused_error, eager_error = (relative_error(run[0], same_operands[0]) for run in (fused, eager))
+    assert fused_error < 1e-6 < eager_error, (fused_error, eager_error)
 
 
 class _WeightCasts(TorchDispatchMode):

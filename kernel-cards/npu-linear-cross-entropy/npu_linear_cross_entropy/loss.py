@@ -466,13 +466,15 @@ def _chunk(
     """Return the chunk `rows`' summed loss over its counted rows; add its share into the gradients that are not None.
 
     dL/dW and dL/db get the chunk's float32 sums; dL/dh its rows, times `share` (a counted token's share of the loss)
-    unless it is None (float16's dL/dh, scaled in backward). `float32_out`: the gradients' products from the 16-bit
-    grad_logits (the model's dtype, as eager's) and hidden states or weight, summed in float32
-    (`half_weight_grad_unavailable_reason`), dL/dh's then rounded once (scaled or not); else the weight gradient's from
-    float32 ones and dL/dh's rounded by their matmul (then scaled: rounded again). (A function, so that every [chunk, V]
+    unless it is None (float16's dL/dh, scaled in backward). `float32_out`: the logits' products from the 16-bit h
+    and W, and the gradients' from the 16-bit grad_logits (the model's dtype, as eager's) and hidden states or weight,
+    summed in float32 (`half_weight_grad_unavailable_reason`): the logits never rounded to 16 bits, dL/dh's rounded
+    once (scaled or not); else eager's logits, the weight gradient's products from float32 operands and dL/dh's
+    rounded by their matmul (then scaled: rounded again). (A function, so that every [chunk, V]
     buffer is freed when it returns.)"""
     h, target, mask, (grad_hidden, grad_weight, grad_bias) = hidden[rows], targets[rows], counted[rows], grads
-    logits = F.linear(h, weight, bias).float()
+    # eager's logits are rounded to the model dtype, then cast; the float32 out skips that rounding and the cast
+    logits = _float32_product(h, weight.t(), bias) if float32_out else F.linear(h, weight, bias).float()
     per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
     del logits
     chunk_loss = torch.where(mask, per_token, 0.0).sum()
@@ -491,16 +493,25 @@ def _chunk(
         grad_bias += grad_logits.sum(dim=0)
     if grad_hidden is None:
         return chunk_loss
-    if float32_out:  # the same into the chunk's float32 [chunk, H], rounded once (scaled)
-        product = torch.zeros(low.shape[0], weight.shape[1], dtype=torch.float32, device=low.device)
-        torch.addmm(product, low, weight, out_dtype=torch.float32, out=product)
-    else:  # in the model dtype: rounded by the matmul (then again scaled; float32: exact)
-        product = low @ weight
+    # float32_out: the same into the chunk's float32 [chunk, H], rounded once (scaled); else in the model dtype,
+    # rounded by the matmul (then again scaled; float32: exact)
+    product = _float32_product(low, weight) if float32_out else low @ weight
     if share is None:
         grad_hidden[rows] = product
     else:
         torch.mul(product, share, out=grad_hidden[rows])
     return chunk_loss
+
+
+def _float32_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`a @ b (+ bias)` of 16-bit a and b, its products summed in float32 and written once as float32.
+
+    One `torch.addmm(bias or 0, a, b, out_dtype=torch.float32, out=...)` (aclnnAddmm's 16-bit inputs into a float32
+    out, the cube's 16-bit rate; `half_weight_grad_unavailable_reason`), the bias, or a float32 zero row, broadcast as
+    its 1-D self: no rounding to 16 bits, no cast, and no [m, n] buffer read before the write."""
+    base = torch.zeros(b.shape[1], dtype=torch.float32, device=a.device) if bias is None else bias
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    return torch.addmm(base, a, b, out_dtype=torch.float32, out=out)
 
 
 def _divides_without_underflow(dtype: torch.dtype) -> bool:
