@@ -17,9 +17,9 @@ from torch import nn
 
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import class_name, ran_eager
+from ._float32_out import add_float32_product, float32_out_unavailable_reason, float32_product
 from ._internals import (
     accelerate_hook,
-    device_has_kernel,
     engine_hook,
     fsdp2_original_class,
     fsdp2_output_dtype,
@@ -36,8 +36,6 @@ MAX_ROWS = 200_000  # npu_cross_entropy_loss takes at most 200,000 rows (its 约
 CHUNKED_FORM_TOKENS_PER_HIDDEN = 2  # the chunked form's threshold, tokens per unit of hidden size (README)
 CHUNK_TOKENS_PER_HIDDEN = 1.15  # the chunked form's largest chunk, tokens per unit of hidden size (README)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-FLOAT32_OUT_ADDMM = "addmm.dtype_out"  # torch.addmm(..., out_dtype=, out=): torch_npu 2.11 or later registers it
-FLOAT32_OUT_CANN = (9, 1)  # the first CANN whose aclnnAddmm takes 16-bit mat1 and mat2 into a float32 out (README)
 
 
 def default_chunk_tokens(tokens: int, hidden_size: int) -> int:
@@ -290,26 +288,13 @@ def half_weight_grad_unavailable_reason() -> str | None:
     float32 out: torch_npu 2.11 or later, CANN 9.1 or later; README "How it works"): lm_head's weight gradient, and
     each chunk's dL/dh before its one rounding. Without it the loss still fuses, its weight gradient from float32
     products at about a quarter of the cube's bfloat16 rate, and dL/dh rounded by its 16-bit matmul, then scaled."""
-    slower = (
+    reason = float32_out_unavailable_reason()
+    if reason is None:
+        return None
+    return (
         "the loss fused; lm_head's weight gradient sums float32 products (a quarter of the bfloat16 cube rate) and "
-        "dL/dh is rounded twice (by its 16-bit matmul, then scaled): "
+        f"dL/dh is rounded twice (by its 16-bit matmul, then scaled): {reason}"
     )
-    if not device_has_kernel(FLOAT32_OUT_ADDMM):
-        return slower + "this torch_npu has no torch.addmm with out_dtype (torch_npu 2.11 or later registers it)"
-    cann = str(getattr(torch.version, "cann", None))
-    if not _cann_release_at_least(FLOAT32_OUT_CANN, cann):
-        return slower + f"CANN {cann}: 16-bit operands into a float32 addmm out need CANN 9.1 or later"
-    return None
-
-
-def _cann_release_at_least(version: tuple[int, int], cann: str) -> bool:
-    """Whether the CANN version text ("9.1.0", "8.3.RC1", "9.1.0-beta.3") is `version` or later (its betas: earlier)."""
-    parts = cann.split(".")
-    try:
-        found = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        return False
-    return found > version or (found == version and not any(tag in cann.lower() for tag in ("alpha", "beta")))
 
 
 def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
@@ -423,17 +408,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad[0] else None
         hidden, weight, bias = _cast((hidden, weight, bias), autocast)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad[1] else None
+        # written whole by the first chunk's product (zeros only when there is no chunk)
+        make = torch.empty if hidden.shape[0] else torch.zeros
+        grad_weight = make(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad[1] else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if needs_grad[2] else None
         grads = (grad_hidden, grad_weight, grad_bias)
         # a counted token's share of the loss; 0 with no counted token (every gradient 0 then, as eager's)
         any_counted = counted.any()
         share = torch.where(any_counted, 1 / divisor, 0.0)
-        ctx.hidden_over_divisor = grad_hidden is not None and _divides_without_underflow(grad_hidden.dtype)
+        # float32 dL/dh from float32 outs is each chunk's product itself, scaled in backward (one pass, not two)
+        ctx.hidden_over_divisor = (
+            grad_hidden is not None
+            and _divides_without_underflow(grad_hidden.dtype)
+            and not (float32_out and grad_hidden.dtype == torch.float32)
+        )
         hidden_share = share if ctx.hidden_over_divisor else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            total += _chunk(hidden, weight, bias, targets, counted, rows, grads, float32_out, hidden_share)
+            total += _chunk(hidden, weight, bias, targets, counted, rows, grads, float32_out, hidden_share, start == 0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, share, any_counted)
         return total / divisor
 
@@ -462,19 +454,21 @@ def _chunk(
     grads: tuple,
     float32_out: bool = False,
     share: torch.Tensor | None = None,
+    first: bool = False,
 ) -> torch.Tensor:
     """Return the chunk `rows`' summed loss over its counted rows; add its share into the gradients that are not None.
 
     dL/dW and dL/db get the chunk's float32 sums; dL/dh its rows, times `share` (a counted token's share of the loss)
-    unless it is None (float16's dL/dh, scaled in backward). `float32_out`: the logits' products from the 16-bit h
-    and W, and the gradients' from the 16-bit grad_logits (the model's dtype, as eager's) and hidden states or weight,
-    summed in float32 (`half_weight_grad_unavailable_reason`): the logits never rounded to 16 bits, dL/dh's rounded
-    once (scaled or not); else eager's logits, the weight gradient's products from float32 operands and dL/dh's
-    rounded by their matmul (then scaled: rounded again). (A function, so that every [chunk, V]
-    buffer is freed when it returns.)"""
+    unless it is None (float16's and float32's from float32 outs, scaled in backward; float32's written by the product
+    itself). `first`: the first chunk, whose dL/dW product is written into dL/dW (not added to it). `float32_out`: the
+    logits' products from the 16-bit h and W, and the gradients' from the 16-bit grad_logits (the model's dtype, as
+    eager's) and hidden states or weight, summed in float32 (`half_weight_grad_unavailable_reason`): the logits never
+    rounded to 16 bits, dL/dh's rounded once (scaled or not); else eager's logits, the weight gradient's products from
+    float32 operands and dL/dh's rounded by their matmul (then scaled: rounded again). (A function, so that every
+    [chunk, V] buffer is freed when it returns.)"""
     h, target, mask, (grad_hidden, grad_weight, grad_bias) = hidden[rows], targets[rows], counted[rows], grads
     # eager's logits are rounded to the model dtype, then cast; the float32 out skips that rounding and the cast
-    logits = _float32_product(h, weight.t(), bias) if float32_out else F.linear(h, weight, bias).float()
+    logits = float32_product(h, weight.t(), bias) if float32_out else F.linear(h, weight, bias).float()
     per_token, log_prob, _, _ = torch_npu.npu_cross_entropy_loss(logits, target, reduction="none")
     del logits
     chunk_loss = torch.where(mask, per_token, 0.0).sum()
@@ -486,32 +480,30 @@ def _chunk(
     # rounded once to the model's dtype, as eager's logits gradient is (no op in float32)
     low = grad_logits.to(weight.dtype) if grad_hidden is not None or float32_out else None
     if grad_weight is not None and float32_out:  # 16-bit operands summed in float32, in place: the cube's rate
-        torch.addmm(grad_weight, low.t(), h, out_dtype=torch.float32, out=grad_weight)
+        if first:
+            float32_product(low.t(), h, out=grad_weight)
+        else:
+            add_float32_product(grad_weight, low.t(), h)
     elif grad_weight is not None:  # float32 operands, summed in place: no product buffer of W's size
-        grad_weight.addmm_(grad_logits.t(), h.float())
+        if first:
+            torch.mm(grad_logits.t(), h.float(), out=grad_weight)
+        else:
+            grad_weight.addmm_(grad_logits.t(), h.float())
     if grad_bias is not None:
         grad_bias += grad_logits.sum(dim=0)
     if grad_hidden is None:
         return chunk_loss
+    if float32_out and share is None and grad_hidden.dtype == torch.float32:  # the product is dL/dh's rows
+        float32_product(low, weight, out=grad_hidden[rows])
+        return chunk_loss
     # float32_out: the same into the chunk's float32 [chunk, H], rounded once (scaled); else in the model dtype,
     # rounded by the matmul (then again scaled; float32: exact)
-    product = _float32_product(low, weight) if float32_out else low @ weight
+    product = float32_product(low, weight) if float32_out else low @ weight
     if share is None:
         grad_hidden[rows] = product
     else:
         torch.mul(product, share, out=grad_hidden[rows])
     return chunk_loss
-
-
-def _float32_product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`a @ b (+ bias)` of 16-bit a and b, its products summed in float32 and written once as float32.
-
-    One `torch.addmm(bias or 0, a, b, out_dtype=torch.float32, out=...)` (aclnnAddmm's 16-bit inputs into a float32
-    out, the cube's 16-bit rate; `half_weight_grad_unavailable_reason`), the bias, or a float32 zero row, broadcast as
-    its 1-D self: no rounding to 16 bits, no cast, and no [m, n] buffer read before the write."""
-    base = torch.zeros(b.shape[1], dtype=torch.float32, device=a.device) if bias is None else bias
-    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
-    return torch.addmm(base, a, b, out_dtype=torch.float32, out=out)
 
 
 def _divides_without_underflow(dtype: torch.dtype) -> bool:
