@@ -8,16 +8,19 @@ by the emulated op's call counter; every fallback is proven to skip it and to eq
 
 from __future__ import annotations
 
+import collections
 import random
 from functools import partial
 
 import pytest
 import torch
-from numerics import assert_within_twice_eagers_error
+from numerics import assert_within_twice_eagers_error, relative_error
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.activations import ACT2FN
 
 from npu_hub_kernels.testing import emulation
+from npu_hub_kernels.testing.emulation.ops.npu_linear_cross_entropy import ADDMM_DTYPE_OUT
 
 
 class SplitMLP(nn.Module):
@@ -294,6 +297,63 @@ def test_autocast_fuses_with_the_linear_casts_and_eager_gradients(card):
     for (name, got), want in zip(mlp.named_parameters(), reference.parameters(), strict=True):
         assert got.grad.dtype == torch.float32, name
         torch.testing.assert_close(got.grad.cpu(), want.grad.cpu(), rtol=2e-2, atol=2e-2, msg=name)
+
+
+class _BackwardCastsOf(TorchDispatchMode):
+    """Counts backward's dtype casts (aten `_to_copy` to another dtype) of tensors whose shape is one of `shapes`."""
+
+    def __init__(self, *shapes: tuple[int, ...]):
+        super().__init__()
+        self.shapes, self.casts = shapes, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        cast = func is torch.ops.aten._to_copy.default and kwargs.get("dtype", args[0].dtype) != args[0].dtype
+        in_backward = torch._C._current_autograd_node() is not None
+        if cast and in_backward and tuple(args[0].shape) in self.shapes:
+            self.casts[(tuple(args[0].shape), args[0].dtype, kwargs["dtype"])] += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("shape", ["split", "geglu"])
+@pytest.mark.parametrize("cann", ["9.1.0", "9.0.0"])
+def test_autocast_float32_gradients_summed_in_float32_without_casts_back(card, cann_version, shape, cann):
+    """Trainer's bf16 on float32 x and weights: with the float32 out (CANN 9.1), dx and the gate/up weights'
+    gradients are the 16-bit operands' products summed in float32 (addmm out_dtype, counted: dx's two, one per weight),
+    returned to the float32 tensors themselves, so backward casts nothing of their sizes back to float32; eager's
+    autocast rounds each to bfloat16, then casts it. Every gradient within twice eager's error against float64, dx and
+    the weights' at most eager's. Before 9.1 (negative control) the card casts as eager's autocast does."""
+    cann_version(cann)
+    hidden, intermediate = 64, 96
+    mlp = make(shape, hidden, intermediate, torch.float32, seed=3)
+    x = torch.randn(4, 8, hidden, generator=torch.Generator().manual_seed(3))
+
+    def gradients(run, module, device, dtype=torch.float32):
+        module = _copy(module).to(device=device, dtype=dtype)
+        leaf = x.to(device=device, dtype=dtype).requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype is torch.float32):
+            out = run(leaf, module)
+        out.float().square().sum().backward()
+        return leaf.grad.cpu(), module.gate_proj.weight.grad.cpu(), module.up_proj.weight.grad.cpu()
+
+    def fused(leaf, module):
+        fuse = card.geglu_mlp if shape == "geglu" else card.swiglu_mlp
+        return fuse(leaf, module.gate_proj, module.up_proj, module.down_proj, module.act_fn)
+
+    weight_shapes = ((intermediate, hidden), tuple(x.shape))
+    with _BackwardCastsOf(*weight_shapes) as counted, emulation.count_op_calls() as calls:
+        got = gradients(fused, mlp, "npu")
+    eager = gradients(lambda leaf, module: module(leaf), mlp, "npu")
+    reference = gradients(lambda leaf, module: module(leaf), mlp, "cpu", torch.float64)
+    back = {key: n for key, n in counted.casts.items() if key[1:] == (torch.bfloat16, torch.float32)}
+    if cann == "9.1.0":
+        assert calls[ADDMM_DTYPE_OUT] == 4 and not back, (calls[ADDMM_DTYPE_OUT], back)
+        for name, f, e, r in zip(("dx", "dW_gate", "dW_up"), got, eager, reference, strict=True):
+            assert relative_error(f, r) <= relative_error(e, r), name
+    else:
+        assert calls[ADDMM_DTYPE_OUT] == 0 and sum(back.values()) == 3, back  # dx's and each weight's cast back
+    for name, f, e, r in zip(("dx", "dW_gate", "dW_up"), got, eager, reference, strict=True):
+        assert_within_twice_eagers_error(f, e, r, name, error=relative_error)
 
 
 def _fused_although_held(mlp, case):

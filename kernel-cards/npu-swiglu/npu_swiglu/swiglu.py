@@ -43,6 +43,7 @@ from torch import nn
 from ._activations import is_silu
 from ._double_backward import with_eager_double_backward
 from ._fallbacks import class_name, ran_eager
+from ._float32_out import add_float32_product, float32_out_unavailable_reason, float32_product
 from ._internals import engine_hook, global_module_hooks, instance_forward, module_hooks, zero3_gathered
 from ._npu import FUSED_DTYPES, is_dtensor, npu_unavailable_reason, torch_npu
 
@@ -165,14 +166,17 @@ def _autocast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
 class _GateUpHalves(torch.autograd.Function):
     """`[gate_proj(x); up_proj(x)]` as the two halves of one `[2, T, I]` buffer, each written by its own matmul.
 
-    Reads the weights where they are (no copy, no new layout) and keeps them (the Parameters themselves) and x as
-    [T, H] rows for backward: dx from one mm and one addmm, each weight's and bias's gradient a tensor of its own."""
+    Reads the weights where they are (no copy, no new layout) and keeps them (the Parameters themselves, or autocast's
+    casts of them) and x as [T, H] rows for backward: dx from one mm and one addmm, each weight's and bias's gradient a
+    tensor of its own. `float32`: the float32 x and weights that autocast cast to x, gate_weight and up_weight, given
+    where `_float32_gradients` says so: their gradients are then summed in float32 from the 16-bit operands and
+    returned to them directly (never rounded to 16 bits, no cast back), and none to the casts."""
 
     @staticmethod
-    def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias):
+    def forward(ctx, x, gate_weight, up_weight, gate_bias, up_bias, *float32):
         rows = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(rows, gate_weight, up_weight)
-        ctx.input_shape = x.shape
+        ctx.input_shape, ctx.float32 = x.shape, bool(float32)
         halves = rows.new_empty((2, rows.shape[0], gate_weight.shape[0]))
         for half, weight, bias in ((halves[0], gate_weight, gate_bias), (halves[1], up_weight, up_bias)):
             if bias is None:
@@ -186,12 +190,22 @@ class _GateUpHalves(torch.autograd.Function):
         grad_gate, grad_up = grad_halves[0], grad_halves[1]
         rows, gate_weight, up_weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        biases = (grad_gate.sum(0) if needs[3] else None, grad_up.sum(0) if needs[4] else None)
+        if ctx.float32:  # to the float32 tensors themselves, none to their casts
+            grad_x = None
+            if needs[5]:
+                grad_x = add_float32_product(float32_product(grad_up, up_weight), grad_gate, gate_weight)
+            return (
+                None, None, None, *biases,
+                None if grad_x is None else grad_x.reshape(ctx.input_shape),
+                float32_product(grad_gate.t(), rows) if needs[6] else None,
+                float32_product(grad_up.t(), rows) if needs[7] else None,
+            )  # fmt: skip
         return (
             grad_up.mm(up_weight).addmm_(grad_gate, gate_weight).reshape(ctx.input_shape) if needs[0] else None,
             grad_gate.t().mm(rows) if needs[1] else None,
             grad_up.t().mm(rows) if needs[2] else None,
-            grad_gate.sum(0) if needs[3] else None,
-            grad_up.sum(0) if needs[4] else None,
+            *biases,
         )
 
 
@@ -222,7 +236,8 @@ def fused_split_mlp(
     Gate and up are the two halves of the op's input, each written by its own matmul (module doc)."""
     dtype = _compute_dtype(x)
     inputs = [_autocast(t, dtype) for t in (x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias)]
-    gated_out = gated.fuse(_GateUpHalves.apply(*inputs), 0)  # [1, T, I]
+    float32 = (x, gate_proj.weight, up_proj.weight) if _float32_gradients(dtype, x, gate_proj, up_proj) else ()
+    gated_out = gated.fuse(_GateUpHalves.apply(*inputs, *float32), 0)  # [1, T, I]
     # a recorded backward differentiates eager's math from x and the weights: the fused op's backward has no
     # derivative, and the gate/up functions' backward keeps x as rows made without autograd (no second order
     # through dW). The identity goes around the op's own output and the view comes after it: a view passed through
@@ -230,6 +245,22 @@ def fused_split_mlp(
     eager = functools.partial(_gated_eager, gated.activation, gated_out.shape)
     gated_rows = with_eager_double_backward(gated_out, eager, *inputs)
     return down_proj(gated_rows.reshape(*x.shape[:-1], inputs[1].shape[0]))  # gate_proj.weight, as autocast gives it
+
+
+def _float32_gradients(dtype: torch.dtype, x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module) -> bool:
+    """Whether the gate/up matmuls give x and the weights their gradients summed in float32 from 16-bit operands.
+
+    They do under autocast to float16/bfloat16 on float32 x and weights (Trainer's bf16/fp16) where autograd records
+    the call and the host sums 16-bit operands into a float32 out (`float32_out_unavailable_reason`): eager's
+    autocast rounds each gradient to 16 bits, then casts it back (a cast of x's and of each weight's size)."""
+    if dtype is torch.float32 or not torch.is_grad_enabled():
+        return False
+    tensors = (x, gate_proj.weight, up_proj.weight)
+    return (
+        all(t.dtype is torch.float32 for t in tensors)
+        and any(t.requires_grad for t in tensors)
+        and float32_out_unavailable_reason() is None
+    )
 
 
 def _gated_eager(activation, shape, x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:
