@@ -226,15 +226,15 @@ def test_mlp_weights_get_eagers_gradients_when_its_input_needs_none(built_cards,
 
 
 class _MatmulDtypes(TorchDispatchMode):
-    """Counts the matrix products dispatched inside it by dtype."""
+    """Counts the matrix products dispatched inside it by their operands' dtype."""
 
     def __init__(self):
         super().__init__()
         self.dtypes: Counter[torch.dtype] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
-            self.dtypes[args[-1].dtype] += 1
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):  # mat2: mm's args[1], addmm's args[2]
+            self.dtypes[args[1 if func.overloadpacket is torch.ops.aten.mm else 2].dtype] += 1
         return func(*args, **(kwargs or {}))
 
 

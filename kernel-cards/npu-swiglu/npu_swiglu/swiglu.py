@@ -235,8 +235,9 @@ def fused_split_mlp(
 
     Gate and up are the two halves of the op's input, each written by its own matmul (module doc)."""
     dtype = _compute_dtype(x)
-    inputs = [_autocast(t, dtype) for t in (x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias)]
-    float32 = (x, gate_proj.weight, up_proj.weight) if _float32_gradients(dtype, x, gate_proj, up_proj) else ()
+    tensors = (x, gate_proj.weight, up_proj.weight, gate_proj.bias, up_proj.bias)
+    inputs = [_autocast(t, dtype) for t in tensors]
+    float32 = tensors[:3] if _float32_gradients(dtype, *tensors[:3]) else ()
     gated_out = gated.fuse(_GateUpHalves.apply(*inputs, *float32), 0)  # [1, T, I]
     # a recorded backward differentiates eager's math from x and the weights: the fused op's backward has no
     # derivative, and the gate/up functions' backward keeps x as rows made without autograd (no second order
@@ -247,15 +248,15 @@ def fused_split_mlp(
     return down_proj(gated_rows.reshape(*x.shape[:-1], inputs[1].shape[0]))  # gate_proj.weight, as autocast gives it
 
 
-def _float32_gradients(dtype: torch.dtype, x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module) -> bool:
+def _float32_gradients(dtype: torch.dtype, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> bool:
     """Whether the gate/up matmuls give x and the weights their gradients summed in float32 from 16-bit operands.
 
-    They do under autocast to float16/bfloat16 on float32 x and weights (Trainer's bf16/fp16) where autograd records
-    the call and the host sums 16-bit operands into a float32 out (`float32_out_unavailable_reason`): eager's
+    They do under autocast to float16/bfloat16 (`dtype`) on float32 x and weights (Trainer's bf16/fp16) where autograd
+    records the call and the host sums 16-bit operands into a float32 out (`float32_out_unavailable_reason`): eager's
     autocast rounds each gradient to 16 bits, then casts it back (a cast of x's and of each weight's size)."""
-    if dtype is torch.float32 or not torch.is_grad_enabled():
-        return False
-    tensors = (x, gate_proj.weight, up_proj.weight)
+    if dtype is torch.float32 or x.dtype is not torch.float32 or not torch.is_grad_enabled():
+        return False  # first what a bfloat16 model's call reads: no autocast, x not float32
+    tensors = (x, gate_weight, up_weight)
     return (
         all(t.dtype is torch.float32 for t in tensors)
         and any(t.requires_grad for t in tensors)
