@@ -321,8 +321,9 @@ def test_autocast_float32_gradients_summed_in_float32_without_casts_back(card, c
     """Trainer's bf16 on float32 x and weights: with the float32 out (CANN 9.1), dx and the gate/up weights'
     gradients are the 16-bit operands' products summed in float32 (addmm out_dtype, counted: dx's two, one per weight),
     returned to the float32 tensors themselves, so backward casts nothing of their sizes back to float32; eager's
-    autocast rounds each to bfloat16, then casts it. Every gradient within twice eager's error against float64, dx and
-    the weights' at most eager's. Before 9.1 (negative control) the card casts as eager's autocast does."""
+    autocast rounds each to bfloat16, then casts it. Every gradient within twice eager's error against float64 (at
+    most eager's on most draws, one rounding fewer, not on all: an outside pass found 6 of 144 up to 1.15 x). Before
+    9.1 (negative control) the card casts as eager's autocast does."""
     cann_version(cann)
     hidden, intermediate = 64, 96
     mlp = make(shape, hidden, intermediate, torch.float32, seed=3)
@@ -348,8 +349,6 @@ def test_autocast_float32_gradients_summed_in_float32_without_casts_back(card, c
     back = {key: n for key, n in counted.casts.items() if key[1:] == (torch.bfloat16, torch.float32)}
     if cann == "9.1.0":
         assert calls[ADDMM_DTYPE_OUT] == 4 and not back, (calls[ADDMM_DTYPE_OUT], back)
-        for name, f, e, r in zip(("dx", "dW_gate", "dW_up"), got, eager, reference, strict=True):
-            assert relative_error(f, r) <= relative_error(e, r), name
     else:
         assert calls[ADDMM_DTYPE_OUT] == 0 and sum(back.values()) == 3, back  # dx's and each weight's cast back
     for name, f, e, r in zip(("dx", "dW_gate", "dW_up"), got, eager, reference, strict=True):

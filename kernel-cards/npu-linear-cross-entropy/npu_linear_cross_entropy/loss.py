@@ -394,10 +394,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     dL/dW and dL/db are float32 sums of the tokens' softmax - onehot products, scaled in backward (by the incoming
     gradient over `divisor`) and rounded once to the parameters' dtypes. dL/dh is kept in the hidden states' dtype,
-    each chunk's product rounded once (`_chunk`): in bfloat16 and float32 already over `divisor`, so that a backward
-    of 1 (`loss.backward()`) or of a power of two leaves it as it is; in float16 not over it
-    (`_divides_without_underflow`), scaled by the incoming gradient over `divisor` in backward, which leaves it as it
-    is where that scale is a power of two. Another scale rounds it again. `autocast`: the dtype the chunks compute in,
+    each chunk's product rounded once (`_chunk`): in bfloat16, and in float32 from float32 operands, already over
+    `divisor`, so that a backward of 1 (`loss.backward()`) or of a power of two leaves it as it is; in float16
+    (`_divides_without_underflow`), and in float32 from 16-bit products (autocast), not over it, scaled by the incoming
+    gradient over `divisor` in backward, which leaves float16's as it is where that scale is a power of two and rounds
+    float32's once. Another scale rounds it again. `autocast`: the dtype the chunks compute in,
     the operands cast to it once here (autocast's linear casts them per call), their gradients made in their own
     dtypes (float32 weights' dL/dW never rounded to 16 bits)."""
 
