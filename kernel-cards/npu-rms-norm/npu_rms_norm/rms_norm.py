@@ -185,19 +185,28 @@ def rms_norm(
         return rms_norm_eager(x, weight, eps, scaling)
     else:
         _remember_fusing(inputs)
-    x_op, order = (x, None) if x.is_contiguous() else _as_dense(x)
-    grad = torch.is_grad_enabled()
+    if x.is_contiguous():
+        x_op, order = x, None
+    else:
+        x_op, order = _as_dense(x)
+    grad = _grad_enabled()
     if grad and weight.requires_grad:  # npu_rms_norm keeps x for backward
         x_op = keepable(x_op)
-    if scaling == "zero_centered" and _one_kernel_unavailable_reason(x, weight, scaling) is None:
-        fused = torch_npu.npu_gemma_rms_norm(x_op, weight, epsilon=eps)[0]
-    else:
-        gamma = _one_plus(weight) if scaling == "zero_centered" else weight
-        fused = torch_npu.npu_rms_norm(x_op, gamma, epsilon=eps)[0]
-        if grad:  # else autograd records nothing: with_eager_double_backward would return fused
-            eager = partial(rms_norm_math, eps=eps, scaling=scaling)
-            fused = with_eager_double_backward(fused, eager, x_op, weight)
+    gamma = weight
+    if scaling == "zero_centered":
+        if _one_kernel_unavailable_reason(x, weight, scaling) is None:
+            fused = torch_npu.npu_gemma_rms_norm(x_op, weight, epsilon=eps)[0]
+            return fused if order is None else fused.permute(_inverse(order))
+        gamma = _one_plus(weight)
+    fused = torch_npu.npu_rms_norm(x_op, gamma, epsilon=eps)[0]
+    if grad:  # else autograd records nothing: with_eager_double_backward would return fused
+        eager = partial(rms_norm_math, eps=eps, scaling=scaling)
+        fused = with_eager_double_backward(fused, eager, x_op, weight)
     return fused if order is None else fused.permute(_inverse(order))
+
+
+_grad_enabled = torch.is_grad_enabled
+"""`torch.is_grad_enabled`, bound once: read on every norm call."""
 
 
 def _one_plus(weight: torch.Tensor) -> torch.Tensor:
