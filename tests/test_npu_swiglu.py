@@ -318,7 +318,7 @@ class _BackwardCastsOf(TorchDispatchMode):
 @pytest.mark.parametrize("shape", ["split", "geglu"])
 @pytest.mark.parametrize("cann", ["9.1.0", "9.0.0"])
 def test_autocast_float32_gradients_summed_in_float32_without_casts_back(card, cann_version, shape, cann):
-    """Trainer's bf16 on float32 x and weights: with the float32 out (CANN 9.1), dx and the gate/up weights'
+    """Trainer's bf16 on float32 x and weights: with the float32 out (CANN 9.1), dx and the gate/up/down weights'
     gradients are the 16-bit operands' products summed in float32 (addmm out_dtype, counted: dx's two, one per weight),
     returned to the float32 tensors themselves, so backward casts nothing of their sizes back to float32; eager's
     autocast rounds each to bfloat16, then casts it. Every gradient within twice eager's error against float64 (at
@@ -335,23 +335,24 @@ def test_autocast_float32_gradients_summed_in_float32_without_casts_back(card, c
         with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype is torch.float32):
             out = run(leaf, module)
         out.float().square().sum().backward()
-        return leaf.grad.cpu(), module.gate_proj.weight.grad.cpu(), module.up_proj.weight.grad.cpu()
+        projections = (module.gate_proj, module.up_proj, module.down_proj)
+        return leaf.grad.cpu(), *(projection.weight.grad.cpu() for projection in projections)
 
     def fused(leaf, module):
         fuse = card.geglu_mlp if shape == "geglu" else card.swiglu_mlp
         return fuse(leaf, module.gate_proj, module.up_proj, module.down_proj, module.act_fn)
 
-    weight_shapes = ((intermediate, hidden), tuple(x.shape))
+    weight_shapes = ((intermediate, hidden), (hidden, intermediate), tuple(x.shape))
     with _BackwardCastsOf(*weight_shapes) as counted, emulation.count_op_calls() as calls:
         got = gradients(fused, mlp, "npu")
     eager = gradients(lambda leaf, module: module(leaf), mlp, "npu")
     reference = gradients(lambda leaf, module: module(leaf), mlp, "cpu", torch.float64)
     back = {key: n for key, n in counted.casts.items() if key[1:] == (torch.bfloat16, torch.float32)}
     if cann == "9.1.0":
-        assert calls[ADDMM_DTYPE_OUT] == 4 and not back, (calls[ADDMM_DTYPE_OUT], back)
+        assert calls[ADDMM_DTYPE_OUT] == 5 and not back, (calls[ADDMM_DTYPE_OUT], back)
     else:
-        assert calls[ADDMM_DTYPE_OUT] == 0 and sum(back.values()) == 3, back  # dx's and each weight's cast back
-    for name, f, e, r in zip(("dx", "dW_gate", "dW_up"), got, eager, reference, strict=True):
+        assert calls[ADDMM_DTYPE_OUT] == 0 and sum(back.values()) == 4, back  # dx's and each weight's cast back
+    for name, f, e, r in zip(("dx", "dW_gate", "dW_up", "dW_down"), got, eager, reference, strict=True):
         assert_within_twice_eagers_error(f, e, r, name, error=relative_error)
 
 

@@ -22,7 +22,8 @@ The split path is written once for any op that gates the first half of its input
 and `split_unavailable_reason` serve npu_swiglu here and npu_geglu for Gemma's GELU-tanh MLPs (geglu.py).
 
 The fused path computes what the MLP's children gate_proj, up_proj (split MLP) and act_fn (both shapes) compute
-without calling them, so it runs only when nothing watches those calls: a hook of the user's own on one of them, a
+without calling them (down_proj too under autocast on its float32 weight, when it is a plain nn.Linear:
+`_DownProjection`), so it runs only when nothing watches those calls: a hook of the user's own on one of them, a
 forward replaced on its instance, or module hooks registered for every module (`register_module_forward_hook`)
 send the MLP to its eager math, which calls them as transformers does. DeepSpeed's and FSDP2's own hooks on act_fn
 (which only gather and release parameters, and act_fn holds none) do not. In a backward that autograd records
@@ -245,7 +246,10 @@ def fused_split_mlp(
     # it would be marked dirty, whose backward copies the gradient
     eager = functools.partial(_gated_eager, gated.activation, gated_out.shape)
     gated_rows = with_eager_double_backward(gated_out, eager, *inputs)
-    return down_proj(gated_rows.reshape(*x.shape[:-1], inputs[1].shape[0]))  # gate_proj.weight, as autocast gives it
+    rows = gated_rows.reshape(*x.shape[:-1], inputs[1].shape[0])  # gate_proj.weight, as autocast gives it
+    if _down_float32_gradient(dtype, rows, down_proj):
+        return _down_projection(rows, down_proj, dtype)
+    return down_proj(rows)
 
 
 def _float32_gradients(dtype: torch.dtype, x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> bool:
@@ -262,6 +266,67 @@ def _float32_gradients(dtype: torch.dtype, x: torch.Tensor, gate_weight: torch.T
         and any(t.requires_grad for t in tensors)
         and float32_out_unavailable_reason() is None
     )
+
+
+def _down_float32_gradient(dtype: torch.dtype, rows: torch.Tensor, down_proj: nn.Module) -> bool:
+    """Whether down_proj's float32 weight gets its gradient summed in float32 from 16-bit operands (`_DownProjection`).
+
+    It does under autocast to float16/bfloat16 (`dtype`) on a float32 weight (and bias, if any) on the rows' device,
+    where autograd records the call, down_proj is a plain nn.Linear the card may read directly
+    (`_projection_unavailable_reason`: else it is called, hooks and adapters included) and the host sums 16-bit
+    operands into a float32 out: eager's autocast rounds that gradient to 16 bits, then casts it back (a cast of the
+    weight's size)."""
+    if dtype is torch.float32 or not torch.is_grad_enabled():
+        return False  # first what a bfloat16 model's call reads
+    weight, bias = getattr(down_proj, "weight", None), getattr(down_proj, "bias", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype is not torch.float32 or not weight.requires_grad:
+        return False
+    return (
+        weight.dim() == 2
+        and weight.device == rows.device
+        and (bias is None or (bias.dtype is torch.float32 and bias.device == rows.device))
+        and _projection_unavailable_reason("down_proj", down_proj) is None
+        and float32_out_unavailable_reason() is None
+    )
+
+
+def _down_projection(rows: torch.Tensor, down_proj: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """`down_proj(rows)` under autocast to `dtype`, its float32 weight's gradient summed in float32 (`_DownProjection`).
+
+    Where `_down_float32_gradient` says so. The forward is autocast's linear (the same casts and matmul); a recorded
+    backward differentiates that linear (`with_eager_double_backward`)."""
+    flat = rows.reshape(-1, rows.shape[-1])
+    weight, bias = down_proj.weight, down_proj.bias
+    weight16, bias16 = _autocast(weight, dtype), _autocast(bias, dtype)
+    out = with_eager_double_backward(
+        _DownProjection.apply(flat, weight16, bias16, weight), F.linear, flat, weight16, bias16
+    )
+    return out.reshape(*rows.shape[:-1], weight.shape[0])
+
+
+class _DownProjection(torch.autograd.Function):
+    """`F.linear(rows, weight, bias)` of 16-bit [T, I] rows, weight and bias; the weight's gradient to a float32 one.
+
+    The forward is the linear's own matmul. Backward: d rows from one mm (16-bit, as eager's), the bias's gradient a
+    16-bit sum to the bias given (autocast's cast, which casts it back), and the weight's the 16-bit operands' products
+    summed in float32 (`float32_product`), returned to `float32_weight` (the parameter autocast cast to `weight`)
+    directly: never rounded to 16 bits, no cast back, none to the cast."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, float32_weight):
+        ctx.save_for_backward(rows, weight)
+        return torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        return (
+            grad_out.mm(weight) if needs[0] else None,
+            None,
+            grad_out.sum(0) if needs[2] else None,
+            float32_product(grad_out.t(), rows) if needs[3] else None,
+        )
 
 
 def _gated_eager(activation, shape, x, gate_weight, up_weight, gate_bias, up_bias) -> torch.Tensor:
