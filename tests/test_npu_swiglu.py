@@ -356,6 +356,71 @@ def test_autocast_float32_gradients_summed_in_float32_without_casts_back(card, c
         assert_within_twice_eagers_error(f, e, r, name, error=relative_error)
 
 
+@pytest.mark.parametrize("shape", ["split", "geglu"])
+@pytest.mark.parametrize("trained", ["everything", "biases and down_proj", "bfloat16 x"])
+def test_autocast_gradient_penalty_on_float32_weights_within_twice_eagers_error(card, cann_version, shape, trained):
+    """A gradient penalty (create_graph) under bf16 autocast on float32 weights, the float32 outs on (CANN 9.1): the
+    recorded backward differentiates eager's math, and the fused gate/up and down_proj functions hand their inputs no
+    gradient of their own there (they get a zero one). Each second-order gradient within twice eager's error against
+    float64; before, their float32 products ran on that zero gradient under grad mode and addmm's out= raised."""
+    cann_version("9.1.0")
+    mlp = make(shape, 32, 48, torch.float32, bias=trained != "bfloat16 x", seed=3)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+
+    def penalty_gradients(run, module, device, dtype=torch.float32):
+        module = _copy(module).to(device=device, dtype=dtype)
+        leaf = (x.bfloat16() if trained == "bfloat16 x" else x).to(device=device, dtype=dtype)
+        leaf = leaf.bfloat16() if trained == "bfloat16 x" and device == "npu" else leaf
+        leaf.requires_grad_(trained != "biases and down_proj")
+        for name, parameter in module.named_parameters():
+            parameter.requires_grad_(trained != "biases and down_proj" or "down" in name or "bias" in name)
+        wanted = [leaf, *module.parameters()]
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "npu"):
+            out = run(leaf, module).float()
+            with emulation.count_op_calls() as recorded:
+                first = torch.autograd.grad(
+                    out.square().sum(), [t for t in wanted if t.requires_grad], create_graph=True
+                )
+            # out's own sum: a plain backward through the fused functions as well
+            (sum(g.float().square().sum() for g in first) + out.sum()).backward()
+        return [t.grad.double().cpu() for t in wanted if t.requires_grad], recorded
+
+    def fused(leaf, module):
+        fuse = card.geglu_mlp if shape == "geglu" else card.swiglu_mlp
+        return fuse(leaf, module.gate_proj, module.up_proj, module.down_proj, module.act_fn)
+
+    with emulation.count_op_calls() as calls:
+        got, recorded = penalty_gradients(fused, mlp, "npu")
+    eager, _ = penalty_gradients(lambda leaf, module: module(leaf), mlp, "npu")
+    reference, _ = penalty_gradients(lambda leaf, module: module(leaf), mlp, "cpu", torch.float64)
+    assert calls[fused_op(shape)] == 1 and calls[ADDMM_DTYPE_OUT] > 0, calls  # the fused forward and plain backward
+    assert recorded[ADDMM_DTYPE_OUT] == 0, recorded  # no float32 product on the recorded backward's zeros
+    for index, (f, e, r) in enumerate(zip(got, eager, reference, strict=True)):
+        assert_within_twice_eagers_error(f, e, r, index, error=relative_error)
+
+
+def test_a_hooked_down_proj_is_called_and_mixed_dtypes_without_autocast_refused_as_eager(card, cann_version):
+    """down_proj's float32 gradient is the card's only where nothing watches its call: a forward hook on it runs (its
+    weight gradient eager's, one float32 product fewer: 4 instead of 5). Without autocast, 16-bit x and gate/up with a
+    float32 down_proj is a dtype mismatch eager's linear refuses: the card calls down_proj, which refuses it too."""
+    cann_version("9.1.0")
+    mlp = make("split", 32, 48, torch.float32, seed=3).to("npu")
+    x = torch.randn(2, 5, 32).to("npu").requires_grad_()
+    seen = []
+    mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    with torch.autocast("npu", dtype=torch.bfloat16), emulation.count_op_calls() as calls:
+        out = card.swiglu_mlp(x, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn)
+        out.float().sum().backward()
+    assert seen == [torch.bfloat16] and calls[ADDMM_DTYPE_OUT] == 4, (seen, calls)
+    mixed = make("split", 32, 48, torch.bfloat16, seed=3).to("npu")
+    mixed.down_proj.float()
+    with pytest.raises(RuntimeError, match="dtype"):
+        mixed(x.detach().bfloat16())  # eager's error ...
+    with pytest.raises(RuntimeError, match="dtype"), emulation.count_op_calls() as calls:
+        card.swiglu_mlp(x.detach().bfloat16(), mixed.gate_proj, mixed.up_proj, mixed.down_proj, mixed.act_fn)
+    assert calls["npu_swiglu"] == 1 and calls[ADDMM_DTYPE_OUT] == 0  # ... the card's, from down_proj's own call
+
+
 def _fused_although_held(mlp, case):
     """Hold or lay out mlp's gate/up weights as other systems do; none of it stops the fused path any more."""
     if case == "view into a flat buffer":

@@ -188,6 +188,8 @@ class _GateUpHalves(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_halves):
+        if torch.is_grad_enabled():  # recorded: eager's math gives every gradient, this node a zero one
+            return (None,) * (5 + (3 if ctx.float32 else 0))
         grad_gate, grad_up = grad_halves[0], grad_halves[1]
         rows, gate_weight, up_weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
@@ -276,16 +278,16 @@ def _down_float32_gradient(dtype: torch.dtype, rows: torch.Tensor, down_proj: nn
     (`_projection_unavailable_reason`: else it is called, hooks and adapters included) and the host sums 16-bit
     operands into a float32 out: eager's autocast rounds that gradient to 16 bits, then casts it back (a cast of the
     weight's size)."""
-    if dtype is torch.float32 or not torch.is_grad_enabled():
-        return False  # first what a bfloat16 model's call reads
-    weight, bias = getattr(down_proj, "weight", None), getattr(down_proj, "bias", None)
-    if not isinstance(weight, torch.Tensor) or weight.dtype is not torch.float32 or not weight.requires_grad:
-        return False
+    if dtype is torch.float32 or not torch.is_grad_enabled() or not torch.is_autocast_enabled(rows.device.type):
+        return False  # no autocast: down_proj's call promotes nothing, or refuses mixed dtypes, as eager's does
+    if _projection_unavailable_reason("down_proj", down_proj) is not None:
+        return False  # it is called: its hooks, adapter or engine run
+    weight, bias = down_proj.weight, down_proj.bias  # a plain nn.Linear's
     return (
-        weight.dim() == 2
+        weight.dtype is torch.float32
+        and weight.requires_grad
         and weight.device == rows.device
         and (bias is None or (bias.dtype is torch.float32 and bias.device == rows.device))
-        and _projection_unavailable_reason("down_proj", down_proj) is None
         and float32_out_unavailable_reason() is None
     )
 
@@ -319,6 +321,8 @@ class _DownProjection(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # recorded: eager's linear gives every gradient, this node a zero one
+            return None, None, None, None
         rows, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
         return (
