@@ -7,8 +7,11 @@ call counter; every fallback case is proven to skip it and to equal the eager ma
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import random
 import sys
+import types
 
 import pytest
 import torch
@@ -409,24 +412,39 @@ def test_fake_tensors_used_outside_their_mode_get_the_kept_one_of_their_mode(car
     assert [one.fake_mode for one in constants._CONSTANTS.values()] == [mode]
 
 
-def test_a_call_that_read_like_a_fused_one_skips_the_check_and_any_change_is_refused_as_before(card, monkeypatch):
+@pytest.mark.parametrize("route", ["rms_norm", "the layer, no grad"])
+def test_a_call_that_read_like_a_fused_one_skips_the_check_and_any_change_is_refused_as_before(
+    card, route, monkeypatch
+):
     """`rms_norm` remembers what its check read of the calls it let fuse (scaling, x's and the weight's class, device,
-    dtype and shape) and skips the check for a call that reads the same. Negative control: the same inputs again are
-    not checked. Each change of one of those, the weight changed in place included (same Parameter, `.data`
-    reassigned), is checked afresh and refused with the check's reason, eager's result; a torch.func transform is seen
-    on every call; requires_grad, which only the one-kernel form reads, still turns that form off."""
+    dtype and shape) and skips the check for a call that reads the same; so does the layer, whose no-grad call of such
+    inputs runs the op itself (`layer_forward`). Negative control: the same inputs again are not checked. Each change
+    of one of those, the weight changed in place included (same Parameter, `.data` reassigned), is checked afresh and
+    refused with the check's reason, eager's result; a torch.func transform is seen on every call; requires_grad,
+    which only the one-kernel form reads, still turns that form off."""
     rms_norm_module = sys.modules[f"{card.__name__}.rms_norm"]
     eager_record = sys.modules[f"{card.__name__}._fallbacks"].eager_record
     check, checked = rms_norm_module._fused_unavailable_reason, []
-    monkeypatch.setattr(rms_norm_module, "_FUSING_INPUTS", set())
-    monkeypatch.setattr(
-        rms_norm_module, "_fused_unavailable_reason", lambda *args: checked.append(args) or check(*args)
-    )
+    rms_norm_module._FUSING_INPUTS.clear()  # the set itself: the layers hold it by name
     owner = torch.nn.Module()
+    owner.variance_epsilon = 1e-6
+    owner.forward = types.MethodType(card.layers.RMSNorm.forward, owner)  # as kernelize binds it
+
+    layer_calls = []
+    monkeypatch.setattr(
+        card.layers, "rms_norm", lambda *args, **kwargs: layer_calls.append(1) or card.rms_norm(*args, **kwargs)
+    )
+
+    def call(x, weight, scaling):
+        if route == "rms_norm" or scaling != "plain":
+            return card.rms_norm(x, weight, 1e-6, scaling, module=owner)
+        owner._parameters["weight"] = weight  # the norm's weight, whatever it is (a plain tensor included)
+        with torch.no_grad():
+            return owner(x)
 
     def run(x, weight, scaling="plain"):
-        with emulation.count_op_calls() as calls:
-            out = card.rms_norm(x, weight, 1e-6, scaling, module=owner)
+        with emulation.count_op_calls() as calls, _recording_checks(rms_norm_module, checked, check):
+            out = call(x, weight, scaling)
         fused = calls["npu_rms_norm"] + calls["npu_gemma_rms_norm"]
         if not fused:
             assert torch.equal(out.cpu(), card.rms_norm_eager(x.cpu(), weight.detach().cpu(), 1e-6, scaling))
@@ -436,6 +454,7 @@ def test_a_call_that_read_like_a_fused_one_skips_the_check_and_any_change_is_ref
     weight = torch.nn.Parameter(torch.randn(16, dtype=torch.bfloat16).to("npu"), requires_grad=False)
     assert run(x, weight) == (1, None) and len(checked) == 1
     assert run(x.clone(), weight) == (1, None) and len(checked) == 1  # the negative control: remembered, not checked
+    assert len(layer_calls) == (1 if route == "the layer, no grad" else 0)  # the layer ran the op itself the 2nd time
     changes = {
         "x dtype": (lambda: (x.half(), weight), "differs from input dtype"),
         "both on the host": (lambda: (x.cpu(), weight.data.cpu()), "not on an npu device"),
@@ -455,9 +474,9 @@ def test_a_call_that_read_like_a_fused_one_skips_the_check_and_any_change_is_ref
     x16, w32 = x.clone(), weight.data.float()
     assert run(x16, w32, "float32_scale") == (1, None)  # a float32 weight fuses at float32_scale ...
     assert "differs from input dtype" in run(x16, w32, "plain")[1]  # ... the same tensors at another scaling do not
-    with torch.no_grad(), emulation.count_op_calls() as calls:
+    with torch.no_grad(), emulation.count_op_calls() as calls, _recording_checks(rms_norm_module, checked, check):
         # x itself, not the batched rows: on the device a batched tensor is a torch.Tensor on the npu too
-        torch.func.vmap(lambda rows: rows + card.rms_norm(x, weight, 1e-6, "plain", module=owner))(torch.stack([x, x]))
+        torch.func.vmap(lambda rows: rows + call(x, weight, "plain"))(torch.stack([x, x]))
     assert calls["npu_rms_norm"] == 0 and "vmap transform is active" in eager_record(owner).last
     gemma_weight = weight.data.clone()
     with emulation.count_op_calls() as calls:
@@ -467,7 +486,42 @@ def test_a_call_that_read_like_a_fused_one_skips_the_check_and_any_change_is_ref
     assert (calls["npu_gemma_rms_norm"], calls["npu_rms_norm"]) == (1, 1)  # autograd records it: the other form
 
 
+@contextlib.contextmanager
+def _recording_checks(module, checked: list, check):
+    """Inside: each call of the card's check appends its arguments to `checked` first."""
+    module._fused_unavailable_reason = lambda *args: checked.append(args) or check(*args)
+    try:
+        yield
+    finally:
+        module._fused_unavailable_reason = check
+
+
 def _reassigned(weight: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
     """The same Parameter with its data replaced in place (as `module.to(dtype)` does): its identity unchanged."""
     weight.data = data
     return weight
+
+
+@pytest.mark.parametrize(("family", "norm_class"), [("llama", "LlamaRMSNorm"), ("gemma3", "Gemma3RMSNorm")])
+def test_the_layer_reads_weight_and_epsilon_without_the_modules_getattr(card, monkeypatch, family, norm_class):
+    """Llama's norms name their epsilon `variance_epsilon`, Gemma's `eps`: a name read as an attribute that the module
+    lacks goes through nn.Module.__getattr__, which raises and is caught (about 1 us a call). The layer reads the
+    weight and both names where the module holds them: no __getattr__ call in its call, for either family, and eager's
+    result. Negative control: reading a name the module lacks is counted."""
+    norm_type = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), norm_class)
+    layer = card.layers.RMSNormZeroCentered if family == "gemma3" else card.layers.RMSNorm
+    norm = norm_type(16, eps=1e-5).to("npu")
+    norm.forward = types.MethodType(layer.forward, norm)  # as kernelize binds it
+    x = torch.randn(2, 16).to("npu")
+    expected = norm_type.forward(norm, x)
+    getattr_calls = []
+    original = torch.nn.Module.__getattr__
+    monkeypatch.setattr(
+        torch.nn.Module, "__getattr__", lambda self, name: getattr_calls.append(name) or original(self, name)
+    )
+    with emulation.count_op_calls() as calls:
+        out = norm(x)
+    torch.testing.assert_close(out.cpu(), expected.cpu())
+    assert calls["npu_rms_norm"] + calls["npu_gemma_rms_norm"] == 1 and getattr_calls == []
+    assert getattr(norm, "variance_epsilon" if family == "gemma3" else "eps", None) is None
+    assert len(getattr_calls) == 1  # the negative control: a name the module lacks goes through __getattr__

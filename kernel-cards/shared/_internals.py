@@ -68,11 +68,14 @@ INTERNALS: dict[str, Internal] = {
         "a kernelize after that replaces the wrapper: the loss card runs the call as the wrapper did",
         "none: accelerate keeps no public record of the wrapper",
     ),
-    "weight_of": Internal(
-        "torch: nn.Module._parameters, read with dict.get, as `parameter` reads it",
-        "an RMSNorm layer's weight on every call: one function, not `parameter` inside another (a norm's host cost at "
-        "decode size is a few of these calls)",
-        "`module.weight`, which triggers DeepSpeed's gathering under ZeRO-3 (see `parameter`)",
+    "norm_weight_and_epsilon": Internal(
+        "torch: nn.Module._parameters, read with dict.get, as `parameter` reads it; the module's instance dict "
+        "(`__dict__`) for transformers' `variance_epsilon` or `eps`",
+        "an RMSNorm layer's weight and epsilon on every call, in one function (a norm's host cost at decode size is a "
+        "few of these calls): a name a module lacks, read as an attribute, goes through nn.Module.__getattr__, which "
+        "raises and is caught (about 1 us: each Gemma norm's `variance_epsilon`)",
+        "`module.weight`, which triggers DeepSpeed's gathering under ZeRO-3 (see `parameter`); "
+        "`getattr(module, name, None)`, read when the instance dict holds neither name",
     ),
     "parameter": Internal(
         "torch: nn.Module._parameters, read with dict.get, past DeepSpeed's ZeROOrderedDict.__getitem__",
@@ -180,14 +183,23 @@ def parameter(module: nn.Module, name: str) -> torch.Tensor | None:
     return dict.get(module._parameters, name)
 
 
-def weight_of(norm: nn.Module) -> torch.Tensor:
-    """An RMSNorm's weight: its parameter, read as `parameter` reads it, else its `weight` attribute.
+def norm_weight_and_epsilon(norm: nn.Module) -> tuple[torch.Tensor, float | None]:
+    """An RMSNorm's weight and epsilon, as its layer reads them on every call (epsilon None when it has neither name).
 
-    Reading it through the attribute (`nn.Module.__getattr__`, Python) is a third of a fused call's host cost at decode
-    size; a weight that is no parameter (a buffer, as Gemma3n's without scale) is read as the attribute.
+    The weight is its parameter, read as `parameter` reads it, else its `weight` attribute (a buffer, as Gemma3n's
+    without scale): through the attribute (`nn.Module.__getattr__`, Python) it is a third of a fused call's host cost
+    at decode size. The epsilon is what transformers names `variance_epsilon` (Llama family) or `eps` (Gemma family),
+    read from the instance dict where transformers sets it, else as an attribute.
     """
     weight = dict.get(norm._parameters, "weight")
-    return norm.weight if weight is None else weight
+    attributes = norm.__dict__
+    eps = attributes.get("variance_epsilon")
+    if eps is None:
+        eps = attributes.get("eps")
+        if eps is None:  # a class attribute or property, or neither name
+            eps = getattr(norm, "variance_epsilon", None)
+            eps = getattr(norm, "eps", None) if eps is None else eps
+    return (norm.weight if weight is None else weight), eps
 
 
 def zero3_partitioned(tensor: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from ._internals import instance_forward
+from ._internals import instance_forward, norm_weight_and_epsilon
 
 Scaling = Literal["plain", "zero_centered", "float32_scale"]
 SCALINGS: tuple[str, ...] = get_args(Scaling)
@@ -37,10 +37,9 @@ def check_scaling(scaling: object) -> None:
 def epsilon_of(norm: nn.Module) -> float | None:
     """An RMSNorm's epsilon, or None when the module has neither of the names transformers gives it.
 
-    transformers names it `variance_epsilon` (Llama family) or `eps` (Gemma family).
+    transformers names it `variance_epsilon` (Llama family) or `eps` (Gemma family): `norm_weight_and_epsilon` reads it.
     """
-    eps = getattr(norm, "variance_epsilon", None)
-    return getattr(norm, "eps", None) if eps is None else eps
+    return norm_weight_and_epsilon(norm)[1]
 
 
 def rms_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float, scaling: Scaling = "plain") -> torch.Tensor:

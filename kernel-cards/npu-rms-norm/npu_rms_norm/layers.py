@@ -1,18 +1,62 @@
 """Layers that `kernels.kernelize` swaps into transformers' norm modules (forward only, no state).
 
-Each reads the parameters of the module it replaces: `weight` and `variance_epsilon` or `eps`. Each forward is marked
-as computing its norm class's forward (`computes_the_norm_forward`): npu-add-rms-norm, which reads the weight of a
-decoder layer's post-attention norm instead of calling it, still fuses when kernelize bound this forward on the norm.
+Each reads the parameters of the module it replaces: `weight` and `variance_epsilon` or `eps`, and calls `rms_norm`
+for them (at decode size, a call like one the check let fuse runs the op at once: `layer_forward`). Each forward is
+marked as computing its norm class's forward (`computes_the_norm_forward`): npu-add-rms-norm, which reads the weight
+of a decoder layer's post-attention norm instead of calling it, still fuses when kernelize bound this forward on the
+norm.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from ._internals import weight_of
-from ._rms_norm_forms import computes_the_norm_forward, epsilon_of
-from .rms_norm import rms_norm
+from ._fallbacks import _LAST_EAGER
+from ._internals import _peek_interpreter_stack, norm_weight_and_epsilon
+from ._npu import torch_npu
+from ._rms_norm_forms import Scaling, computes_the_norm_forward
+from .rms_norm import _FUSING_INPUTS, _grad_enabled, rms_norm
+
+
+def layer_forward(scaling: Scaling) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """The forward of this card's layer for the norms that scale as `scaling`: `rms_norm` of the module's weight.
+
+    The layer reads the weight and epsilon the norm holds (`norm_weight_and_epsilon`) and calls `rms_norm` for them,
+    recorded for the norm, except in the one case a decode step is made of: a call whose inputs read as those of a
+    call the check let fuse (`_FUSING_INPUTS`: the very tuple `rms_norm` builds), with no torch.func transform, the
+    norm's last call not eager (`rms_norm` clears that record), autograd off and x contiguous, at a scaling
+    npu_rms_norm takes the weight for as it is. That call runs npu_rms_norm here, which is what `rms_norm` would run,
+    without its call (at decode size the card's Python is held to a bare module call's cost: docs/bench.md)."""
+    weight_as_is = scaling != "zero_centered"
+
+    @computes_the_norm_forward
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        x, (weight, eps) = hidden_states, norm_weight_and_epsilon(self)
+        last_eager = _LAST_EAGER and id(self) in _LAST_EAGER  # (an empty set: no module's last call ran eager)
+        if weight_as_is and not _grad_enabled() and _peek_interpreter_stack() is None and not last_eager:
+            inputs = (
+                scaling,
+                type(x),
+                x.device,
+                x.dtype,
+                x.shape,
+                type(weight),
+                weight.device,
+                weight.dtype,
+                weight.shape,
+            )
+            try:
+                remembered = inputs in _FUSING_INPUTS
+            except TypeError:  # unhashable (SymInt): `rms_norm` checks it
+                remembered = False
+            if remembered and x.is_contiguous():
+                return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+        return rms_norm(x, weight, eps, scaling, module=self)
+
+    return forward
 
 
 class RMSNorm(nn.Module):
@@ -22,9 +66,7 @@ class RMSNorm(nn.Module):
     # torch.compile of the fused path is not verified on Ascend hardware yet.
     can_torch_compile = False
 
-    @computes_the_norm_forward
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, weight_of(self), epsilon_of(self), "plain", module=self)
+    forward = layer_forward("plain")
 
 
 class RMSNormZeroCentered(nn.Module):
@@ -33,9 +75,7 @@ class RMSNormZeroCentered(nn.Module):
     has_backward = True
     can_torch_compile = False
 
-    @computes_the_norm_forward
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, weight_of(self), epsilon_of(self), "zero_centered", module=self)
+    forward = layer_forward("zero_centered")
 
 
 class RMSNormFloat32Scale(nn.Module):
@@ -44,6 +84,4 @@ class RMSNormFloat32Scale(nn.Module):
     has_backward = True
     can_torch_compile = False
 
-    @computes_the_norm_forward
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, weight_of(self), epsilon_of(self), "float32_scale", module=self)
+    forward = layer_forward("float32_scale")

@@ -149,9 +149,10 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
 _FUSING_INPUTS: set[tuple] = set()
 """What `_fused_unavailable_reason` read of the calls it let fuse: the scaling, then x's and the weight's class, device,
 dtype and shape (`rms_norm`'s `inputs`). `rms_norm` skips the check for a call whose inputs read the same (the
-torch.func state, which the check reads too, is read on every call): at decode size the check is most of the card's
-host cost (docs/bench.md). Inputs that differ in any of those are checked afresh, and refused with the check's reason:
-a weight changed in place (`weight.data = ...`, `module.to(dtype)`) reads another dtype, device or shape."""
+torch.func state, which the check reads too, is read on every call), and so does the layer (layers.layer_forward): at
+decode size the check is most of the card's host cost (docs/bench.md). Inputs that differ in any of those are checked
+afresh, and refused with the check's reason: a weight changed in place (`weight.data = ...`, `module.to(dtype)`) reads
+another dtype, device or shape. One set, filled and emptied in place: the layers hold it by name."""
 
 _FUSING_INPUTS_LIMIT = 1024
 """At most this many entries in `_FUSING_INPUTS`, emptied when full: x's shape varies with the sequence length."""
