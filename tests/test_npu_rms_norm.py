@@ -474,6 +474,17 @@ def test_a_call_that_read_like_a_fused_one_skips_the_check_and_any_change_is_ref
     x16, w32 = x.clone(), weight.data.float()
     assert run(x16, w32, "float32_scale") == (1, None)  # a float32 weight fuses at float32_scale ...
     assert "differs from input dtype" in run(x16, w32, "plain")[1]  # ... the same tensors at another scaling do not
+    if route == "the layer, no grad":  # Olmo2's layer on its float32 weight: its second call runs the op itself
+        olmo = torch.nn.Module()
+        olmo.variance_epsilon, olmo.weight = 1e-6, torch.nn.Parameter(w32, requires_grad=False)
+        olmo.forward = types.MethodType(card.layers.RMSNormFloat32Scale.forward, olmo)
+        calls_before = len(layer_calls)
+        rms_norm_module._FUSING_INPUTS.clear()  # its first call checked
+        with torch.no_grad(), emulation.count_op_calls() as calls:
+            outs = [olmo(x16) for _ in range(2)]
+        assert calls["npu_rms_norm"] == 2 and len(layer_calls) == calls_before + 1  # the negative control: the 1st
+        expected = card.rms_norm_eager(x16.cpu(), w32.cpu(), 1e-6, "float32_scale")
+        assert all(torch.equal(out.cpu(), expected) for out in outs)
     with torch.no_grad(), emulation.count_op_calls() as calls, _recording_checks(rms_norm_module, checked, check):
         # x itself, not the batched rows: on the device a batched tensor is a torch.Tensor on the npu too
         torch.func.vmap(lambda rows: rows + call(x, weight, "plain"))(torch.stack([x, x]))

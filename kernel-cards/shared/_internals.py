@@ -189,7 +189,9 @@ def norm_weight_and_epsilon(norm: nn.Module) -> tuple[torch.Tensor, float | None
     The weight is its parameter, read as `parameter` reads it, else its `weight` attribute (a buffer, as Gemma3n's
     without scale): through the attribute (`nn.Module.__getattr__`, Python) it is a third of a fused call's host cost
     at decode size. The epsilon is what transformers names `variance_epsilon` (Llama family) or `eps` (Gemma family),
-    read from the instance dict where transformers sets it, else as an attribute.
+    each norm one of the two, set on the instance in its __init__: the instance's own `variance_epsilon`, else its own
+    `eps`; only when it holds neither, the attribute `variance_epsilon`, else `eps` (a class attribute, a property, a
+    buffer). A module holding `eps` itself and `variance_epsilon` elsewhere gets its `eps` (no transformers norm does).
     """
     weight = dict.get(norm._parameters, "weight")
     attributes = norm.__dict__

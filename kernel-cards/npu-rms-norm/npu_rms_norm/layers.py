@@ -25,18 +25,20 @@ def layer_forward(scaling: Scaling) -> Callable[[nn.Module, torch.Tensor], torch
     """The forward of this card's layer for the norms that scale as `scaling`: `rms_norm` of the module's weight.
 
     The layer reads the weight and epsilon the norm holds (`norm_weight_and_epsilon`) and calls `rms_norm` for them,
-    recorded for the norm, except in the one case a decode step is made of: a call whose inputs read as those of a
-    call the check let fuse (`_FUSING_INPUTS`: the very tuple `rms_norm` builds), with no torch.func transform, the
-    norm's last call not eager (`rms_norm` clears that record), autograd off and x contiguous, at a scaling
-    npu_rms_norm takes the weight for as it is. That call runs npu_rms_norm here, which is what `rms_norm` would run,
-    without its call (at decode size the card's Python is held to a bare module call's cost: docs/bench.md)."""
+    recorded for the norm, except in the one case a decode step is made of: autograd off, no torch.func transform, the
+    norm's last call not eager, x contiguous, a "plain" or "float32_scale" norm (npu_rms_norm takes such a weight
+    itself, where a zero-centred one needs `1 + weight` or the other op), and inputs that read as those of a call the
+    check let fuse (`_FUSING_INPUTS`, the tuple `rms_norm` builds, built the same way here). That call runs here the
+    npu_rms_norm `rms_norm` would run, without its nested call: at decode size the card's Python is held to a bare
+    module call's cost (docs/bench.md). `rms_norm`'s own skip of the check is this one's twin: a condition added there
+    belongs here too."""
     weight_as_is = scaling != "zero_centered"
 
     @computes_the_norm_forward
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         x, (weight, eps) = hidden_states, norm_weight_and_epsilon(self)
-        last_eager = _LAST_EAGER and id(self) in _LAST_EAGER  # (an empty set: no module's last call ran eager)
-        if weight_as_is and not _grad_enabled() and _peek_interpreter_stack() is None and not last_eager:
+        ran_eager_last = bool(_LAST_EAGER) and id(self) in _LAST_EAGER  # the set is empty unless a call ran eager
+        if weight_as_is and not _grad_enabled() and _peek_interpreter_stack() is None and not ran_eager_last:
             inputs = (
                 scaling,
                 type(x),

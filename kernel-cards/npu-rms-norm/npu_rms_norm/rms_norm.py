@@ -179,6 +179,7 @@ def rms_norm(
         remembered = inputs in _FUSING_INPUTS
     except TypeError:  # a symbolic size (SymInt) under tracing is unhashable: checked every time
         remembered = False
+    # the skip of the check; layers.layer_forward has its twin for a layer's no-grad calls
     if remembered and _peek_interpreter_stack() is None:  # no torch.func transform (`functorch_transform`)
         if _LAST_EAGER:  # else no module's last call ran eager: `ran_eager(module, None)` would find nothing to clear
             ran_eager(module, None)
