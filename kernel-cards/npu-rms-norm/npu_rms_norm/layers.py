@@ -42,11 +42,11 @@ def layer_forward(scaling: Scaling) -> Callable[[nn.Module, torch.Tensor], torch
             inputs = (
                 scaling,
                 type(x),
-                x.device,
+                x.get_device(),
                 x.dtype,
                 x.shape,
                 type(weight),
-                weight.device,
+                weight.get_device(),
                 weight.dtype,
                 weight.shape,
             )

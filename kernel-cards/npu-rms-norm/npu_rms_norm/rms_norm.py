@@ -148,11 +148,14 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
 
 _FUSING_INPUTS: set[tuple] = set()
 """What `_fused_unavailable_reason` read of the calls it let fuse: the scaling, then x's and the weight's class, device,
-dtype and shape (`rms_norm`'s `inputs`). `rms_norm` skips the check for a call whose inputs read the same (the
-torch.func state, which the check reads too, is read on every call), and so does the layer (layers.layer_forward): at
-decode size the check is most of the card's host cost (docs/bench.md). Inputs that differ in any of those are checked
-afresh, and refused with the check's reason: a weight changed in place (`weight.data = ...`, `module.to(dtype)`) reads
-another dtype, device or shape. One set, filled and emptied in place: the layers hold it by name."""
+dtype and shape (`rms_norm`'s `inputs`). The device is read as its index (`get_device()`: the npu's index on an npu,
+-1 on the host and on meta), which tells an npu tensor from every other a torch_npu process holds (no other
+accelerator runs beside torch_npu) for less than a torch.device costs to make, hash and compare. `rms_norm` skips the
+check for a call whose inputs read the same (the torch.func state, which the check reads too, is read on every call),
+and so does the layer (layers.layer_forward): at decode size the check is most of the card's host cost
+(docs/bench.md). Inputs that differ in any of those are checked afresh, and refused with the check's reason: a weight
+changed in place (`weight.data = ...`, `module.to(dtype)`) reads another dtype, device or shape. One set, filled and
+emptied in place: the layers hold it by name."""
 
 _FUSING_INPUTS_LIMIT = 1024
 """At most this many entries in `_FUSING_INPUTS`, emptied when full: x's shape varies with the sequence length."""
@@ -174,7 +177,17 @@ def rms_norm(
     Fused on npu tensors (second-order gradients: eager's, see the module's docstring) as `rms_norm_unavailable_reason`
     decides, recorded for `module` (the layer's own, when a layer calls it).
     """
-    inputs = (scaling, type(x), x.device, x.dtype, x.shape, type(weight), weight.device, weight.dtype, weight.shape)
+    inputs = (
+        scaling,
+        type(x),
+        x.get_device(),
+        x.dtype,
+        x.shape,
+        type(weight),
+        weight.get_device(),
+        weight.dtype,
+        weight.shape,
+    )
     try:
         remembered = inputs in _FUSING_INPUTS
     except TypeError:  # a symbolic size (SymInt) under tracing is unhashable: checked every time
