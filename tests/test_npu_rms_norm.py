@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from numerics import assert_within_twice_eagers_error
 
 from npu_hub_kernels.testing import emulation
@@ -536,3 +537,41 @@ def test_the_layer_reads_weight_and_epsilon_without_the_modules_getattr(card, mo
     assert calls["npu_rms_norm"] + calls["npu_gemma_rms_norm"] == 1 and getattr_calls == []
     assert getattr(norm, "variance_epsilon" if family == "gemma3" else "eps", None) is None
     assert len(getattr_calls) == 1  # the negative control: a name the module lacks goes through __getattr__
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass reporting the device it is given (an index-less "npu": get_device() -1, as on the host)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, device: str | None = None):
+        wrapped = torch.Tensor._make_wrapper_subclass(
+            cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=device or inner.device
+        )
+        wrapped.inner = inner
+        return wrapped
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.inner if isinstance(t, _Wrapped) else t  # noqa: E731
+        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        return pytree.tree_map(lambda t: _Wrapped(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def test_remembered_devices_tell_the_host_from_the_npu_and_two_npus_apart(card):
+    """x's device is remembered by index, the weight's as a device: after a fused call of a wrapper subclass on an
+    index-less npu (index -1, as on the host), the same class on the host is checked afresh and refused, eager's
+    answer. x and the weight on two npus are refused with why (eager's math refuses them): no fused op call."""
+    x, weight = torch.randn(4, 16), torch.randn(16)
+    with torch.no_grad(), emulation.count_op_calls() as calls:
+        card.rms_norm(_Wrapped(x.to("npu"), "npu"), _Wrapped(weight.to("npu"), "npu"), 1e-6)
+        host_x, host_weight = _Wrapped(x, "cpu"), _Wrapped(weight, "cpu")
+        reason = card.rms_norm_unavailable_reason(host_x, host_weight)
+        out = card.rms_norm(host_x, host_weight, 1e-6)
+    assert calls["npu_rms_norm"] == 1 and "not on an npu device" in reason  # the negative control: the npu call fused
+    assert torch.equal(out.inner, card.rms_norm_eager(x, weight, 1e-6))
+    other_npu = torch.Tensor._make_wrapper_subclass(
+        type(weight.to("npu")), weight.shape, strides=weight.stride(), dtype=weight.dtype, device="npu:1"
+    )
+    other_npu._cpu = weight  # the emulation's npu tensor holds its data on the host
+    reason = card.rms_norm_unavailable_reason(x.to("npu"), other_npu)
+    assert reason.startswith("x on npu:0 and the weight on npu:1"), reason

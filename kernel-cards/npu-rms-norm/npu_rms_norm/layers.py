@@ -46,7 +46,7 @@ def layer_forward(scaling: Scaling) -> Callable[[nn.Module, torch.Tensor], torch
                 x.dtype,
                 x.shape,
                 type(weight),
-                weight.get_device(),
+                weight.device,
                 weight.dtype,
                 weight.shape,
             )

@@ -76,6 +76,8 @@ def _fused_unavailable_reason(x: torch.Tensor, weight: torch.Tensor, scaling: Sc
     reason = npu_unavailable_reason(x, weight)
     if reason is not None:
         return reason
+    if x.device != weight.device:
+        return f"x on {x.device} and the weight on {weight.device}: eager's math refuses tensors on two devices"
     dtype, weight_dtype = x.dtype, weight.dtype
     if dtype not in FUSED_DTYPES:
         return f"dtype {dtype} is not supported by npu_rms_norm (float16, bfloat16, float32)"
@@ -148,14 +150,15 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
 
 _FUSING_INPUTS: set[tuple] = set()
 """What `_fused_unavailable_reason` read of the calls it let fuse: the scaling, then x's and the weight's class, device,
-dtype and shape (`rms_norm`'s `inputs`). The device is read as its index (`get_device()`: the npu's index on an npu,
--1 on the host and on meta), which tells an npu tensor from every other a torch_npu process holds (no other
-accelerator runs beside torch_npu) for less than a torch.device costs to make, hash and compare. `rms_norm` skips the
-check for a call whose inputs read the same (the torch.func state, which the check reads too, is read on every call),
-and so does the layer (layers.layer_forward): at decode size the check is most of the card's host cost
-(docs/bench.md). Inputs that differ in any of those are checked afresh, and refused with the check's reason: a weight
-changed in place (`weight.data = ...`, `module.to(dtype)`) reads another dtype, device or shape. One set, filled and
-emptied in place: the layers hold it by name."""
+dtype and shape (`rms_norm`'s `inputs`). x's device is read as its index (`get_device()`: the npu's index on an npu, -1
+on the host and on meta), which tells a plain npu tensor from every other a torch_npu process holds (no other
+accelerator runs beside torch_npu) for less than a torch.device costs to make, hash and compare; the weight's as its
+torch.device, so that a tensor subclass reporting an index-less device (-1 on an npu as on the host) is checked afresh
+on the host, and refused. `rms_norm` skips the check for a call whose inputs read the same (the torch.func state,
+which the check reads too, is read on every call), and so does the layer (layers.layer_forward): at decode size the
+check is most of the card's host cost (docs/bench.md). Inputs that differ in any of those are checked afresh, and
+refused with the check's reason: a weight changed in place (`weight.data = ...`, `module.to(dtype)`) reads another
+dtype, device or shape. One set, filled and emptied in place: the layers hold it by name."""
 
 _FUSING_INPUTS_LIMIT = 1024
 """At most this many entries in `_FUSING_INPUTS`, emptied when full: x's shape varies with the sequence length."""
@@ -184,7 +187,7 @@ def rms_norm(
         x.dtype,
         x.shape,
         type(weight),
-        weight.get_device(),
+        weight.device,
         weight.dtype,
         weight.shape,
     )
